@@ -1,0 +1,138 @@
+"""Typed model configuration: what the executor needs to know to run and batch a model.
+
+These are plain values. `gpud.model_repository` builds them from Triton's `config.pbtxt` (or from the ONNX file
+when there is none) and turns them back into Triton's JSON/protobuf shapes for the /config endpoints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# KServe v2 datatype -> (Triton TYPE_ enum name, numpy dtype or None for BYTES)
+_DATATYPES: dict[str, tuple[str, object]] = {
+    "BOOL": ("TYPE_BOOL", np.bool_),
+    "UINT8": ("TYPE_UINT8", np.uint8),
+    "UINT16": ("TYPE_UINT16", np.uint16),
+    "UINT32": ("TYPE_UINT32", np.uint32),
+    "UINT64": ("TYPE_UINT64", np.uint64),
+    "INT8": ("TYPE_INT8", np.int8),
+    "INT16": ("TYPE_INT16", np.int16),
+    "INT32": ("TYPE_INT32", np.int32),
+    "INT64": ("TYPE_INT64", np.int64),
+    "FP16": ("TYPE_FP16", np.float16),
+    "FP32": ("TYPE_FP32", np.float32),
+    "FP64": ("TYPE_FP64", np.float64),
+    "BYTES": ("TYPE_STRING", np.object_),
+}
+KSERVE_DATATYPES = frozenset(_DATATYPES)
+_TRITON_TO_KSERVE = {triton: kserve for kserve, (triton, _) in _DATATYPES.items()}
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """numpy dtype for a KServe datatype ("FP32" -> float32). BYTES maps to object."""
+    try:
+        return np.dtype(_DATATYPES[datatype][1])
+    except KeyError:
+        raise ValueError(f"unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}") from None
+
+
+def triton_type(datatype: str) -> str:
+    """Triton config enum name for a KServe datatype ("FP32" -> "TYPE_FP32")."""
+    try:
+        return _DATATYPES[datatype][0]
+    except KeyError:
+        raise ValueError(f"unknown datatype {datatype!r}") from None
+
+
+def kserve_datatype(triton_type_name: str) -> str:
+    """KServe datatype for a Triton config enum name ("TYPE_FP32" -> "FP32")."""
+    try:
+        return _TRITON_TO_KSERVE[triton_type_name]
+    except KeyError:
+        raise ValueError(f"unknown data_type {triton_type_name!r}; expected one of {sorted(_TRITON_TO_KSERVE)}") from None
+
+
+def datatype_of(dtype: np.dtype) -> str:
+    """KServe datatype of a numpy dtype (float32 -> "FP32"); object/str/bytes -> "BYTES"."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in ("O", "S", "U"):
+        return "BYTES"
+    for name, (_, np_type) in _DATATYPES.items():
+        if name != "BYTES" and np.dtype(np_type) == dtype:
+            return name
+    raise ValueError(f"no KServe datatype for numpy dtype {dtype}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output. `dims` exclude the batch dimension when the model batches; -1 = variable."""
+
+    name: str
+    datatype: str  # KServe name: "FP32", "INT64", "BYTES", ...
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ModelQueuePolicy. max_queue_size 0 = unbounded; default_timeout_us 0 = no timeout."""
+
+    max_queue_size: int = 0
+    default_timeout_us: int = 0
+    timeout_action: str = "REJECT"  # or "DELAY"
+    allow_timeout_override: bool = False
+
+
+@dataclass(frozen=True)
+class DynamicBatching:
+    """Triton's ModelDynamicBatching (the fields gpud honours)."""
+
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    preserve_ordering: bool = False
+    priority_levels: int = 0  # 0 = one level; else levels 1..priority_levels, 1 the highest
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    priority_queue_policy: dict[int, QueuePolicy] = field(default_factory=dict)
+
+    def queue_policy(self, level: int) -> QueuePolicy:
+        return self.priority_queue_policy.get(level, self.default_queue_policy)
+
+
+@dataclass(frozen=True)
+class InstanceGroup:
+    """Triton's ModelInstanceGroup. kind: KIND_AUTO, KIND_GPU or KIND_CPU."""
+
+    count: int = 1
+    kind: str = "KIND_AUTO"
+    gpus: tuple[int, ...] = ()
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A model's configuration, Triton's ModelConfig reduced to what gpud uses (plus pass-through parameters)."""
+
+    name: str
+    platform: str = "onnxruntime_onnx"
+    backend: str = "onnxruntime"
+    max_batch_size: int = 0  # 0 = the model does not batch: tensors carry their full shape
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    instance_groups: tuple[InstanceGroup, ...] = (InstanceGroup(),)
+    dynamic_batching: DynamicBatching | None = None
+    # Triton's optimization.execution_accelerators.gpu_execution_accelerator names, e.g. ("tensorrt",)
+    gpu_execution_accelerators: tuple[str, ...] = ()
+    parameters: dict[str, str] = field(default_factory=dict)
+    default_model_filename: str = "model.onnx"
+
+    @property
+    def batches(self) -> bool:
+        return self.max_batch_size > 0
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def output(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.outputs if t.name == name), None)

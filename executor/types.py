@@ -1,0 +1,70 @@
+"""Inference requests, responses and errors as the executor sees them: no HTTP, no gRPC."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong, in protocol-neutral terms. Front ends map it (HTTP status / gRPC code)."""
+
+    INVALID_ARGUMENT = 400  # malformed request, wrong shape or dtype, unknown input
+    NOT_FOUND = 404  # unknown model or version
+    UNAVAILABLE = 503  # model not ready, queue full, worker lost, shutting down, timed out in queue
+    INTERNAL = 500  # a bug or a backend failure
+
+
+class InferenceError(Exception):
+    """An error a client gets back, with its kind. The message is shown to the client as is."""
+
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+    @property
+    def http_status(self) -> int:
+        return self.kind.value
+
+    def __repr__(self) -> str:
+        return f"InferenceError({self.kind.name}, {self.message!r})"
+
+
+@dataclass
+class InferTensor:
+    """A named tensor. `data` is a numpy array of exactly `shape`; BYTES tensors hold an object array of bytes."""
+
+    name: str
+    datatype: str  # KServe datatype: "FP32", "INT64", "BYTES", ...
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass
+class RequestedOutput:
+    name: str
+    parameters: dict[str, Any] = field(default_factory=dict)  # e.g. {"binary_data": True}; front ends read these
+
+
+@dataclass
+class InferRequest:
+    model_name: str
+    inputs: list[InferTensor]
+    model_version: str = ""  # "" = the version policy's choice (latest)
+    id: str = ""
+    outputs: list[RequestedOutput] | None = None  # None = every output
+    priority: int = 0  # 0 = the model's default priority level
+    timeout_us: int = 0  # 0 = the model's default queue timeout
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InferResponse:
+    model_name: str
+    model_version: str
+    outputs: list[InferTensor]
+    id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
