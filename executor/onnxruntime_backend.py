@@ -1,0 +1,121 @@
+"""The onnxruntime backend: picks execution providers for a device and runs one model instance.
+
+Imported inside worker processes only. onnxruntime-gpu and cuda-python are optional: without them (or on a simulated
+node) the CPU execution provider runs the model, which is real computation, just not on a GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from executor.model_config import ModelConfig
+
+log = logging.getLogger("gpud.worker")
+
+CPU_EP = "CPUExecutionProvider"
+CUDA_EP = "CUDAExecutionProvider"
+TRT_EP = "TensorrtExecutionProvider"
+
+
+@dataclass(frozen=True)
+class WorkerDevice:
+    """What a worker needs to know about its device. `simulated` devices execute on the CPU."""
+
+    id: str
+    kind: str  # "gpu" | "mig" | "cpu"
+    uuid: str = ""
+    simulated: bool = False
+
+    @property
+    def has_cuda(self) -> bool:
+        return self.kind in ("gpu", "mig") and not self.simulated
+
+
+def choose_providers(
+    device: WorkerDevice,
+    available: list[str],
+    accelerators: tuple[str, ...],
+    stream_handle: int | None,
+) -> list[tuple[str, dict[str, str]]]:
+    """Execution providers in priority order for a model instance on `device` (pure).
+
+    The worker process sees exactly one CUDA device (CUDA_VISIBLE_DEVICES names its GPU or MIG UUID), so the device
+    id is always 0. Each instance gets its own CUDA stream so instances on one device overlap.
+    """
+    if not device.has_cuda or CUDA_EP not in available:
+        return [(CPU_EP, {})]
+    stream_opts: dict[str, str] = {"device_id": "0"}
+    if stream_handle is not None:
+        stream_opts |= {"has_user_compute_stream": "1", "user_compute_stream": str(stream_handle)}
+    providers: list[tuple[str, dict[str, str]]] = []
+    if "tensorrt" in accelerators and TRT_EP in available:
+        providers.append((TRT_EP, dict(stream_opts)))
+    providers.append((CUDA_EP, dict(stream_opts)))
+    providers.append((CPU_EP, {}))
+    return providers
+
+
+def _create_stream() -> int | None:
+    """A non-blocking CUDA stream from cuda-python, or None when cuda-python is not installed."""
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cudart  # older cuda-python
+        except ImportError:
+            return None
+    err, stream = cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)
+    if int(err) != 0:
+        log.warning("cudaStreamCreateWithFlags failed (%s); using onnxruntime's default stream", err)
+        return None
+    return int(stream)
+
+
+class OnnxRuntimeInstance:
+    """One model instance: an onnxruntime InferenceSession bound to this worker's device."""
+
+    def __init__(self, model_path: str, config: ModelConfig, device: WorkerDevice, *, intra_op_threads: int = 0):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        # A server must not spin-wait: idle onnxruntime threads would burn a core each for nothing.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        threads = int(config.parameters.get("intra_op_thread_count", intra_op_threads) or 0)
+        if threads > 0:
+            opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        self.stream_handle = _create_stream() if device.has_cuda else None
+        providers = choose_providers(device, ort.get_available_providers(), config.gpu_execution_accelerators,
+                                     self.stream_handle)
+        self.session = ort.InferenceSession(model_path, sess_options=opts, providers=providers)
+        self.provider = self.session.get_providers()[0]
+        self.config = config
+        self._input_types = {i.name: i.type for i in self.session.get_inputs()}
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+        feed: dict[str, Any] = {}
+        for name, arr in inputs.items():
+            if arr.dtype == np.object_ and self._input_types.get(name) == "tensor(string)":
+                arr = arr.astype(np.str_)  # onnxruntime wants unicode for string tensors
+            feed[name] = arr
+        return self.session.run(output_names, feed)
+
+    def warmup_feed(self) -> dict[str, np.ndarray] | None:
+        """Zeros of batch 1 for every input, or None when a non-batch dim is variable (shape unknown)."""
+        from executor.model_config import numpy_dtype
+
+        feed = {}
+        for spec in self.config.inputs:
+            if any(d < 0 for d in spec.dims) or spec.datatype == "BYTES":
+                return None
+            shape = ((1,) if self.config.batches else ()) + tuple(spec.dims)
+            feed[spec.name] = np.zeros(shape, dtype=numpy_dtype(spec.datatype))
+        return feed
+
+    def close(self) -> None:
+        self.session = None

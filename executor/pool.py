@@ -1,0 +1,382 @@
+"""The executor pool: one worker process per device, supervised, and the model instances loaded on them.
+
+Workers are started when the first instance is placed on their device. A worker that dies is restarted with
+back-off and its instances are reloaded; the batches it held fail at once with a clear error. Other devices are
+untouched. The pool lives in the daemon's event loop; workers talk to it over a socket pair.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from executor.busy import BusyTracker
+from executor.model_config import ModelConfig, numpy_dtype
+from executor.onnxruntime_backend import WorkerDevice
+from executor.shm import Segment, align, new_segment_name
+from executor.types import ErrorKind, InferenceError
+
+log = logging.getLogger("gpud.executor")
+
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_SEGMENT_BYTES = 1 << 20
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def tensor_region_bytes(config: ModelConfig, tensors, default: int = DEFAULT_SEGMENT_BYTES) -> int:
+    """Shared-memory bytes for one full batch of `tensors`, or `default` when a dim is variable or BYTES."""
+    total = 0
+    rows = max(1, config.max_batch_size)
+    for spec in tensors:
+        if spec.datatype == "BYTES" or any(d < 0 for d in spec.dims):
+            return max(default, total)
+        count = rows
+        for d in spec.dims:
+            count *= d
+        total += align(count * numpy_dtype(spec.datatype).itemsize)
+    return max(total, 4096)
+
+
+@dataclass(eq=False)
+class InstanceHandle:
+    """One model instance on one device, as the front end sees it. Owns its shared-memory regions."""
+
+    key: str
+    model: str
+    version: str
+    index: int
+    device_id: str
+    model_path: str
+    config: ModelConfig
+    estimate_bytes: int
+    worker: "WorkerHandle | None" = None
+    ready: bool = False
+    memory_bytes: int | None = None  # measured at load
+    measured_by: str = ""
+    load_seconds: float = 0.0
+    provider: str = ""
+    error: str = ""
+    in_seg: Segment | None = None
+    out_seg: Segment | None = None
+    on_ready_change: Callable[["InstanceHandle"], None] | None = None
+    _load_future: "asyncio.Future | None" = None
+
+    @property
+    def footprint_bytes(self) -> int:
+        return self.memory_bytes if self.memory_bytes is not None else self.estimate_bytes
+
+    def ensure_capacity(self, input_bytes: int) -> None:
+        """Grow the input region when a batch does not fit (variable-size inputs); the worker drops the old one."""
+        if self.in_seg is not None and self.in_seg.size_bytes >= input_bytes:
+            return
+        old = self.in_seg
+        size = max(input_bytes, 2 * old.size_bytes if old else DEFAULT_SEGMENT_BYTES)
+        self.in_seg = Segment.create(new_segment_name("in"), size)
+        if old is not None:
+            old.close()
+            if self.worker is not None:
+                self.worker.forget_segments([old.name])
+
+    def close_segments(self) -> None:
+        for seg in (self.in_seg, self.out_seg):
+            if seg is not None:
+                seg.close()
+        self.in_seg = self.out_seg = None
+
+
+class WorkerHandle:
+    """The daemon's side of one device worker process."""
+
+    def __init__(self, device: WorkerDevice, pool: "ExecutorPool"):
+        self.device = device
+        self.pool = pool
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.pid: int | None = None
+        self.alive = False
+        self.restarts = 0
+        self.instances: dict[str, InstanceHandle] = {}
+        self.busy = BusyTracker(pool.clock)
+        self._seq = itertools.count()
+        self._inflight: dict[int, Callable[[dict | Exception], None]] = {}
+        self._hello: asyncio.Future | None = None
+        self._unloads: dict[str, asyncio.Future] = {}
+        self._stopping = False
+        self._starting: asyncio.Task | None = None
+
+    # --- process lifecycle -------------------------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.device.kind in ("gpu", "mig") and not self.device.simulated:
+            # One CUDA device per process: a CUDA process can use only one MIG instance, and the worker for a
+            # MIG instance must see exactly that instance.
+            env["CUDA_VISIBLE_DEVICES"] = self.device.uuid
+        elif self.device.kind == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
+        return env
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        parent_sock, child_sock = socket.socketpair()
+        cmd = [sys.executable, "-m", "executor.worker", "--fd", str(child_sock.fileno()),
+               "--device", json.dumps(dataclasses.asdict(self.device)), "--log-level", str(self.pool.worker_log_level)]
+        try:
+            self.proc = subprocess.Popen(cmd, pass_fds=[child_sock.fileno()], env=self._env(), cwd=_PROJECT_ROOT)
+        finally:
+            child_sock.close()
+        self.pid = self.proc.pid
+        self.conn = Connection(parent_sock.detach())
+        self._hello = loop.create_future()
+        loop.add_reader(self.conn.fileno(), self._on_readable)
+        try:
+            hello = await asyncio.wait_for(self._hello, timeout=self.pool.worker_start_timeout_s)
+        except asyncio.TimeoutError:
+            self._kill()
+            raise InferenceError(ErrorKind.UNAVAILABLE,
+                                 f"worker for device {self.device.id} did not start within "
+                                 f"{self.pool.worker_start_timeout_s:.0f} s") from None
+        self.alive = True
+        log.info("device %s: worker pid %d started (execution providers: %s)", self.device.id, self.pid,
+                 ", ".join(hello["providers"]) or "none")
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    def _on_readable(self) -> None:
+        conn = self.conn
+        try:
+            while conn is self.conn and conn.poll():
+                self._handle(conn.recv())
+        except (EOFError, OSError):
+            self._on_death()
+
+    def _handle(self, msg: dict) -> None:
+        op = msg["op"]
+        if op == "done" or op == "failed":
+            cb = self._inflight.pop(msg["seq"], None)
+            self.busy.end()
+            if cb is not None:
+                cb(msg)
+        elif op == "loaded" or op == "load_failed":
+            inst = self.instances.get(msg["key"])
+            if inst is not None and inst._load_future is not None and not inst._load_future.done():
+                inst._load_future.set_result(msg)
+        elif op == "unloaded":
+            fut = self._unloads.pop(msg["key"], None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        elif op == "hello":
+            if self._hello is not None and not self._hello.done():
+                self._hello.set_result(msg)
+
+    def _on_death(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.conn is not None:
+            try:
+                loop.remove_reader(self.conn.fileno())
+            except (ValueError, OSError):
+                pass
+            self.conn.close()
+        self.conn = None
+        self.alive = False
+        code = self.proc.wait() if self.proc is not None else None
+        how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        err = InferenceError(ErrorKind.UNAVAILABLE,
+                             f"the worker for device {self.device.id} (pid {self.pid}) died ({how}) while this "
+                             f"request was running; gpud is restarting it")
+        inflight, self._inflight = self._inflight, {}
+        self.busy.reset_running()
+        for cb in inflight.values():
+            cb(err)
+        for fut in self._unloads.values():
+            if not fut.done():
+                fut.set_result(None)
+        self._unloads.clear()
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_exception(err)
+        for inst in self.instances.values():
+            if inst._load_future is not None and not inst._load_future.done():
+                inst._load_future.set_result({"op": "load_failed", "error": f"worker died ({how})"})
+            if inst.ready:
+                inst.ready = False
+                if inst.on_ready_change:
+                    inst.on_ready_change(inst)
+        if self._stopping:
+            return
+        log.error("device %s: worker pid %s died (%s); %d batch(es) failed; restarting", self.device.id, self.pid,
+                  how, len(inflight))
+        self._starting = loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        while not self._stopping:
+            delay_s = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
+            self.restarts += 1
+            if delay_s:
+                await asyncio.sleep(delay_s)
+            try:
+                await self.start()
+            except Exception as exc:
+                log.error("device %s: restarting the worker failed: %s", self.device.id, exc)
+                continue
+            for inst in list(self.instances.values()):
+                await self.pool._load_on_worker(inst, self)
+            return
+
+    # --- messages ----------------------------------------------------------------------------------------------
+    def send(self, msg: dict) -> None:
+        if self.conn is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"the worker for device {self.device.id} is not running")
+        self.conn.send(msg)
+
+    def submit(self, msg: dict, callback: Callable[[dict | Exception], None]) -> None:
+        seq = next(self._seq)
+        msg["seq"] = seq
+        self.send(msg)
+        self._inflight[seq] = callback
+        self.busy.begin()
+
+    def forget_segments(self, names: list[str]) -> None:
+        if self.conn is not None:
+            self.send({"op": "forget_segments", "names": names})
+
+    async def unload(self, key: str) -> None:
+        loop = asyncio.get_running_loop()
+        fut = self._unloads[key] = loop.create_future()
+        try:
+            self.send({"op": "unload", "key": key})
+        except InferenceError:
+            self._unloads.pop(key, None)
+            return
+        await fut
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        if self._starting is not None:
+            self._starting.cancel()
+        if self.conn is not None:
+            try:
+                self.conn.send({"op": "exit"})
+            except OSError:
+                pass
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
+            except asyncio.TimeoutError:
+                self._kill()
+                self.proc.wait()
+        if self.conn is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            except (ValueError, OSError):
+                pass
+            self.conn.close()
+            self.conn = None
+        self.alive = False
+
+
+class ExecutorPool:
+    """All device workers and every model instance on them. Also the UsageSource of the simulated devices."""
+
+    def __init__(self, devices: list[WorkerDevice], *, clock: Callable[[], float] = time.monotonic,
+                 worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO):
+        self.devices = {d.id: d for d in devices}
+        self.clock = clock
+        self.worker_start_timeout_s = worker_start_timeout_s
+        self.worker_log_level = worker_log_level
+        self.workers: dict[str, WorkerHandle] = {}
+        self._start_locks: dict[str, asyncio.Lock] = {}
+
+    async def _worker(self, device_id: str) -> WorkerHandle:
+        lock = self._start_locks.setdefault(device_id, asyncio.Lock())
+        async with lock:
+            worker = self.workers.get(device_id)
+            if worker is None:
+                worker = WorkerHandle(self.devices[device_id], self)
+                await worker.start()
+                self.workers[device_id] = worker
+            return worker
+
+    async def load_instance(self, inst: InstanceHandle) -> InstanceHandle:
+        """Start the device's worker if needed and load the instance there. On failure `inst.error` says why."""
+        if inst.device_id not in self.devices:
+            raise ValueError(f"unknown device {inst.device_id!r}")
+        inst.in_seg = Segment.create(new_segment_name("in"), tensor_region_bytes(inst.config, inst.config.inputs))
+        inst.out_seg = Segment.create(new_segment_name("out"), tensor_region_bytes(inst.config, inst.config.outputs))
+        try:
+            worker = await self._worker(inst.device_id)
+        except InferenceError as exc:
+            inst.error = exc.message
+            inst.close_segments()
+            return inst
+        worker.instances[inst.key] = inst
+        inst.worker = worker
+        await self._load_on_worker(inst, worker)
+        if not inst.ready:
+            worker.instances.pop(inst.key, None)
+            inst.close_segments()
+        return inst
+
+    async def _load_on_worker(self, inst: InstanceHandle, worker: WorkerHandle) -> None:
+        loop = asyncio.get_running_loop()
+        inst._load_future = loop.create_future()
+        worker.send({"op": "load", "key": inst.key, "model_path": inst.model_path, "config": inst.config})
+        reply = await inst._load_future
+        inst._load_future = None
+        if reply["op"] == "loaded":
+            inst.memory_bytes = reply["memory_bytes"]
+            inst.measured_by = reply["measured_by"]
+            inst.load_seconds = reply["load_seconds"]
+            inst.provider = reply["provider"]
+            inst.error = ""
+            inst.ready = True
+            log.info("instance %s on %s: loaded in %.2f s with %s, footprint %.1f MiB (%s)", inst.key, inst.device_id,
+                     inst.load_seconds, inst.provider, inst.footprint_bytes / 2**20, inst.measured_by)
+        else:
+            inst.error = reply["error"]
+            inst.ready = False
+            log.error("instance %s on %s: load failed: %s", inst.key, inst.device_id, inst.error)
+        if inst.on_ready_change:
+            inst.on_ready_change(inst)
+
+    async def unload_instance(self, inst: InstanceHandle) -> None:
+        inst.ready = False
+        worker = inst.worker
+        if worker is not None and worker.instances.pop(inst.key, None) is not None:
+            await worker.unload(inst.key)
+        inst.close_segments()
+
+    # --- UsageSource for simulated devices and the CPU --------------------------------------------------------
+    def memory_used_bytes(self, device_id: str) -> int | None:
+        worker = self.workers.get(device_id)
+        if worker is None:
+            return 0 if device_id in self.devices else None
+        return sum(i.footprint_bytes for i in worker.instances.values() if i.ready)
+
+    def utilization_ratio(self, device_id: str) -> float | None:
+        worker = self.workers.get(device_id)
+        if worker is None:
+            return 0.0 if device_id in self.devices else None
+        return worker.busy.utilization_ratio()
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return [{"device": w.device.id, "pid": w.pid, "alive": w.alive, "restarts": w.restarts}
+                for w in self.workers.values()]
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(w.stop() for w in self.workers.values()), return_exceptions=True)
+        for w in self.workers.values():
+            for inst in w.instances.values():
+                inst.close_segments()

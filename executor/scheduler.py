@@ -1,0 +1,292 @@
+"""The asyncio driver of one model version: queue (executor.batcher), instances, batches in shared memory.
+
+Three events move it: a request arrives, an instance finishes a batch (or becomes ready), a timer fires. After each
+it runs the batcher's step: fail expired requests, dispatch batches while instances are free, arm one timer.
+Completion is a callback from the pool's reader, not a task per batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
+from executor.model_config import ModelConfig, numpy_dtype
+from executor.pool import InstanceHandle
+from executor.shm import Segment, align, decode_bytes_tensor, encode_bytes_tensor, unlink
+from executor.stats import ModelStats
+from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+from executor.validation import PreparedRequest, prepare
+
+log = logging.getLogger("gpud.executor")
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: InferRequest
+    prepared: PreparedRequest
+    future: asyncio.Future
+    arrival_ns: int
+    dispatch_ns: int = 0
+
+
+class ModelScheduler:
+    """Queues, batches and runs the requests of one model version on its instances."""
+
+    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
+                 metrics: Any = None, dispatch_lone_request: bool = True):
+        self.config = config
+        self.version = version
+        self.clock = clock
+        self.metrics = metrics
+        self.stats = ModelStats()
+        self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
+                                clock=clock, dispatch_lone_request=dispatch_lone_request)
+        self.instances: list[InstanceHandle] = []
+        self._free: deque[InstanceHandle] = deque()
+        self._running: dict[InstanceHandle, list[_Pending]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at_s: float | None = None
+        self._idle_waiters: list[asyncio.Future] = []
+        self._output_types = {o.name: o.datatype for o in config.outputs}
+
+    # --- instances -------------------------------------------------------------------------------------------
+    def add_instance(self, inst: InstanceHandle) -> None:
+        inst.on_ready_change = self._on_ready_change
+        self.instances.append(inst)
+        if inst.ready:
+            self._free.append(inst)
+            self._step()
+
+    def remove_instance(self, inst: InstanceHandle) -> None:
+        inst.on_ready_change = None
+        if inst in self.instances:
+            self.instances.remove(inst)
+        if inst in self._free:
+            self._free.remove(inst)
+
+    def _on_ready_change(self, inst: InstanceHandle) -> None:
+        if inst.ready and inst not in self._free and inst not in self._running:
+            self._free.append(inst)
+            self._step()
+        elif not inst.ready and inst in self._free:
+            self._free.remove(inst)
+
+    @property
+    def ready_instances(self) -> int:
+        return sum(1 for i in self.instances if i.ready)
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self.queue) + sum(len(b) for b in self._running.values())
+
+    # --- requests --------------------------------------------------------------------------------------------
+    async def infer(self, request: InferRequest) -> InferResponse:
+        prepared = prepare(self.config, request)
+        loop = asyncio.get_running_loop()
+        pending = _Pending(request, prepared, loop.create_future(), time.perf_counter_ns())
+        queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
+                               priority=request.priority, timeout_us=request.timeout_us)
+        self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
+        self._step()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            self.queue.remove(queued)  # the client went away: never run it
+            raise
+
+    def _step(self) -> None:
+        for q in self.queue.expire():
+            self._fail([q.payload], timeout_error())
+        while True:
+            decision = self.queue.decide(len(self._free))
+            if isinstance(decision, Dispatch):
+                batch = [q.payload for q in decision.requests if not q.payload.future.done()]
+                if batch:
+                    self._run(self._free.popleft(), batch)
+                continue
+            self._arm_timer(decision.until_s if isinstance(decision, Wait) else None)
+            break
+        if not self._running and not len(self.queue):
+            for fut in self._idle_waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            self._idle_waiters.clear()
+
+    def _arm_timer(self, until_s: float | None) -> None:
+        if until_s == self._timer_at_s:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at_s = until_s
+        if until_s is not None:
+            loop = asyncio.get_running_loop()
+            # The batcher's clock is time.monotonic, which is also what the event loop's clock reads.
+            self._timer = loop.call_at(loop.time() + max(0.0, until_s - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at_s = None
+        self._step()
+
+    # --- one batch -------------------------------------------------------------------------------------------
+    def _run(self, inst: InstanceHandle, batch: list[_Pending]) -> None:
+        t0 = time.perf_counter_ns()
+        try:
+            inputs_meta = self._write_inputs(inst, batch)
+        except Exception as exc:  # e.g. /dev/shm full: this batch fails, the instance stays usable
+            self._free.appendleft(inst)
+            self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
+            return
+        output_names = list(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
+        msg = {"op": "infer", "key": inst.key, "in_seg": inst.in_seg.name, "out_seg": inst.out_seg.name,
+               "inputs": inputs_meta, "outputs": output_names,
+               "output_types": [self._output_types[n] for n in output_names]}
+        stage_ns = time.perf_counter_ns() - t0
+        for p in batch:
+            p.dispatch_ns = t0
+        self._running[inst] = batch
+        try:
+            inst.worker.submit(msg, lambda reply: self._on_reply(inst, batch, reply, stage_ns))
+        except (InferenceError, OSError) as exc:
+            self._running.pop(inst, None)
+            self._fail(batch, exc if isinstance(exc, InferenceError) else
+                       InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}"))
+
+    def _write_inputs(self, inst: InstanceHandle, batch: list[_Pending]) -> list[tuple]:
+        """Assemble the batch straight into the instance's shared-memory input region (one copy per tensor)."""
+        names = list(batch[0].prepared.inputs)
+        plans = []
+        total = 0
+        for name in names:
+            parts = [p.prepared.inputs[name] for p in batch]
+            spec = self.config.input(name)
+            if spec.datatype == "BYTES":
+                blob = b"".join(encode_bytes_tensor(a) for a in parts)
+                shape = ((sum(a.shape[0] for a in parts),) + parts[0].shape[1:]) if self.config.batches \
+                    else parts[0].shape
+                plans.append((name, "BYTES", shape, blob, len(blob)))
+                total += align(len(blob))
+            else:
+                dtype = numpy_dtype(spec.datatype)
+                rows = sum(a.shape[0] for a in parts) if self.config.batches else None
+                shape = ((rows,) + parts[0].shape[1:]) if rows is not None else parts[0].shape
+                nbytes = int(np.prod(shape)) * dtype.itemsize
+                plans.append((name, spec.datatype, shape, parts, nbytes))
+                total += align(nbytes)
+        inst.ensure_capacity(total)
+        seg = inst.in_seg
+        meta, offset = [], 0
+        for name, datatype, shape, payload, nbytes in plans:
+            if datatype == "BYTES":
+                seg.buf[offset:offset + nbytes] = payload
+            else:
+                out = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
+                if len(payload) == 1:
+                    out[...] = payload[0]
+                else:
+                    np.concatenate(payload, axis=0, out=out)
+            meta.append((name, datatype, tuple(int(d) for d in shape), offset, nbytes))
+            offset += align(nbytes)
+        return meta
+
+    def _on_reply(self, inst: InstanceHandle, batch: list[_Pending], reply, stage_ns: int) -> None:
+        self._running.pop(inst, None)
+        if inst.ready and inst in self.instances:
+            self._free.append(inst)
+        if isinstance(reply, Exception):
+            self._fail(batch, reply)
+        elif reply["op"] == "failed":
+            kind = ErrorKind[reply["kind"]] if reply["kind"] in ErrorKind.__members__ else ErrorKind.INTERNAL
+            self._fail(batch, InferenceError(kind, f"model '{self.config.name}' failed: {reply['error']}"))
+        else:
+            try:
+                self._complete(inst, batch, reply, stage_ns)
+            except Exception as exc:
+                log.exception("model %s: reading a batch's outputs failed", self.config.name)
+                self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}"))
+        self._step()
+
+    def _complete(self, inst: InstanceHandle, batch: list[_Pending], reply: dict, stage_ns: int) -> None:
+        t0 = time.perf_counter_ns()
+        ovf = reply["ovf_seg"]
+        seg = Segment.attach(ovf) if ovf else inst.out_seg
+        try:
+            outputs = []
+            for name, datatype, shape, offset, nbytes in reply["outputs"]:
+                if datatype == "BYTES":
+                    arr = decode_bytes_tensor(seg.buf[offset:offset + nbytes], int(np.prod(shape))).reshape(shape)
+                else:
+                    arr = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
+                outputs.append((name, datatype, arr))
+            per_request = self._split(batch, outputs)
+        finally:
+            if ovf:
+                seg.close()
+                unlink(ovf)
+        now_ns = time.perf_counter_ns()
+        input_ns = stage_ns + reply["input_ns"]
+        infer_ns = reply["infer_ns"]
+        output_ns = reply["output_ns"] + (now_ns - t0)
+        rows = sum(p.prepared.batch_rows for p in batch)
+        self.stats.record_batch(rows, input_ns, infer_ns, output_ns, int(time.time() * 1000))
+        if self.metrics is not None:
+            self.metrics.observe_batch(self.config.name, self.version, rows)
+        for p, tensors in zip(batch, per_request):
+            wanted = set(p.prepared.output_names)
+            response = InferResponse(self.config.name, self.version, [t for t in tensors if t.name in wanted],
+                                     id=p.request.id)
+            queue_ns = p.dispatch_ns - p.arrival_ns
+            self.stats.queue.add(queue_ns)
+            self.stats.compute_input.add(input_ns)
+            self.stats.compute_infer.add(infer_ns)
+            self.stats.compute_output.add(output_ns)
+            self.stats.success.add(now_ns - p.arrival_ns)
+            if self.metrics is not None:
+                self.metrics.observe_request(self.config.name, self.version, True, queue_ns / 1e9, input_ns / 1e9,
+                                             infer_ns / 1e9, output_ns / 1e9, (now_ns - p.arrival_ns) / 1e9)
+            if not p.future.done():
+                p.future.set_result(response)
+
+    def _split(self, batch: list[_Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:
+        """Each request's rows of every output, copied out of shared memory (the region is reused next batch)."""
+        per_request: list[list[InferTensor]] = [[] for _ in batch]
+        for name, datatype, arr in outputs:
+            if not self.config.batches:
+                per_request[0].append(InferTensor(name, datatype, arr.shape, np.array(arr)))
+                continue
+            start = 0
+            for i, p in enumerate(batch):
+                part = np.array(arr[start:start + p.prepared.batch_rows])
+                start += p.prepared.batch_rows
+                per_request[i].append(InferTensor(name, datatype, part.shape, part))
+        return per_request
+
+    def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
+        now_ns = time.perf_counter_ns()
+        for p in batch:
+            self.stats.fail.add(now_ns - p.arrival_ns)
+            if self.metrics is not None:
+                self.metrics.observe_request(self.config.name, self.version, False, 0.0, 0.0, 0.0, 0.0,
+                                             (now_ns - p.arrival_ns) / 1e9)
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+    # --- shutdown / unload -----------------------------------------------------------------------------------
+    async def wait_idle(self) -> None:
+        """Returns when nothing is queued or running: every accepted request has its answer."""
+        if not self._running and not len(self.queue):
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(fut)
+        await fut
+
+    def fail_all_queued(self, message: str) -> None:
+        self._fail([q.payload for q in self.queue.drain()], InferenceError(ErrorKind.UNAVAILABLE, message))
+        self._step()

@@ -1,0 +1,119 @@
+"""Shared-memory segments that carry tensors between the front end and the device workers.
+
+Plain files in /dev/shm mapped with mmap: the front end creates and owns every segment it hands to a worker (so it
+can always unlink them, whatever happened to the worker); a worker only attaches. We do not use
+multiprocessing.shared_memory because its resource tracker unlinks segments behind the owner's back when a worker
+exits (Python < 3.13 has no track=False).
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import secrets
+
+import numpy as np
+
+_SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+ALIGN_BYTES = 64  # cache-line aligned tensor starts: numpy/onnxruntime read them without penalties
+_counter = itertools.count()
+
+
+def _dir() -> str:
+    if _SHM_DIR is None:
+        import tempfile
+
+        return tempfile.gettempdir()
+    return _SHM_DIR
+
+
+def align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def new_segment_name(tag: str) -> str:
+    return f"gpud-{os.getpid()}-{tag}-{next(_counter)}-{secrets.token_hex(3)}"
+
+
+class Segment:
+    """One mapped segment. `create` makes (and owns) it; `attach` maps an existing one."""
+
+    def __init__(self, name: str, size_bytes: int, mm: mmap.mmap, owner: bool):
+        self.name = name
+        self.size_bytes = size_bytes
+        self._mm = mm
+        self.owner = owner
+        self.buf = memoryview(mm)
+
+    @classmethod
+    def create(cls, name: str, size_bytes: int) -> "Segment":
+        size_bytes = max(ALIGN_BYTES, align(size_bytes))
+        path = os.path.join(_dir(), name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size_bytes)
+            mm = mmap.mmap(fd, size_bytes)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(name, size_bytes, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        path = os.path.join(_dir(), name)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size_bytes = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size_bytes)
+        finally:
+            os.close(fd)
+        return cls(name, size_bytes, mm, owner=False)
+
+    def ndarray(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A zero-copy view of part of the segment."""
+        return np.ndarray(shape, dtype=dtype, buffer=self.buf, offset=offset)
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the file. Views still alive keep the mapping until they go."""
+        try:
+            self.buf.release()
+            self._mm.close()
+        except (BufferError, ValueError):
+            pass  # a numpy view still references it; the mapping goes with the last view
+        if self.owner:
+            unlink(self.name)
+
+
+def unlink(name: str) -> None:
+    try:
+        os.unlink(os.path.join(_dir(), name))
+    except FileNotFoundError:
+        pass
+
+
+def encode_bytes_tensor(arr: np.ndarray) -> bytes:
+    """BYTES tensors as KServe lays them out: each element a 4-byte little-endian length, then its bytes."""
+    parts = []
+    for item in arr.reshape(-1):
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(len(b).to_bytes(4, "little"))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def decode_bytes_tensor(buf, count: int) -> np.ndarray:
+    out = np.empty(count, dtype=np.object_)
+    mv = memoryview(buf)
+    pos = 0
+    for i in range(count):
+        if pos + 4 > len(mv):
+            raise ValueError("BYTES tensor is shorter than its element count")
+        n = int.from_bytes(mv[pos:pos + 4], "little")
+        pos += 4
+        if pos + n > len(mv):
+            raise ValueError("BYTES tensor element runs past the end of the data")
+        out[i] = bytes(mv[pos:pos + n])
+        pos += n
+    return out

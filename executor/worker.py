@@ -1,0 +1,264 @@
+"""The device worker process: one per device (a GPU, a MIG instance or the CPU).
+
+It loads model instances and runs batches that arrive as small control messages over a pipe; the tensors themselves
+live in shared memory that the front end owns. Each instance runs in its own thread (and, on a GPU, its own CUDA
+stream) so instances on one device overlap. The process imports onnxruntime only here: a crash in a CUDA context
+takes down this worker, never the daemon.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from executor.model_config import ModelConfig, numpy_dtype
+from executor.shm import Segment, align, decode_bytes_tensor, encode_bytes_tensor, new_segment_name
+
+log = logging.getLogger("gpud.worker")
+
+
+class _SegmentCache:
+    """Attached segments by name; a slot that got a new (bigger) segment drops its old mapping."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Segment:
+        with self._lock:
+            seg = self._by_name.get(name)
+            if seg is None:
+                seg = self._by_name[name] = Segment.attach(name)
+            return seg
+
+    def forget(self, names: list[str]) -> None:
+        with self._lock:
+            for name in names:
+                seg = self._by_name.pop(name, None)
+                if seg is not None:
+                    seg.close()
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except Exception:  # psutil missing or /proc unreadable: the caller falls back to the estimate
+        return 0
+
+
+def _device_memory_used_bytes() -> int | None:
+    """Memory used on this worker's (only visible) CUDA device, or None without cuda-python."""
+    try:
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            from cuda import cudart
+        err, free, total = cudart.cudaMemGetInfo()
+        return int(total) - int(free) if int(err) == 0 else None
+    except Exception:
+        return None
+
+
+class _Instance:
+    def __init__(self, key: str, worker: "Worker"):
+        self.key = key
+        self.worker = worker
+        self.inbox: "queue.SimpleQueue[dict | None]" = queue.SimpleQueue()
+        self.model: Any = None
+        self.thread = threading.Thread(target=self._loop, name=f"instance-{key}", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            msg = self.inbox.get()
+            if msg is None:
+                if self.model is not None:
+                    self.model.close()
+                self.model = None
+                self.worker.send({"op": "unloaded", "key": self.key})
+                return
+            if msg["op"] == "load":
+                self._load(msg)
+            else:
+                self._infer(msg)
+
+    def _load(self, msg: dict) -> None:
+        from executor.onnxruntime_backend import OnnxRuntimeInstance
+
+        config: ModelConfig = msg["config"]
+        start_s = time.monotonic()
+        try:
+            with self.worker.load_lock:  # one load at a time, so memory deltas belong to this instance
+                before_dev = _device_memory_used_bytes() if self.worker.device.has_cuda else None
+                before_rss = _rss_bytes()
+                self.model = OnnxRuntimeInstance(msg["model_path"], config, self.worker.device,
+                                                 intra_op_threads=msg.get("intra_op_threads", 0))
+                feed = self.model.warmup_feed()
+                if feed is not None:
+                    # One warm-up run: the first request should not pay for allocator growth, and the footprint we
+                    # measure should include the working memory of a real run.
+                    self.model.run(feed, [o.name for o in config.outputs])
+                if before_dev is not None:
+                    after_dev = _device_memory_used_bytes()
+                    memory_bytes, measured_by = max(0, (after_dev or before_dev) - before_dev), "device_memory"
+                else:
+                    memory_bytes, measured_by = max(0, _rss_bytes() - before_rss), "process_rss"
+        except Exception as exc:  # a bad model must not take down the worker
+            self.model = None
+            self.worker.send({"op": "load_failed", "key": self.key, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        self.worker.send({
+            "op": "loaded", "key": self.key, "memory_bytes": memory_bytes, "measured_by": measured_by,
+            "load_seconds": time.monotonic() - start_s, "provider": self.model.provider,
+        })
+
+    def _infer(self, msg: dict) -> None:
+        seq = msg["seq"]
+        try:
+            t0 = time.perf_counter_ns()
+            in_seg = self.worker.segments.get(msg["in_seg"])
+            feed = {}
+            for name, datatype, shape, offset, nbytes in msg["inputs"]:
+                if datatype == "BYTES":
+                    feed[name] = decode_bytes_tensor(in_seg.buf[offset:offset + nbytes],
+                                                     int(np.prod(shape))).reshape(shape)
+                else:
+                    feed[name] = in_seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
+            t1 = time.perf_counter_ns()
+            results = self.model.run(feed, msg["outputs"])
+            t2 = time.perf_counter_ns()
+            outputs, ovf_name = self._write_outputs(msg, results)
+            t3 = time.perf_counter_ns()
+        except Exception as exc:
+            kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
+            log.debug("instance %s: batch %s failed:\n%s", self.key, seq, traceback.format_exc())
+            self.worker.send({"op": "failed", "seq": seq, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        self.worker.send({"op": "done", "seq": seq, "outputs": outputs, "ovf_seg": ovf_name,
+                          "input_ns": t1 - t0, "infer_ns": t2 - t1, "output_ns": t3 - t2})
+
+    def _write_outputs(self, msg: dict, results: list[np.ndarray]) -> tuple[list[tuple], str | None]:
+        blobs: list[tuple[str, str, tuple[int, ...], np.ndarray | bytes]] = []
+        for name, spec_type, arr in zip(msg["outputs"], msg["output_types"], results):
+            arr = np.asarray(arr)
+            if spec_type == "BYTES" or arr.dtype.kind in ("O", "U", "S"):
+                blobs.append((name, "BYTES", arr.shape, encode_bytes_tensor(arr)))
+            else:
+                blobs.append((name, spec_type, arr.shape, np.ascontiguousarray(arr)))
+        sizes = [align(b.nbytes if isinstance(b, np.ndarray) else len(b)) for *_, b in blobs]
+        seg, ovf_name = self.worker.segments.get(msg["out_seg"]), None
+        if sum(sizes) > seg.size_bytes:
+            # Outputs larger than the slot's region (variable-size outputs): a one-off segment the front end
+            # reads and removes.
+            ovf_name = new_segment_name("out")
+            seg = Segment.create(ovf_name, sum(sizes))
+            seg.owner = False
+        outputs, offset = [], 0
+        for (name, datatype, shape, blob), size in zip(blobs, sizes):
+            if isinstance(blob, np.ndarray):
+                seg.ndarray(offset, blob.shape, blob.dtype)[...] = blob
+                nbytes = blob.nbytes
+            else:
+                seg.buf[offset:offset + len(blob)] = blob
+                nbytes = len(blob)
+            outputs.append((name, datatype, tuple(shape), offset, nbytes))
+            offset += size
+        if ovf_name is not None:
+            seg.close()
+        return outputs, ovf_name
+
+
+class Worker:
+    def __init__(self, conn, device) -> None:
+        self.conn = conn
+        self.device = device
+        self.segments = _SegmentCache()
+        self.load_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.instances: dict[str, _Instance] = {}
+
+    def send(self, msg: dict) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def serve(self) -> None:
+        try:
+            import onnxruntime as ort
+
+            providers = ort.get_available_providers()
+        except Exception as exc:
+            providers = []
+            log.error("onnxruntime is not importable: %s", exc)
+        self.send({"op": "hello", "pid": os.getpid(), "providers": providers})
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return  # the daemon is gone: nothing left to serve
+            op = msg["op"]
+            if op == "infer":
+                inst = self.instances.get(msg["key"])
+                if inst is None:
+                    self.send({"op": "failed", "seq": msg["seq"], "kind": "UNAVAILABLE",
+                               "error": f"instance {msg['key']} is not loaded on device {self.device.id}"})
+                else:
+                    inst.inbox.put(msg)
+            elif op == "load":
+                inst = self.instances.get(msg["key"])
+                if inst is None:
+                    inst = self.instances[msg["key"]] = _Instance(msg["key"], self)
+                    inst.thread.start()
+                inst.inbox.put(msg)
+            elif op == "unload":
+                inst = self.instances.pop(msg["key"], None)
+                if inst is None:
+                    self.send({"op": "unloaded", "key": msg["key"]})
+                else:
+                    inst.inbox.put(None)
+            elif op == "forget_segments":
+                self.segments.forget(msg["names"])
+            elif op == "exit":
+                for inst in self.instances.values():
+                    inst.inbox.put(None)
+                for inst in self.instances.values():
+                    inst.thread.join(timeout=10)
+                return
+
+
+def worker_main(conn, device, log_level: int = logging.INFO) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s gpud.worker[{device.id} pid {os.getpid()}] %(message)s")
+    try:
+        Worker(conn, device).serve()
+    except KeyboardInterrupt:
+        pass
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """`python -m executor.worker --fd N --device JSON`: how the pool starts a worker (see executor.pool)."""
+    import argparse
+    import json
+    from multiprocessing.connection import Connection
+
+    from executor.onnxruntime_backend import WorkerDevice
+
+    parser = argparse.ArgumentParser(prog="gpud-worker", description="gpud device worker (started by gpud)")
+    parser.add_argument("--fd", type=int, required=True, help="socket to the daemon")
+    parser.add_argument("--device", required=True, help="device description (JSON)")
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    worker_main(Connection(args.fd), WorkerDevice(**json.loads(args.device)), args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,345 @@
+"""gpud's inference core: the model registry, first placement, and the one implementation of InferenceCore that
+the HTTP and gRPC front ends adapt. It wires the repository, the executor pool and the device inventory.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from executor.pool import ExecutorPool, InstanceHandle
+from executor.scheduler import ModelScheduler
+from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud import __version__
+from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError, ModelRepository, config_to_json,
+                                   estimate_footprint_bytes, model_metadata_json)
+from gpud.placer import DeviceRoom, candidate_kinds, choose_device
+from telemetry.devices import DeviceBackend
+
+log = logging.getLogger("gpud")
+
+EXTENSIONS = ["classification", "model_repository", "model_configuration", "system_shared_memory",
+              "statistics", "binary_tensor_data", "schedule_policy", "model_repository(unload_dependents)"]
+
+
+@dataclass(eq=False)
+class VersionState:
+    """One served version of a model: its scheduler and instances, and why it is not ready when it is not."""
+
+    name: str
+    version: str
+    entry: ModelEntry
+    scheduler: ModelScheduler
+    instances: list[InstanceHandle] = field(default_factory=list)
+    state: str = "LOADING"  # LOADING | READY | UNAVAILABLE | UNLOADING
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY" and self.scheduler.ready_instances > 0
+
+
+@dataclass(eq=False)
+class ModelState:
+    name: str
+    versions: dict[str, VersionState] = field(default_factory=dict)
+    error: str = ""  # the repository error when the model could not be read at all
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class GpudCore:
+    """Implements gpud.core_api.InferenceCore."""
+
+    def __init__(self, repository: ModelRepository, pool: ExecutorPool, devices: DeviceBackend, *,
+                 metrics: Any = None, device_reserve_bytes: int = 0, server_name: str = "gpud"):
+        self.repository = repository
+        self.pool = pool
+        self.devices = devices
+        self.metrics = metrics
+        self.device_reserve_bytes = device_reserve_bytes
+        self.server_name = server_name
+        self.models: dict[str, ModelState] = {}
+        self._reserved: dict[str, int] = {}  # bytes promised to instances being loaded, per device
+        self.started = False
+        self.stopping = False
+        if metrics is not None:
+            metrics.set_sources(pending=self._pending_by_model, instances=self._instances_by_device)
+
+    # --- start-up and shutdown -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Read the repository and load every model it holds; bad models are logged and reported, not fatal."""
+        for name, result in self.repository.scan().items():
+            await self._load(name, result)
+        self.started = True
+        ready = sum(1 for m in self.models.values() for v in m.versions.values() if v.ready)
+        log.info("%d model version(s) ready, %d model(s) not ready", ready,
+                 sum(1 for m in self.models.values() if not any(v.ready for v in m.versions.values())))
+
+    async def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, finish every accepted one (bounded), then stop the workers."""
+        self.stopping = True
+        schedulers = [v.scheduler for m in self.models.values() for v in m.versions.values()]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(s.wait_idle() for s in schedulers)), drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("requests still running after %.0f s; failing them", drain_timeout_s)
+            for s in schedulers:
+                s.fail_all_queued("the server is shutting down")
+        await self.pool.shutdown()
+
+    # --- loading ---------------------------------------------------------------------------------------------
+    def _rooms(self) -> list[DeviceRoom]:
+        rooms = []
+        for d in self.devices.leaf_devices():
+            if d.simulated or d.kind == "cpu":
+                used = self.pool.memory_used_bytes(d.id) or 0
+            else:  # a real GPU: what the driver says is used (other processes too), sampled now
+                used = self.devices.sample(d.id).memory_used_bytes or 0
+            reserve = self.device_reserve_bytes if d.kind != "cpu" else 0
+            free = d.memory_total_bytes - reserve - used - self._reserved.get(d.id, 0)
+            rooms.append(DeviceRoom(d.id, d.kind, d.index, max(0, free), d.memory_total_bytes))
+        return rooms
+
+    async def _load(self, name: str, result: ModelEntry | ModelLoadError) -> None:
+        model = self.models.setdefault(name, ModelState(name))
+        if isinstance(result, ModelLoadError):
+            model.error = result.reason
+            log.error("model %s: %s", name, result.reason)
+            return
+        model.error = ""
+        entry = result
+        has_gpus = any(d.kind in ("gpu", "mig") for d in self.devices.leaf_devices())
+        for version in entry.versions:
+            v = str(version)
+            model_path = entry.model_path(version)
+            scheduler = ModelScheduler(entry.config, v, metrics=self.metrics)
+            vs = VersionState(name, v, entry, scheduler)
+            model.versions[v] = vs
+            try:
+                estimate = estimate_footprint_bytes(model_path, entry.config)
+            except (ModelConfigError, OSError) as exc:
+                vs.state, vs.reason = "UNAVAILABLE", str(exc)
+                continue
+            index = 0
+            reasons = []
+            for group in entry.config.instance_groups:
+                kinds = candidate_kinds(group.kind, has_gpus)
+                for _ in range(group.count):
+                    device_id, why = choose_device(self._rooms(), estimate, kinds, group.gpus)
+                    if device_id is None:
+                        reasons.append(f"instance {index}: {why}")
+                        log.error("model %s version %s instance %d not placed: %s", name, v, index, why)
+                        index += 1
+                        continue
+                    inst = InstanceHandle(key=f"{name}:{v}:{index}", model=name, version=v, index=index,
+                                          device_id=device_id, model_path=model_path, config=entry.config,
+                                          estimate_bytes=estimate)
+                    log.info("model %s version %s instance %d -> device %s (estimated %.1f MiB)", name, v, index,
+                             device_id, estimate / 2**20)
+                    self._reserved[device_id] = self._reserved.get(device_id, 0) + estimate
+                    try:
+                        await self.pool.load_instance(inst)
+                    finally:
+                        self._reserved[device_id] -= estimate
+                    if inst.ready:
+                        vs.instances.append(inst)
+                        scheduler.add_instance(inst)
+                    else:
+                        reasons.append(f"instance {index} on {device_id}: {inst.error}")
+                    index += 1
+            if vs.instances:
+                vs.state = "READY"
+                vs.reason = "; ".join(reasons)
+            else:
+                vs.state = "UNAVAILABLE"
+                vs.reason = "; ".join(reasons) or "no instance could be loaded"
+
+    async def _unload_versions(self, model: ModelState) -> None:
+        for vs in list(model.versions.values()):
+            vs.state = "UNLOADING"
+            try:
+                await asyncio.wait_for(vs.scheduler.wait_idle(), 30.0)
+            except asyncio.TimeoutError:
+                vs.scheduler.fail_all_queued(f"model '{model.name}' is being unloaded")
+            for inst in vs.instances:
+                vs.scheduler.remove_instance(inst)
+                await self.pool.unload_instance(inst)
+            if self.metrics is not None:
+                self.metrics.remove_model(model.name, vs.version)
+        model.versions.clear()
+
+    async def load_model(self, name: str) -> None:
+        if self.stopping:
+            raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+        try:
+            result: ModelEntry | ModelLoadError = self.repository.load(name)
+        except ModelConfigError as exc:
+            if name not in self.models and not _exists(self.repository, name):
+                raise InferenceError(ErrorKind.NOT_FOUND, f"failed to load '{name}', no version is available") \
+                    from None
+            result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
+        model = self.models.setdefault(name, ModelState(name))
+        async with model.lock:
+            await self._unload_versions(model)  # a load of a loaded model is a reload, as in Triton
+            await self._load(name, result)
+        if isinstance(result, ModelLoadError):
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"failed to load '{name}': {result.reason}")
+        if not any(v.ready for v in model.versions.values()):
+            reasons = "; ".join(v.reason for v in model.versions.values())
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{name}': {reasons}")
+
+    async def unload_model(self, name: str) -> None:
+        model = self.models.get(name)
+        if model is None:
+            raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
+        async with model.lock:
+            await self._unload_versions(model)
+        log.info("model %s unloaded", name)
+
+    # --- lookups ---------------------------------------------------------------------------------------------
+    def _model(self, name: str) -> ModelState:
+        model = self.models.get(name)
+        if model is None:
+            raise InferenceError(ErrorKind.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
+        return model
+
+    def _version(self, name: str, version: str = "") -> VersionState:
+        model = self._model(name)
+        if not version:
+            if not model.versions:
+                raise InferenceError(ErrorKind.UNAVAILABLE,
+                                     f"Request for unknown model: '{name}' has no available versions"
+                                     + (f" ({model.error})" if model.error else ""))
+            return model.versions[max(model.versions, key=int)]
+        vs = model.versions.get(version)
+        if vs is None:
+            raise InferenceError(ErrorKind.NOT_FOUND,
+                                 f"Request for unknown model: '{name}' version {version} is not found")
+        return vs
+
+    # --- InferenceCore ---------------------------------------------------------------------------------------
+    def server_live(self) -> bool:
+        return True
+
+    def server_ready(self) -> bool:
+        return self.started and not self.stopping
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": self.server_name, "version": __version__, "extensions": list(EXTENSIONS)}
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        model = self._model(name)
+        if version and version not in model.versions:
+            return False
+        try:
+            return self._version(name, version).ready
+        except InferenceError:
+            return False
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        vs = self._version(name, version)
+        versions = sorted(self._model(name).versions, key=int) if not version else [version]
+        return model_metadata_json(vs.entry.config, versions)
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        vs = self._version(name, version)
+        return config_to_json(vs.entry.config, vs.entry.version_policy)
+
+    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            selected = [self._version(name, version)] if version else list(self._model(name).versions.values())
+        else:
+            selected = [v for m in self.models.values() for v in m.versions.values()]
+        return {"model_stats": [v.scheduler.stats.json(v.name, v.version) for v in selected]}
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        index = []
+        for name in sorted(self.models):
+            model = self.models[name]
+            if not model.versions:
+                if not ready_only:
+                    index.append({"name": name, "version": "", "state": "UNAVAILABLE",
+                                  "reason": model.error or "unloaded"})
+                continue
+            for v in sorted(model.versions.values(), key=lambda x: int(x.version)):
+                state = "READY" if v.ready else ("UNAVAILABLE" if v.state == "READY" else v.state)
+                if ready_only and state != "READY":
+                    continue
+                reason = v.reason if state != "READY" else ""
+                if state == "UNAVAILABLE" and v.state == "READY":
+                    reason = "no instance is ready (a worker is restarting)"
+                index.append({"name": name, "version": v.version, "state": state, "reason": reason})
+        return index
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        if self.stopping:
+            raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
+        vs = self._version(request.model_name, request.model_version)
+        if not vs.ready:
+            why = vs.reason or "no instance is ready"
+            raise InferenceError(ErrorKind.UNAVAILABLE,
+                                 f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "
+                                 f"state: {why}")
+        return await vs.scheduler.infer(request)
+
+    # --- gpud's own views ------------------------------------------------------------------------------------
+    def _pending_by_model(self) -> dict[tuple[str, str], int]:
+        return {(m.name, v.version): v.scheduler.pending_requests for m in self.models.values()
+                for v in m.versions.values()}
+
+    def _instances_by_device(self) -> dict[tuple[str, str, str], int]:
+        counts: dict[tuple[str, str, str], int] = {}
+        for m in self.models.values():
+            for v in m.versions.values():
+                for inst in v.instances:
+                    if inst.ready:
+                        key = (m.name, v.version, inst.device_id)
+                        counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def inspect(self) -> dict[str, Any]:
+        devices = []
+        for d in self.devices.devices():
+            r = self.devices.sample(d.id)
+            devices.append({
+                "id": d.id, "kind": d.kind, "index": d.index, "name": d.name, "uuid": d.uuid,
+                "parent_id": d.parent_id, "mig_profile": d.mig_profile, "mig_enabled": d.mig_enabled,
+                "leaf": d.is_leaf, "simulated": d.simulated, "compute_fraction": d.compute_fraction,
+                "memory_total_bytes": d.memory_total_bytes, "memory_used_bytes": r.memory_used_bytes,
+                "utilization_ratio": r.utilization_ratio, "power_w": r.power_w,
+                "temperature_c": r.temperature_c, "healthy": r.healthy, "labels": dict(d.labels),
+            })
+        models = []
+        for name in sorted(self.models):
+            m = self.models[name]
+            if not m.versions:
+                models.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": m.error or "unloaded",
+                               "instances": []})
+            for v in m.versions.values():
+                st = v.scheduler.stats
+                n = st.success.count
+                models.append({
+                    "name": name, "version": v.version, "state": "READY" if v.ready else v.state,
+                    "reason": v.reason, "max_batch_size": v.entry.config.max_batch_size,
+                    "pending_requests": v.scheduler.pending_requests,
+                    "requests_success": n, "requests_failed": st.fail.count,
+                    "executions": st.execution_count, "inferences": st.inference_count,
+                    "queue_seconds_avg": st.queue.ns / n / 1e9 if n else None,
+                    "compute_seconds_avg": (st.compute_input.ns + st.compute_infer.ns + st.compute_output.ns)
+                    / n / 1e9 if n else None,
+                    "instances": [{"index": i.index, "device": i.device_id, "ready": i.ready,
+                                   "memory_bytes": i.footprint_bytes, "measured_by": i.measured_by or "estimate",
+                                   "provider": i.provider, "error": i.error} for i in v.instances],
+                })
+        return {"server": self.server_metadata(), "device_source": self.devices.source,
+                "time_unix_s": time.time(), "devices": devices, "models": models,
+                "workers": self.pool.worker_info()}
+
+
+def _exists(repository: ModelRepository, name: str) -> bool:
+    try:
+        return name in repository.model_names()
+    except OSError:
+        return False

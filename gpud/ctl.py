@@ -1,0 +1,125 @@
+"""`gpudctl`: talk to a running gpud (`inspect`) and plan placements offline (`place`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def fetch_inspect(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """GET <url>/v2/gpud/inspect. Raises RuntimeError with a message a person can act on."""
+    target = url.rstrip("/") + "/v2/gpud/inspect"
+    if "://" not in target:
+        target = "http://" + target
+    try:
+        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{target}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:200]}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RuntimeError(f"cannot reach gpud at {url}: {reason} (is it running? see --url)") from None
+
+
+def _bar(used: float | None, total: float, width: int = 20) -> str:
+    if used is None or total <= 0:
+        return "[" + "?" * width + "]"
+    filled = min(width, round(width * used / total))
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _gib(n: float | None) -> str:
+    return "N/A" if n is None else f"{n / 2**30:.2f}"
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.2f}"
+
+
+def render_inspect(data: dict[str, Any]) -> str:
+    """Devices as a GPU -> MIG tree with memory bars, the instances placed on each, and per-model latencies."""
+    lines = [f"gpud {data['server']['version']}  devices: {data['device_source']}", ""]
+    devices = data["devices"]
+    by_device: dict[str, list[str]] = {}
+    for m in data["models"]:
+        for inst in m["instances"]:
+            state = "" if inst["ready"] else " (not ready)"
+            by_device.setdefault(inst["device"], []).append(
+                f"{m['name']}:{m['version']}#{inst['index']} {_gib(inst['memory_bytes'])} GiB{state}")
+    children: dict[str, list[dict]] = {}
+    for d in devices:
+        if d.get("parent_id"):
+            children.setdefault(d["parent_id"], []).append(d)
+
+    def device_line(d: dict, prefix: str) -> list[str]:
+        util = d.get("utilization_ratio")
+        util_s = "N/A" if util is None else f"{util * 100:.0f}%"
+        label = d["mig_profile"] and f"MIG {d['mig_profile']}" or d["name"]
+        out = [f"{prefix}{d['id']:<14} {label:<28} mem {_bar(d['memory_used_bytes'], d['memory_total_bytes'])} "
+               f"{_gib(d['memory_used_bytes'])}/{_gib(d['memory_total_bytes'])} GiB  util {util_s}"
+               + ("" if d.get("healthy", True) else "  UNHEALTHY")]
+        for inst in by_device.get(d["id"], []):
+            out.append(f"{prefix}    - {inst}")
+        return out
+
+    lines.append("DEVICES")
+    for d in devices:
+        if d.get("parent_id"):
+            continue
+        lines += device_line(d, "  ")
+        for child in children.get(d["id"], []):
+            lines += device_line(child, "    └─ ")
+    lines += ["", "MODELS",
+              f"  {'model':<20} {'ver':>3} {'state':<12} {'inst':>4} {'pending':>7} {'ok':>8} {'failed':>6} "
+              f"{'queue ms':>9} {'compute ms':>10}"]
+    for m in data["models"]:
+        ready = sum(1 for i in m["instances"] if i["ready"])
+        lines.append(f"  {m['name']:<20} {m['version']:>3} {m['state']:<12} {ready:>4} "
+                     f"{m.get('pending_requests', 0):>7} {m.get('requests_success', 0):>8} "
+                     f"{m.get('requests_failed', 0):>6} {_ms(m.get('queue_seconds_avg')):>9} "
+                     f"{_ms(m.get('compute_seconds_avg')):>10}")
+        if m.get("reason"):
+            lines.append(f"      reason: {m['reason']}")
+    return "\n".join(lines)
+
+
+def inspect_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gpudctl inspect",
+                                description="Show a running gpud's devices (GPU -> MIG tree), placed instances, "
+                                            "queues and latencies.")
+    p.add_argument("--url", default=DEFAULT_URL, help=f"gpud HTTP endpoint (default {DEFAULT_URL})")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    args = p.parse_args(argv)
+    try:
+        data = fetch_inspect(args.url)
+    except RuntimeError as exc:
+        print(f"gpudctl: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2) if args.json else render_inspect(data))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"inspect": "show devices, placements, queues and latencies of a running gpud",
+                "place": "plan a placement of model instances on devices (offline or live)"}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: gpudctl {inspect,place} [options]\n\ncommands:")
+        for name, text in commands.items():
+            print(f"  {name:<8} {text}")
+        print("\n'gpudctl COMMAND --help' for a command's options")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "inspect":
+        return inspect_main(argv[1:])
+    from gpud.ctl_place import place_main
+
+    return place_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""The gRPC front end: KServe v2 / Triton's GRPCInferenceService over one InferenceCore.
+
+A thin adapter: it translates protobuf messages to and from executor.types and the core's Triton-shaped dicts, and
+maps InferenceError kinds to gRPC status codes. It decides nothing about models, batching or placement.
+
+    server = await start_grpc_server(core, "0.0.0.0", 8001)
+    server.bound_port   # the port actually bound (useful with port 0)
+    ...
+    await server.stop(grace=5.0)
+
+Tensor wire format, as Triton's: `raw_input_contents` / `raw_output_contents` hold one entry per tensor, in tensor
+order, little-endian and row-major; each BYTES element is prefixed by its length as a 4-byte little-endian integer.
+Inputs may instead come as typed `contents` (InferTensorContents). Outputs always go back raw, as Triton sends them.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from executor.model_config import numpy_dtype
+from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.core_api import InferenceCore
+from gpud.proto import grpc_service_pb2 as pb
+from gpud.proto import grpc_service_pb2_grpc as pb_grpc
+from gpud.proto import model_config_pb2
+
+logger = logging.getLogger(__name__)
+
+_STATUS_CODES = {
+    ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+# Which InferTensorContents field carries each datatype. FP16 (and BF16) have none: Triton requires raw contents.
+_CONTENTS_FIELDS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+# Request parameters that Triton turns into scheduling fields instead of passing on (tritonclient sets them).
+_PRIORITY_PARAMETER = "priority"
+_TIMEOUT_PARAMETER = "timeout"  # microseconds in the queue
+_SHARED_MEMORY_PARAMETER = "shared_memory_region"
+
+_BYTES_LENGTH_PREFIX = struct.Struct("<I")
+
+
+def _invalid(message: str) -> InferenceError:
+    return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+def _parameter_value(parameter: pb.InferParameter) -> Any:
+    choice = parameter.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(parameter, choice)
+
+
+def _set_parameter(parameter: pb.InferParameter, value: Any) -> None:
+    # bool first: bool is an int in Python, and clients read bool_param for flags
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def _parameters_dict(parameters) -> dict[str, Any]:
+    return {key: _parameter_value(value) for key, value in parameters.items()}
+
+
+def _non_negative_int_parameter(parameters: dict[str, Any], key: str) -> int:
+    value = parameters.pop(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _invalid(f"request parameter {key!r} must be a non-negative integer, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decoding inputs
+
+
+def _element_count(name: str, shape: tuple[int, ...]) -> int:
+    if any(dim < 0 for dim in shape):
+        raise _invalid(f"input {name!r}: shape {list(shape)} has a negative dimension")
+    return math.prod(shape)
+
+
+def _input_dtype(name: str, datatype: str) -> np.dtype:
+    try:
+        return numpy_dtype(datatype)
+    except ValueError as exc:
+        raise _invalid(f"input {name!r}: {exc}") from None
+
+
+def _decode_raw_bytes_elements(name: str, raw: bytes, element_count: int) -> np.ndarray:
+    elements = []
+    offset = 0
+    while offset < len(raw):
+        if offset + _BYTES_LENGTH_PREFIX.size > len(raw):
+            raise _invalid(f"input {name!r}: BYTES content ends inside a 4-byte length prefix at byte {offset}")
+        (length,) = _BYTES_LENGTH_PREFIX.unpack_from(raw, offset)
+        offset += _BYTES_LENGTH_PREFIX.size
+        if offset + length > len(raw):
+            raise _invalid(f"input {name!r}: BYTES element {len(elements)} claims {length} bytes, "
+                           f"only {len(raw) - offset} remain")
+        elements.append(raw[offset:offset + length])
+        offset += length
+    if len(elements) != element_count:
+        raise _invalid(f"input {name!r}: got {len(elements)} BYTES elements, expected {element_count}")
+    array = np.empty(element_count, dtype=np.object_)
+    array[:] = elements
+    return array
+
+
+def _decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
+    element_count = _element_count(name, shape)
+    dtype = _input_dtype(name, datatype)
+    if datatype == "BYTES":
+        return _decode_raw_bytes_elements(name, raw, element_count).reshape(shape)
+    expected_bytes = element_count * dtype.itemsize
+    if len(raw) != expected_bytes:
+        raise _invalid(f"input {name!r}: got {len(raw)} bytes of raw content, expected {expected_bytes} "
+                       f"for shape {list(shape)} of {datatype}")
+    # The wire is little-endian; astype is a no-op on little-endian hosts and swaps bytes elsewhere.
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
+
+
+def _decode_contents(name: str, datatype: str, shape: tuple[int, ...], contents: pb.InferTensorContents) -> np.ndarray:
+    element_count = _element_count(name, shape)
+    dtype = _input_dtype(name, datatype)
+    field = _CONTENTS_FIELDS.get(datatype)
+    if field is None:
+        raise _invalid(f"input {name!r}: {datatype} data must be sent in raw_input_contents")
+    values = getattr(contents, field)
+    if len(values) != element_count:
+        raise _invalid(f"input {name!r}: got {len(values)} elements in {field}, expected {element_count} "
+                       f"for shape {list(shape)}")
+    if datatype == "BYTES":
+        array = np.empty(element_count, dtype=np.object_)
+        array[:] = list(values)
+        return array.reshape(shape)
+    if dtype.kind in "iu":
+        # int_contents / uint_contents are 32-bit on the wire and also carry INT8/INT16/UINT8/UINT16:
+        # check the range rather than let numpy wrap 300 into an INT8.
+        wide = np.array(values, dtype=np.uint64 if dtype.kind == "u" else np.int64)
+        limits = np.iinfo(dtype)
+        if wide.size and (wide.min() < limits.min or wide.max() > limits.max):
+            raise _invalid(f"input {name!r}: a value in {field} does not fit {datatype}")
+        return wide.astype(dtype).reshape(shape)
+    return np.array(values, dtype=dtype).reshape(shape)
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> list[InferTensor]:
+    """The request's input tensors as numpy arrays, validated against their shapes and datatypes."""
+    raw_contents = request.raw_input_contents
+    if raw_contents and len(raw_contents) != len(request.inputs):
+        raise _invalid(f"got {len(raw_contents)} raw_input_contents for {len(request.inputs)} inputs; "
+                       "raw contents need one entry per input, in input order")
+    tensors = []
+    for index, tensor in enumerate(request.inputs):
+        if _SHARED_MEMORY_PARAMETER in tensor.parameters:
+            raise _invalid(f"input {tensor.name!r}: shared-memory inputs are not supported by gpud")
+        shape = tuple(tensor.shape)
+        if raw_contents:
+            if tensor.HasField("contents"):
+                raise _invalid(f"input {tensor.name!r}: contents must not be set when raw_input_contents is used")
+            data = _decode_raw(tensor.name, tensor.datatype, shape, raw_contents[index])
+        else:
+            data = _decode_contents(tensor.name, tensor.datatype, shape, tensor.contents)
+        tensors.append(InferTensor(name=tensor.name, datatype=tensor.datatype, shape=shape, data=data))
+    return tensors
+
+
+def _requested_outputs(request: pb.ModelInferRequest) -> list[RequestedOutput] | None:
+    if not request.outputs:
+        return None  # Triton's rule: no requested outputs means every output
+    requested = []
+    for output in request.outputs:
+        if _SHARED_MEMORY_PARAMETER in output.parameters:
+            raise _invalid(f"output {output.name!r}: shared-memory outputs are not supported by gpud")
+        requested.append(RequestedOutput(name=output.name, parameters=_parameters_dict(output.parameters)))
+    return requested
+
+
+def to_infer_request(request: pb.ModelInferRequest) -> InferRequest:
+    """The executor's InferRequest for a ModelInferRequest; raises INVALID_ARGUMENT for a malformed one."""
+    parameters = _parameters_dict(request.parameters)
+    priority = _non_negative_int_parameter(parameters, _PRIORITY_PARAMETER)
+    timeout_us = _non_negative_int_parameter(parameters, _TIMEOUT_PARAMETER)
+    return InferRequest(
+        model_name=request.model_name,
+        model_version=request.model_version,
+        id=request.id,
+        inputs=decode_inputs(request),
+        outputs=_requested_outputs(request),
+        priority=priority,
+        timeout_us=timeout_us,
+        parameters=parameters,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoding outputs
+
+
+def _encode_bytes_elements(data: np.ndarray) -> bytes:
+    chunks = []
+    for element in data.reshape(-1):
+        if isinstance(element, str):
+            element = element.encode("utf-8")
+        element = bytes(element)
+        chunks.append(_BYTES_LENGTH_PREFIX.pack(len(element)))
+        chunks.append(element)
+    return b"".join(chunks)
+
+
+def _encode_raw(tensor: InferTensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        return _encode_bytes_elements(np.asarray(tensor.data))
+    dtype = numpy_dtype(tensor.datatype).newbyteorder("<")
+    return np.ascontiguousarray(tensor.data, dtype=dtype).tobytes()
+
+
+def to_infer_response(response: InferResponse, requested: list[RequestedOutput] | None,
+                      request_id: str) -> pb.ModelInferResponse:
+    """A ModelInferResponse with raw output contents, holding only the requested outputs (all when None)."""
+    message = pb.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=response.model_version,
+        id=response.id or request_id,
+    )
+    for key, value in response.parameters.items():
+        _set_parameter(message.parameters[key], value)
+    wanted = None if requested is None else {output.name for output in requested}
+    for tensor in response.outputs:
+        # the core may compute every output; only requested ones go on the wire
+        if wanted is not None and tensor.name not in wanted:
+            continue
+        message.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape))
+        message.raw_output_contents.append(_encode_raw(tensor))
+    return message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The servicer
+
+
+def _parse(message_dict: dict[str, Any], message):
+    """Fill a proto message from one of the core's Triton-shaped dicts, ignoring fields our protos do not carry."""
+    return json_format.ParseDict(message_dict, message, ignore_unknown_fields=True)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+    """Answer with the status for exc (context.abort raises, ending the RPC)."""
+    if isinstance(exc, InferenceError):
+        await context.abort(_STATUS_CODES[exc.kind], exc.message)
+    else:
+        # Not an error a client caused: log it with its traceback, answer INTERNAL, keep serving.
+        logger.error("gRPC %s failed", method, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+
+def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Turn exceptions of a unary handler into gRPC statuses; context.abort's own exception passes through."""
+
+    @functools.wraps(handler)
+    async def wrapper(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - the server must answer every request, never crash
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await _abort(context, exc, handler.__name__)
+
+    return wrapper
+
+
+class _StreamEnd:
+    """Marks the end of a stream's responses in its queue."""
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    """GRPCInferenceService over an InferenceCore."""
+
+    def __init__(self, core: InferenceCore):
+        self._core = core
+
+    @_unary
+    async def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=self._core.server_live())
+
+    @_unary
+    async def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=self._core.server_ready())
+
+    @_unary
+    async def ModelReady(self, request, context):
+        try:
+            ready = self._core.model_ready(request.name, request.version)
+        except InferenceError as exc:
+            if exc.kind is not ErrorKind.NOT_FOUND:
+                raise
+            ready = False  # Triton answers "not ready" for an unknown model rather than an error
+        return pb.ModelReadyResponse(ready=ready)
+
+    @_unary
+    async def ServerMetadata(self, request, context):
+        return _parse(self._core.server_metadata(), pb.ServerMetadataResponse())
+
+    @_unary
+    async def ModelMetadata(self, request, context):
+        return _parse(self._core.model_metadata(request.name, request.version), pb.ModelMetadataResponse())
+
+    @_unary
+    async def ModelConfig(self, request, context):
+        config = _parse(self._core.model_config(request.name, request.version), model_config_pb2.ModelConfig())
+        return pb.ModelConfigResponse(config=config)
+
+    @_unary
+    async def ModelStatistics(self, request, context):
+        return _parse(self._core.model_statistics(request.name, request.version), pb.ModelStatisticsResponse())
+
+    @_unary
+    async def RepositoryIndex(self, request, context):
+        models = self._core.repository_index(ready_only=request.ready)
+        return _parse({"models": models}, pb.RepositoryIndexResponse())
+
+    @_unary
+    async def RepositoryModelLoad(self, request, context):
+        # Triton's load parameters ("config" override, "file:" contents) have no counterpart in the core yet;
+        # refusing them is better than loading something other than what the client asked for.
+        if request.parameters:
+            raise _invalid(f"load parameters {sorted(request.parameters)} are not supported by gpud")
+        await self._core.load_model(request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @_unary
+    async def RepositoryModelUnload(self, request, context):
+        # "unload_dependents" only matters for ensembles, which gpud does not serve: accepted and ignored.
+        await self._core.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    @_unary
+    async def ModelInfer(self, request, context):
+        return await self._infer(request)
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        infer_request = to_infer_request(request)
+        response = await self._core.infer(infer_request)
+        return to_infer_response(response, infer_request.outputs, request.id)
+
+    async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
+        """One stream response; errors go in error_message so that the stream itself stays open."""
+        try:
+            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+        except InferenceError as exc:
+            message = exc.message
+        except Exception as exc:  # noqa: BLE001 - one bad request must not end the client's stream
+            logger.error("gRPC ModelStreamInfer request failed", exc_info=exc)
+            message = f"internal error in ModelStreamInfer: {type(exc).__name__}: {exc}"
+        # Echo what identifies the request: clients match stream responses to requests by id.
+        return pb.ModelStreamInferResponse(
+            error_message=message,
+            infer_response=pb.ModelInferResponse(model_name=request.model_name,
+                                                 model_version=request.model_version, id=request.id),
+        )
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
+                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        # Requests of one stream run concurrently, so that the batcher can batch them, and their responses go back
+        # in completion order, as Triton sends them; clients match them to requests by id.
+        responses: asyncio.Queue = asyncio.Queue()
+        tasks: set[asyncio.Task] = set()
+
+        async def answer(request):
+            responses.put_nowait(await self._stream_answer(request))
+
+        async def read_requests():
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(answer(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                if tasks:
+                    await asyncio.gather(*tasks)
+            finally:
+                responses.put_nowait(_StreamEnd)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (response := await responses.get()) is not _StreamEnd:
+                yield response
+            await reader  # re-raises a failure to read the stream
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The server
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def start_grpc_server(core: InferenceCore, host: str, port: int, *,
+                            max_message_bytes: int = 2**31 - 1) -> grpc.aio.Server:
+    """Start serving GRPCInferenceService for `core` on host:port and return the started server.
+
+    port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
+    OSError (no SO_REUSEPORT sharing). Messages larger than
+    max_message_bytes, either way, are refused by grpc with RESOURCE_EXHAUSTED. Stop with `await server.stop(grace)`.
+    Must be called from the event loop that will run the server.
+    """
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # grpc sets SO_REUSEPORT by default, which lets a second daemon bind a port in use and silently share it
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core), server)
+    address = _address(host, port)
+    try:
+        bound_port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"gRPC server could not bind {address}: {exc}") from exc
+    if bound_port == 0:  # older grpcio reports a failed bind this way instead of raising
+        raise OSError(f"gRPC server could not bind {address}")
+    await server.start()
+    server.bound_port = bound_port
+    logger.info("gRPC server listening on %s", _address(host, bound_port))
+    return server

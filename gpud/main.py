@@ -1,0 +1,201 @@
+"""`gpud`: the daemon. Flags follow tritonserver's where they overlap (--model-repository, --http-port, ...)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from prometheus_client import CollectorRegistry
+from prometheus_client import ProcessCollector
+
+from executor.onnxruntime_backend import WorkerDevice
+from executor.pool import ExecutorPool
+from gpud import __version__
+from gpud.settings import Settings, load_settings_file
+from gpud.systemd_notify import notify
+
+log = logging.getLogger("gpud")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpud",
+        description="Node daemon for GPU servers: serves a Triton-layout model repository (KServe v2 over HTTP and "
+                    "gRPC), places model instances on GPUs and MIG instances by memory, exports Prometheus metrics. "
+                    "Without an NVIDIA driver it runs on a simulated node and computes on the CPU.")
+    p.add_argument("--version", action="version", version=f"gpud {__version__}")
+    p.add_argument("--model-repository", "--model-store", dest="model_repository", metavar="DIR",
+                   help="Triton-layout model repository (<DIR>/<model>/<version>/model.onnx [+ config.pbtxt]). "
+                        "Default: generate the example models and serve them")
+    p.add_argument("--config", metavar="FILE", help="YAML file of settings (keys as the long flags, with _)")
+    p.add_argument("--node", metavar="FILE", help="simulated node description (config/nodes/*.yaml) instead of NVML")
+    p.add_argument("--address", metavar="HOST", help="bind all three endpoints to HOST (default 0.0.0.0)")
+    p.add_argument("--http-address", metavar="HOST")
+    p.add_argument("--http-port", type=int, metavar="PORT", help="KServe v2 HTTP (default 8000; 0 = any free port)")
+    p.add_argument("--grpc-address", metavar="HOST")
+    p.add_argument("--grpc-port", type=int, metavar="PORT", help="KServe v2 gRPC (default 8001)")
+    p.add_argument("--metrics-address", metavar="HOST")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="Prometheus metrics (default 8002)")
+    for name in ("http", "grpc", "metrics"):
+        p.add_argument(f"--allow-{name}", type=_bool, metavar="BOOL", help=f"serve {name} (default true)")
+    p.add_argument("--device-reserve-bytes", type=int, metavar="N",
+                   help="memory kept free on each GPU / MIG instance for the CUDA context (default 512 MiB)")
+    p.add_argument("--default-max-batch-size", type=int, metavar="N",
+                   help="max_batch_size given to auto-completed models that can batch (default 4)")
+    p.add_argument("--exit-timeout-secs", dest="exit_timeout_seconds", type=float, metavar="S",
+                   help="on SIGTERM, how long to wait for accepted requests (default 30)")
+    p.add_argument("--max-request-bytes", type=int, metavar="N",
+                   help="largest request body / gRPC message accepted (default 64 MiB)")
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
+    p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
+    return p
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    overrides = load_settings_file(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if v is not None and k in Settings.__dataclass_fields__}
+    if args.address:
+        for k in ("http_address", "grpc_address", "metrics_address"):
+            flags.setdefault(k, args.address)
+    if args.log_verbose:
+        flags["log_level"] = "DEBUG"
+    return Settings(**(overrides | flags))
+
+
+def _example_repository() -> str:
+    from gpud.examples import write_example_repository
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(base, "gpud", "example-models")
+    write_example_repository(path)
+    return path
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
+    from gpud.core import GpudCore
+    from gpud.metrics_server import start_metrics_server
+    from gpud.model_repository import ModelRepository
+    from telemetry.device_metrics import DeviceCollector
+    from telemetry.discovery import discover
+    from telemetry.model_metrics import ModelMetrics
+
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    repo_path = settings.model_repository
+    if repo_path is None:
+        repo_path = _example_repository()
+        log.info("no --model-repository given: serving the generated example models in %s", repo_path)
+    if not os.path.isdir(repo_path):
+        log.error("model repository %s is not a directory", repo_path)
+        return 2
+
+    usage = _LateUsage()
+    backend = discover(settings.node, usage)
+    leaves = backend.leaf_devices()
+    pool = ExecutorPool([WorkerDevice(d.id, d.kind, d.uuid, d.simulated) for d in leaves],
+                        worker_log_level=logging.getLogger().level)
+    usage.target = pool
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry, namespace="gpud")
+    DeviceCollector(backend, registry=registry)
+    metrics = ModelMetrics(registry)
+    core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,
+                    backend, metrics=metrics, device_reserve_bytes=settings.device_reserve_bytes)
+    runners, ports, grpc_server = [], {}, None
+    try:
+        await core.start()
+        if settings.allow_http:
+            from gpud.http_api import start_http_server
+
+            runner, ports["http"] = await start_http_server(core, settings.http_address, settings.http_port,
+                                                            max_body_bytes=settings.max_request_bytes)
+            runners.append(runner)
+            log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
+        if settings.allow_grpc:
+            from gpud.grpc_api import start_grpc_server
+
+            grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
+                                                  max_message_bytes=settings.max_request_bytes)
+            ports["grpc"] = grpc_server.bound_port
+            log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
+        if settings.allow_metrics:
+            runner, ports["metrics"] = await start_metrics_server(registry, settings.metrics_address,
+                                                                  settings.metrics_port)
+            runners.append(runner)
+            log.info("metrics on http://%s:%d/metrics", settings.metrics_address, ports["metrics"])
+    except OSError as exc:
+        log.error("cannot start serving: %s", exc)
+        await _close(runners, grpc_server, 0)
+        await pool.shutdown()
+        return 1
+    if settings.ready_file:
+        tmp = settings.ready_file + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"pid": os.getpid(), **ports}, f)
+        os.replace(tmp, settings.ready_file)
+    notify("READY=1\nSTATUS=serving")
+    log.info("gpud %s ready: serving", __version__)
+
+    await stop.wait()
+    log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)
+    notify("STOPPING=1")
+    await core.shutdown(settings.exit_timeout_seconds)
+    await _close(runners, grpc_server, settings.exit_timeout_seconds)
+    backend.close()
+    log.info("stopped")
+    return 0
+
+
+async def _close(runners, grpc_server, grace_s: float) -> None:
+    if grpc_server is not None:
+        await grpc_server.stop(grace_s)
+    for runner in runners:
+        await runner.cleanup()
+
+
+class _LateUsage:
+    """The device backend needs the pool's usage and the pool needs the backend's devices: this breaks the cycle."""
+
+    target = None
+
+    def memory_used_bytes(self, device_id: str):
+        return self.target.memory_used_bytes(device_id) if self.target else None
+
+    def utilization_ratio(self, device_id: str):
+        return self.target.utilization_ratio(device_id) if self.target else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = resolve_settings(args)
+    except ValueError as exc:
+        print(f"gpud: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(settings))
+    except ValueError as exc:  # e.g. a bad node file: a clear message, not a traceback
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Daemon settings: defaults, the optional YAML config file, and command-line flags (flags win)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class Settings:
+    model_repository: str | None = None  # None: generate the example models and serve them
+    node: str | None = None  # simulated node description; None: NVML, or the default simulated node without GPUs
+    http_address: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_address: str = "0.0.0.0"
+    grpc_port: int = 8001
+    metrics_address: str = "0.0.0.0"
+    metrics_port: int = 8002
+    allow_http: bool = True
+    allow_grpc: bool = True
+    allow_metrics: bool = True
+    device_reserve_bytes: int = 512 * 2**20  # CUDA context and workspace kept free on every GPU / MIG instance
+    default_max_batch_size: int = 4  # for auto-completed models that can batch (Triton's default)
+    exit_timeout_seconds: float = 30.0  # how long SIGTERM waits for accepted requests
+    max_request_bytes: int = 64 * 2**20
+    log_level: str = "INFO"
+    ready_file: str | None = None  # written (JSON: bound ports) once serving
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def load_settings_file(path: str) -> dict[str, Any]:
+    """The YAML config file as overrides. Errors name the file and the key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        f = _FIELDS.get(name)
+        if f is None:
+            raise ValueError(f"{path}: unknown setting '{key}'; known: {', '.join(sorted(_FIELDS))}")
+        out[name] = _coerce(path, key, f.type, value)
+    if "model_repository" in out and out["model_repository"] and not os.path.isabs(out["model_repository"]):
+        out["model_repository"] = os.path.join(os.path.dirname(os.path.abspath(path)), out["model_repository"])
+    return out
+
+
+def _coerce(path: str, key: str, type_name: Any, value: Any) -> Any:
+    t = str(type_name)
+    if value is None and "None" in t:
+        return None
+    try:
+        if t.startswith("int"):
+            if isinstance(value, bool):
+                raise TypeError
+            return int(value)
+        if t.startswith("float"):
+            return float(value)
+        if t.startswith("bool"):
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        return str(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: setting '{key}': expected {t}, got {value!r}") from None

@@ -1,0 +1,469 @@
+"""One-dimensional bin packing on integer sizes: fast heuristics, lower bounds, improvement, and an exact arc-flow model.
+
+Everything here is a pure function of integer item sizes and one integer capacity. The multi-dimensional engine
+(`placement.solver`) uses this module when an instance reduces to one dimension over identical bins; the benchmark uses
+it directly.
+
+Methods:
+- `first_fit_decreasing`, `best_fit_decreasing`: O(n log n) constructive heuristics.
+- `lower_bound_l1` (ceil(sum / capacity)) and `lower_bound_l2` (Martello & Toth 1990).
+- `improve`: a bin-elimination local search (empty the emptiest bins, refill the others by dominating swaps,
+  re-insert), bounded by a deadline read from an injected clock.
+- `solve_arcflow`: Valério de Carvalho's arc-flow model solved with HiGHS (scipy.optimize.milp), an optional
+  dependency. Its LP relaxation equals the Gilmore-Gomory bound, which is what proves optimality when the simple
+  bound is not tight (u250_13 of the Falkenauer set).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+Clock = Callable[[], float]
+Bins = list[list[int]]  # each bin is a list of item indices
+
+
+@dataclass(frozen=True)
+class ArcFlowResult:
+    bins: Bins | None  # None when no integer solution was found in time
+    lower_bound: int  # a proven lower bound on the number of bins
+    optimal: bool  # True when HiGHS proved the returned packing optimal
+    arcs: int  # size of the model (number of item arcs)
+
+
+def _check(sizes: Sequence[int], capacity_units: int) -> None:
+    if capacity_units <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity_units}")
+    for i, s in enumerate(sizes):
+        if s < 0:
+            raise ValueError(f"item {i}: size must be non-negative, got {s}")
+        if s > capacity_units:
+            raise ValueError(f"item {i}: size {s} exceeds capacity {capacity_units}")
+
+
+def _decreasing_order(sizes: Sequence[int]) -> list[int]:
+    return sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity_units: int) -> Bins:
+    """First fit over items in decreasing size, with a max segment tree over bin residuals: O(n log n)."""
+    _check(sizes, capacity_units)
+    n = len(sizes)
+    if n == 0:
+        return []
+    size = 1
+    while size < n:
+        size *= 2
+    tree = [0] * (2 * size)  # max residual in each subtree; unopened bins have residual capacity
+    for j in range(n):
+        tree[size + j] = capacity_units
+    for j in range(size - 1, 0, -1):
+        tree[j] = max(tree[2 * j], tree[2 * j + 1])
+    bins: Bins = [[] for _ in range(n)]
+    for i in _decreasing_order(sizes):
+        s = sizes[i]
+        j = 1
+        while j < size:  # leftmost leaf with residual >= s
+            j = 2 * j if tree[2 * j] >= s else 2 * j + 1
+        bins[j - size].append(i)
+        tree[j] -= s
+        j //= 2
+        while j:
+            tree[j] = max(tree[2 * j], tree[2 * j + 1])
+            j //= 2
+    return [b for b in bins if b]
+
+
+def best_fit_decreasing(sizes: Sequence[int], capacity_units: int) -> Bins:
+    """Best fit over items in decreasing size: the open bin with the least residual that still fits. O(n log n)."""
+    _check(sizes, capacity_units)
+    residuals: list[tuple[int, int]] = []  # sorted (residual, bin index)
+    bins: Bins = []
+    for i in _decreasing_order(sizes):
+        s = sizes[i]
+        k = bisect.bisect_left(residuals, (s, -1))
+        if k < len(residuals):
+            r, b = residuals.pop(k)
+        else:
+            r, b = capacity_units, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if r - s > 0:
+            bisect.insort(residuals, (r - s, b))
+    return bins
+
+
+def lower_bound_l1(sizes: Sequence[int], capacity_units: int) -> int:
+    """ceil(sum / capacity)."""
+    return -(-sum(sizes) // capacity_units) if sizes else 0
+
+
+def lower_bound_l2(sizes: Sequence[int], capacity_units: int) -> int:
+    """Martello & Toth's L2: for each threshold k <= C/2, items > C-k need a bin alone, items in (C/2, C-k] need a
+    bin each, and items in [k, C/2] fill the space left in those bins before opening new ones."""
+    if not sizes:
+        return 0
+    c = capacity_units
+    desc = sorted(sizes, reverse=True)
+    best = lower_bound_l1(sizes, c)
+    ks = sorted({s for s in desc if 2 * s <= c} | {0})
+    for k in ks:
+        n1 = n2 = 0
+        slack2 = 0  # sum over J2 of (C - s)
+        sum3 = 0
+        for s in desc:
+            if s > c - k:
+                n1 += 1
+            elif 2 * s > c:
+                n2 += 1
+                slack2 += c - s
+            elif s >= k:
+                sum3 += s
+        extra = max(0, -(-(sum3 - slack2) // c))
+        best = max(best, n1 + n2 + extra)
+    return best
+
+
+def improve(sizes: Sequence[int], capacity_units: int, bins: Bins, *, deadline: float, clock: Clock,
+            target_bins: int = 0, seed: int = 0) -> Bins:
+    """Bin-elimination local search. Repeatedly empties the least-filled bins, lets every other bin swap its items
+    for freed ones when that fills it more (1-1, 2-1, 1-2, 2-2 exchanges, Falkenauer's dominance idea), then
+    re-inserts what is left by best fit. Keeps the better packing; stops at `target_bins` or the deadline."""
+    rng = random.Random(seed)
+    c = capacity_units
+    best = [list(b) for b in bins]
+    if len(best) <= target_bins:
+        return best
+    cur = [list(b) for b in best]
+    cur_fit = _fitness([sum(sizes[i] for i in b) for b in cur], c)
+    stall = 0
+    iteration = 0
+    while clock() < deadline and len(best) > target_bins:
+        iteration += 1
+        loads = [sum(sizes[i] for i in b) for b in cur]
+        order = sorted(range(len(cur)), key=lambda j: (loads[j], rng.random()))
+        k = 2 + (stall % 3) if len(cur) > 3 else 1
+        if rng.random() < 0.3:  # occasionally empty a random bin too, to escape plateaus
+            victims = set(order[: k - 1]) | {rng.randrange(len(cur))}
+        else:
+            victims = set(order[:k])
+        free = [i for j in victims for i in cur[j]]
+        kept = [cur[j] for j in range(len(cur)) if j not in victims]
+        kept_loads = [loads[j] for j in range(len(cur)) if j not in victims]
+        rng.shuffle(kept_idx := list(range(len(kept))))
+        for j in kept_idx:
+            free, kept[j], kept_loads[j] = _dominate(sizes, c, kept[j], kept_loads[j], free)
+            if not free:
+                break
+        # re-insert the free items by best fit into the kept bins, opening new bins when needed
+        free.sort(key=lambda i: -sizes[i])
+        for i in free:
+            s = sizes[i]
+            pick, pick_res = -1, c + 1
+            for j, load in enumerate(kept_loads):
+                r = c - load - s
+                if 0 <= r < pick_res:
+                    pick, pick_res = j, r
+                    if r == 0:
+                        break
+            if pick < 0:
+                kept.append([i])
+                kept_loads.append(s)
+            else:
+                kept[pick].append(i)
+                kept_loads[pick] += s
+        fit = _fitness(kept_loads, c)
+        if len(kept) < len(cur) or fit >= cur_fit or rng.random() < 0.02:
+            cur, cur_fit = kept, fit
+        if len(cur) < len(best):
+            best = [list(b) for b in cur]
+            stall = 0
+        else:
+            stall += 1
+            if stall > 200:
+                cur = [list(b) for b in best]
+                cur_fit = _fitness([sum(sizes[i] for i in b) for b in cur], c)
+                stall = 0
+    return best
+
+
+def _fitness(loads: list[int], c: int) -> float:
+    """Falkenauer's fitness: the mean squared fill; fewer, fuller bins score higher."""
+    return sum((load / c) ** 2 for load in loads) / len(loads) if loads else 0.0
+
+
+def _dominate(sizes: Sequence[int], c: int, bin_items: list[int], load: int,
+              free: list[int]) -> tuple[list[int], list[int], int]:
+    """Swap up to two items of a bin for up to two free items when the bin gets fuller (but stays <= c)."""
+    improved = True
+    while improved and free:
+        improved = False
+        best_gain, best_move = 0, None
+        nb, nf = len(bin_items), len(free)
+        # candidate groups from the bin (1 or 2 items) and from the free list (1 or 2 items)
+        bin_groups = [(a,) for a in range(nb)] + [(a, b) for a in range(nb) for b in range(a + 1, nb)]
+        if nf <= 40:
+            free_groups = [(a,) for a in range(nf)] + [(a, b) for a in range(nf) for b in range(a + 1, nf)]
+        else:
+            free_groups = [(a,) for a in range(nf)]
+        room = c - load
+        for fg in free_groups:
+            fsum = sum(sizes[free[x]] for x in fg)
+            for bg in bin_groups:
+                bsum = sum(sizes[bin_items[x]] for x in bg)
+                gain = fsum - bsum
+                if gain > best_gain and gain <= room and (len(fg) >= len(bg) or gain > 0):
+                    best_gain, best_move = gain, (bg, fg)
+            if fsum <= room and fsum > best_gain:  # pure insertion
+                best_gain, best_move = fsum, ((), fg)
+        if best_move is not None:
+            bg, fg = best_move
+            out_items = [bin_items[x] for x in bg]
+            in_items = [free[x] for x in fg]
+            bin_items = [it for x, it in enumerate(bin_items) if x not in bg] + in_items
+            free = [it for x, it in enumerate(free) if x not in fg] + out_items
+            load += best_gain
+            improved = load < c
+    return free, bin_items, load
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Arc-flow (optional HiGHS via scipy)
+
+def highs_available() -> bool:
+    try:
+        from scipy.optimize import milp  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def build_arcflow(sizes: Sequence[int], capacity_units: int, max_arcs: int = 400_000):
+    """Valério de Carvalho's graph with items in non-increasing order along every path. Nodes are the reachable
+    partial loads, so byte-sized capacities are fine as long as the number of distinct reachable loads stays small.
+    Returns (types, demands, arcs) or None when the graph would exceed `max_arcs`."""
+    counts: dict[int, int] = {}
+    for s in sizes:
+        if s > 0:
+            counts[s] = counts.get(s, 0) + 1
+    types = sorted(counts, reverse=True)
+    demands = [counts[w] for w in types]
+    reach = {0}
+    arcs: set[tuple[int, int, int]] = set()
+    for t, (w, b) in enumerate(zip(types, demands)):
+        new: set[int] = set()
+        for u in reach:
+            v = u
+            for _ in range(b):
+                if v + w > capacity_units:
+                    break
+                arcs.add((v, v + w, t))
+                v += w
+                new.add(v)
+            if len(arcs) > max_arcs:
+                return None
+        reach |= new
+    return types, demands, sorted(arcs)
+
+
+def solve_arcflow(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: float,
+                  max_bins: int | None = None, max_arcs: int = 400_000) -> ArcFlowResult | None:
+    """Solve bin packing exactly (within the time limit) with the arc-flow model and HiGHS. Returns None when scipy
+    is missing or the graph is too large.
+
+    `max_bins` (the incumbent minus one, usually) adds the cut "at most max_bins bins": HiGHS then only searches for
+    a strictly better packing, and an infeasible model proves the incumbent optimal (`bins` None, `lower_bound`
+    max_bins + 1)."""
+    _check(sizes, capacity_units)
+    if not highs_available() or time_limit_seconds <= 0:
+        return None
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    built = build_arcflow(sizes, capacity_units, max_arcs)
+    if built is None:
+        return None
+    types, demands, arcs = built
+    if not arcs:
+        return ArcFlowResult(bins=[], lower_bound=0, optimal=True, arcs=0)
+    sink = capacity_units
+    nodes = sorted({u for u, _, _ in arcs} | {v for _, v, _ in arcs} | {sink})
+    node_index = {v: k for k, v in enumerate(nodes)}
+    inner = [v for v in nodes if v not in (0, sink)]
+    row_of = {v: r for r, v in enumerate(inner)}
+    # variables: item arcs, then loss arcs u -> sink for every node except 0 and the sink
+    loss_nodes = [v for v in nodes if v not in (0, sink)]
+    n_item, n_loss = len(arcs), len(loss_nodes)
+    n_var = n_item + n_loss
+    rows, cols, vals = [], [], []
+    n_flow = len(inner)
+    for k, (u, v, t) in enumerate(arcs):
+        if u in row_of:
+            rows.append(row_of[u]); cols.append(k); vals.append(-1.0)
+        if v in row_of:
+            rows.append(row_of[v]); cols.append(k); vals.append(1.0)
+        rows.append(n_flow + t); cols.append(k); vals.append(1.0)
+    for k, u in enumerate(loss_nodes):
+        rows.append(row_of[u]); cols.append(n_item + k); vals.append(-1.0)
+    n_rows = n_flow + len(types)
+    a = coo_matrix((vals, (rows, cols)), shape=(n_rows, n_var)).tocsr()
+    lo = np.concatenate([np.zeros(n_flow), np.array(demands, dtype=float)])
+    hi = np.concatenate([np.zeros(n_flow), np.full(len(types), np.inf)])
+    c = np.zeros(n_var)
+    for k, (u, _, _) in enumerate(arcs):
+        if u == 0:
+            c[k] = 1.0
+    constraints = [LinearConstraint(a, lo, hi)]
+    if max_bins is not None:
+        if max_bins < 0:
+            return ArcFlowResult(bins=None, lower_bound=0, optimal=False, arcs=n_item)
+        constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, float(max_bins)))
+    ub = np.concatenate([np.array([demands[t] for _, _, t in arcs], dtype=float), np.full(n_loss, np.inf)])
+    res = milp(c, integrality=np.ones(n_var), bounds=Bounds(np.zeros(n_var), ub), constraints=constraints,
+               options={"time_limit": float(time_limit_seconds), "disp": False})
+    if res.status == 2:  # infeasible: no packing within max_bins exists
+        return ArcFlowResult(bins=None, lower_bound=(max_bins or 0) + 1, optimal=False, arcs=n_item)
+    dual = getattr(res, "mip_dual_bound", None)
+    lb = 0
+    if dual is not None and np.isfinite(dual):
+        lb = int(math.ceil(dual - 1e-6))
+    if res.x is None:
+        return ArcFlowResult(bins=None, lower_bound=lb, optimal=False, arcs=n_item)
+    x = np.rint(res.x).astype(int)
+    bins = _decompose(sizes, types, arcs, loss_nodes, x, sink)
+    optimal = res.status == 0
+    if optimal:
+        lb = max(lb, len(bins))
+    return ArcFlowResult(bins=bins, lower_bound=lb, optimal=optimal and lb >= len(bins), arcs=n_item)
+
+
+def _decompose(sizes, types, arcs, loss_nodes, x, sink) -> Bins:
+    out: dict[int, list[list]] = {}
+    n_item = len(arcs)
+    for k, (u, v, t) in enumerate(arcs):
+        if x[k] > 0:
+            out.setdefault(u, []).append([v, t, int(x[k])])
+    for k, u in enumerate(loss_nodes):
+        if x[n_item + k] > 0:
+            out.setdefault(u, []).append([sink, -1, int(x[n_item + k])])
+    pool: dict[int, list[int]] = {}
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        pool.setdefault(sizes[i], []).append(i)
+    zero_items = pool.pop(0, [])
+    bins: Bins = []
+    while True:
+        start = out.get(0)
+        if not start:
+            break
+        path, u = [], 0
+        while u != sink:
+            edges = out.get(u)
+            if not edges:
+                break
+            e = edges[-1]
+            e[2] -= 1
+            if e[2] == 0:
+                edges.pop()
+            if e[1] >= 0:
+                path.append(e[1])
+            u = e[0]
+        items = []
+        for t in path:
+            lst = pool.get(types[t])
+            if lst:
+                items.append(lst.pop())
+        if items:
+            bins.append(items)
+    leftovers = [i for lst in pool.values() for i in lst]
+    if leftovers:  # cannot happen with a feasible solution; keep the packing valid anyway
+        for i in leftovers:
+            bins.append([i])
+    if zero_items:
+        if bins:
+            bins[0].extend(zero_items)
+        else:
+            bins.append(zero_items)
+    return bins
+
+
+def reduce_bins(sizes: Sequence[int], capacity_units: int, bins: Bins, *, deadline: float, clock: Clock,
+                target_bins: int = 0, seed: int = 0) -> Bins:
+    """Try to pack into one bin fewer, repeatedly: empty the least-filled bin, then run a tabu search of swaps between
+    bins and the set of unpacked items (move 0-2 packed items out for 1-2 unpacked ones whenever the bin gets fuller
+    or equally full) until nothing is left unpacked, as in consistent neighbourhood search for bin packing
+    (Buljubašić & Vasquez 2016). Returns the best packing found by the deadline."""
+    rng = random.Random(seed)
+    c = capacity_units
+    best = [list(b) for b in bins]
+    while len(best) > max(target_bins, 1) and clock() < deadline:
+        loads = [sum(sizes[i] for i in b) for b in best]
+        drop = min(range(len(best)), key=lambda j: (loads[j], j))
+        cur = [list(b) for j, b in enumerate(best) if j != drop]
+        free = list(best[drop])
+        done = _tabu_fill(sizes, c, cur, free, deadline=deadline, clock=clock, rng=rng)
+        if not done:
+            break
+        best = [b for b in cur if b]
+    return best
+
+
+def _tabu_fill(sizes, c, cur: Bins, free: list[int], *, deadline, clock, rng) -> bool:
+    loads = [sum(sizes[i] for i in b) for b in cur]
+    tabu: dict[tuple[int, int], int] = {}  # (item, bin) -> iteration until which the item may not re-enter the bin
+    it = 0
+    nbins = len(cur)
+    while free:
+        it += 1
+        if it % 16 == 0 and clock() >= deadline:
+            return False
+        nf = len(free)
+        fgroups = [((a,), sizes[free[a]]) for a in range(nf)]
+        fgroups += [((a, b), sizes[free[a]] + sizes[free[b]]) for a in range(nf) for b in range(a + 1, nf)]
+        best_delta, moves = 0, []
+        for j in range(nbins):
+            room = c - loads[j]
+            items = cur[j]
+            ni = len(items)
+            bgroups = [((), 0)] + [((a,), sizes[items[a]]) for a in range(ni)]
+            bgroups += [((a, b), sizes[items[a]] + sizes[items[b]]) for a in range(ni) for b in range(a + 1, ni)]
+            for fg, fsum in fgroups:
+                if fsum - room > c:
+                    continue
+                for bg, bsum in bgroups:
+                    delta = fsum - bsum
+                    if delta < best_delta or delta > room:
+                        continue
+                    if delta == 0 and len(bg) == len(fg) and sorted(sizes[items[x]] for x in bg) == \
+                            sorted(sizes[free[x]] for x in fg):
+                        continue  # identical sizes: a no-op
+                    if any(tabu.get((free[x], j), 0) > it for x in fg):
+                        continue
+                    if delta > best_delta:
+                        best_delta, moves = delta, [(j, bg, fg)]
+                    else:
+                        moves.append((j, bg, fg))
+        if not moves:
+            # stuck: throw a random item of a random bin out to diversify
+            j = rng.randrange(nbins)
+            if not cur[j]:
+                return False
+            x = rng.randrange(len(cur[j]))
+            item = cur[j].pop(x)
+            loads[j] -= sizes[item]
+            free.append(item)
+            tabu[(item, j)] = it + 5 + rng.randrange(5)
+            continue
+        j, bg, fg = moves[rng.randrange(len(moves))]
+        out_items = [cur[j][x] for x in bg]
+        in_items = [free[x] for x in fg]
+        cur[j] = [v for x, v in enumerate(cur[j]) if x not in bg] + in_items
+        free[:] = [v for x, v in enumerate(free) if x not in fg] + out_items
+        loads[j] += best_delta
+        for item in out_items:
+            tabu[(item, j)] = it + 3 + rng.randrange(7)
+        if it > 200_000:
+            return False
+    return True

@@ -1,0 +1,166 @@
+"""The device interface every other package sees: what a device is, one sample of it, and who provides them.
+
+Two backends implement `DeviceBackend`: `telemetry.nvml.NvmlBackend` (a real driver) and
+`telemetry.simulated.SimulatedBackend` (a node description). Both always include the host CPU as a device, so
+models can be placed on it like on any GPU or MIG instance.
+
+Ids are gpud's own and stable across restarts for the same hardware layout:
+  "gpu0", "gpu1"        physical GPU by NVML index
+  "gpu1/mig1.0"         MIG instance: parent id + "/mig" + GPU instance id + "." + compute instance id
+  "cpu"                 the host CPU
+"""
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+DeviceKind = Literal["gpu", "mig", "cpu"]
+
+CPU_DEVICE_ID = "cpu"
+
+# A GPU with MIG on is cut into 7 compute slices (A100, A30 has 4, H100, H200); compute_fraction is slices / 7.
+MIG_COMPUTE_SLICES = 7
+
+
+def gpu_device_id(index: int) -> str:
+    return f"gpu{index}"
+
+
+def mig_device_id(parent_id: str, gpu_instance_id: int, compute_instance_id: int) -> str:
+    return f"{parent_id}/mig{gpu_instance_id}.{compute_instance_id}"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a device is. Static for the life of the backend (MIG re-layout means a new backend)."""
+
+    id: str  # gpud id, see module docstring
+    kind: DeviceKind
+    index: int  # NVML GPU index; the parent's index for a MIG instance; -1 for the CPU
+    name: str  # "NVIDIA A100-SXM4-80GB"; for the CPU the processor model
+    uuid: str  # "GPU-..." / "MIG-..."; "" for the CPU
+    pci_bus_id: str  # "00000000:07:00.0"; the parent's for MIG; "" for the CPU
+    memory_total_bytes: int
+    parent_id: str | None = None  # set only for MIG instances
+    mig_profile: str | None = None  # "3g.40gb" for MIG instances
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    compute_fraction: float = 1.0  # share of the physical GPU's compute: 1.0 GPU/CPU, slices / 7 for MIG
+    mig_enabled: bool = False  # a GPU with MIG on is not a leaf: its MIG instances are
+    simulated: bool = False
+    # Human-facing labels (gpu model, mig profile, parent). A dict is not hashable: keep it out of __hash__.
+    labels: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def is_leaf(self) -> bool:
+        """True for what a model instance can be placed on: a GPU with MIG off, a MIG instance, the CPU."""
+        return not (self.kind == "gpu" and self.mig_enabled)
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One sample of a device. None means "not available" (NVML said NotSupported, or the simulated node has no
+    such sensor): never a fake 0, so a dashboard shows a gap instead of a lie."""
+
+    utilization_ratio: float | None = None  # 0..1 over the driver's (or the executor's) last sample window
+    memory_used_bytes: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
+    healthy: bool = True  # False once the driver reported the GPU lost (NVML_ERROR_GPU_IS_LOST)
+
+
+@runtime_checkable
+class UsageSource(Protocol):
+    """What gpud itself knows about a device's use: the executor implements it from the memory its model instances
+    really hold and the time its workers were really busy. Used for the CPU device and for simulated GPUs."""
+
+    def memory_used_bytes(self, device_id: str) -> int | None: ...
+
+    def utilization_ratio(self, device_id: str) -> float | None: ...
+
+
+class NoUsage:
+    """A UsageSource that knows nothing: every reading is N/A. The default until the executor is wired in."""
+
+    def memory_used_bytes(self, device_id: str) -> int | None:
+        return None
+
+    def utilization_ratio(self, device_id: str) -> float | None:
+        return None
+
+
+@runtime_checkable
+class DeviceBackend(Protocol):
+    @property
+    def source(self) -> str:
+        """"nvml" or "simulated:<node file>"."""
+        ...
+
+    def devices(self) -> list[DeviceInfo]:
+        """Every device: each GPU followed by its MIG instances, then the CPU."""
+        ...
+
+    def leaf_devices(self) -> list[DeviceInfo]:
+        """What models can be placed on: GPUs with MIG off, MIG instances, the CPU."""
+        ...
+
+    def sample(self, device_id: str) -> DeviceReading:
+        """One reading; never raises for a known device (a lost GPU reads healthy=False). KeyError if unknown."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def leaf_devices(devices: Iterable[DeviceInfo]) -> list[DeviceInfo]:
+    return [d for d in devices if d.is_leaf]
+
+
+def _cpu_model_name() -> str:
+    # /proc/cpuinfo names the processor ("AMD EPYC 7742 64-Core Processor"); platform.processor() is often just
+    # "x86_64" on Linux, so it is only the fallback.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def cpu_device(*, simulated: bool = False) -> DeviceInfo:
+    """The host CPU as a device; memory is the host's total RAM (psutil)."""
+    import psutil  # imported here so that `import telemetry.devices` stays cheap
+
+    cores = psutil.cpu_count(logical=True) or os.cpu_count() or 1
+    name = _cpu_model_name()
+    return DeviceInfo(
+        id=CPU_DEVICE_ID,
+        kind="cpu",
+        index=-1,
+        name=name,
+        uuid="",
+        pci_bus_id="",
+        memory_total_bytes=int(psutil.virtual_memory().total),
+        simulated=simulated,
+        labels={"model": name, "logical_cores": str(cores)},
+    )
+
+
+def format_device_tree(devices: Iterable[DeviceInfo]) -> list[str]:
+    """One line per device, MIG instances indented under their GPU: for logs and `gpudctl inspect`."""
+    lines = []
+    for d in devices:
+        gib = d.memory_total_bytes / 2**30
+        if d.kind == "mig":
+            lines.append(f"  └─ {d.id}: MIG {d.mig_profile} ({gib:.2f} GiB, {d.compute_fraction:.3f} of the GPU) {d.uuid}")
+        elif d.kind == "gpu":
+            mig = ", MIG on" if d.mig_enabled else ""
+            lines.append(f"{d.id}: {d.name} ({gib:.2f} GiB{mig}) {d.uuid} {d.pci_bus_id}".rstrip())
+        else:
+            lines.append(f"{d.id}: {d.name} ({gib:.2f} GiB RAM)")
+    return lines

@@ -1,0 +1,131 @@
+"""Starts the real gpud daemon as a subprocess on loopback for end-to-end tests, and builds test repositories."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 120.0
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.05) -> None:
+    """Poll an observable condition until it holds (bounded). Not a sleep standing in for an event: the condition
+    itself is checked, and a timeout fails the test with `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen
+    ports: dict
+    log_lines: list[str] = field(default_factory=list)
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['metrics']}/metrics"
+
+    def get_json(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=30) as r:
+            return json.loads(r.read())
+
+    def inspect(self) -> dict:
+        return self.get_json("/v2/gpud/inspect")
+
+    def log(self) -> str:
+        return "".join(self.log_lines)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return self.proc.returncode
+
+
+def start_daemon(repo: Path, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml") -> Daemon:
+    ready_file = tmp / f"ready-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "gpud.main", "--model-repository", str(repo), "--address", "127.0.0.1",
+           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready_file), *extra]
+    if node:
+        cmd += ["--node", str(ROOT / node)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    daemon = Daemon(proc, {})
+    ready = threading.Event()
+
+    def pump() -> None:  # drain stderr so the daemon never blocks on a full pipe; "ready" is our start event
+        for line in proc.stderr:
+            daemon.log_lines.append(line)
+            if "ready: serving" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(START_TIMEOUT_S) or proc.poll() is not None:
+        proc.kill()
+        raise AssertionError(f"gpud did not start:\n{daemon.log()}")
+    daemon.ports = json.loads(ready_file.read_text())
+    return daemon
+
+
+# --- test models ---------------------------------------------------------------------------------------------
+def save(model: onnx.ModelProto, repo: Path, name: str, config: str | None = None, version: int = 1) -> Path:
+    d = repo / name / str(version)
+    d.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, d / "model.onnx")
+    if config is not None:
+        (repo / name / "config.pbtxt").write_text(config)
+    return d / "model.onnx"
+
+
+def slow_model(width: int = 1024, layers: int = 300, seed: int = 0) -> onnx.ModelProto:
+    """[-1, width] FP32 -> same: `layers` matmuls with one shared weight, so a batch takes a while to compute (for
+    tests that need a request to be in flight) while the file stays small."""
+    rng = np.random.default_rng(seed)
+    w = numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), "w")
+    nodes, prev = [], "x"
+    for i in range(layers):
+        nodes.append(helper.make_node("MatMul", [prev, "w"], [f"h{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"h{i}"], [f"t{i}"]))
+        prev = f"t{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"]))
+    graph = helper.make_graph(nodes, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", width])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="gpud-tests")
+    model.ir_version = 8
+    return model
+
+
+SLOW_CONFIG = """
+max_batch_size: 64
+dynamic_batching { }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""

@@ -1,0 +1,178 @@
+"""A small in-process InferenceCore for front-end (HTTP/gRPC adapter) unit tests ONLY.
+
+It computes with numpy, so adapter tests check the wire format without the batcher, the worker pool or onnxruntime.
+It validates like the real core (unknown model -> NOT_FOUND, wrong dtype/shape/input names -> INVALID_ARGUMENT,
+not ready -> UNAVAILABLE) and records the last InferRequest it got, so tests can assert how the adapter parsed it.
+Shared by the HTTP and gRPC adapter tests: extend it, keep `FakeCore()` constructible without arguments.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from executor.model_config import numpy_dtype, triton_type
+from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+
+Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
+
+
+@dataclass
+class FakeModel:
+    name: str
+    inputs: list[Spec]
+    outputs: list[Spec]
+    compute: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+    max_batch_size: int = 8  # > 0: shapes carry a leading batch dimension (-1 in metadata)
+    ready: bool = True
+    version: str = "1"
+    inference_count: int = 0
+    failure_count: int = 0
+
+
+def _add_sub(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"OUTPUT0": x["INPUT0"] + x["INPUT1"], "OUTPUT1": x["INPUT0"] - x["INPUT1"]}
+
+
+def _identity(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"OUTPUT0": x["INPUT0"]}
+
+
+def _explode(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    raise RuntimeError("backend exploded (a bug, not a client error)")
+
+
+def default_models() -> list[FakeModel]:
+    return [
+        FakeModel("add_sub", [("INPUT0", "FP32", (4,)), ("INPUT1", "FP32", (4,))],
+                  [("OUTPUT0", "FP32", (4,)), ("OUTPUT1", "FP32", (4,))], _add_sub),
+        FakeModel("identity_int64", [("INPUT0", "INT64", (-1,))], [("OUTPUT0", "INT64", (-1,))], _identity),
+        FakeModel("identity_bytes", [("INPUT0", "BYTES", (-1,))], [("OUTPUT0", "BYTES", (-1,))], _identity),
+        FakeModel("identity_fp16", [("INPUT0", "FP16", (-1,))], [("OUTPUT0", "FP16", (-1,))], _identity,
+                  max_batch_size=0),
+        FakeModel("not_ready", [("INPUT0", "FP32", (4,))], [("OUTPUT0", "FP32", (4,))], _identity, ready=False),
+        FakeModel("explode", [("INPUT0", "FP32", (4,))], [("OUTPUT0", "FP32", (4,))], _explode),
+    ]
+
+
+@dataclass
+class FakeCore:
+    models: dict[str, FakeModel] = field(default_factory=lambda: {m.name: m for m in default_models()})
+    live: bool = True
+    ready: bool = True
+    last_request: InferRequest | None = None
+
+    @classmethod
+    def with_models(cls, models: Iterable[FakeModel]) -> FakeCore:
+        return cls(models={m.name: m for m in models})
+
+    # --- health and metadata -------------------------------------------------------------------------------------
+    def server_live(self) -> bool:
+        return self.live
+
+    def server_ready(self) -> bool:
+        return self.ready
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "gpud", "version": "0.1.0-fake",
+                "extensions": ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]}
+
+    def _model(self, name: str, version: str = "") -> FakeModel:
+        model = self.models.get(name)
+        if model is None:
+            raise InferenceError(ErrorKind.NOT_FOUND, f"unknown model '{name}'")
+        if version not in ("", model.version):
+            raise InferenceError(ErrorKind.NOT_FOUND, f"unknown version '{version}' of model '{name}'")
+        return model
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return self._model(name, version).ready
+
+    def _shape(self, model: FakeModel, dims: tuple[int, ...]) -> list[int]:
+        return ([-1] if model.max_batch_size > 0 else []) + list(dims)
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        m = self._model(name, version)
+        return {"name": m.name, "versions": [m.version], "platform": "onnxruntime_onnx",
+                "inputs": [{"name": n, "datatype": d, "shape": self._shape(m, s)} for n, d, s in m.inputs],
+                "outputs": [{"name": n, "datatype": d, "shape": self._shape(m, s)} for n, d, s in m.outputs]}
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        m = self._model(name, version)
+        return {"name": m.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+                "max_batch_size": m.max_batch_size,
+                "input": [{"name": n, "data_type": triton_type(d), "dims": list(s)} for n, d, s in m.inputs],
+                "output": [{"name": n, "data_type": triton_type(d), "dims": list(s)} for n, d, s in m.outputs],
+                "instance_group": [{"name": f"{m.name}_0", "kind": "KIND_CPU", "count": 1}],
+                "dynamic_batching": {"max_queue_delay_microseconds": 100}}
+
+    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        models = [self._model(name, version)] if name else list(self.models.values())
+        return {"model_stats": [
+            {"name": m.name, "version": m.version, "last_inference": 0, "inference_count": m.inference_count,
+             "execution_count": m.inference_count,
+             "inference_stats": {"success": {"count": m.inference_count, "ns": 0},
+                                 "fail": {"count": m.failure_count, "ns": 0},
+                                 "queue": {"count": 0, "ns": 0}, "compute_input": {"count": 0, "ns": 0},
+                                 "compute_infer": {"count": 0, "ns": 0}, "compute_output": {"count": 0, "ns": 0},
+                                 "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}},
+             "batch_stats": []} for m in models]}
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        return [{"name": m.name, "version": m.version, "state": "READY" if m.ready else "UNAVAILABLE",
+                 "reason": "" if m.ready else "unloaded"}
+                for m in self.models.values() if m.ready or not ready_only]
+
+    def inspect(self) -> dict[str, Any]:
+        return {"devices": [{"name": "cpu", "kind": "CPU"}],
+                "models": [{"name": m.name, "ready": m.ready} for m in self.models.values()]}
+
+    async def load_model(self, name: str) -> None:
+        self._model(name).ready = True
+
+    async def unload_model(self, name: str) -> None:
+        self._model(name).ready = False
+
+    # --- inference -----------------------------------------------------------------------------------------------
+    def _check_input(self, model: FakeModel, tensor: InferTensor, spec: Spec) -> None:
+        name, datatype, dims = spec
+        if tensor.datatype != datatype:
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"input '{name}' of model '{model.name}' has datatype {tensor.datatype}, "
+                                 f"expected {datatype}")
+        expected = self._shape(model, dims)
+        shape = list(tensor.shape)
+        if len(shape) != len(expected) or any(e != -1 and e != s for e, s in zip(expected, shape)):
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"input '{name}' of model '{model.name}' has shape {shape}, expected {expected}")
+        if model.max_batch_size > 0 and shape[0] > model.max_batch_size:
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"batch size {shape[0]} exceeds max_batch_size {model.max_batch_size}")
+        if tensor.data.shape != tuple(shape) or (datatype != "BYTES" and tensor.data.dtype != numpy_dtype(datatype)):
+            raise InferenceError(ErrorKind.INTERNAL, f"adapter built a bad array for input '{name}'")
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        self.last_request = request
+        model = self._model(request.model_name, request.model_version)
+        if not model.ready:
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"model '{model.name}' is not ready")
+        specs = {spec[0]: spec for spec in model.inputs}
+        given = {t.name: t for t in request.inputs}
+        if set(given) != set(specs):
+            model.failure_count += 1
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"model '{model.name}' expects inputs {sorted(specs)}, got {sorted(given)}")
+        for name, tensor in given.items():
+            self._check_input(model, tensor, specs[name])
+        out_specs = {spec[0]: spec for spec in model.outputs}
+        wanted = [o.name for o in request.outputs] if request.outputs is not None else list(out_specs)
+        for name in wanted:
+            if name not in out_specs:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"unknown output '{name}' of model '{model.name}'")
+        results = model.compute({name: t.data for name, t in given.items()})
+        model.inference_count += 1
+        outputs = [InferTensor(name, out_specs[name][1], tuple(results[name].shape), results[name]) for name in wanted]
+        return InferResponse(model.name, model.version, outputs, id=request.id)
+

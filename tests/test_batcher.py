@@ -1,0 +1,825 @@
+"""Deterministic tests of executor.batcher: a fake clock, no sleeps, no asyncio.
+
+Times in comments are in seconds unless a name says otherwise; 1 ms = 1_000 us = 0.001 s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from executor.batcher import (
+    QUEUE_FULL_MESSAGE,
+    REQUEST_TIMEOUT_MESSAGE,
+    BatchQueue,
+    Dispatch,
+    DispatchReason,
+    Idle,
+    QueuedRequest,
+    Wait,
+    choose_dispatch,
+    effective_timeout_us,
+    preferred_prefix_len,
+    resolve_level,
+    take_candidate,
+    timeout_error,
+)
+from executor.model_config import DynamicBatching, QueuePolicy
+from executor.types import ErrorKind, InferenceError
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def req(name: str = "r", rows: int = 1, key: object = "k", priority: int = 0, timeout_us: int = 0) -> QueuedRequest:
+    return QueuedRequest(payload=name, batch_rows=rows, shape_key=key, priority=priority, timeout_us=timeout_us)
+
+
+def names(requests) -> list[str]:
+    return [r.payload for r in requests]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make(clock, max_batch_size: int = 8, dynamic_batching: DynamicBatching | None = DynamicBatching(), **kw):
+    return BatchQueue(max_batch_size=max_batch_size, dynamic_batching=dynamic_batching, clock=clock, **kw)
+
+
+def enqueue_all(q: BatchQueue, *requests: QueuedRequest) -> list[QueuedRequest]:
+    for r in requests:
+        q.enqueue(r)
+    return list(requests)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TestResolveLevel:
+    @pytest.mark.parametrize(
+        "priority, levels, default, expected",
+        [
+            (0, 0, 0, 0),  # levels off: everything at level 0
+            (3, 0, 0, 0),  # levels off: a priority is ignored
+            (0, 3, 2, 2),  # 0 = the default level
+            (1, 3, 2, 1),
+            (3, 3, 2, 3),
+            (4, 3, 2, 2),  # above priority_levels: the default level, as Triton's SetPriority
+        ],
+    )
+    def test_levels(self, priority, levels, default, expected):
+        assert resolve_level(priority, levels, default) == expected
+
+    def test_negative_priority_is_invalid(self):
+        with pytest.raises(InferenceError) as e:
+            resolve_level(-1, 3, 1)
+        assert e.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+class TestEffectiveTimeout:
+    @pytest.mark.parametrize(
+        "request_us, default_us, override, expected_us",
+        [
+            (0, 0, False, 0),  # nothing set: no timeout
+            (0, 500, False, 500),  # the level's default
+            (100, 500, False, 500),  # override not allowed: the request's own timeout is ignored
+            (100, 500, True, 100),  # allowed and shorter: 100 < 500
+            (900, 500, True, 500),  # allowed but longer: may not lengthen
+            (100, 0, True, 100),  # no default counts as the longest: any request timeout is shorter
+            (0, 500, True, 500),  # 0 = "use the default"
+        ],
+    )
+    def test_table(self, request_us, default_us, override, expected_us):
+        policy = QueuePolicy(default_timeout_us=default_us, allow_timeout_override=override)
+        assert effective_timeout_us(request_us, policy) == expected_us
+
+    def test_negative_timeout_is_invalid(self):
+        with pytest.raises(InferenceError) as e:
+            effective_timeout_us(-5, QueuePolicy())
+        assert e.value.kind is ErrorKind.INVALID_ARGUMENT
+
+
+class TestTakeCandidate:
+    @pytest.mark.parametrize(
+        "spec, max_rows, expected_names, expected_blocked",
+        [
+            ([("a", 1, "k"), ("b", 1, "k")], 8, ["a", "b"], False),  # 1 + 1 = 2 <= 8, queue exhausted
+            ([("a", 3, "k"), ("b", 3, "k"), ("c", 3, "k")], 8, ["a", "b"], True),  # 3 + 3 + 3 = 9 > 8
+            ([("a", 4, "k"), ("b", 4, "k"), ("c", 1, "k")], 8, ["a", "b"], True),  # 4 + 4 = 8, c cannot fit
+            ([("a", 1, "k"), ("b", 1, "x"), ("c", 1, "k")], 8, ["a"], True),  # b's key stops it; c not reached
+            ([("a", 9, "k"), ("b", 1, "k")], 8, ["a"], True),  # head alone even above the limit (after shrink)
+            ([], 8, [], False),
+        ],
+    )
+    def test_table(self, spec, max_rows, expected_names, expected_blocked):
+        batch, blocked = take_candidate([req(n, rows, key) for n, rows, key in spec], max_rows)
+        assert names(batch) == expected_names
+        assert blocked is expected_blocked
+
+
+class TestPreferredPrefixLen:
+    @pytest.mark.parametrize(
+        "rows, preferred, expected",
+        [
+            ([1, 1, 1, 1, 1], [4], 4),  # cumulative 1,2,3,4,5: 4 at the 4th request
+            ([1, 1, 1, 1, 1], [2, 4], 4),  # 2 and 4 both pass; the longest prefix wins
+            ([3, 3], [4], 0),  # cumulative 3,6 skips 4
+            ([2, 2, 4], [4, 8], 3),  # cumulative 2,4,8
+            ([1, 1], [], 0),
+        ],
+    )
+    def test_table(self, rows, preferred, expected):
+        assert preferred_prefix_len(rows, preferred) == expected
+
+
+class TestChooseDispatch:
+    @pytest.mark.parametrize(
+        "rows, blocked, preferred, delay_us, exceeded, lone, expected",
+        [
+            ([1, 1, 1, 1, 1], False, [4], 1000, False, False, (4, DispatchReason.PREFERRED)),  # cum 4 in [4]
+            ([1, 1, 1, 1, 1], False, [4], 1000, True, False, (5, DispatchReason.FULL)),  # late: all; 5 >= max pref 4
+            ([1, 1, 1], False, [4], 1000, True, False, (3, DispatchReason.DELAY)),  # late: all 3 rows
+            ([1, 1, 1], False, [], 1000, False, False, None),  # 3 < max_batch_size 8, delay running: wait
+            ([1, 1, 1], True, [], 1000, False, False, (3, DispatchReason.FULL)),  # blocked: cannot grow
+            ([4, 4], False, [], 1000, False, False, (2, DispatchReason.FULL)),  # 4 + 4 = 8 = max_batch_size
+            ([3, 3], False, [4], 1000, False, False, (2, DispatchReason.FULL)),  # 6 >= largest preferred 4
+            ([1, 1], False, [], 0, False, False, (2, DispatchReason.DELAY)),  # delay 0: never wait
+            ([1, 1, 1], False, [2], 0, False, False, (2, DispatchReason.PREFERRED)),  # delay 0: preferred still cuts
+            ([1], False, [], 1000, False, True, (1, DispatchReason.LONE)),  # gpud rule
+            ([1], False, [], 1000, False, False, None),
+        ],
+    )
+    def test_table(self, rows, blocked, preferred, delay_us, exceeded, lone, expected):
+        assert (
+            choose_dispatch(
+                rows,
+                blocked=blocked,
+                max_batch_size=8,
+                preferred_batch_sizes=preferred,
+                max_queue_delay_us=delay_us,
+                delay_exceeded=exceeded,
+                lone=lone,
+            )
+            == expected
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Construction and enqueue
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TestValidation:
+    @pytest.mark.parametrize(
+        "mbs, db",
+        [
+            (-1, None),
+            (8, DynamicBatching(max_queue_delay_us=-1)),
+            (8, DynamicBatching(preferred_batch_sizes=(9,))),  # 9 > max_batch_size 8
+            (8, DynamicBatching(preferred_batch_sizes=(0,))),
+            (8, DynamicBatching(priority_levels=3, default_priority_level=0)),  # default must be in 1..3
+            (8, DynamicBatching(priority_levels=3, default_priority_level=4)),
+            (8, DynamicBatching(priority_levels=2, default_priority_level=1, priority_queue_policy={3: QueuePolicy()})),
+            (8, DynamicBatching(default_queue_policy=QueuePolicy(timeout_action="DROP"))),
+            (8, DynamicBatching(default_queue_policy=QueuePolicy(max_queue_size=-1))),
+        ],
+    )
+    def test_bad_config_raises_at_once(self, clock, mbs, db):
+        with pytest.raises(ValueError):
+            make(clock, mbs, db)
+
+
+class TestEnqueue:
+    def test_sets_time_level_and_deadline(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=QueuePolicy(default_timeout_us=2_000)))
+        clock.now = 5.0
+        r = req()
+        q.enqueue(r)
+        assert r.enqueue_time_s == 5.0
+        assert r.deadline_s == pytest.approx(5.002)  # 5.0 + 2_000 us
+        assert (r.level, r.delayed) == (0, False)
+        assert (len(q), q.pending_rows, q.oldest_enqueue_time_s) == (1, 1, 5.0)
+
+    @pytest.mark.parametrize(
+        "mbs, rows",
+        [
+            (8, 0),  # below 1
+            (8, 9),  # above max_batch_size 8
+            (0, 2),  # a model that does not batch: one "row", the whole request
+        ],
+    )
+    def test_bad_rows_are_invalid(self, clock, mbs, rows):
+        q = make(clock, max_batch_size=mbs)
+        with pytest.raises(InferenceError) as e:
+            q.enqueue(req(rows=rows))
+        assert e.value.kind is ErrorKind.INVALID_ARGUMENT
+        assert len(q) == 0
+
+    def test_enqueue_twice_is_a_bug(self, clock):
+        q = make(clock)
+        r = req()
+        q.enqueue(r)
+        with pytest.raises(ValueError):
+            q.enqueue(r)
+
+
+class TestMaxQueueSize:
+    def test_full_level_rejects_and_changes_nothing(self, clock):
+        db = DynamicBatching(max_queue_delay_us=10_000, default_queue_policy=QueuePolicy(max_queue_size=2))
+        q = make(clock, dynamic_batching=db)
+        a, b = enqueue_all(q, req("a"), req("b"))
+        clock.advance(0.001)
+        before = (len(q), q.pending_rows, q.oldest_enqueue_time_s, q.level_sizes())
+        with pytest.raises(InferenceError) as e:
+            q.enqueue(req("c", rows=3))
+        assert e.value.kind is ErrorKind.UNAVAILABLE
+        assert QUEUE_FULL_MESSAGE in e.value.message  # Triton's text, which clients match on
+        assert (len(q), q.pending_rows, q.oldest_enqueue_time_s, q.level_sizes()) == before
+        # Decisions are those of a queue that never saw c: 2 rows, delay 10 ms from t=0 -> wait until 0.010
+        assert q.decide(1) == Wait(until_s=0.010)
+
+    def test_limit_is_per_level(self, clock):
+        db = DynamicBatching(
+            priority_levels=2,
+            default_priority_level=2,
+            priority_queue_policy={1: QueuePolicy(max_queue_size=1)},
+        )
+        q = make(clock, dynamic_batching=db)
+        q.enqueue(req("hi1", priority=1))
+        with pytest.raises(InferenceError):
+            q.enqueue(req("hi2", priority=1))  # level 1 holds 1 of 1
+        q.enqueue(req("lo", priority=2))  # level 2 uses the default policy: unbounded
+        assert q.level_sizes() == {1: 1, 2: 1}
+
+    def test_delayed_requests_count(self, clock):
+        policy = QueuePolicy(max_queue_size=1, default_timeout_us=1_000, timeout_action="DELAY")
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=policy))
+        q.enqueue(req("a"))
+        clock.advance(0.002)  # 2 ms > 1 ms timeout
+        assert q.expire() == []  # DELAY: stays queued
+        with pytest.raises(InferenceError):
+            q.enqueue(req("b"))
+
+    def test_space_frees_after_dispatch(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=QueuePolicy(max_queue_size=1)))
+        q.enqueue(req("a"))
+        assert isinstance(q.decide(1), Dispatch)
+        q.enqueue(req("b"))
+        assert len(q) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decision rules
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class TestNoFreeInstance:
+    def test_empty_queue_is_idle(self, clock):
+        assert make(clock).decide(1) == Idle()
+
+    def test_idle_without_deadlines(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=0))
+        enqueue_all(q, req("a"), req("b"))
+        assert q.decide(0) == Idle()  # would dispatch with an instance, but none is free
+        assert len(q) == 2
+
+    def test_waits_for_earliest_deadline(self, clock):
+        policy = QueuePolicy(default_timeout_us=5_000, allow_timeout_override=True)
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=policy))
+        q.enqueue(req("a"))  # deadline 0 + 5 ms = 0.005
+        clock.advance(0.001)
+        q.enqueue(req("b", timeout_us=2_000))  # deadline 0.001 + 2 ms = 0.003 < 0.005
+        assert q.decide(0) == Wait(until_s=pytest.approx(0.003))
+
+
+class TestFullBatch:
+    def test_rows_reach_max_batch_size(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=1_000_000))
+        enqueue_all(q, req("a", rows=4), req("b", rows=4))
+        d = q.decide(1)
+        assert d == Dispatch(requests=d.requests, rows=8, reason=DispatchReason.FULL)  # 4 + 4 = 8
+        assert names(d.requests) == ["a", "b"]
+        assert len(q) == 0
+
+    def test_next_request_does_not_fit(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=1_000_000))
+        enqueue_all(q, req("a", rows=5), req("b", rows=4))  # 5 + 4 = 9 > 8
+        d = q.decide(2)
+        assert (names(d.requests), d.rows, d.reason) == (["a"], 5, DispatchReason.FULL)
+        # b is now alone in the queue with an instance free: the gpud rule sends it
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["b"], DispatchReason.LONE)
+
+    def test_other_shape_key_ends_the_batch_and_keeps_order(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=1_000_000))
+        enqueue_all(q, req("a", key=(3, 224)), req("b", key=(3, 112)), req("c", key=(3, 224)))
+        d = q.decide(3)
+        # b blocks: a cannot grow, and c is not pulled past b (Triton keeps order)
+        assert (names(d.requests), d.reason) == (["a"], DispatchReason.FULL)
+        d = q.decide(2)
+        assert (names(d.requests), d.reason) == (["b"], DispatchReason.FULL)
+
+
+class TestPreferredSizes:
+    DB = DynamicBatching(preferred_batch_sizes=(2, 4), max_queue_delay_us=100_000)
+
+    def test_longest_preferred_prefix(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        enqueue_all(q, *(req(f"r{i}") for i in range(5)))
+        d = q.decide(1)
+        # cumulative rows 1,2,3,4,5 pass 2 and 4: the longest prefix is 4 requests
+        assert (names(d.requests), d.rows, d.reason) == (["r0", "r1", "r2", "r3"], 4, DispatchReason.PREFERRED)
+        assert len(q) == 1
+
+    def test_below_preferred_waits_for_delay(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(preferred_batch_sizes=(4,), max_queue_delay_us=100_000))
+        enqueue_all(q, req("a"), req("b"), req("c"))  # 3 rows: no prefix hits 4
+        assert q.decide(1) == Wait(until_s=0.1)  # 0 + 100_000 us
+        clock.now = 0.1
+        d = q.decide(1)
+        assert (d.rows, d.reason) == (3, DispatchReason.DELAY)
+
+    def test_late_batch_is_not_cut_to_preferred(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        enqueue_all(q, req("a"), req("b"), req("c"))
+        clock.now = 0.1  # the delay ran out: Triton sends the whole pending batch, 3 rows, not the prefix of 2
+        d = q.decide(1)
+        assert (d.rows, d.reason) == (3, DispatchReason.DELAY)
+
+    def test_rows_skipping_every_preferred_size_dispatch_at_largest(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(preferred_batch_sizes=(4,), max_queue_delay_us=100_000))
+        enqueue_all(q, req("a", rows=3), req("b", rows=3))  # cumulative 3, 6: never 4, but 6 >= 4
+        d = q.decide(1)
+        assert (d.rows, d.reason) == (6, DispatchReason.FULL)
+
+
+class TestQueueDelay:
+    DB = DynamicBatching(max_queue_delay_us=10_000)  # 10 ms
+
+    def test_delay_is_timed_from_the_oldest_request(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        q.enqueue(req("a"))  # t = 0
+        clock.now = 0.004
+        q.enqueue(req("b"))  # t = 0.004
+        assert q.decide(1) == Wait(until_s=0.010)  # 0 + 10 ms, not 0.004 + 10 ms = 0.014
+        clock.now = 0.00999
+        assert q.decide(1) == Wait(until_s=0.010)
+        clock.now = 0.010
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["a", "b"], DispatchReason.DELAY)
+
+    def test_wait_at_until_always_dispatches(self, clock):
+        # until_s and the "delay passed" test share one expression, so an awkward float cannot make the driver spin
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=100))
+        clock.now = 0.3
+        enqueue_all(q, req("a"), req("b"))
+        wait = q.decide(1)
+        assert isinstance(wait, Wait)
+        clock.now = wait.until_s
+        assert isinstance(q.decide(1), Dispatch)
+
+    def test_wait_is_earlier_for_a_deadline(self, clock):
+        policy = QueuePolicy(default_timeout_us=3_000)
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=10_000, default_queue_policy=policy))
+        enqueue_all(q, req("a"), req("b"))
+        assert q.decide(1) == Wait(until_s=0.003)  # min(0 + 10 ms, 0 + 3 ms)
+
+    def test_zero_delay_dispatches_what_is_there(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching())  # Triton's `dynamic_batching { }`
+        enqueue_all(q, req("a"), req("b"), req("c"))
+        d = q.decide(1)
+        assert (d.rows, d.reason) == (3, DispatchReason.DELAY)
+
+
+class TestLoneRequest:
+    DB = DynamicBatching(max_queue_delay_us=100_000, preferred_batch_sizes=(4,))
+
+    def test_only_request_goes_at_once(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        q.enqueue(req("a"))
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["a"], DispatchReason.LONE)
+
+    def test_two_requests_wait(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        enqueue_all(q, req("a"), req("b"))
+        assert q.decide(1) == Wait(until_s=0.1)  # 0 + 100 ms
+
+    def test_no_instance_no_dispatch(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        q.enqueue(req("a"))
+        assert q.decide(0) == Idle()
+
+    def test_triton_behaviour_when_disabled(self, clock):
+        q = make(clock, dynamic_batching=self.DB, dispatch_lone_request=False)
+        q.enqueue(req("a"))
+        assert q.decide(1) == Wait(until_s=0.1)
+
+
+class TestPriorities:
+    DB = DynamicBatching(priority_levels=3, default_priority_level=2, max_queue_delay_us=0)
+
+    def test_higher_level_first_fifo_within(self, clock):
+        q = make(clock, max_batch_size=1, dynamic_batching=self.DB)  # batches of one show the order
+        enqueue_all(
+            q,
+            req("lo", priority=3),
+            req("mid1", priority=0),  # 0 -> default level 2
+            req("hi", priority=1),
+            req("mid2", priority=2),
+            req("mid3", priority=7),  # 7 > 3 levels -> default level 2
+        )
+        order = [q.decide(1).requests[0].payload for _ in range(5)]
+        assert order == ["hi", "mid1", "mid2", "mid3", "lo"]
+
+    def test_batch_spans_levels_in_priority_order(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        enqueue_all(q, req("lo", priority=3), req("hi", priority=1), req("mid", priority=2))
+        d = q.decide(1)
+        assert names(d.requests) == ["hi", "mid", "lo"]
+
+    def test_higher_level_of_another_shape_goes_first_alone(self, clock):
+        q = make(clock, dynamic_batching=self.DB)
+        enqueue_all(q, req("lo1", priority=3), req("lo2", priority=3), req("hi", key="x", priority=1))
+        assert names(q.decide(2).requests) == ["hi"]
+        assert names(q.decide(1).requests) == ["lo1", "lo2"]
+
+
+class TestTimeouts:
+    def test_reject_expires_at_deadline(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=QueuePolicy(default_timeout_us=1_000)))
+        a = req("a")
+        q.enqueue(a)  # deadline 0.001
+        clock.now = 0.0009
+        assert q.expire() == []
+        clock.now = 0.001
+        assert q.expire() == [a]
+        assert (len(q), q.pending_rows, a in q) == (0, 0, False)
+        assert q.expire() == []  # once only
+        assert timeout_error().message == REQUEST_TIMEOUT_MESSAGE
+        assert timeout_error().kind is ErrorKind.UNAVAILABLE
+
+    def test_decide_never_dispatches_a_timed_out_request(self, clock):
+        policy = QueuePolicy(default_timeout_us=1_000)
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=policy))
+        a = req("a")
+        q.enqueue(a)
+        clock.now = 0.002
+        # the driver forgot expire(): decide asks to be run again now (until 0.001 <= now 0.002)
+        assert q.decide(1) == Wait(until_s=0.001)
+        assert q.expire() == [a]
+        assert q.decide(1) == Idle()
+
+    def test_timed_out_request_is_skipped_not_blocking(self, clock):
+        policy = QueuePolicy(default_timeout_us=5_000, allow_timeout_override=True)
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=policy))
+        enqueue_all(q, req("a", timeout_us=1_000), req("b"), req("c"))
+        clock.now = 0.002  # a passed 0.001; b, c have until 0.005
+        assert names(q.decide(1).requests) == ["b", "c"]
+        assert names(q.expire()) == ["a"]
+
+    def test_delay_action_moves_request_behind_its_level(self, clock):
+        policy = QueuePolicy(default_timeout_us=5_000, allow_timeout_override=True, timeout_action="DELAY")
+        q = make(clock, max_batch_size=1, dynamic_batching=DynamicBatching(default_queue_policy=policy))
+        a, b, c = enqueue_all(q, req("a", timeout_us=1_000), req("b"), req("c"))
+        clock.now = 0.001  # a's deadline 0 + 1 ms
+        assert q.expire() == []  # DELAY: not returned
+        assert (a.delayed, a in q, len(q)) == (True, True, 3)
+        order = [q.decide(1).requests[0].payload for _ in range(3)]
+        assert order == ["b", "c", "a"]
+
+    def test_delayed_request_no_longer_sets_a_deadline(self, clock):
+        policy = QueuePolicy(default_timeout_us=1_000, timeout_action="DELAY")
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=50_000, default_queue_policy=policy))
+        enqueue_all(q, req("a"), req("b"))
+        assert q.decide(1) == Wait(until_s=0.001)  # min(0.050, 0.001)
+        clock.now = 0.001
+        q.expire()
+        assert q.decide(1) == Wait(until_s=0.050)  # both delayed: only the batching delay remains
+
+    def test_delayed_stays_within_its_level(self, clock):
+        db = DynamicBatching(
+            priority_levels=2,
+            default_priority_level=2,
+            priority_queue_policy={1: QueuePolicy(default_timeout_us=1_000, timeout_action="DELAY")},
+        )
+        q = make(clock, max_batch_size=1, dynamic_batching=db)
+        enqueue_all(q, req("hi_late", priority=1), req("lo", priority=2))
+        clock.now = 0.001
+        q.expire()
+        # delayed only behind level 1's undelayed requests: still ahead of level 2
+        assert [q.decide(1).requests[0].payload for _ in range(2)] == ["hi_late", "lo"]
+
+    def test_reject_and_delay_per_level(self, clock):
+        db = DynamicBatching(
+            priority_levels=2,
+            default_priority_level=1,
+            priority_queue_policy={
+                1: QueuePolicy(default_timeout_us=1_000, timeout_action="REJECT"),
+                2: QueuePolicy(default_timeout_us=1_000, timeout_action="DELAY"),
+            },
+        )
+        q = make(clock, dynamic_batching=db)
+        r1, r2 = enqueue_all(q, req("r1", priority=1), req("r2", priority=2))
+        clock.now = 0.001
+        assert q.expire() == [r1]
+        assert (r2 in q, r2.delayed) == (True, True)
+
+    def test_requeued_request_gets_a_fresh_deadline(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=QueuePolicy(default_timeout_us=1_000)))
+        a = req("a")
+        q.enqueue(a)  # deadline 0 + 1 ms = 0.001
+        assert names(q.decide(1).requests) == ["a"]
+        clock.now = 0.0005
+        q.enqueue(a)  # the driver retries it: deadline 0.0005 + 1 ms = 0.0015
+        clock.now = 0.001
+        assert q.expire() == []  # the first deadline belongs to the earlier stay
+        clock.now = 0.0015
+        assert q.expire() == [a]
+
+    def test_no_dynamic_batching_means_no_timeouts(self, clock):
+        q = make(clock, dynamic_batching=None)
+        q.enqueue(req("a", timeout_us=1))
+        assert q.decide(0) == Idle()
+        clock.now = 10.0
+        assert q.expire() == []
+
+
+class TestNonBatching:
+    def test_no_dynamic_batching_one_request_per_batch_fifo(self, clock):
+        q = make(clock, max_batch_size=8, dynamic_batching=None)
+        enqueue_all(q, req("a", priority=1), req("b"), req("c"))  # no levels: priority is ignored
+        ds = [q.decide(1) for _ in range(3)]
+        assert [names(d.requests) for d in ds] == [["a"], ["b"], ["c"]]
+        assert {d.reason for d in ds} == {DispatchReason.UNBATCHED}
+        assert q.decide(1) == Idle()
+
+    def test_model_that_does_not_batch_keeps_queue_policy(self, clock):
+        db = DynamicBatching(
+            max_queue_delay_us=100_000,
+            priority_levels=2,
+            default_priority_level=2,
+            default_queue_policy=QueuePolicy(max_queue_size=2),
+        )
+        q = make(clock, max_batch_size=0, dynamic_batching=db)
+        enqueue_all(q, req("lo"), req("hi", priority=1))
+        d = q.decide(2)  # no waiting for a delay: a batch of one cannot grow
+        assert (names(d.requests), d.rows, d.reason) == (["hi"], 1, DispatchReason.UNBATCHED)
+        q.enqueue(req("lo2"))
+        with pytest.raises(InferenceError):
+            q.enqueue(req("lo3"))  # level 2 holds 2 of 2
+
+
+class TestRemoveAndDrain:
+    def test_remove_is_idempotent(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=100_000))
+        a, b = enqueue_all(q, req("a", rows=2), req("b", rows=3))
+        assert q.remove(a) is True
+        assert q.remove(a) is False
+        assert (len(q), q.pending_rows, q.oldest_enqueue_time_s) == (1, 3, 0.0)
+        d = q.decide(1)
+        assert names(d.requests) == ["b"]
+        assert q.remove(b) is False  # dispatched: no longer queued
+
+    def test_removed_request_with_deadline_sets_no_timer(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(default_queue_policy=QueuePolicy(default_timeout_us=1_000)))
+        a = req("a")
+        q.enqueue(a)
+        q.remove(a)
+        assert q.decide(0) == Idle()
+        clock.now = 1.0
+        assert q.expire() == []
+
+    def test_drain_returns_everything_in_dispatch_order(self, clock):
+        db = DynamicBatching(priority_levels=2, default_priority_level=2, max_queue_delay_us=100_000)
+        q = make(clock, dynamic_batching=db)
+        enqueue_all(q, req("lo"), req("hi", priority=1), req("lo2"))
+        assert names(q.drain()) == ["hi", "lo", "lo2"]
+        assert (len(q), q.pending_rows, q.oldest_enqueue_time_s, q.decide(1)) == (0, 0, None, Idle())
+
+    def test_oldest_follows_removals(self, clock):
+        q = make(clock, dynamic_batching=DynamicBatching(max_queue_delay_us=100_000))
+        a = req("a")
+        q.enqueue(a)  # t = 0
+        clock.now = 0.05
+        q.enqueue(req("b"))  # t = 0.05
+        q.remove(a)
+        assert q.oldest_enqueue_time_s == 0.05
+        clock.now = 0.06
+        q.enqueue(req("c"))
+        assert q.decide(1) == Wait(until_s=pytest.approx(0.15))  # 0.05 + 100 ms
+
+
+class TestReconfigure:
+    def test_applies_from_next_decision(self, clock):
+        q = make(clock, max_batch_size=8, dynamic_batching=DynamicBatching(max_queue_delay_us=0))
+        enqueue_all(q, *(req(f"r{i}") for i in range(6)))
+        q.reconfigure(max_batch_size=4, dynamic_batching=DynamicBatching(max_queue_delay_us=0))
+        assert q.decide(1).rows == 4  # 6 queued, now capped at 4
+        assert q.decide(1).rows == 2  # 6 - 4
+
+    def test_request_larger_than_new_limit_leaves_alone(self, clock):
+        q = make(clock, max_batch_size=8, dynamic_batching=DynamicBatching())
+        enqueue_all(q, req("big", rows=6), req("small"))
+        q.reconfigure(max_batch_size=4, dynamic_batching=DynamicBatching())
+        assert names(q.decide(1).requests) == ["big"]  # the model rejects it; it must not block the queue
+
+    def test_invalid_reconfigure_keeps_old(self, clock):
+        q = make(clock)
+        with pytest.raises(ValueError):
+            q.reconfigure(max_batch_size=-1, dynamic_batching=None)
+        assert q.max_batch_size == 8
+
+
+class TestDriverLoop:
+    """The loop the asyncio driver runs, played with a fake clock: arrivals, timers, instances."""
+
+    def test_load_burst(self, clock):
+        db = DynamicBatching(max_queue_delay_us=2_000, preferred_batch_sizes=(4, 8))
+        q = make(clock, dynamic_batching=db)
+        free = 2
+
+        def step():
+            nonlocal free
+            sent = []
+            while True:
+                d = q.decide(free)
+                if not isinstance(d, Dispatch):
+                    return sent, d
+                sent.append(names(d.requests))
+                free -= 1
+
+        q.enqueue(req("r0"))
+        assert step() == ([["r0"]], Idle())  # lone request, instance free: no waiting (gpud rule)
+        for i in range(1, 11):
+            q.enqueue(req(f"r{i}"))  # 10 arrive at t=0 while one instance is busy
+        sent, d = step()
+        assert sent == [[f"r{i}" for i in range(1, 9)]]  # cumulative 8 = preferred 8 (longest prefix)
+        assert d == Idle()  # r9, r10 queued but no instance free: nothing to time
+        free = 1  # an instance comes back at t = 0.001
+        clock.now = 0.001
+        sent, d = step()
+        assert (sent, d) == ([], Wait(until_s=0.002))  # 2 rows, delay from r9's enqueue at 0: 0 + 2 ms
+        clock.now = 0.002
+        assert step() == ([["r9", "r10"]], Idle())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Property: nothing lost, nothing duplicated, no batch too large, no spin
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def configs(draw):
+    mbs = draw(st.integers(0, 8))
+    if draw(st.booleans()):
+        return mbs, None
+    levels = draw(st.integers(0, 3))
+    policies = st.builds(
+        QueuePolicy,
+        max_queue_size=st.integers(0, 4),
+        default_timeout_us=st.sampled_from([0, 1_000, 5_000]),
+        timeout_action=st.sampled_from(["REJECT", "DELAY"]),
+        allow_timeout_override=st.booleans(),
+    )
+    preferred = draw(st.lists(st.integers(1, mbs), max_size=3, unique=True)) if mbs else []
+    db = DynamicBatching(
+        preferred_batch_sizes=tuple(preferred),
+        max_queue_delay_us=draw(st.sampled_from([0, 500, 2_000, 10_000])),
+        priority_levels=levels,
+        default_priority_level=draw(st.integers(1, levels)) if levels else 0,
+        default_queue_policy=draw(policies),
+        priority_queue_policy=draw(st.dictionaries(st.integers(1, levels), policies, max_size=levels)) if levels else {},
+    )
+    return mbs, db
+
+
+@dataclass
+class _Seen:
+    dispatched: int = 0
+    expired: int = 0
+    removed: int = 0
+
+
+class BatchQueueMachine(RuleBasedStateMachine):
+    @initialize(config=configs())
+    def setup(self, config):
+        self.mbs, self.db = config
+        self.clock = FakeClock()
+        self.q = BatchQueue(max_batch_size=self.mbs, dynamic_batching=self.db, clock=self.clock)
+        self.accepted: list[QueuedRequest] = []
+        self.state: dict[int, str] = {}  # id(request) -> queued | dispatched | expired | removed
+        self.n = 0
+
+    def queued(self) -> list[QueuedRequest]:
+        return [r for r in self.accepted if self.state[id(r)] == "queued"]
+
+    def _mark(self, r: QueuedRequest, new: str) -> None:
+        assert self.state[id(r)] == "queued", f"{r.payload} was {self.state[id(r)]}, now {new}"
+        self.state[id(r)] = new
+
+    @rule(rows=st.integers(1, 4), key=st.sampled_from(["a", "b"]), priority=st.integers(0, 4),
+          timeout_us=st.sampled_from([0, 500, 3_000]))
+    def enqueue(self, rows, key, priority, timeout_us):
+        self.n += 1
+        r = req(f"r{self.n}", rows=rows, key=key, priority=priority, timeout_us=timeout_us)
+        before = (len(self.q), self.q.pending_rows)
+        try:
+            self.q.enqueue(r)
+        except InferenceError:
+            assert (len(self.q), self.q.pending_rows) == before  # a refused request changes nothing
+            return
+        self.accepted.append(r)
+        self.state[id(r)] = "queued"
+
+    @rule(seconds=st.sampled_from([0.0, 0.0005, 0.001, 0.003, 0.01]))
+    def advance(self, seconds):
+        self.clock.advance(seconds)
+
+    def _check_and_record(self, d, free: int) -> None:
+        if not isinstance(d, Dispatch):
+            return
+        assert free > 0
+        assert len({id(r) for r in d.requests}) == len(d.requests)
+        assert d.rows == sum(r.batch_rows for r in d.requests)
+        assert d.rows <= max(self.mbs, 1)
+        assert len({r.shape_key for r in d.requests}) == 1
+        if self.mbs == 0 or self.db is None:
+            assert len(d.requests) == 1
+        for r in d.requests:
+            # a REJECT request is never dispatched once its deadline has passed
+            if r.deadline_s is not None and not r.delayed:
+                assert self.db.queue_policy(r.level).timeout_action == "DELAY" or self.clock.now < r.deadline_s
+            self._mark(r, "dispatched")
+
+    @rule(free=st.integers(0, 3))
+    def decide(self, free):
+        self._check_and_record(self.q.decide(free), free)
+
+    @rule(free=st.integers(0, 3))
+    def sleep_until_timer(self, free):
+        # The driver's timer wakes exactly at until_s: the instant where an off-by-one between Wait and the
+        # "has it passed" tests would make it spin.
+        d = self.q.decide(free)
+        self._check_and_record(d, free)
+        if isinstance(d, Wait) and d.until_s > self.clock.now:
+            self.clock.now = d.until_s
+
+    @rule(free=st.integers(0, 3))
+    def expire_then_decide_makes_progress(self, free):
+        for r in self.q.expire():
+            self._mark(r, "expired")
+        d = self.q.decide(free)
+        if isinstance(d, Wait):
+            assert d.until_s > self.clock.now  # after expire() a timer is always in the future: no spin
+        self._check_and_record(d, free)
+
+    @precondition(lambda self: self.accepted)
+    @rule(i=st.integers(0, 1_000))
+    def remove(self, i):
+        r = self.accepted[i % len(self.accepted)]
+        was_queued = self.state[id(r)] == "queued"
+        assert self.q.remove(r) is was_queued
+        if was_queued:
+            self._mark(r, "removed")
+
+    @rule()
+    def drain(self):
+        for r in self.q.drain():
+            self._mark(r, "removed")
+
+    @invariant()
+    def every_request_accounted_for_once(self):
+        if not hasattr(self, "q"):
+            return
+        queued = self.queued()
+        assert len(self.q) == len(queued)
+        assert all(r in self.q for r in queued)
+        assert self.q.pending_rows == sum(r.batch_rows for r in queued)
+        expected_oldest = min((r.enqueue_time_s for r in queued), default=None)
+        assert self.q.oldest_enqueue_time_s == expected_oldest
+
+    def teardown(self):
+        if hasattr(self, "q"):
+            self.q.drain()
+
+
+BatchQueueMachine.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestBatchQueueProperties = BatchQueueMachine.TestCase
