@@ -458,7 +458,7 @@ class BatchQueue:
         # every dispatchable request, so this equals Triton's "oldest request in the pending batch" whenever it
         # matters (a blocked candidate goes at once anyway).
         delay_ends_s = self._delay_ends_s(db)
-        delay_exceeded = db.max_queue_delay_us > 0 and now_s > delay_ends_s
+        delay_exceeded = db.max_queue_delay_us > 0 and now_s >= delay_ends_s
         choice = choose_dispatch(
             [r.batch_rows for r in candidate],
             blocked=blocked,

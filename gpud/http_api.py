@@ -123,19 +123,21 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise _too_large(length, limit)
-    if length is not None and _content_encoding(request) is None:
-        try:
+    try:
+        if length is not None and _content_encoding(request) is None:
             return await request.content.readexactly(length)
-        except asyncio.IncompleteReadError as e:
-            raise _invalid(f"request body ended after {len(e.partial)} of {length} bytes") from None
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await request.content.readany():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except asyncio.IncompleteReadError as e:
+        raise _invalid(f"request body ended after {len(e.partial)} of {length} bytes") from None
+    except web.RequestPayloadError as e:  # e.g. a body that does not inflate with its Content-Encoding
+        raise _invalid(f"cannot read the request body: {str(e).replace(chr(10), ' ')}") from None
 
 
 def _content_encoding(request: web.Request) -> str | None:

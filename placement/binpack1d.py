@@ -268,6 +268,92 @@ def build_arcflow(sizes: Sequence[int], capacity_units: int, max_arcs: int = 400
     return types, demands, sorted(arcs)
 
 
+class _ArcFlowModel:
+    """The arc-flow model as sparse matrices: variables are item arcs then loss arcs (node -> sink)."""
+
+    def __init__(self, sizes: Sequence[int], capacity_units: int, max_arcs: int):
+        import numpy as np
+        from scipy.sparse import coo_matrix
+
+        built = build_arcflow(sizes, capacity_units, max_arcs)
+        self.ok = built is not None
+        if not self.ok:
+            return
+        self.types, self.demands, self.arcs = built
+        self.sink = sink = capacity_units
+        nodes = sorted({u for u, _, _ in self.arcs} | {v for _, v, _ in self.arcs} | {sink})
+        inner = [v for v in nodes if v not in (0, sink)]
+        row_of = {v: r for r, v in enumerate(inner)}
+        self.loss_nodes = inner
+        n_item, n_loss = len(self.arcs), len(inner)
+        self.n_item, self.n_var = n_item, n_item + n_loss
+        rows, cols, vals = [], [], []
+        n_flow = len(inner)
+        for k, (u, v, t) in enumerate(self.arcs):
+            if u in row_of:
+                rows.append(row_of[u]); cols.append(k); vals.append(-1.0)
+            if v in row_of:
+                rows.append(row_of[v]); cols.append(k); vals.append(1.0)
+            rows.append(n_flow + t); cols.append(k); vals.append(1.0)
+        for k, u in enumerate(inner):
+            rows.append(row_of[u]); cols.append(n_item + k); vals.append(-1.0)
+        self.a = coo_matrix((vals, (rows, cols)), shape=(n_flow + len(self.types), self.n_var)).tocsr()
+        self.lo = np.concatenate([np.zeros(n_flow), np.array(self.demands, dtype=float)])
+        self.hi = np.concatenate([np.zeros(n_flow), np.full(len(self.types), np.inf)])
+        self.c = np.zeros(self.n_var)
+        for k, (u, _, _) in enumerate(self.arcs):
+            if u == 0:
+                self.c[k] = 1.0
+        self.ub = np.concatenate([np.array([self.demands[t] for _, _, t in self.arcs], dtype=float),
+                                  np.full(n_loss, np.inf)])
+
+
+def arcflow_lp_bound(sizes: Sequence[int], capacity_units: int, *, max_arcs: int = 400_000):
+    """The arc-flow LP relaxation (= Gilmore-Gomory bound). Returns (ceil(LP), fractional bins as (weight, sizes))
+    or None when HiGHS is missing or the graph is too large."""
+    if not highs_available() or not sizes:
+        return None
+    import numpy as np
+    from scipy.optimize import linprog
+
+    m = _ArcFlowModel(sizes, capacity_units, max_arcs)
+    if not m.ok or not m.arcs:
+        return None
+    n_flow = len(m.loss_nodes)
+    a = m.a
+    res = linprog(m.c, A_ub=-a[n_flow:], b_ub=-m.lo[n_flow:], A_eq=a[:n_flow], b_eq=np.zeros(n_flow),
+                  bounds=list(zip([0.0] * m.n_var, m.ub)), method="highs")
+    if res.status != 0:
+        return None
+    bound = int(math.ceil(res.fun - 1e-6))
+    # decompose the fractional flow into patterns, heaviest arc first
+    out: dict[int, dict[tuple[int, int], float]] = {}
+    for k, (u, v, t) in enumerate(m.arcs):
+        if res.x[k] > 1e-9:
+            out.setdefault(u, {})[(v, t)] = res.x[k]
+    for k, u in enumerate(m.loss_nodes):
+        if res.x[m.n_item + k] > 1e-9:
+            out.setdefault(u, {})[(m.sink, -1)] = res.x[m.n_item + k]
+    patterns: list[tuple[float, list[int]]] = []
+    while out.get(0):
+        u, weight, edges, path = 0, math.inf, [], []
+        while u != m.sink and u in out:
+            key, val = max(out[u].items(), key=lambda kv: kv[1])
+            edges.append((u, key))
+            weight = min(weight, val)
+            if key[1] >= 0:
+                path.append(m.types[key[1]])
+            u = key[0]
+        for node, key in edges:
+            out[node][key] -= weight
+            if out[node][key] <= 1e-9:
+                del out[node][key]
+            if not out[node]:
+                del out[node]
+        patterns.append((weight, path))
+    return bound, patterns
+
+
 def solve_arcflow(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: float,
                   max_bins: int | None = None, max_arcs: int = 400_000) -> ArcFlowResult | None:
     """Solve bin packing exactly (within the time limit) with the arc-flow model and HiGHS. Returns None when scipy
@@ -281,63 +367,34 @@ def solve_arcflow(sizes: Sequence[int], capacity_units: int, *, time_limit_secon
         return None
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
 
-    built = build_arcflow(sizes, capacity_units, max_arcs)
-    if built is None:
+    m = _ArcFlowModel(sizes, capacity_units, max_arcs)
+    if not m.ok:
         return None
-    types, demands, arcs = built
-    if not arcs:
-        return ArcFlowResult(bins=[], lower_bound=0, optimal=True, arcs=0)
-    sink = capacity_units
-    nodes = sorted({u for u, _, _ in arcs} | {v for _, v, _ in arcs} | {sink})
-    node_index = {v: k for k, v in enumerate(nodes)}
-    inner = [v for v in nodes if v not in (0, sink)]
-    row_of = {v: r for r, v in enumerate(inner)}
-    # variables: item arcs, then loss arcs u -> sink for every node except 0 and the sink
-    loss_nodes = [v for v in nodes if v not in (0, sink)]
-    n_item, n_loss = len(arcs), len(loss_nodes)
-    n_var = n_item + n_loss
-    rows, cols, vals = [], [], []
-    n_flow = len(inner)
-    for k, (u, v, t) in enumerate(arcs):
-        if u in row_of:
-            rows.append(row_of[u]); cols.append(k); vals.append(-1.0)
-        if v in row_of:
-            rows.append(row_of[v]); cols.append(k); vals.append(1.0)
-        rows.append(n_flow + t); cols.append(k); vals.append(1.0)
-    for k, u in enumerate(loss_nodes):
-        rows.append(row_of[u]); cols.append(n_item + k); vals.append(-1.0)
-    n_rows = n_flow + len(types)
-    a = coo_matrix((vals, (rows, cols)), shape=(n_rows, n_var)).tocsr()
-    lo = np.concatenate([np.zeros(n_flow), np.array(demands, dtype=float)])
-    hi = np.concatenate([np.zeros(n_flow), np.full(len(types), np.inf)])
-    c = np.zeros(n_var)
-    for k, (u, _, _) in enumerate(arcs):
-        if u == 0:
-            c[k] = 1.0
-    constraints = [LinearConstraint(a, lo, hi)]
+    if not m.arcs:
+        return ArcFlowResult(bins=[[i for i in range(len(sizes))]] if sizes else [], lower_bound=min(1, len(sizes)),
+                             optimal=True, arcs=0)
+    constraints = [LinearConstraint(m.a, m.lo, m.hi)]
     if max_bins is not None:
-        if max_bins < 0:
-            return ArcFlowResult(bins=None, lower_bound=0, optimal=False, arcs=n_item)
-        constraints.append(LinearConstraint(c.reshape(1, -1), -np.inf, float(max_bins)))
-    ub = np.concatenate([np.array([demands[t] for _, _, t in arcs], dtype=float), np.full(n_loss, np.inf)])
-    res = milp(c, integrality=np.ones(n_var), bounds=Bounds(np.zeros(n_var), ub), constraints=constraints,
+        if max_bins <= 0:
+            return ArcFlowResult(bins=None, lower_bound=1, optimal=False, arcs=m.n_item)
+        constraints.append(LinearConstraint(m.c.reshape(1, -1), -np.inf, float(max_bins)))
+    res = milp(m.c, integrality=np.ones(m.n_var), bounds=Bounds(np.zeros(m.n_var), m.ub), constraints=constraints,
                options={"time_limit": float(time_limit_seconds), "disp": False})
     if res.status == 2:  # infeasible: no packing within max_bins exists
-        return ArcFlowResult(bins=None, lower_bound=(max_bins or 0) + 1, optimal=False, arcs=n_item)
+        return ArcFlowResult(bins=None, lower_bound=(max_bins or 0) + 1, optimal=False, arcs=m.n_item)
     dual = getattr(res, "mip_dual_bound", None)
     lb = 0
     if dual is not None and np.isfinite(dual):
         lb = int(math.ceil(dual - 1e-6))
     if res.x is None:
-        return ArcFlowResult(bins=None, lower_bound=lb, optimal=False, arcs=n_item)
+        return ArcFlowResult(bins=None, lower_bound=lb, optimal=False, arcs=m.n_item)
     x = np.rint(res.x).astype(int)
-    bins = _decompose(sizes, types, arcs, loss_nodes, x, sink)
+    bins = _decompose(sizes, m.types, m.arcs, m.loss_nodes, x, m.sink)
     optimal = res.status == 0
     if optimal:
         lb = max(lb, len(bins))
-    return ArcFlowResult(bins=bins, lower_bound=lb, optimal=optimal and lb >= len(bins), arcs=n_item)
+    return ArcFlowResult(bins=bins, lower_bound=lb, optimal=optimal and lb >= len(bins), arcs=m.n_item)
 
 
 def _decompose(sizes, types, arcs, loss_nodes, x, sink) -> Bins:
@@ -467,3 +524,92 @@ def _tabu_fill(sizes, c, cur: Bins, free: list[int], *, deadline, clock, rng) ->
         if it > 200_000:
             return False
     return True
+
+
+@dataclass(frozen=True)
+class Packing:
+    bins: Bins  # item indices per bin
+    lower_bound: int  # proven lower bound on the number of bins
+    optimal: bool  # len(bins) == lower_bound, or HiGHS proved it
+    method: str  # which stage produced the packing
+
+
+def solve(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: float, clock: Clock,
+          use_highs: bool = True, seed: int = 0) -> Packing:
+    """Best packing found within the time limit, with a lower bound. Stages, each only while the gap is open:
+    FFD/BFD and the L2 bound; the arc-flow LP bound and LP rounding (residual items re-packed); local search;
+    the arc-flow MIP with the cut "one bin fewer than the incumbent"."""
+    _check(sizes, capacity_units)
+    start = clock()
+    deadline = start + max(0.0, time_limit_seconds)
+    c = capacity_units
+    ffd = first_fit_decreasing(sizes, c)
+    bfd = best_fit_decreasing(sizes, c)
+    best, method = (bfd, "bfd") if len(bfd) <= len(ffd) else (ffd, "ffd")
+    lb = lower_bound_l2(sizes, c)
+    if len(best) <= lb or time_limit_seconds <= 0:
+        return Packing(best, lb, len(best) <= lb, method)
+    highs = use_highs and highs_available()
+    if highs:
+        lp = arcflow_lp_bound(sizes, c)
+        if lp is not None:
+            lp_bound, patterns = lp
+            lb = max(lb, lp_bound)
+            if len(best) <= lb:
+                return Packing(best, lb, True, method)
+            rounded = _round_patterns(sizes, c, patterns, deadline=deadline, clock=clock, seed=seed)
+            if len(rounded) < len(best):
+                best, method = rounded, "lp-rounding"
+            if len(best) <= lb:
+                return Packing(best, lb, True, method)
+    # local search: a share of the time when an exact stage follows, all of it otherwise
+    share = 0.35 if highs else 1.0
+    ls_deadline = clock() + share * max(0.0, deadline - clock())
+    improved = improve(sizes, c, best, deadline=ls_deadline, clock=clock, target_bins=lb, seed=seed)
+    if len(improved) < len(best):
+        best, method = improved, "local-search"
+    if len(best) <= lb:
+        return Packing(best, lb, True, method)
+    if highs:
+        remaining = deadline - clock()
+        res = solve_arcflow(sizes, c, time_limit_seconds=remaining, max_bins=len(best) - 1) if remaining > 0 else None
+        if res is not None:
+            lb = max(lb, res.lower_bound)
+            if res.bins is not None and len(res.bins) < len(best):
+                best, method = res.bins, "arc-flow-mip"
+            if res.optimal:
+                return Packing(best, max(lb, len(best)), True, method)
+    return Packing(best, lb, len(best) <= lb, method)
+
+
+def _round_patterns(sizes, c, patterns, *, deadline, clock, seed) -> Bins:
+    """Take floor(weight) copies of each fractional LP pattern while items remain, then pack the residual items."""
+    pool: dict[int, list[int]] = {}
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        pool.setdefault(sizes[i], []).append(i)
+    bins: Bins = []
+    for weight, pattern in sorted(patterns, key=lambda p: -p[0]):
+        need: dict[int, int] = {}
+        for w in pattern:
+            need[w] = need.get(w, 0) + 1
+        for _ in range(int(math.floor(weight + 1e-9))):
+            if any(len(pool.get(w, ())) < k for w, k in need.items()):
+                break
+            bins.append([pool[w].pop() for w in pattern])
+    residual = [i for lst in pool.values() for i in lst]
+    if residual:
+        sub = [sizes[i] for i in residual]
+        rb = best_fit_decreasing(sub, c)
+        rlb = lower_bound_l2(sub, c)
+        if len(rb) > rlb:
+            left = deadline - clock()
+            rb = improve(sub, c, rb, deadline=clock() + min(0.25, 0.2 * max(0.0, left)), clock=clock,
+                         target_bins=rlb, seed=seed)
+        if len(rb) > rlb:
+            left = deadline - clock()
+            res = solve_arcflow(sub, c, time_limit_seconds=min(0.5, 0.3 * left), max_bins=len(rb) - 1) \
+                if left > 0 else None
+            if res is not None and res.bins is not None and len(res.bins) < len(rb):
+                rb = res.bins
+        bins.extend([[residual[j] for j in b] for b in rb])
+    return bins

@@ -392,6 +392,8 @@ INVALID_REQUESTS = [
     ("bad binary_data_output", "/v2/models/add_sub/infer",
      orjson.dumps({**_fp32_doc([1] * 4), "parameters": {"binary_data_output": "yes"}}), {}, 400,
      "binary_data_output"),
+    ("bad gzip body", "/v2/models/add_sub/infer", b"not gzip", {"Content-Encoding": "gzip"}, 400,
+     "content-encoding"),
     ("unknown route", "/v2/nothing/here", b"", {}, 404, "no route"),
 ]
 

@@ -1,0 +1,78 @@
+"""gpud's settings file and command line: defaults, overrides, and clear errors for bad files."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gpud.main import build_parser, resolve_settings
+from gpud.settings import Settings, load_settings_file
+from tests.daemon_harness import ROOT
+
+
+def test_defaults_are_tritons_ports():
+    s = resolve_settings(build_parser().parse_args([]))
+    assert (s.http_port, s.grpc_port, s.metrics_port) == (8000, 8001, 8002)
+    assert s.model_repository is None and s.node is None
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "gpud.yaml"
+    f.write_text("http_port: 9000\ngrpc-port: 9001\nmodel_repository: models\n")
+    s = resolve_settings(build_parser().parse_args(["--config", str(f), "--http-port", "7000", "--address", "::1"]))
+    assert (s.http_port, s.grpc_port) == (7000, 9001)
+    assert s.model_repository == str(tmp_path / "models")  # relative to the file, not the working directory
+    assert s.http_address == s.grpc_address == s.metrics_address == "::1"
+
+
+def test_example_config_file_loads():
+    overrides = load_settings_file(str(ROOT / "config" / "gpud.yaml"))
+    assert Settings(**overrides).http_port == 8000
+
+
+@pytest.mark.parametrize("text, message", [
+    ("http_prot: 1\n", "unknown setting 'http_prot'"),
+    ("http_port: eighty\n", "setting 'http_port': expected int"),
+    ("allow_grpc: 3\n", "setting 'allow_grpc': expected bool"),
+    ("- a\n- b\n", "expected a mapping"),
+    ("http_port: [\n", "not valid YAML"),
+])
+def test_bad_settings_file_names_file_and_key(tmp_path, text, message):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_settings_file(str(f))
+    assert str(f) in str(err.value) and message in str(err.value)
+
+
+def test_gpud_refuses_a_bad_config_file_with_exit_2(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("nope: 1\n")
+    out = subprocess.run([sys.executable, "-m", "gpud.main", "--config", str(f)], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and "unknown setting 'nope'" in out.stderr
+
+
+def test_gpud_refuses_a_bad_node_file_with_exit_2(tmp_path):
+    f = tmp_path / "node.yaml"
+    f.write_text("gpus: [{model: NVIDIA A100-SXM4-80GB, mig: [9g.99gb]}]\n")
+    out = subprocess.run([sys.executable, "-m", "gpud.main", "--node", str(f), "--model-repository", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and str(f) in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_help_and_version(argv):
+    out = subprocess.run([sys.executable, "-m", "gpud.main", *argv], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0 and "gpud" in out.stdout
+
+
+def test_gpudctl_usage():
+    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--help"], capture_output=True, text=True, timeout=60,
+                         cwd=ROOT)
+    assert out.returncode == 0 and "inspect" in out.stdout and "place" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "frobnicate"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 2
