@@ -114,7 +114,12 @@ class GpudCore:
         for version in entry.versions:
             v = str(version)
             model_path = entry.model_path(version)
-            scheduler = ModelScheduler(entry.config, v, metrics=self.metrics)
+            try:
+                scheduler = ModelScheduler(entry.config, v, metrics=self.metrics)
+            except ValueError as exc:  # a batching policy the repository let through but the batcher refuses
+                model.error = f"{entry.config_path or entry.path}: {exc}"
+                log.error("model %s: %s", name, model.error)
+                return
             vs = VersionState(name, v, entry, scheduler)
             model.versions[v] = vs
             try:

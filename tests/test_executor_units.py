@@ -1,0 +1,76 @@
+"""Executor pieces that need no worker: provider choice, worker environment, shared-memory segments."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from executor.model_config import ModelConfig, TensorSpec
+from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, WorkerDevice, choose_providers
+from executor.pool import ExecutorPool, WorkerHandle, tensor_region_bytes
+from executor.shm import Segment, decode_bytes_tensor, encode_bytes_tensor, new_segment_name
+
+GPU = WorkerDevice("gpu0", "gpu", "GPU-1234")
+MIG = WorkerDevice("gpu1/mig1.0", "mig", "MIG-abcd")
+SIM = WorkerDevice("gpu0", "gpu", "GPU-sim", simulated=True)
+CPU = WorkerDevice("cpu", "cpu")
+ALL_EPS = [TRT_EP, CUDA_EP, CPU_EP]
+
+
+@pytest.mark.parametrize("device, available, accel, want", [
+    (GPU, ALL_EPS, (), [CUDA_EP, CPU_EP]),
+    (GPU, ALL_EPS, ("tensorrt",), [TRT_EP, CUDA_EP, CPU_EP]),
+    (GPU, [CUDA_EP, CPU_EP], ("tensorrt",), [CUDA_EP, CPU_EP]),  # TensorRT asked for but not installed
+    (GPU, [CPU_EP], (), [CPU_EP]),                               # CPU-only onnxruntime on a GPU node
+    (MIG, ALL_EPS, (), [CUDA_EP, CPU_EP]),
+    (SIM, ALL_EPS, ("tensorrt",), [CPU_EP]),                     # a simulated GPU computes on the CPU
+    (CPU, ALL_EPS, (), [CPU_EP]),
+])
+def test_choose_providers(device, available, accel, want):
+    assert [name for name, _ in choose_providers(device, available, accel, stream_handle=None)] == want
+
+
+def test_each_instance_gets_its_own_stream_on_device_0():
+    providers = dict(choose_providers(MIG, ALL_EPS, (), stream_handle=1234))
+    # The worker sees exactly one device (CUDA_VISIBLE_DEVICES), so it is always device 0.
+    assert providers[CUDA_EP] == {"device_id": "0", "has_user_compute_stream": "1", "user_compute_stream": "1234"}
+
+
+@pytest.mark.parametrize("device, want", [(MIG, "MIG-abcd"), (GPU, "GPU-1234"), (CPU, "")])
+def test_worker_environment_pins_one_cuda_device(device, want):
+    env = WorkerHandle(device, ExecutorPool([device]))._env()
+    assert env["CUDA_VISIBLE_DEVICES"] == want
+
+
+def test_simulated_gpu_worker_leaves_cuda_alone(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "CUDA_VISIBLE_DEVICES" not in WorkerHandle(SIM, ExecutorPool([SIM]))._env()
+
+
+def test_segment_views_are_shared_between_mappings():
+    seg = Segment.create(new_segment_name("test"), 1000)
+    try:
+        other = Segment.attach(seg.name)
+        seg.ndarray(64, (4,), np.float32)[...] = [1, 2, 3, 4]
+        np.testing.assert_array_equal(other.ndarray(64, (4,), np.float32), [1, 2, 3, 4])
+        other.close()
+    finally:
+        seg.close()
+    with pytest.raises(FileNotFoundError):
+        Segment.attach(seg.name)  # the owner removed it
+
+
+def test_bytes_tensors_round_trip():
+    arr = np.array([b"a", b"", b"hello"], dtype=np.object_)
+    blob = encode_bytes_tensor(arr)
+    assert blob == b"\x01\0\0\0a" + b"\0\0\0\0" + b"\x05\0\0\0hello"
+    assert list(decode_bytes_tensor(blob, 3)) == [b"a", b"", b"hello"]
+    with pytest.raises(ValueError):
+        decode_bytes_tensor(blob[:-1], 3)
+
+
+def test_region_size_is_one_full_batch():
+    cfg = ModelConfig("m", max_batch_size=8, inputs=(TensorSpec("a", "FP32", (256,)), TensorSpec("b", "INT64", (3,))))
+    # a: 8 * 256 * 4 = 8192 bytes; b: 8 * 3 * 8 = 192 (a multiple of the 64-byte alignment); total 8384
+    assert tensor_region_bytes(cfg, cfg.inputs) == 8384
+    var = ModelConfig("v", max_batch_size=8, inputs=(TensorSpec("a", "FP32", (-1,)),))
+    assert tensor_region_bytes(var, var.inputs) == 1 << 20  # variable dims: a default that grows on demand
