@@ -74,6 +74,9 @@ class _Instance:
         self.worker = worker
         self.inbox: "queue.SimpleQueue[dict | None]" = queue.SimpleQueue()
         self.model: Any = None
+        # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
+        # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
+        self.queued = 0
         self.thread = threading.Thread(target=self._loop, name=f"instance-{key}", daemon=True)
 
     def _loop(self) -> None:
@@ -89,6 +92,7 @@ class _Instance:
                 self._load(msg)
             else:
                 self._infer(msg)
+                self.queued -= 1
 
     def _load(self, msg: dict) -> None:
         from executor.onnxruntime_backend import OnnxRuntimeInstance
@@ -209,7 +213,12 @@ class Worker:
                 if inst is None:
                     self.send({"op": "failed", "seq": msg["seq"], "kind": "UNAVAILABLE",
                                "error": f"instance {msg['key']} is not loaded on device {self.device.id}"})
+                elif len(self.instances) == 1 and inst.model is not None and inst.queued == 0:
+                    # The only instance here and idle: run it on this thread. A hand-off to the instance's thread
+                    # costs a wake-up per batch, which is most of the overhead for small models.
+                    inst._infer(msg)
                 else:
+                    inst.queued += 1
                     inst.inbox.put(msg)
             elif op == "load":
                 inst = self.instances.get(msg["key"])
