@@ -64,6 +64,8 @@ class GpudCore:
         self._reserved: dict[str, int] = {}  # bytes promised to instances being loaded, per device
         self.started = False
         self.stopping = False
+        # --- autoscaling hints (gpud.autoscale.HintsSampler), set by the daemon; None: no "hints" in inspect() ---
+        self.hints: Any = None
         if metrics is not None:
             metrics.set_sources(pending=self._pending_by_model, instances=self._instances_by_device)
 
@@ -101,6 +103,10 @@ class GpudCore:
             free = d.memory_total_bytes - reserve - used - self._reserved.get(d.id, 0)
             rooms.append(DeviceRoom(d.id, d.kind, d.index, max(0, free), d.memory_total_bytes))
         return rooms
+
+    def device_rooms(self) -> list[DeviceRoom]:
+        """Free memory per leaf device as placement sees it (gpud.autoscale's headroom reads the same figures)."""
+        return self._rooms()
 
     async def _load(self, name: str, result: ModelEntry | ModelLoadError) -> None:
         model = self.models.setdefault(name, ModelState(name))
@@ -338,9 +344,13 @@ class GpudCore:
                                    "memory_bytes": i.footprint_bytes, "measured_by": i.measured_by or "estimate",
                                    "provider": i.provider, "error": i.error} for i in v.instances],
                 })
-        return {"server": self.server_metadata(), "device_source": self.devices.source,
-                "time_unix_s": time.time(), "devices": devices, "models": models,
-                "workers": self.pool.worker_info()}
+        out = {"server": self.server_metadata(), "device_source": self.devices.source,
+               "time_unix_s": time.time(), "devices": devices, "models": models,
+               "workers": self.pool.worker_info()}
+        # --- autoscaling hints (gpud.autoscale) ---
+        if self.hints is not None:
+            out["hints"] = self.hints.inspect()
+        return out
 
 
 def _exists(repository: ModelRepository, name: str) -> bool:

@@ -85,7 +85,35 @@ def render_inspect(data: dict[str, Any]) -> str:
                      f"{_ms(m.get('compute_seconds_avg')):>10}")
         if m.get("reason"):
             lines.append(f"      reason: {m['reason']}")
+    lines += _render_hints(data.get("hints"))
     return "\n".join(lines)
+
+
+# --- autoscaling hints (gpud.autoscale) ---------------------------------------------------------------------------
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _render_hints(hints: dict[str, Any] | None) -> list[str]:
+    """HINTS: per model version the hinted instance count and the observations behind it; HEADROOM: how many more
+    instances of each model fit on each device. Nothing when the daemon reports no hints (an older gpud)."""
+    if not hints:
+        return []
+    lines = ["", f"HINTS (advice; every {hints['interval_seconds']:g} s over {hints['rate_window_seconds']:g} s)",
+             f"  {'model':<20} {'ver':>3} {'now':>4} {'hint':>4} {'req/s':>8} {'req/s/inst':>10} {'queue ms':>9}  why"]
+    for m in hints.get("models", []):
+        desired = "-" if m.get("desired_instances") is None else str(m["desired_instances"])
+        lines.append(f"  {m['name']:<20} {m['version']:>3} {m.get('current_instances', 0):>4} {desired:>4} "
+                     f"{_num(m.get('arrival_rate_per_second')):>8} "
+                     f"{_num(m.get('throughput_per_instance_per_second')):>10} "
+                     f"{_ms(m.get('queue_seconds')):>9}  {m.get('reason', '')}")
+    headroom = hints.get("headroom") or {}
+    if headroom:
+        lines += ["", "HEADROOM (more instances that fit, by free memory and measured footprint)"]
+        for model, per_device in headroom.items():
+            cells = ", ".join(f"{dev} {n}" for dev, n in per_device.items()) or "no eligible device"
+            lines.append(f"  {model:<20} {cells}")
+    return lines
 
 
 def inspect_main(argv: list[str]) -> int:

@@ -17,6 +17,7 @@ from executor.pool import ExecutorPool
 from gpud import __version__
 from gpud.settings import Settings, load_settings_file
 from gpud.systemd_notify import notify
+from telemetry.hints import HintPolicy
 
 log = logging.getLogger("gpud")
 
@@ -53,7 +54,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
+    # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
+    p.add_argument("--triton-metrics", type=_bool, nargs="?", const=True, metavar="BOOL",
+                   help="also export Triton's metric names (nv_inference_*, nv_gpu_*) so Triton dashboards work "
+                        "(default false)")
+    hints = p.add_argument_group("autoscaling hints (advice exported as metrics and in gpudctl inspect)")
+    hints.add_argument("--hints-interval-seconds", type=float, metavar="S", help="sampling interval (default 5)")
+    hints.add_argument("--hints-rate-window-seconds", type=float, metavar="S",
+                       help="window of the arrival rate, throughput and queue time (default 30)")
+    hints.add_argument("--hints-target-queue-seconds", type=float, metavar="S",
+                       help="mean queue time above which a model needs more instances (default 0.010)")
+    hints.add_argument("--hints-target-utilization-ratio", type=float, metavar="R",
+                       help="share of an instance's measured throughput to plan for (default 0.8)")
+    hints.add_argument("--hints-tolerance", type=float, metavar="R", help="HPA tolerance (default 0.1)")
+    hints.add_argument("--hints-scale-up-stabilization-seconds", type=float, metavar="S", help="(default 30)")
+    hints.add_argument("--hints-scale-down-stabilization-seconds", type=float, metavar="S", help="(default 300)")
+    hints.add_argument("--hints-min-instances", type=int, metavar="N", help="(default 1)")
+    hints.add_argument("--hints-max-instances", type=int, metavar="N", help="(default 8)")
     return p
+
+
+def hint_policy(settings: Settings) -> HintPolicy:
+    """The autoscaling policy from the settings; ValueError (exit 2) for values it refuses."""
+    return HintPolicy(target_queue_seconds=settings.hints_target_queue_seconds,
+                      target_utilization_ratio=settings.hints_target_utilization_ratio,
+                      tolerance=settings.hints_tolerance,
+                      scale_up_stabilization_seconds=settings.hints_scale_up_stabilization_seconds,
+                      scale_down_stabilization_seconds=settings.hints_scale_down_stabilization_seconds,
+                      min_instances=settings.hints_min_instances, max_instances=settings.hints_max_instances)
 
 
 def _bool(text: str) -> bool:
@@ -85,13 +113,16 @@ def _example_repository() -> str:
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
+    from gpud.autoscale import HintsSampler, instance_infos
     from gpud.core import GpudCore
     from gpud.metrics_server import start_metrics_server
     from gpud.model_repository import ModelRepository
     from telemetry.device_metrics import DeviceCollector
     from telemetry.discovery import discover
+    from telemetry.host_metrics import HostCollector
     from telemetry.model_metrics import ModelMetrics
 
+    policy = hint_policy(settings)  # refuse a bad policy before starting anything
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,9 +145,15 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     registry = CollectorRegistry()
     ProcessCollector(registry=registry, namespace="gpud")
     DeviceCollector(backend, registry=registry)
-    metrics = ModelMetrics(registry)
+    HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
+                  registry=registry)
+    metrics = ModelMetrics(registry, triton_names=settings.triton_metrics, devices=backend)
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,
                     backend, metrics=metrics, device_reserve_bytes=settings.device_reserve_bytes)
+    # --- per-instance gauges and autoscaling hints ---
+    metrics.set_sources(instance_info=lambda: instance_infos(core))
+    core.hints = HintsSampler(core, policy, interval_s=settings.hints_interval_seconds,
+                              rate_window_s=settings.hints_rate_window_seconds, registry=registry)
     runners, ports, grpc_server = [], {}, None
     try:
         await core.start()
@@ -152,7 +189,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     notify("READY=1\nSTATUS=serving")
     log.info("gpud %s ready: serving", __version__)
 
+    hints_task = asyncio.create_task(core.hints.run(), name="autoscaling-hints")
+
     await stop.wait()
+    hints_task.cancel()
     log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)
     notify("STOPPING=1")
     await core.shutdown(settings.exit_timeout_seconds)

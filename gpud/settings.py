@@ -27,6 +27,17 @@ class Settings:
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving
+    # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
+    triton_metrics: bool = False  # also export Triton's nv_inference_* / nv_gpu_* names for Triton dashboards
+    hints_interval_seconds: float = 5.0  # how often the hints sample the executor
+    hints_rate_window_seconds: float = 30.0  # arrival rate, throughput and queue time are averaged over this window
+    hints_target_queue_seconds: float = 0.010  # mean queue time above which a model needs more instances
+    hints_target_utilization_ratio: float = 0.8  # share of an instance's measured throughput to plan for
+    hints_tolerance: float = 0.1  # HPA's: metric/target within 1 +- tolerance changes nothing
+    hints_scale_up_stabilization_seconds: float = 30.0
+    hints_scale_down_stabilization_seconds: float = 300.0
+    hints_min_instances: int = 1
+    hints_max_instances: int = 8
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}

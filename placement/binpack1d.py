@@ -102,25 +102,29 @@ def lower_bound_l1(sizes: Sequence[int], capacity_units: int) -> int:
 
 def lower_bound_l2(sizes: Sequence[int], capacity_units: int) -> int:
     """Martello & Toth's L2: for each threshold k <= C/2, items > C-k need a bin alone, items in (C/2, C-k] need a
-    bin each, and items in [k, C/2] fill the space left in those bins before opening new ones."""
+    bin each, and items in [k, C/2] fill the space left in those bins before opening new ones. O(n log n)."""
     if not sizes:
         return 0
     c = capacity_units
-    desc = sorted(sizes, reverse=True)
+    asc = sorted(sizes)
+    prefix = [0]
+    for s in asc:
+        prefix.append(prefix[-1] + s)
+    n = len(asc)
+
+    def count_sum(lo_incl: int, hi_incl: int) -> tuple[int, int]:  # items with lo <= s <= hi
+        a = bisect.bisect_left(asc, lo_incl)
+        b_ = bisect.bisect_right(asc, hi_incl)
+        return (b_ - a, prefix[b_] - prefix[a]) if b_ > a else (0, 0)
+
     best = lower_bound_l1(sizes, c)
-    ks = sorted({s for s in desc if 2 * s <= c} | {0})
+    half = c // 2  # s <= c/2  <=>  2s <= c  <=>  s <= c // 2
+    ks = sorted({s for s in asc if 2 * s <= c} | {0})
     for k in ks:
-        n1 = n2 = 0
-        slack2 = 0  # sum over J2 of (C - s)
-        sum3 = 0
-        for s in desc:
-            if s > c - k:
-                n1 += 1
-            elif 2 * s > c:
-                n2 += 1
-                slack2 += c - s
-            elif s >= k:
-                sum3 += s
+        n1 = n - bisect.bisect_right(asc, c - k)  # s > c - k
+        n2, sum2 = count_sum(half + 1, c - k)  # c/2 < s <= c - k
+        _, sum3 = count_sum(max(k, 0), half)  # k <= s <= c/2
+        slack2 = n2 * c - sum2
         extra = max(0, -(-(sum3 - slack2) // c))
         best = max(best, n1 + n2 + extra)
     return best
@@ -308,7 +312,8 @@ class _ArcFlowModel:
                                   np.full(n_loss, np.inf)])
 
 
-def arcflow_lp_bound(sizes: Sequence[int], capacity_units: int, *, max_arcs: int = 400_000):
+def arcflow_lp_bound(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: float = 60.0,
+                     max_arcs: int = 400_000):
     """The arc-flow LP relaxation (= Gilmore-Gomory bound). Returns (ceil(LP), fractional bins as (weight, sizes))
     or None when HiGHS is missing or the graph is too large."""
     if not highs_available() or not sizes:
@@ -322,7 +327,8 @@ def arcflow_lp_bound(sizes: Sequence[int], capacity_units: int, *, max_arcs: int
     n_flow = len(m.loss_nodes)
     a = m.a
     res = linprog(m.c, A_ub=-a[n_flow:], b_ub=-m.lo[n_flow:], A_eq=a[:n_flow], b_eq=np.zeros(n_flow),
-                  bounds=list(zip([0.0] * m.n_var, m.ub)), method="highs")
+                  bounds=list(zip([0.0] * m.n_var, m.ub)), method="highs",
+                  options={"time_limit": max(0.01, float(time_limit_seconds))})
     if res.status != 0:
         return None
     bound = int(math.ceil(res.fun - 1e-6))
@@ -550,8 +556,14 @@ def solve(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: floa
     if len(best) <= lb or time_limit_seconds <= 0:
         return Packing(best, lb, len(best) <= lb, method)
     highs = use_highs and highs_available()
-    if highs:
-        lp = arcflow_lp_bound(sizes, c)
+    quick = improve(sizes, c, best, deadline=start + (0.1 if highs else 1.0) * time_limit_seconds, clock=clock,
+                    target_bins=lb, seed=seed)
+    if len(quick) < len(best):
+        best, method = quick, "local-search"
+    if len(best) <= lb:
+        return Packing(best, lb, True, method)
+    if highs and clock() < deadline:
+        lp = arcflow_lp_bound(sizes, c, time_limit_seconds=0.4 * (deadline - clock()))
         if lp is not None:
             lp_bound, patterns = lp
             lb = max(lb, lp_bound)
@@ -562,16 +574,18 @@ def solve(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: floa
                 best, method = rounded, "lp-rounding"
             if len(best) <= lb:
                 return Packing(best, lb, True, method)
-    # local search: a share of the time when an exact stage follows, all of it otherwise
-    share = 0.35 if highs else 1.0
-    ls_deadline = clock() + share * max(0.0, deadline - clock())
-    improved = improve(sizes, c, best, deadline=ls_deadline, clock=clock, target_bins=lb, seed=seed)
+    if not highs:
+        return Packing(best, lb, len(best) <= lb, method)
+    # local search again from the (possibly better) incumbent, then the exact model for the rest of the time
+    ls_deadline = clock() + 0.3 * max(0.0, deadline - clock())
+    improved = improve(sizes, c, best, deadline=ls_deadline, clock=clock, target_bins=lb, seed=seed + 1)
     if len(improved) < len(best):
         best, method = improved, "local-search"
     if len(best) <= lb:
         return Packing(best, lb, True, method)
     if highs:
         remaining = deadline - clock()
+        remaining -= 0.05 * time_limit_seconds  # model building and scipy overhead
         res = solve_arcflow(sizes, c, time_limit_seconds=remaining, max_bins=len(best) - 1) if remaining > 0 else None
         if res is not None:
             lb = max(lb, res.lower_bound)

@@ -71,6 +71,22 @@ class DeviceReading:
     power_limit_w: float | None = None
     temperature_c: float | None = None
     healthy: bool = True  # False once the driver reported the GPU lost (NVML_ERROR_GPU_IS_LOST)
+    # -- richer readings (NVML only; appended after the original fields so positional use stays valid) -------
+    memory_utilization_ratio: float | None = None  # share of time device memory was read or written, 0..1
+    memory_free_bytes: int | None = None
+    energy_joules: float | None = None  # monotonic since the driver loaded (NVML counts millijoules)
+    sm_clock_hz: float | None = None
+    memory_clock_hz: float | None = None
+    clock_event_reasons: int | None = None  # NVML bitmask of why clocks are held down now (throttle reasons)
+    clock_event_reasons_supported: int | None = None  # bitmask of the reasons this GPU can report
+    pcie_tx_bytes_per_second: float | None = None  # from the GPU
+    pcie_rx_bytes_per_second: float | None = None  # to the GPU
+    gr_engine_active_ratio: float | None = None  # GPM (Hopper+): share of time any graphics/compute work ran
+    sm_active_ratio: float | None = None  # GPM (Hopper+): share of SMs busy
+    # (error_type "corrected" | "uncorrected", counter_type "volatile" | "aggregate") -> count, as NVML counts.
+    # Mappings are not hashable: kept out of __hash__ like DeviceInfo.labels.
+    ecc_errors: Mapping[tuple[str, str], int] = field(default_factory=dict, hash=False)
+    xid_errors: Mapping[int, int] = field(default_factory=dict, hash=False)  # XID code -> events since gpud started
 
 
 @runtime_checkable

@@ -5,8 +5,13 @@ NVMLError_NotSupported, NVMLError_GpuIsLost, ...), so `NvmlBackend(nvml=FakeNvml
 Behaviour modelled on real drivers: a MIG-on GPU and its MIG devices answer NotSupported for utilization, MIG
 devices also for power and temperature; empty MIG slots answer NotFound; power is in milliwatts.
 
+Also modelled: clocks (MHz), the energy counter (mJ), ECC counters (NotSupported with ECC off), clock event
+(throttle) reasons, PCIe throughput (KB/s), XID events delivered through event sets (Timeout when none is
+pending), and GPM (Hopper or newer: the H100 answers isSupportedDevice=1, the A100 0; metrics need two samples of
+the same device or GPU instance, taken in order).
+
 Fault injection: `lose_gpu(index)`, `not_supported(fn, index=None)`, `remove_function(fn)`,
-`FakeNvml(driver="missing" | "not_loaded")`.
+`queue_xid(index, xid, gpu_instance_id=None)`, `FakeNvml(driver="missing" | "not_loaded")`.
 """
 from __future__ import annotations
 
@@ -23,12 +28,24 @@ NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
 NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
 NVML_DEVICE_MIG_DISABLE = 0
 NVML_DEVICE_MIG_ENABLE = 1
 NVML_TEMPERATURE_GPU = 0
+NVML_CLOCK_GRAPHICS, NVML_CLOCK_SM, NVML_CLOCK_MEM = 0, 1, 2
+NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
+NVML_VOLATILE_ECC, NVML_AGGREGATE_ECC = 0, 1
+NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+nvmlEventTypeXidCriticalError = 0x8
+NVML_GPM_METRICS_GET_VERSION = 1
+NVML_GPM_METRIC_GRAPHICS_UTIL, NVML_GPM_METRIC_SM_UTIL = 1, 2
+NVML_GPM_METRIC_PCIE_TX_PER_SEC, NVML_GPM_METRIC_PCIE_RX_PER_SEC = 20, 21  # MiB/s
+# GPM is "Hopper or newer" (NVML docs): of the modelled GPUs only the H100.
+GPM_MODELS = frozenset({H100_SXM5_80GB.name})
+NO_GPU_INSTANCE = 0xFFFFFFFF  # event data gpuInstanceId when the event is not attributable to one
 
 
 class NVMLError(Exception):
@@ -55,6 +72,7 @@ NVMLError_DriverNotLoaded = _err("NVMLError_DriverNotLoaded", NVML_ERROR_DRIVER_
 NVMLError_LibraryNotFound = _err("NVMLError_LibraryNotFound", NVML_ERROR_LIBRARY_NOT_FOUND)
 NVMLError_FunctionNotFound = _err("NVMLError_FunctionNotFound", NVML_ERROR_FUNCTION_NOT_FOUND)
 NVMLError_GpuIsLost = _err("NVMLError_GpuIsLost", NVML_ERROR_GPU_IS_LOST)
+NVMLError_Timeout = _err("NVMLError_Timeout", NVML_ERROR_TIMEOUT)
 
 
 @dataclass
@@ -63,6 +81,8 @@ class FakeMig:
     gpu_instance_id: int
     compute_instance_id: int = 0
     memory_used_bytes: int = 0
+    gpm_graphics_percent: float = 0.0  # what GPM reports for this GPU instance (H100 only)
+    gpm_sm_percent: float = 0.0
 
 
 @dataclass
@@ -76,6 +96,21 @@ class FakeGpu:
     lost: bool = False
     uuid: str = ""
     pci_bus_id: str = ""
+    memory_utilization_percent: int = 0
+    energy_mj: int = 0  # nvmlDeviceGetTotalEnergyConsumption, millijoules since driver load
+    sm_clock_mhz: int = 1410
+    memory_clock_mhz: int = 1593
+    # (error type, counter type) -> count; None = ECC mode off (NotSupported)
+    ecc: dict[tuple[int, int], int] | None = field(default_factory=dict)
+    clock_event_reasons: int = 0x1  # idle
+    supported_clock_event_reasons: int = 0x1FF
+    pcie_tx_kb_per_s: int = 0
+    pcie_rx_kb_per_s: int = 0
+    gpm_graphics_percent: float = 0.0  # whole-GPU GPM activity (H100 only)
+    gpm_sm_percent: float = 0.0
+    gpm_pcie_tx_mib_per_s: float = 0.0
+    gpm_pcie_rx_mib_per_s: float = 0.0
+    events: list[SimpleNamespace] = field(default_factory=list)  # pending XID events (fault injection)
 
 
 @dataclass(frozen=True)
@@ -88,6 +123,40 @@ class _Handle:
 class _GpuInstanceHandle:
     gpu: int
     gpu_instance_id: int
+
+
+@dataclass
+class _EventSet:
+    gpus: list[int] = field(default_factory=list)
+    freed: bool = False
+
+
+@dataclass
+class _GpmSample:
+    """What a GPM sample buffer holds once filled: whose counters, in which order, and the activity then."""
+
+    source: tuple[int, int | None] | None = None  # (gpu, GPU instance id or None for the whole GPU)
+    seq: int = 0
+    values: dict[int, float] = field(default_factory=dict)
+    freed: bool = False
+
+
+class _GpmMetric:
+    __slots__ = ("metricId", "nvmlReturn", "value")
+
+    def __init__(self) -> None:
+        self.metricId = 0
+        self.nvmlReturn = NVML_SUCCESS
+        self.value = 0.0
+
+
+class c_nvmlGpmMetricsGet_t:  # noqa: N801 - pynvml's ctypes struct name
+    def __init__(self) -> None:
+        self.version = 0
+        self.numMetrics = 0
+        self.sample1: _GpmSample | None = None
+        self.sample2: _GpmSample | None = None
+        self.metrics = [_GpmMetric() for _ in range(98)]  # NVML_GPM_METRIC_MAX
 
 
 def mig_layout(model: GpuModelSpec, profiles: list[str]) -> list[FakeMig]:
@@ -113,16 +182,24 @@ class FakeNvml:
     NVML_DEVICE_MIG_ENABLE = NVML_DEVICE_MIG_ENABLE
     NVML_DEVICE_MIG_DISABLE = NVML_DEVICE_MIG_DISABLE
     NVML_TEMPERATURE_GPU = NVML_TEMPERATURE_GPU
+    NVMLError_Timeout = NVMLError_Timeout
+    NVML_SUCCESS = NVML_SUCCESS
+    NVML_GPM_METRICS_GET_VERSION = NVML_GPM_METRICS_GET_VERSION
+    c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
 
     # MIG slots per GPU (nvmlDeviceGetMaxMigDeviceCount on A100/H100 is 7)
     MAX_MIG_DEVICES = 7
 
-    def __init__(self, gpus: list[FakeGpu] | None = None, driver: str = "ok"):
+    def __init__(self, gpus: list[FakeGpu] | None = None, driver: str = "ok", record_calls: bool = True):
         self.gpus = gpus or []
         self.driver = driver  # "ok" | "missing" (no libnvidia-ml.so.1) | "not_loaded" (no kernel module)
         self.initialized = 0  # nvmlInit minus nvmlShutdown calls
         self.init_calls = 0
         self.calls: list[str] = []
+        self.record_calls = record_calls  # off for benchmarks: the list would grow without bound
+        self.event_sets: list[_EventSet] = []
+        self.gpm_samples: list[_GpmSample] = []
+        self._gpm_seq = 0
         self._not_supported: set[tuple[str, int | None]] = set()
         self._removed: set[str] = set()
         for i, g in enumerate(self.gpus):
@@ -137,6 +214,18 @@ class FakeNvml:
         """Make `fn` answer NotSupported (for GPU `index`, or every GPU)."""
         self._not_supported.add((fn, index))
 
+    def queue_xid(self, index: int, xid: int, gpu_instance_id: int | None = None,
+                  compute_instance_id: int | None = None) -> None:
+        """The driver reports XID `xid` on GPU `index` (attributed to a GPU instance if given): every event set
+        registered for XID events on that GPU receives it."""
+        gi = NO_GPU_INSTANCE if gpu_instance_id is None else gpu_instance_id
+        ci = NO_GPU_INSTANCE if compute_instance_id is None else compute_instance_id
+        for es in self.event_sets:
+            if index in es.gpus and not es.freed:
+                self.gpus[index].events.append(SimpleNamespace(
+                    set=es, device=_Handle(index), eventType=nvmlEventTypeXidCriticalError, eventData=xid,
+                    gpuInstanceId=gi, computeInstanceId=ci))
+
     def remove_function(self, fn: str) -> None:
         """The driver library lacks `fn`: it answers FunctionNotFound (an older driver than the bindings)."""
         self._removed.add(fn)
@@ -148,8 +237,11 @@ class FakeNvml:
             removed = object.__getattribute__(self, "_removed")
             calls = object.__getattribute__(self, "calls")
 
+            record = object.__getattribute__(self, "record_calls")
+
             def call(*args: Any) -> Any:
-                calls.append(name)
+                if record:
+                    calls.append(name)
                 if name in removed:
                     raise NVMLError_FunctionNotFound()
                 return attr(*args)
@@ -251,7 +343,134 @@ class FakeNvml:
         assert gpu is not None
         if gpu.mig is not None:  # nvidia-smi shows GPU-Util N/A with MIG on; MIG devices have none either
             raise NVMLError_NotSupported()
-        return SimpleNamespace(gpu=gpu.utilization_percent, memory=0)
+        return SimpleNamespace(gpu=gpu.utilization_percent, memory=gpu.memory_utilization_percent)
+
+    def _whole_gpu(self, fn: str, handle: _Handle) -> FakeGpu:
+        """Checks for calls that only a physical GPU answers (a MIG device handle gets NotSupported)."""
+        gpu = self._check(fn, handle)
+        assert gpu is not None
+        if handle.mig is not None:
+            raise NVMLError_NotSupported()
+        return gpu
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:
+        return self._whole_gpu("nvmlDeviceGetTotalEnergyConsumption", handle).energy_mj
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, clock_type: int) -> int:
+        gpu = self._whole_gpu("nvmlDeviceGetClockInfo", handle)
+        if clock_type in (NVML_CLOCK_GRAPHICS, NVML_CLOCK_SM):
+            return gpu.sm_clock_mhz
+        if clock_type == NVML_CLOCK_MEM:
+            return gpu.memory_clock_mhz
+        raise NVMLError_InvalidArgument()
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: _Handle, error_type: int, counter_type: int) -> int:
+        gpu = self._whole_gpu("nvmlDeviceGetTotalEccErrors", handle)
+        if gpu.ecc is None:
+            raise NVMLError_NotSupported()  # ECC mode off
+        if error_type not in (0, 1) or counter_type not in (0, 1):
+            raise NVMLError_InvalidArgument()
+        return gpu.ecc.get((error_type, counter_type), 0)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:
+        return self._whole_gpu("nvmlDeviceGetCurrentClocksEventReasons", handle).clock_event_reasons
+
+    def nvmlDeviceGetSupportedClocksEventReasons(self, handle: _Handle) -> int:
+        return self._whole_gpu("nvmlDeviceGetSupportedClocksEventReasons", handle).supported_clock_event_reasons
+
+    def nvmlDeviceGetPcieThroughput(self, handle: _Handle, counter: int) -> int:
+        gpu = self._whole_gpu("nvmlDeviceGetPcieThroughput", handle)
+        if counter == NVML_PCIE_UTIL_TX_BYTES:
+            return gpu.pcie_tx_kb_per_s
+        if counter == NVML_PCIE_UTIL_RX_BYTES:
+            return gpu.pcie_rx_kb_per_s
+        raise NVMLError_InvalidArgument()
+
+    # -- events ------------------------------------------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> _EventSet:
+        self._check("nvmlEventSetCreate")
+        es = _EventSet()
+        self.event_sets.append(es)
+        return es
+
+    def nvmlDeviceRegisterEvents(self, handle: _Handle, event_types: int, event_set: _EventSet) -> None:
+        self._whole_gpu("nvmlDeviceRegisterEvents", handle)
+        if event_types & ~nvmlEventTypeXidCriticalError:
+            raise NVMLError_NotSupported()  # only XID events are modelled
+        event_set.gpus.append(handle.gpu)
+
+    def nvmlEventSetWait_v2(self, event_set: _EventSet, timeout_ms: int) -> SimpleNamespace:
+        self._check("nvmlEventSetWait_v2")
+        if event_set.freed:
+            raise NVMLError_InvalidArgument()
+        for index in event_set.gpus:
+            self._check("nvmlEventSetWait_v2", _Handle(index))  # a lost GPU answers GpuIsLost
+            events = self.gpus[index].events
+            for k, ev in enumerate(events):
+                if ev.set is event_set:
+                    return events.pop(k)
+        raise NVMLError_Timeout()  # nothing pending; the fake never waits, whatever the timeout
+
+    def nvmlEventSetFree(self, event_set: _EventSet) -> None:
+        self._check("nvmlEventSetFree")
+        event_set.freed = True
+
+    # -- GPM -----------------------------------------------------------------------------------------------------
+    def nvmlGpmQueryDeviceSupport(self, handle: _Handle) -> SimpleNamespace:
+        gpu = self._whole_gpu("nvmlGpmQueryDeviceSupport", handle)
+        return SimpleNamespace(version=1, isSupportedDevice=int(gpu.model.name in GPM_MODELS))
+
+    def nvmlGpmSampleAlloc(self) -> _GpmSample:
+        self._check("nvmlGpmSampleAlloc")
+        sample = _GpmSample()
+        self.gpm_samples.append(sample)
+        return sample
+
+    def nvmlGpmSampleFree(self, sample: _GpmSample) -> None:
+        self._check("nvmlGpmSampleFree")
+        sample.freed = True
+
+    def _fill(self, sample: _GpmSample, source: tuple[int, int | None], values: dict[int, float]) -> _GpmSample:
+        if sample.freed:
+            raise NVMLError_InvalidArgument()
+        self._gpm_seq += 1
+        sample.source, sample.seq, sample.values = source, self._gpm_seq, values
+        return sample
+
+    def nvmlGpmSampleGet(self, handle: _Handle, sample: _GpmSample) -> _GpmSample:
+        gpu = self._whole_gpu("nvmlGpmSampleGet", handle)
+        if gpu.model.name not in GPM_MODELS:
+            raise NVMLError_NotSupported()
+        return self._fill(sample, (handle.gpu, None), {
+            NVML_GPM_METRIC_GRAPHICS_UTIL: gpu.gpm_graphics_percent, NVML_GPM_METRIC_SM_UTIL: gpu.gpm_sm_percent,
+            NVML_GPM_METRIC_PCIE_TX_PER_SEC: gpu.gpm_pcie_tx_mib_per_s,
+            NVML_GPM_METRIC_PCIE_RX_PER_SEC: gpu.gpm_pcie_rx_mib_per_s})
+
+    def nvmlGpmMigSampleGet(self, handle: _Handle, gpu_instance_id: int, sample: _GpmSample) -> _GpmSample:
+        gpu = self._whole_gpu("nvmlGpmMigSampleGet", handle)  # takes the parent GPU's handle
+        if gpu.model.name not in GPM_MODELS:
+            raise NVMLError_NotSupported()
+        mig = next((m for m in gpu.mig or [] if m.gpu_instance_id == gpu_instance_id), None)
+        if mig is None:
+            raise NVMLError_NotFound()
+        # PCIe is a whole-GPU quantity: a GPU instance sample has none (NotSupported per metric)
+        return self._fill(sample, (handle.gpu, gpu_instance_id), {
+            NVML_GPM_METRIC_GRAPHICS_UTIL: mig.gpm_graphics_percent, NVML_GPM_METRIC_SM_UTIL: mig.gpm_sm_percent})
+
+    def nvmlGpmMetricsGet(self, request: c_nvmlGpmMetricsGet_t) -> c_nvmlGpmMetricsGet_t:
+        self._check("nvmlGpmMetricsGet")
+        s1, s2 = request.sample1, request.sample2
+        if (request.version != NVML_GPM_METRICS_GET_VERSION or s1 is None or s2 is None or s1.source is None
+                or s1.source != s2.source or s1.seq >= s2.seq):
+            raise NVMLError_InvalidArgument()  # two samples of the same thing, in order
+        self._check("nvmlGpmMetricsGet", _Handle(s2.source[0]))
+        for m in request.metrics[: request.numMetrics]:
+            # the activity the device had between the two samples: what was set when the second one was taken
+            if m.metricId in s2.values:
+                m.value, m.nvmlReturn = s2.values[m.metricId], NVML_SUCCESS
+            else:
+                m.value, m.nvmlReturn = 0.0, NVML_ERROR_NOT_SUPPORTED
+        return request
 
     def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:
         gpu = self._check("nvmlDeviceGetPowerUsage", handle)
@@ -362,7 +581,9 @@ def dgx_a100_2gpu_mig(**kw: Any) -> FakeNvml:
     """2x A100-SXM4-80GB; gpu1 in MIG mode: 3g.40gb + 2g.20gb + 2x 1g.10gb (same as the default node file)."""
     return FakeNvml([
         FakeGpu(A100_SXM4_80GB, memory_used_bytes=1 << 30, utilization_percent=37, power_mw=123_456,
-                temperature_c=41),
+                temperature_c=41, memory_utilization_percent=12, energy_mj=5_000_250, sm_clock_mhz=1410,
+                memory_clock_mhz=1593, ecc={(0, 0): 3, (1, 0): 0, (0, 1): 17, (1, 1): 1},
+                clock_event_reasons=0x4 | 0x40, pcie_tx_kb_per_s=2_000, pcie_rx_kb_per_s=500_000),
         FakeGpu(A100_SXM4_80GB, mig=mig_layout(A100_SXM4_80GB, ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"]),
                 power_mw=88_000, temperature_c=35),
     ], **kw)
@@ -372,5 +593,21 @@ def a100_40gb_and_h100(**kw: Any) -> FakeNvml:
     """A100-SXM4-40GB (MIG 4g.20gb + 2g.10gb + 1g.5gb) and an H100 80GB HBM3 with MIG off."""
     return FakeNvml([
         FakeGpu(A100_SXM4_40GB, mig=mig_layout(A100_SXM4_40GB, ["4g.20gb", "2g.10gb", "1g.5gb"])),
-        FakeGpu(H100_SXM5_80GB, utilization_percent=100, power_mw=699_000, temperature_c=70),
+        FakeGpu(H100_SXM5_80GB, utilization_percent=100, power_mw=699_000, temperature_c=70,
+                gpm_graphics_percent=97.0, gpm_sm_percent=81.5, gpm_pcie_tx_mib_per_s=3.0,
+                gpm_pcie_rx_mib_per_s=250.0),
     ], **kw)
+
+
+def hgx_h100_mig(gpus: int = 2, profiles: tuple[str, ...] = ("3g.40gb", "2g.20gb", "1g.10gb"),
+                 **kw: Any) -> FakeNvml:
+    """`gpus` x H100 80GB HBM3, each in MIG mode with `profiles` (GPM available: Hopper). GPM reports 60 %
+    graphics activity and 40 % SM activity for every GPU and GPU instance."""
+    machines = []
+    for i in range(gpus):
+        migs = mig_layout(H100_SXM5_80GB, list(profiles))
+        for m in migs:
+            m.gpm_graphics_percent, m.gpm_sm_percent = 60.0, 40.0
+        machines.append(FakeGpu(H100_SXM5_80GB, mig=migs, power_mw=350_000, temperature_c=50,
+                                energy_mj=1_000_000 * (i + 1), gpm_graphics_percent=60.0, gpm_sm_percent=40.0))
+    return FakeNvml(machines, **kw)

@@ -17,6 +17,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from gpud.examples import write_example_repository
+from tests.promtool_check import promtool_check
 from tests.daemon_harness import ROOT, SLOW_CONFIG, save, slow_model, start_daemon
 
 pytestmark = pytest.mark.slow
@@ -218,11 +219,7 @@ def test_metrics_expose_model_latency_and_device_memory(daemon):
     used = [line for line in text.splitlines()
             if line.startswith("gpud_device_memory_used_bytes{") and 'device="gpu0"' in line]
     assert used and float(used[0].rsplit(" ", 1)[1]) > 0, "gpu0 holds the models: its memory used must show them"
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (CI installs Debian's prometheus package)")
-    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0, check.stdout + check.stderr
+    promtool_check(text)
 
 
 def test_gpudctl_inspect_shows_tree_instances_and_latency(daemon):

@@ -5,11 +5,11 @@ import logging
 
 import pytest
 
-from telemetry.devices import DeviceBackend
+from telemetry.devices import DeviceBackend, DeviceReading
 from telemetry.discovery import discover
 from telemetry.gpu_models import A100_SXM4_80GB, MIB
 from telemetry.nvml import NA, NvmlBackend, NvmlSession, parse_mig_profile
-from tests.fake_nvml import FakeNvml, a100_40gb_and_h100, dgx_a100_2gpu_mig
+from tests.fake_nvml import FakeNvml, a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
 
 
 class FixedUsage:
@@ -188,3 +188,97 @@ def test_fake_rejects_impossible_layout():
     from tests.fake_nvml import mig_layout
     with pytest.raises(ValueError):
         mig_layout(A100_SXM4_80GB, ["4g.40gb", "4g.40gb"])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestRicherReadings:
+    def test_reading_stays_backward_compatible(self):
+        r = DeviceReading(0.5, 10, 100.0, 400.0, 40.0, True)  # the original positional order
+        assert (r.utilization_ratio, r.memory_used_bytes, r.power_w, r.temperature_c, r.healthy) == (
+            0.5, 10, 100.0, 40.0, True)
+        assert r.ecc_errors == {} and r.xid_errors == {} and r.energy_joules is None
+        assert hash(r) == hash(DeviceReading(0.5, 10, 100.0, 400.0, 40.0, True))  # still hashable
+
+    def test_gpu_reading_fields(self):
+        r = NvmlBackend(nvml=dgx_a100_2gpu_mig()).sample("gpu0")
+        assert r.energy_joules == pytest.approx(5000.25)  # 5 000 250 mJ
+        assert (r.sm_clock_hz, r.memory_clock_hz) == (1410e6, 1593e6)
+        assert r.memory_free_bytes == (81920 - 1024) * MIB
+        assert r.memory_utilization_ratio == pytest.approx(0.12)
+        assert r.ecc_errors == {("corrected", "volatile"): 3, ("uncorrected", "volatile"): 0,
+                                ("corrected", "aggregate"): 17, ("uncorrected", "aggregate"): 1}
+        assert (r.clock_event_reasons, r.clock_event_reasons_supported) == (0x44, 0x1FF)
+        # sample() leaves out the legacy PCIe window (20 ms per call): sample_all() reads it for a scrape
+        assert r.pcie_tx_bytes_per_second is None
+        assert NvmlBackend(nvml=dgx_a100_2gpu_mig()).sample_all()["gpu0"].pcie_tx_bytes_per_second == 2_000 * 1024
+
+    def test_pcie_legacy_can_be_turned_off(self):
+        fake = dgx_a100_2gpu_mig()
+        readings = NvmlBackend(nvml=fake, pcie_legacy=False).sample_all()
+        assert readings["gpu0"].pcie_rx_bytes_per_second is None
+        assert "nvmlDeviceGetPcieThroughput" not in fake.calls
+
+    def test_gpm_not_used_on_a100(self):
+        fake, clock = a100_40gb_and_h100(), Clock()
+        b = NvmlBackend(nvml=fake, clock=clock)
+        b.sample_all()
+        clock.now += 15
+        b.sample_all()
+        assert fake.calls.count("nvmlGpmQueryDeviceSupport") == 2  # once per GPU, then cached
+        assert fake.calls.count("nvmlGpmMigSampleGet") == 0  # the A100's MIG instances: no GPM
+        assert fake.calls.count("nvmlGpmSampleGet") == 2  # the H100, once per pass
+
+    def test_gpm_second_sample_within_refresh_interval_reuses_values(self):
+        fake, clock = hgx_h100_mig(gpus=1), Clock()
+        b = NvmlBackend(nvml=fake, clock=clock)
+        b.sample_all()
+        clock.now += 10
+        assert b.sample_all()["gpu0/mig1.0"].gr_engine_active_ratio == pytest.approx(0.6)
+        taken = fake.calls.count("nvmlGpmMigSampleGet")
+        clock.now += 0.05  # closer than NVML's GPM refresh: the difference would be noise
+        assert b.sample_all()["gpu0/mig1.0"].gr_engine_active_ratio == pytest.approx(0.6)
+        assert fake.calls.count("nvmlGpmMigSampleGet") == taken
+
+    def test_gpm_buffers_reused_and_freed(self):
+        fake, clock = hgx_h100_mig(gpus=1), Clock()
+        b = NvmlBackend(nvml=fake, clock=clock)
+        for _ in range(5):
+            b.sample_all()
+            clock.now += 15
+        # two buffers per sampled thing (the GPU and its 3 GPU instances), however many scrapes
+        assert len(fake.gpm_samples) == 2 * 4
+        b.close()
+        assert all(s.freed for s in fake.gpm_samples)
+        assert all(es.freed for es in fake.event_sets)
+
+    def test_empty_event_set_is_quiet(self, caplog):
+        b = NvmlBackend(nvml=dgx_a100_2gpu_mig())
+        with caplog.at_level(logging.DEBUG):
+            for _ in range(3):
+                b.sample_all()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # Timeout is "nothing pending"
+
+    def test_old_bindings_use_throttle_reason_names(self):
+        class OldBindings(FakeNvml):
+            """Bindings from before NVML renamed throttle reasons to clock event reasons."""
+
+            def __getattribute__(self, name):
+                if "ClocksEventReasons" in name:
+                    raise AttributeError(name)
+                return super().__getattribute__(name)
+
+            def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle):
+                return FakeNvml.nvmlDeviceGetCurrentClocksEventReasons(self, handle)  # same bits, old name
+
+            def nvmlDeviceGetSupportedClocksThrottleReasons(self, handle):
+                return 0x1FF
+
+        fake = OldBindings(dgx_a100_2gpu_mig().gpus)
+        assert NvmlBackend(nvml=fake).sample("gpu0").clock_event_reasons == 0x44

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Profile gpud under steady wrk load: py-spy on the front end and on the worker at once, hot spots as text.
+
+    .venv/bin/python bench/serving/profile.py [--body binary|json] [--concurrency 64] [--seconds 20] [--native]
+
+Starts gpud on the tiny MLP (same repository as run.py), drives it with wrk, and records both processes with
+py-spy (`--nonblocking`, 100 Hz; installed into .bench/venv-mosec, or .bench/venv-pyspy if that is missing). Writes
+folded stacks (for flamegraph.pl or speedscope) under .bench/profile/, and prints for each process the functions with the most
+samples: self (the function itself on top of the stack) and inclusive (anywhere on the stack), as % of samples.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import run  # noqa: E402
+
+
+def py_spy() -> str:
+    for venv in ("venv-mosec", "venv-pyspy"):
+        exe = os.path.join(run.BENCH_DIR, venv, "bin", "py-spy")
+        if os.access(exe, os.X_OK):
+            return exe
+    python = run.ensure_venv("pyspy", ["py-spy"])
+    return os.path.join(os.path.dirname(python), "py-spy")
+
+
+def summarize(folded: str, top: int) -> str:
+    """Self and inclusive sample shares per function from py-spy's raw (folded) output."""
+    self_n, incl_n = collections.Counter(), collections.Counter()
+    total = 0
+    idle = 0
+    for line in open(folded):
+        stack, _, n = line.rstrip("\n").rpartition(" ")
+        n = int(n)
+        frames = stack.split(";")[1:]  # first item is the thread name / process
+        total += n
+        if not frames:
+            continue
+        self_n[frames[-1]] += n
+        for f in set(frames):
+            incl_n[f] += n
+    out = [f"{total} samples"]
+    out.append("  self%  function")
+    for f, n in self_n.most_common(top):
+        out.append(f"  {100 * n / total:5.1f}  {f}")
+    out.append("  incl%  function")
+    for f, n in incl_n.most_common(top):
+        out.append(f"  {100 * n / total:5.1f}  {f}")
+    return "\n".join(out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--body", choices=["binary", "json"], default="binary")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seconds", type=int, default=20)
+    p.add_argument("--native", action="store_true", help="include native (C/C++) frames")
+    p.add_argument("--idle", action="store_true", help="include idle (waiting) samples")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args()
+    spy = py_spy()
+    wrk = run.ensure_wrk()
+    outdir = os.path.join(run.BENCH_DIR, "profile")
+    os.makedirs(outdir, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="gpud-profile-")
+    repo = os.path.join(workdir, "models")
+    run.models.write_repository(repo)
+    import numpy as np
+
+    row = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    if args.body == "binary":
+        body, header_len, kind = *run.kserve_binary(row), "kserve-binary"
+    else:
+        body, header_len, kind = run.kserve_json(row), 0, "kserve-json"
+    body_file = os.path.join(workdir, "body.bin")
+    with open(body_file, "wb") as f:
+        f.write(body)
+    server = run.GpudServer(workdir, repo)
+    server.start()
+    try:
+        front = psutil.Process(server.proc.pid)
+        workers = front.children(recursive=True)
+        log = run.log
+        log(f"gpud front end pid {front.pid}; workers {[w.pid for w in workers]}")
+        target = run.Target("gpud", f"gpud http-{args.body}", "http", kind, "/v2/models/{model}/infer")
+        run.run_wrk(wrk, server, target, "mlp", args.concurrency, 3, body_file, header_len, workdir)  # warm-up
+        env = dict(os.environ, BODY_FILE=body_file, CONTENT_TYPE=run.content_type(kind),
+                   HEADER_LENGTH=str(header_len or ""), RESULT_FILE=os.path.join(workdir, "wrk.json"))
+        load = subprocess.Popen([wrk, "-t1", f"-c{args.concurrency}", f"-d{args.seconds + 4}s", "-s", run.LUA,
+                                 f"http://127.0.0.1:{server.http_port}/v2/models/mlp/infer"], env=env,
+                                stdout=subprocess.DEVNULL)
+        time.sleep(2)
+        spies = []
+        for name, proc in [("frontend", front)] + [(f"worker{i}", w) for i, w in enumerate(workers)]:
+            folded = os.path.join(outdir, f"{name}-{args.body}-c{args.concurrency}.folded")
+            cmd = [spy, "record", "--pid", str(proc.pid), "--duration", str(args.seconds), "--rate", "100",
+                   "--nonblocking", "--format", "raw", "-o", folded]
+            if args.native:
+                cmd.append("--native")
+            if args.idle:
+                cmd.append("--idle")
+            spies.append((name, folded, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+        cpu0 = {n: psutil.Process(pr.pid).cpu_times() for n, pr in [("frontend", front)]
+                + [(f"worker{i}", w) for i, w in enumerate(workers)]}
+        t0 = time.monotonic()
+        for name, folded, sp in spies:
+            err = sp.communicate()[1]
+            if sp.returncode != 0:
+                log(f"py-spy {name} failed: {err.decode()[-500:]}")
+        dt = time.monotonic() - t0
+        load.wait()
+        res = __import__("json").load(open(os.path.join(workdir, "wrk.json")))
+        rps = res["requests"] / (res["duration_us"] / 1e6)
+        print(f"load: {rps:.0f} req/s, p50 {res['p50_us'] / 1e3:.2f} ms, p99 {res['p99_us'] / 1e3:.2f} ms "
+              f"(under py-spy sampling)")
+        for name, folded, _ in spies:
+            c0 = cpu0[name]
+            pr = front if name == "frontend" else workers[int(name[6:])]
+            c1 = pr.cpu_times()
+            share = (c1.user + c1.system - c0.user - c0.system) / dt
+            print(f"\n== {name} (pid {pr.pid}): {100 * share:.0f}% of a core "
+                  f"(user {c1.user - c0.user:.1f} s, system {c1.system - c0.system:.1f} s over {dt:.1f} s)")
+            if os.path.exists(folded):
+                print(summarize(folded, args.top))
+                print(f"  folded stacks (flamegraph.pl / speedscope): {folded}")
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Autoscaling hints in the daemon: samples the core on a fixed tick, turns counter deltas into observations, runs the
+pure policies of telemetry.hints, and exports the result (a Prometheus Collector, and `inspect()["hints"]`).
+
+Why a periodic tick and not sampling at scrape time: the policy's stabilization windows and the rate window are
+seconds of the injected clock, and the observations are deltas between samples. Riding on scrapes would make them
+depend on who scrapes: two Prometheus servers would halve every delta's window, a node nobody scrapes would freeze
+its hints (and `gpudctl inspect` would show stale ones), and a scrape would pay for the computation. A fixed tick
+makes a hint a function of load and time only; a scrape just reads the latest decision.
+
+The hints are advice: nothing here changes a placement (the controller that acts on them is gpud.controller's job).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpud.placer import candidate_kinds
+from telemetry.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
+                             ModelObservation, desired_instances, node_headroom, observe)
+from telemetry.model_metrics import InstanceInfo
+
+log = logging.getLogger("gpud.autoscale")
+
+# A footprint measured as a resident-memory delta can come out as 0 for a tiny model on the CPU; headroom divides by
+# it. 1 MiB is below any real model and keeps the figure finite.
+MIN_FOOTPRINT_BYTES = 2**20
+
+Key = tuple[str, str]  # (model, version)
+
+
+@dataclass
+class _Track:
+    """One model version's recent counters and policy state."""
+
+    scheduler_id: int  # a reload builds a new scheduler whose counters start at 0: the history must restart
+    samples: deque  # ModelCounters, oldest first, spanning at most the rate window
+    state: HintState
+    throughput: float | None = None  # last measured, kept through idle windows
+    observation: ModelObservation | None = None
+    decision: HintDecision | None = None
+
+
+def read_counters(core: Any, now_s: float) -> dict[Key, tuple[int, ModelCounters]]:
+    """The cumulative counters of every served model version (executor.stats), keyed (model, version)."""
+    out = {}
+    for m in core.models.values():
+        for v in m.versions.values():
+            st = v.scheduler.stats
+            busy_ns = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in st.batches.values())
+            out[(m.name, v.version)] = (id(v.scheduler), ModelCounters(
+                time_s=now_s, requests=st.success.count + st.fail.count, successes=st.success.count,
+                queue_ns=st.queue.ns, batch_compute_ns=busy_ns, ready_instances=v.scheduler.ready_instances))
+    return out
+
+
+def instance_infos(core: Any) -> list[InstanceInfo]:
+    """Every loaded instance with its measured footprint and load time (ModelMetrics' scrape-time source)."""
+    return [InstanceInfo(m.name, v.version, str(i.index), i.device_id, i.footprint_bytes, i.load_seconds, i.ready)
+            for m in core.models.values() for v in m.versions.values() for i in v.instances]
+
+
+def model_footprints(core: Any) -> list[ModelFootprint]:
+    """Per model: the largest measured instance footprint over its versions (the conservative figure for "one more"),
+    and the device kinds its instance groups may use. Models with no loaded instance have no measurement: skipped."""
+    has_gpus = any(d.kind in ("gpu", "mig") for d in core.devices.leaf_devices())
+    out = []
+    for m in core.models.values():
+        sizes, kinds = [], set()
+        for v in m.versions.values():
+            for g in v.entry.config.instance_groups:
+                kinds.update(candidate_kinds(g.kind, has_gpus))
+            sizes += [i.memory_bytes or i.estimate_bytes for i in v.instances]
+        if sizes and kinds:
+            out.append(ModelFootprint(m.name, max(MIN_FOOTPRINT_BYTES, max(sizes)), tuple(sorted(kinds))))
+    return out
+
+
+class HintsSampler(Collector):
+    """Ticks every `interval_s` of `clock`; exports gpud_model_desired_instances and friends at scrape time."""
+
+    def __init__(self, core: Any, policy: HintPolicy, *, clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = 5.0, rate_window_s: float = 30.0, registry: CollectorRegistry | None = None):
+        if interval_s <= 0:
+            raise ValueError(f"hints interval must be > 0 seconds, got {interval_s}")
+        if rate_window_s < interval_s:
+            raise ValueError(f"hints rate window ({rate_window_s} s) must be at least one interval ({interval_s} s)")
+        self.core = core
+        self.policy = policy
+        self.clock = clock
+        self.interval_s = interval_s
+        self.rate_window_s = rate_window_s
+        self._tracks: dict[Key, _Track] = {}
+        self.headroom: dict[str, dict[str, int]] = {}
+        if registry is not None:
+            registry.register(self)
+
+    # --- sampling --------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One sample of every model version, and one policy step for those with a full delta."""
+        now = self.clock()
+        current = read_counters(self.core, now)
+        for key in list(self._tracks):
+            if key not in current:
+                del self._tracks[key]  # unloaded: its series go with it
+        for key, (scheduler_id, counters) in current.items():
+            track = self._tracks.get(key)
+            if track is None or track.scheduler_id != scheduler_id:
+                self._tracks[key] = _Track(scheduler_id, deque([counters]), HintState())
+                continue
+            samples = track.samples
+            samples.append(counters)
+            # Keep the newest sample at least rate_window_s old as the base of the delta (one sample per tick).
+            while len(samples) > 2 and now - samples[1].time_s >= self.rate_window_s:
+                samples.popleft()
+            if counters.time_s <= samples[0].time_s:
+                continue  # a clock that did not move: no rate to compute
+            track.observation = observe(samples[0], counters, track.throughput)
+            track.throughput = track.observation.throughput_per_instance_per_second
+            track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now)
+        try:
+            self.headroom = node_headroom(self._free_devices(), model_footprints(self.core))
+        except Exception:  # noqa: BLE001 - a device read failing must not stop the hints of the models
+            log.exception("computing node headroom failed")
+
+    def _free_devices(self) -> list[DeviceFree]:
+        return [DeviceFree(r.device_id, r.kind, r.free_bytes) for r in self.core.device_rooms()]
+
+    async def run(self) -> None:
+        """Tick forever (cancel to stop). A failing tick is logged and the next one runs: hints are advisory."""
+        while True:
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001
+                log.exception("autoscaling hints: sampling failed")
+            await asyncio.sleep(self.interval_s)
+
+    # --- views -----------------------------------------------------------------------------------------------
+    def decisions(self) -> dict[Key, HintDecision]:
+        return {k: t.decision for k, t in self._tracks.items() if t.decision is not None}
+
+    def inspect(self) -> dict[str, Any]:
+        models = []
+        for (name, version), t in sorted(self._tracks.items()):
+            o, d = t.observation, t.decision
+            models.append({
+                "name": name, "version": version,
+                "current_instances": d.current_instances if d else t.samples[-1].ready_instances,
+                "desired_instances": d.desired_instances if d else None,
+                "recommended_instances": d.recommended_instances if d else None,
+                "arrival_rate_per_second": o.arrival_rate_per_second if o else None,
+                "throughput_per_instance_per_second": o.throughput_per_instance_per_second if o else None,
+                "queue_seconds": o.queue_seconds if o else None,
+                "utilization_ratio": d.utilization_ratio if d else None,
+                "reason": d.reason if d else "collecting a first window",
+            })
+        return {"interval_seconds": self.interval_s, "rate_window_seconds": self.rate_window_s,
+                "policy": asdict(self.policy), "models": models,
+                "headroom": {m: dict(sorted(per.items())) for m, per in sorted(self.headroom.items())}}
+
+    # --- Collector -------------------------------------------------------------------------------------------
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def _families(self) -> list[GaugeMetricFamily]:
+        mv = ("model", "version")
+        return [
+            GaugeMetricFamily("gpud_model_desired_instances", "Autoscaling hint: instances the model version needs "
+                              "for its load and queue-time target (HPA rule, stabilized).", labels=mv),
+            GaugeMetricFamily("gpud_model_instances_current", "Ready instances of the model version when the hint "
+                              "was computed.", labels=mv),
+            GaugeMetricFamily("gpud_model_instance_throughput_requests_per_second", "Measured requests one instance "
+                              "completes per second of busy compute, at the batch sizes seen.", labels=mv),
+            GaugeMetricFamily("gpud_node_headroom_instances", "How many more instances of the model fit on the "
+                              "device by free memory and measured footprint (per model: alternatives, not a sum).",
+                              labels=("model", "device")),
+        ]
+
+    def collect(self) -> Iterable[Metric]:
+        desired_fam, current_fam, throughput_fam, headroom_fam = fams = self._families()
+        for (model, version), t in sorted(self._tracks.items()):
+            if t.decision is not None:
+                desired_fam.add_metric([model, version], float(t.decision.desired_instances))
+                current_fam.add_metric([model, version], float(t.decision.current_instances))
+            if t.throughput is not None:
+                throughput_fam.add_metric([model, version], float(t.throughput))
+        for model, per_device in sorted(self.headroom.items()):
+            for device, n in sorted(per_device.items()):
+                headroom_fam.add_metric([model, device], float(n))
+        return fams

@@ -1,0 +1,194 @@
+"""`gpudctl place`: plan a placement of model instances on a node's devices (also offline, for a machine you do not
+have). A thin face over `placement`: reads files or a running gpud, calls `placement.plan`, prints the plan."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import urllib.error
+import urllib.request
+from typing import Any, TextIO
+
+from placement import spec
+from placement.model import COMPUTE_UNITS, Device, ModelDemand, Plan, fmt_bytes
+from placement.solver import PlannerConfig, plan
+
+EXIT_OK, EXIT_UNPLACED, EXIT_INPUT = 0, 1, 2
+_BAR = 20
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gpudctl place",
+        description="Plan where model instances go on GPUs and MIG instances (memory + compute packing).")
+    p.add_argument("--devices", required=True, metavar="DEVICES",
+                   help="YAML/JSON file, a preset (" + ", ".join(sorted(spec.PRESETS)) + "), or 'live'")
+    p.add_argument("--models", required=True, metavar="MODELS",
+                   help="YAML/JSON file with a 'models' list, or a model repository directory")
+    p.add_argument("--current", metavar="PLAN.json", help="current placement: re-plan with the fewest moves")
+    p.add_argument("--strategy", choices=["pack", "spread"], default="pack")
+    p.add_argument("--time-limit", type=float, default=2.0, metavar="SECONDS",
+                   help="time for improvement and proofs (default 2; 0 = heuristics only)")
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    p.add_argument("--apply", action="store_true", help="apply the plan to a running gpud (needs --url)")
+    p.add_argument("--url", default=None, help="gpud HTTP address, e.g. http://localhost:8000")
+    return p
+
+
+def _load_file(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror or e}") from None
+    if path.endswith(".json"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
+
+
+def _http_json(url: str) -> Any:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return json.loads(resp.read().decode("utf-8"))
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{url}: cannot read gpud inspect: {e}") from None
+
+
+def load_devices(arg: str, url: str | None) -> list[Device]:
+    if arg == "live":
+        base = (url or os.environ.get("GPUD_URL") or "http://localhost:8000").rstrip("/")
+        return spec.devices_from_inspect(_http_json(f"{base}/v2/gpud/inspect"), f"{base}/v2/gpud/inspect")
+    if arg in spec.PRESETS:
+        return spec.devices_from_data(spec.PRESETS[arg], f"preset {arg}")
+    if not os.path.exists(arg):
+        raise ValueError(f"{arg}: no such file, and not a preset (presets: {', '.join(sorted(spec.PRESETS))}, live)")
+    return spec.devices_from_data(_load_file(arg), arg)
+
+
+_COUNT_RE = re.compile(r"instance_group\s*[\[{][^\]]*?count\s*:\s*(\d+)", re.S)
+
+
+def estimate_repository(path: str) -> list[ModelDemand]:
+    """Footprints from a Triton-layout repository: weights size of the newest version x 1.5 (activations, runtime)
+    + 256 MiB workspace; instances from config.pbtxt's instance_group count (default 1)."""
+    out = []
+    for name in sorted(os.listdir(path)):
+        mdir = os.path.join(path, name)
+        if not os.path.isdir(mdir):
+            continue
+        versions = sorted((v for v in os.listdir(mdir) if v.isdigit() and os.path.isdir(os.path.join(mdir, v))),
+                          key=int)
+        if not versions:
+            continue
+        vdir = os.path.join(mdir, versions[-1])
+        weights = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(vdir) for f in files)
+        instances = 1
+        cfg = os.path.join(mdir, "config.pbtxt")
+        if os.path.exists(cfg):
+            with open(cfg, encoding="utf-8") as f:
+                m = _COUNT_RE.search(f.read())
+            if m:
+                instances = int(m.group(1))
+        out.append(ModelDemand(name, int(weights * 1.5) + 256 * 2**20, instances=instances))
+    if not out:
+        raise ValueError(f"{path}: no models found (expected <repo>/<model>/<version>/...)")
+    return out
+
+
+def load_models(arg: str) -> list[ModelDemand]:
+    if os.path.isdir(arg):
+        return estimate_repository(arg)
+    if not os.path.exists(arg):
+        raise ValueError(f"{arg}: no such file or model repository")
+    return spec.models_from_data(_load_file(arg), arg)
+
+
+def _bar(frac: float) -> str:
+    frac = min(max(frac, 0.0), 1.0)
+    n = int(round(frac * _BAR))
+    return "[" + "#" * n + "." * (_BAR - n) + f"] {frac * 100:5.1f}%"
+
+
+def render_table(result: Plan, devices: list[Device], demands: list[ModelDemand], out: TextIO,
+                 reserve_bytes: int = 0) -> None:
+    by_name = {d.name: d for d in demands}
+    by_dev = result.by_device()
+    w = max([len(d.id) for d in devices] + [6])
+    out.write(f"{'DEVICE':<{w}}  {'MEMORY':<46}  {'COMPUTE':<29}  INSTANCES\n")
+    for d in devices:
+        cap = max(0, d.memory_bytes - (d.memory_reserve_bytes if d.memory_reserve_bytes is not None
+                                       else reserve_bytes))
+        members = by_dev.get(d.id, [])
+        mem = sum(by_name[a.model].memory_bytes for a in members if a.model in by_name)
+        cu = sum(by_name[a.model].compute_fraction for a in members if a.model in by_name)
+        mem_txt = f"{_bar(mem / cap if cap else 0.0)} {fmt_bytes(mem)}/{fmt_bytes(cap)}"
+        cu_txt = _bar(cu / d.compute_fraction if d.compute_fraction else 0.0)
+        names = ", ".join(f"{a.model}[{a.instance}]" for a in members) or "-"
+        flag = "" if d.healthy else " (unhealthy)"
+        out.write(f"{d.id:<{w}}  {mem_txt:<46}  {cu_txt:<29}  {names}{flag}\n")
+    out.write("\nMODELS\n")
+    for m in demands:
+        placed = sorted((a for a in result.placements if a.model == m.name), key=lambda a: a.instance)
+        out.write(f"  {m.name}: {len(placed)}/{m.instances} placed, {fmt_bytes(m.memory_bytes)}"
+                  f" + {m.compute_fraction:.2f} GPU each"
+                  + (": " + ", ".join(f"#{a.instance}->{a.device}" for a in placed) if placed else "") + "\n")
+    out.write(f"\ndevices used: {result.devices_used}   lower bound: {result.lower_bound}   "
+              f"optimal: {'yes' if result.optimal else 'not proven'}   strategy: {result.strategy}   "
+              f"method: {result.method}   ({result.elapsed_seconds:.2f} s)\n")
+    if result.moves:
+        out.write("\nMOVES (in order)\n")
+        for k, mv in enumerate(result.moves, 1):
+            src = mv.from_device or "-"
+            dst = mv.to_device or "-"
+            extra = "" if mv.make_before_break else "  [break-before-make]"
+            note = f"  ({mv.note})" if mv.note else ""
+            out.write(f"  {k:3d}. {mv.kind:<6} {mv.model}[{mv.instance}]  {src} -> {dst}{extra}{note}\n")
+    if result.unplaced:
+        out.write("\nUNPLACED\n")
+        for u in result.unplaced:
+            out.write(f"  {u.model}[{u.instance}]: {u.reason}\n")
+            for r in u.rejections:
+                mark = "  <- closest" if r.device == u.closest_device else ""
+                out.write(f"      {r.device}: {r.message()}{mark}\n")
+
+
+def place_main(argv: list[str]) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.time_limit < 0:
+        parser.error("--time-limit must be >= 0")
+    if args.apply and not args.url:
+        parser.error("--apply needs --url URL")
+    try:
+        devices = load_devices(args.devices, args.url)
+        demands = load_models(args.models)
+        current = spec.current_from_data(_load_file(args.current), args.current) if args.current else []
+        config = PlannerConfig(strategy=args.strategy, time_limit_seconds=args.time_limit)
+        result = plan(devices, demands, current=current, config=config)
+    except ValueError as e:
+        print(f"gpudctl place: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    if args.output == "json":
+        json.dump(result.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_table(result, devices, demands, sys.stdout, config.memory_reserve_bytes)
+    if args.apply:
+        print(f"gpudctl place: error: --apply is not supported by this gpud yet ({args.url})", file=sys.stderr)
+        return EXIT_INPUT
+    return EXIT_UNPLACED if result.unplaced else EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(place_main(sys.argv[1:]))

@@ -1,0 +1,307 @@
+"""MIG as data: GPU instance profile tables, layout validation, expansion into leaf devices, and a layout recommender.
+
+Sources (checked while writing these tables):
+- Profile names, slice counts, instance counts and placements (start:size on the memory-slot axis): NVIDIA MIG
+  user guide, "Supported MIG Profiles" (docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html),
+  and NVIDIA's go-nvml mock tables (pkg/nvml/mock/shared/gpus/*.go).
+- Memory in MiB as NVML reports it (`nvidia-smi mig -lgip` prints GiB with two decimals; MiB = GiB * 1024):
+  A100 and A30: go-nvml mock tables (e.g. 1g.5gb 4864 MiB, 7g.80gb 80384 MiB).
+  H100-80GB: lgip output 9.75 / 19.62 / 39.50 / 79.25 GiB -> 9984 / 20096 / 40448 / 81152 MiB.
+  H100-94GB (NVL): lgip output 10.62 / 21.50 / 46.12 / 92.62 GiB -> 10880 / 22016 / 47232 / 94848 MiB.
+  H200-141GB: go-nvml mock tables (18432 / 35840 / 72704 / 144384 MiB); not yet checked against an lgip output.
+  Values can differ by a few hundred MiB between driver branches: a live gpud reads them from NVML instead.
+- GPU instance profile ids are the ones `nvidia-smi mig -lgip` prints (19 = 1g, 15 = 1g double memory, 14 = 2g,
+  9 = 3g, 5 = 4g, 0 = 7g; A30: 14 = 1g.6gb, 5 = 2g.12gb, 0 = 4g.24gb).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from placement.model import Device, ModelDemand
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    profile_id: int
+    name: str  # e.g. "3g.40gb"
+    memory_mib: int  # as NVML reports it
+    compute_slices: int
+    max_count: int
+    placements: tuple[tuple[int, int], ...]  # valid (start, size) on the memory-slot axis
+
+    @property
+    def media_extensions(self) -> bool:
+        return self.name.endswith("+me")
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    memory_mib: int  # the full GPU with MIG off, as NVML reports it
+    compute_slices: int  # 7 (4 on A30)
+    memory_slots: int  # 8 (4 on A30)
+    profiles: tuple[MigProfile, ...]
+
+    def profile(self, name: str) -> MigProfile:
+        key = name.removeprefix("MIG ").strip()
+        for p in self.profiles:
+            if p.name == key or str(p.profile_id) == key:
+                return p
+        raise ValueError(f"{self.name}: unknown MIG profile {name!r}; known: {[p.name for p in self.profiles]}")
+
+
+def _p(pid, name, mib, slices, count, starts, size) -> MigProfile:
+    return MigProfile(pid, name, mib, slices, count, tuple((s, size) for s in starts))
+
+
+_SEVEN = range(7)
+GPU_MODELS: dict[str, GpuModel] = {g.name: g for g in (
+    GpuModel("A100-SXM4-40GB", 40960, 7, 8, (
+        _p(19, "1g.5gb", 4864, 1, 7, _SEVEN, 1), _p(20, "1g.5gb+me", 4864, 1, 1, _SEVEN, 1),
+        _p(15, "1g.10gb", 9856, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.10gb", 9856, 2, 3, (0, 2, 4), 2),
+        _p(9, "3g.20gb", 19968, 3, 2, (0, 4), 4), _p(5, "4g.20gb", 19968, 4, 1, (0,), 4),
+        _p(0, "7g.40gb", 40192, 7, 1, (0,), 8))),
+    GpuModel("A100-SXM4-80GB", 81920, 7, 8, (
+        _p(19, "1g.10gb", 9856, 1, 7, _SEVEN, 1), _p(20, "1g.10gb+me", 9856, 1, 1, _SEVEN, 1),
+        _p(15, "1g.20gb", 19968, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.20gb", 19968, 2, 3, (0, 2, 4), 2),
+        _p(9, "3g.40gb", 40192, 3, 2, (0, 4), 4), _p(5, "4g.40gb", 40192, 4, 1, (0,), 4),
+        _p(0, "7g.80gb", 80384, 7, 1, (0,), 8))),
+    GpuModel("A30-24GB", 24576, 4, 4, (
+        _p(14, "1g.6gb", 5836, 1, 4, (0, 1, 2, 3), 1), _p(21, "1g.6gb+me", 5836, 1, 1, (0, 1, 2, 3), 1),
+        _p(5, "2g.12gb", 11672, 2, 2, (0, 2), 2), _p(6, "2g.12gb+me", 11672, 2, 1, (0, 2), 2),
+        _p(0, "4g.24gb", 23344, 4, 1, (0,), 4))),
+    GpuModel("H100-80GB", 81559, 7, 8, (
+        _p(19, "1g.10gb", 9984, 1, 7, _SEVEN, 1), _p(20, "1g.10gb+me", 9984, 1, 1, _SEVEN, 1),
+        _p(15, "1g.20gb", 20096, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.20gb", 20096, 2, 3, (0, 2, 4), 2),
+        _p(9, "3g.40gb", 40448, 3, 2, (0, 4), 4), _p(5, "4g.40gb", 40448, 4, 1, (0,), 4),
+        _p(0, "7g.80gb", 81152, 7, 1, (0,), 8))),
+    GpuModel("H100-94GB", 95830, 7, 8, (
+        _p(19, "1g.12gb", 10880, 1, 7, _SEVEN, 1), _p(20, "1g.12gb+me", 10880, 1, 1, _SEVEN, 1),
+        _p(15, "1g.24gb", 22016, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.24gb", 22016, 2, 3, (0, 2, 4), 2),
+        _p(9, "3g.47gb", 47232, 3, 2, (0, 4), 4), _p(5, "4g.47gb", 47232, 4, 1, (0,), 4),
+        _p(0, "7g.94gb", 94848, 7, 1, (0,), 8))),
+    GpuModel("H200-141GB", 143771, 7, 8, (
+        _p(19, "1g.18gb", 18432, 1, 7, _SEVEN, 1), _p(20, "1g.18gb+me", 18432, 1, 1, _SEVEN, 1),
+        _p(15, "1g.35gb", 35840, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.35gb", 35840, 2, 3, (0, 2, 4), 2),
+        _p(9, "3g.71gb", 72704, 3, 2, (0, 4), 4), _p(5, "4g.71gb", 72704, 4, 1, (0,), 4),
+        _p(0, "7g.141gb", 144384, 7, 1, (0,), 8))),
+)}
+ALIASES = {"A100-40GB": "A100-SXM4-40GB", "A100-80GB": "A100-SXM4-80GB", "A30": "A30-24GB",
+           "H100": "H100-80GB", "H100-SXM5-80GB": "H100-80GB", "H100-NVL": "H100-94GB", "H100-94GB-NVL": "H100-94GB",
+           "H200": "H200-141GB"}
+
+
+def gpu_model(name: str) -> GpuModel:
+    key = ALIASES.get(name, name)
+    try:
+        return GPU_MODELS[key]
+    except KeyError:
+        raise ValueError(f"unknown GPU model {name!r}; known: {sorted(GPU_MODELS)} "
+                         f"(aliases {sorted(ALIASES)})") from None
+
+
+@dataclass(frozen=True)
+class PlacedInstance:
+    profile: MigProfile
+    start: int
+    size: int
+
+
+def validate_layout(model: GpuModel, layout: Sequence[str | tuple[str, int]]) -> tuple[PlacedInstance, ...]:
+    """Check a MIG layout (profile names, optionally with a start slot) and give every instance a placement.
+    Raises ValueError naming the instance that does not fit. Placement is a small exact search, so any layout that
+    has a valid arrangement is accepted."""
+    wanted: list[tuple[MigProfile, int | None]] = []
+    for k, entry in enumerate(layout):
+        name, start = (entry, None) if isinstance(entry, str) else entry
+        p = model.profile(name)
+        if start is not None and (start, p.placements[0][1]) not in p.placements:
+            raise ValueError(f"{model.name}: instance {k} ({p.name}) cannot start at slot {start}; valid starts: "
+                             f"{[s for s, _ in p.placements]}")
+        wanted.append((p, start))
+    counts: dict[str, int] = {}
+    for p, _ in wanted:
+        counts[p.name] = counts.get(p.name, 0) + 1
+        if counts[p.name] > p.max_count:
+            raise ValueError(f"{model.name}: at most {p.max_count} x {p.name}, layout has {counts[p.name]}")
+    if sum(1 for p, _ in wanted if p.media_extensions) > 1:
+        raise ValueError(f"{model.name}: at most one +me instance per GPU")
+    slices = sum(p.compute_slices for p, _ in wanted)
+    if slices > model.compute_slices:
+        raise ValueError(f"{model.name}: layout needs {slices} compute slices, the GPU has {model.compute_slices}")
+    order = sorted(range(len(wanted)), key=lambda k: (wanted[k][1] is None, -wanted[k][0].placements[0][1]))
+    used = [False] * model.memory_slots
+    chosen: dict[int, tuple[int, int]] = {}
+
+    def place(j: int) -> bool:
+        if j == len(order):
+            return True
+        k = order[j]
+        p, start = wanted[k]
+        for s, size in p.placements:
+            if start is not None and s != start:
+                continue
+            if s + size > model.memory_slots or any(used[s:s + size]):
+                continue
+            for x in range(s, s + size):
+                used[x] = True
+            chosen[k] = (s, size)
+            if place(j + 1):
+                return True
+            for x in range(s, s + size):
+                used[x] = False
+        return False
+
+    if not place(0):
+        raise ValueError(f"{model.name}: no valid placement for layout {[p.name for p, _ in wanted]} "
+                         f"(memory slots overlap)")
+    return tuple(PlacedInstance(wanted[k][0], *chosen[k]) for k in range(len(wanted)))
+
+
+def expand_gpu(gpu_id: str, model: GpuModel, layout: Sequence[str | tuple[str, int]] | None, *,
+               healthy: bool = True, labels: dict[str, str] | None = None) -> list[Device]:
+    """Leaf devices of one GPU: itself with MIG off (layout None), else one device per MIG instance."""
+    base = {"gpu.model": model.name, **(labels or {})}
+    if layout is None:
+        return [Device(gpu_id, model.memory_mib * MIB, 1.0, "gpu", healthy, base)]
+    placed = validate_layout(model, layout)
+    out = []
+    for k, inst in enumerate(sorted(placed, key=lambda x: x.start)):
+        p = inst.profile
+        out.append(Device(f"{gpu_id}/mig{k}:{p.name}@{inst.start}", p.memory_mib * MIB,
+                          p.compute_slices / model.compute_slices, "mig", healthy,
+                          {**base, "mig.profile": p.name, "mig.start": str(inst.start)}, parent_id=gpu_id))
+    return out
+
+
+def enumerate_layouts(model: GpuModel) -> list[tuple[str, ...]]:
+    """Every maximal valid layout (no +me profiles): no further instance can be added to it."""
+    profiles = [p for p in model.profiles if not p.media_extensions]
+    results: set[tuple[str, ...]] = set()
+
+    def valid(names: list[str]) -> bool:
+        try:
+            validate_layout(model, names)
+            return True
+        except ValueError:
+            return False
+
+    def grow(names: list[str], start_index: int) -> None:
+        extended = False
+        for k in range(len(profiles)):
+            cand = names + [profiles[k].name]
+            if valid(cand):
+                extended = True
+                if k >= start_index:
+                    grow(cand, k)
+        if not extended:
+            results.add(tuple(sorted(names)))
+
+    grow([], 0)
+    return sorted(results)
+
+
+def balanced_layout(model: GpuModel) -> tuple[str, ...]:
+    """mig-parted's "all-balanced": 2 x 1g, 1 x 2g, 1 x 3g on 7-slice GPUs; 2 x 1g, 1 x 2g on the A30."""
+    one = next(p.name for p in model.profiles if p.compute_slices == 1 and not p.media_extensions)
+    two = next(p.name for p in model.profiles if p.compute_slices == 2 and not p.media_extensions)
+    if model.compute_slices == 4:
+        return (one, one, two)
+    three = next(p.name for p in model.profiles if p.compute_slices == 3)
+    return (one, one, two, three)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# layout recommender
+
+@dataclass(frozen=True)
+class GpuLayout:
+    gpu_id: str
+    model: str
+    layout: tuple[str, ...] | None  # None = MIG off
+
+
+@dataclass(frozen=True)
+class MigRecommendation:
+    layouts: tuple[GpuLayout, ...]
+    gpus_used: int  # physical GPUs holding at least one instance
+    unplaced_instances: int
+    plan: object  # placement.model.Plan over the expanded devices
+
+
+def _gpus_used(plan, devices: Sequence[Device]) -> int:
+    phys = {d.id: d.physical_id for d in devices}
+    return len({phys[a.device] for a in plan.placements})
+
+
+def evaluate_layouts(gpus: Sequence[tuple[str, str]], layouts: Sequence[tuple[str, ...] | None],
+                     demands: Sequence[ModelDemand], *, config=None, clock=None) -> MigRecommendation:
+    """Plan the demands on the given per-GPU layouts and count the physical GPUs used."""
+    from placement.solver import PlannerConfig, plan
+
+    devices: list[Device] = []
+    for (gpu_id, model_name), layout in zip(gpus, layouts):
+        devices += expand_gpu(gpu_id, gpu_model(model_name), layout)
+    kwargs = {"clock": clock} if clock else {}
+    p = plan(devices, demands, config=config or PlannerConfig(time_limit_seconds=0.5), **kwargs)
+    return MigRecommendation(
+        tuple(GpuLayout(g, m, tuple(l) if l is not None else None) for (g, m), l in zip(gpus, layouts)),
+        _gpus_used(p, devices), sum(1 for _ in p.unplaced), p)
+
+
+def recommend_layouts(gpus: Sequence[tuple[str, str]], demands: Sequence[ModelDemand], *, config=None,
+                      clock=None) -> MigRecommendation:
+    """Choose per GPU a MIG layout (or MIG off) so the demand is served on the fewest GPUs. Greedy over GPUs: each
+    next GPU takes the candidate layout (all maximal layouts and MIG off) that places the most remaining memory
+    demand, preferring MIG off on ties (fewer CUDA contexts); the final placement is re-planned over all GPUs."""
+    from placement.framework import NodeState, eligible_devices
+    from placement.solver import PlannerConfig, _greedy
+
+    remaining = [(d, i) for d in demands for i in range(d.instances)]
+    chosen: list[tuple[str, ...] | None] = []
+    cache: dict[str, list[tuple[str, ...] | None]] = {}
+    for gpu_id, model_name in gpus:
+        model = gpu_model(model_name)
+        if not remaining:
+            chosen.append(None)
+            continue
+        cands = cache.setdefault(model.name, [None] + enumerate_layouts(model))
+        best, best_key, best_left = None, None, remaining
+        for layout in cands:
+            devs = expand_gpu(gpu_id, model, layout)
+            state = NodeState(devs)
+            eligible = {d.name: eligible_devices(d, devs, state.capacity) for d in demands}
+            _greedy(state, [it for it in remaining if eligible[it[0].name]], eligible, "pack", demands)
+            placed_mem = sum(state.used_memory.values())
+            placed_n = len(state.where)
+            key = (placed_mem, placed_n, layout is None, -len(devs))
+            if best_key is None or key > best_key:
+                best, best_key = layout, key
+                best_left = [it for it in remaining if (it[0].name, it[1]) not in state.where]
+        chosen.append(best)
+        remaining = best_left
+    return evaluate_layouts(gpus, chosen, demands, config=config or PlannerConfig(time_limit_seconds=0.5),
+                            clock=clock)
+
+
+def mig_parted_yaml(rec: MigRecommendation, config_name: str = "gpud-recommended") -> str:
+    """The recommendation as a mig-parted config (github.com/NVIDIA/mig-parted); device indices follow the order
+    of the GPUs given to the recommender."""
+    lines = ["version: v1", "mig-configs:", f"  {config_name}:"]
+    for k, g in enumerate(rec.layouts):
+        lines.append(f"    - devices: [{k}]  # {g.gpu_id} {g.model}")
+        if g.layout is None:
+            lines.append("      mig-enabled: false")
+            continue
+        lines.append("      mig-enabled: true")
+        lines.append("      mig-devices:")
+        counts: dict[str, int] = {}
+        for name in g.layout:
+            counts[name] = counts.get(name, 0) + 1
+        for name, n in counts.items():
+            lines.append(f'        "{name}": {n}')
+    return "\n".join(lines) + "\n"
+

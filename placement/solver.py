@@ -1,0 +1,533 @@
+"""The planner: devices + demands (+ the current placement) -> a Plan with reasons, a lower bound, an optimality flag
+and an ordered make-before-break diff.
+
+- Fresh plans: when the instance is one-dimensional over identical devices (no constraints, one binding resource)
+  it goes to `placement.binpack1d.solve` (heuristics, L2 and arc-flow LP bounds, local search, arc-flow MIP).
+  Otherwise: a best-fit-decreasing greedy over the filter/score framework, device elimination, and, with HiGHS, an
+  aggregated MIP (instances of a model per device as integers) within the time limit.
+- Re-plans (`current` given): keep every current instance that is still valid, place what is missing; when that
+  leaves something unplaced, plan from scratch too and keep whichever places more, then has fewer moves.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from functools import reduce
+from typing import Callable, Sequence
+
+from placement import binpack1d
+from placement.framework import NodeState, eligible_devices, scorer_for, static_reasons
+from placement.model import (
+    Assignment, Device, DeviceRejection, InsufficientResource, ModelDemand, Move, Plan, STRATEGIES, Unplaced,
+    compute_units, fmt_bytes,
+)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    strategy: str = "pack"  # "pack": fewest devices; "spread": balanced load
+    time_limit_seconds: float = 1.0  # for improvement and exact stages; 0 = constructive heuristics only
+    memory_reserve_bytes: int = 0  # per device, for the CUDA context and workspace (a device may override it)
+    use_highs: bool = True  # use scipy's HiGHS when it is installed
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {self.strategy!r}")
+        if not (self.time_limit_seconds >= 0):
+            raise ValueError(f"time_limit_seconds must be >= 0, got {self.time_limit_seconds!r}")
+        if self.memory_reserve_bytes < 0:
+            raise ValueError(f"memory_reserve_bytes must be >= 0, got {self.memory_reserve_bytes}")
+
+
+def plan(devices: Sequence[Device], demands: Sequence[ModelDemand], *, current: Sequence[Assignment] = (),
+         config: PlannerConfig = PlannerConfig(), clock: Clock = time.perf_counter) -> Plan:
+    """Place every instance of every demand. With `current`, re-plan with the fewest moves and return the diff."""
+    start = clock()
+    _validate(devices, demands)
+    if current:
+        result = _replan(devices, demands, tuple(current), config, clock, start)
+    else:
+        result = _fresh(devices, demands, config, clock, start)
+    return replace(result, elapsed_seconds=clock() - start)
+
+
+def _validate(devices: Sequence[Device], demands: Sequence[ModelDemand]) -> None:
+    names = [d.name for d in demands]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate model names: {sorted({n for n in names if names.count(n) > 1})}")
+    ids = [d.id for d in devices]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate device ids: {sorted({i for i in ids if ids.count(i) > 1})}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fresh plans
+
+def _fresh(devices, demands, config: PlannerConfig, clock, start) -> Plan:
+    state = NodeState(devices, config.memory_reserve_bytes)
+    cache: dict = {}
+    eligible = {d.name: eligible_devices(d, devices, state.capacity, cache) for d in demands}
+    deadline = start + config.time_limit_seconds
+    items = [(d, i) for d in demands for i in range(d.instances) if eligible[d.name]]
+    method = "greedy"
+    one_d = _one_dimensional(devices, demands, state, eligible) if config.strategy == "pack" else None
+    exact_lb, proven = None, False
+    if one_d is not None:
+        assignments, lb1, proven, method = _solve_one_d(one_d, devices, demands, state, config, clock, deadline)
+        by_name = {d.name: d for d in demands}
+        for a in assignments:
+            state.reserve(by_name[a.model], a.instance, a.device)
+        exact_lb = lb1
+    else:
+        _greedy(state, items, eligible, config.strategy, demands)
+        if config.strategy == "pack" and config.time_limit_seconds > 0:
+            _eliminate_devices(state, eligible, demands, deadline, clock)
+            method = "greedy+elimination"
+    placed = set(state.where)
+    unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
+    lb = lower_bound(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
+                     state.capacity)
+    if exact_lb is not None:
+        lb = max(lb, exact_lb)
+    used = len(state.used_devices())
+    if (config.strategy == "pack" and one_d is None and not unplaced_items and used > lb
+            and config.use_highs and config.time_limit_seconds > 0 and clock() < deadline):
+        better = _aggregated_mip(devices, demands, state, eligible, deadline - clock(), max_devices=used - 1)
+        if better is not None:
+            new_assign, mip_lb, mip_proven = better
+            lb = max(lb, mip_lb)
+            if new_assign is not None:
+                state = NodeState(devices, config.memory_reserve_bytes)
+                by_name = {d.name: d for d in demands}
+                for a in new_assign:
+                    state.reserve(by_name[a.model], a.instance, a.device)
+                method = "aggregated-mip"
+            proven = proven or mip_proven
+            used = len(state.used_devices())
+    optimal = config.strategy == "pack" and not unplaced_items and (used <= lb or proven)
+    if optimal:
+        lb = used  # proven
+    unplaced = tuple(_explain(state, d, i, devices) for d, i in unplaced_items)
+    return Plan(placements=tuple(state.assignments()), unplaced=unplaced, devices_used=used,
+                lower_bound=min(lb, used), optimal=optimal,
+                strategy=config.strategy, method=method)
+
+
+def _demand(demands, name) -> ModelDemand:
+    for d in demands:
+        if d.name == name:
+            return d
+    raise KeyError(name)
+
+
+def _size_key(state: NodeState, d: ModelDemand) -> float:
+    max_mem = max((c.memory_bytes for c in state.capacity.values()), default=1) or 1
+    max_cu = max((c.compute_units for c in state.capacity.values()), default=1) or 1
+    return max(d.memory_bytes / max_mem, compute_units(d.compute_fraction) / max_cu)
+
+
+def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
+    """Decreasing size; each instance goes to the feasible device with the best score (pack: fullest after placing,
+    preferring devices, then physical GPUs, already in use; spread: emptiest). Ties by device order."""
+    score = scorer_for(strategy)
+    order = sorted(items, key=lambda it: (-_size_key(state, it[0]), len(eligible[it[0].name]), it[0].name, it[1]))
+    for d, i in order:
+        best, best_key = None, None
+        for dev in eligible[d.name]:
+            if not state.fits(d, dev):
+                continue
+            if strategy == "pack":  # devices in use, then GPUs in use, then the fullest after placing
+                key = (bool(state.members[dev]), state.physical_used.get(state.devices[dev].physical_id, 0) > 0,
+                       score(state, d, dev))
+            else:
+                key = (score(state, d, dev),)
+            if best_key is None or key > best_key:
+                best, best_key = dev, key
+        if best is not None:
+            state.reserve(d, i, best)
+
+
+def _eliminate_devices(state: NodeState, eligible, demands, deadline, clock) -> None:
+    """Try to empty the least-filled used devices by moving their instances into other used devices."""
+    changed = True
+    while changed and clock() < deadline:
+        changed = False
+        used = sorted(state.used_devices(), key=lambda dev: state.utilization(dev))
+        for dev in used:
+            if clock() >= deadline:
+                return
+            members = sorted(state.members[dev].items(), key=lambda kv: -_size_key(state, kv[1]))
+            moved = []
+            ok = True
+            for (name, inst), d in members:
+                state.unreserve(name, inst)
+                target = None
+                best = -1.0
+                for other in eligible[name]:
+                    if other == dev or not state.members[other] or not state.fits(d, other):
+                        continue
+                    u = state.utilization(other, d)
+                    if u > best:
+                        target, best = other, u
+                if target is None:
+                    state.reserve(d, inst, dev)
+                    ok = False
+                    break
+                state.reserve(d, inst, target)
+                moved.append((d, inst))
+            if not ok:  # roll back: Unreserve what moved, Reserve it back on dev
+                for d, inst in moved:
+                    state.unreserve(d.name, inst)
+                    state.reserve(d, inst, dev)
+            else:
+                changed = True
+
+
+def lower_bound(devices: Sequence[Device], items, capacity) -> int:
+    """Devices needed at least: per resource, the fewest devices whose largest capacities add up to the demand;
+    and the instance count of any spread model (one per physical GPU, counted as devices)."""
+    if not items:
+        return 0
+    lb = 1
+    for get_cap, get_req in ((lambda c: c.memory_bytes, lambda d: d.memory_bytes),
+                             (lambda c: c.compute_units, lambda d: compute_units(d.compute_fraction))):
+        total = sum(get_req(d) for d, _ in items)
+        if total <= 0:
+            continue
+        caps = sorted((get_cap(capacity[dv.id]) for dv in devices if dv.healthy), reverse=True)
+        acc, k = 0, 0
+        for c in caps:
+            if acc >= total:
+                break
+            acc += c
+            k += 1
+        lb = max(lb, k)
+    counts: dict[str, int] = {}
+    for d, _ in items:
+        if d.constraints.spread:
+            counts[d.name] = counts.get(d.name, 0) + 1
+    if counts:
+        lb = max(lb, max(counts.values()))
+    return lb
+
+
+# -- one-dimensional special case -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _OneD:
+    resource: str  # "memory" or "compute"
+    capacity: int
+    device_ids: tuple[str, ...]
+
+
+def _one_dimensional(devices, demands, state: NodeState, eligible) -> _OneD | None:
+    """Identical healthy devices, every model allowed everywhere, no spread, and only one resource requested."""
+    healthy = [d for d in devices if d.healthy]
+    if not healthy or not demands:
+        return None
+    caps = {state.capacity[d.id] for d in healthy}
+    if len(caps) != 1:
+        return None
+    ids = tuple(d.id for d in healthy)
+    for d in demands:
+        if d.constraints.spread or (d.instances and eligible[d.name] and len(eligible[d.name]) != len(ids)):
+            return None
+        if d.instances and not eligible[d.name]:
+            return None  # some model fits nowhere: let the general path explain it
+    cap = next(iter(caps))
+    uses_mem = any(d.memory_bytes for d in demands)
+    uses_cu = any(d.compute_fraction for d in demands)
+    if uses_mem and uses_cu:
+        return None
+    if uses_cu:
+        return _OneD("compute", cap.compute_units, ids)
+    return _OneD("memory", cap.memory_bytes, ids)
+
+
+def _solve_one_d(one: _OneD, devices, demands, state, config, clock, deadline):
+    items = [(d, i) for d in demands for i in range(d.instances)]
+    sizes = [d.memory_bytes if one.resource == "memory" else compute_units(d.compute_fraction) for d, _ in items]
+    g = reduce(math.gcd, sizes, one.capacity) or 1  # byte sizes: scale by the common divisor
+    scaled = [s // g for s in sizes]
+    cap = one.capacity // g
+    packing = binpack1d.solve(scaled, cap, time_limit_seconds=max(0.0, deadline - clock()), clock=clock,
+                              use_highs=config.use_highs, seed=config.seed)
+    bins = sorted(packing.bins, key=lambda b: -sum(scaled[i] for i in b))
+    out = []
+    for dev, b in zip(one.device_ids, bins):
+        for k in b:
+            d, i = items[k]
+            out.append(Assignment(d.name, i, dev))
+    proven = packing.optimal and len(bins) <= len(one.device_ids)
+    return out, packing.lower_bound, proven, f"1d:{packing.method}"
+
+
+# -- aggregated MIP -------------------------------------------------------------------------------------------
+
+def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_seconds: float, max_devices: int):
+    """min sum(y_d) s.t. sum_d n_md = instances_m, sum_m mem_m n_md <= cap_d y_d (and compute), n_md <= [spread]
+    per physical GPU. n_md are integer instance counts, so identical instances cause no symmetry.
+    Returns (assignments or None, lower bound, proven) or None without HiGHS."""
+    if time_limit_seconds <= 0 or not binpack1d.highs_available():
+        return None
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    dev_ids = [d.id for d in devices]
+    dev_index = {d: k for k, d in enumerate(dev_ids)}
+    models = [d for d in demands if d.instances]
+    pairs = [(mi, dev_index[dv]) for mi, m in enumerate(models) for dv in eligible[m.name]]
+    if not pairs:
+        return None
+    n_pairs, n_dev = len(pairs), len(dev_ids)
+    n_var = n_pairs + n_dev
+    rows = []
+    lo, hi = [], []
+    a = lil_matrix((len(models) + 2 * n_dev + len(models) * n_dev + 1, n_var))
+    r = 0
+    for mi, m in enumerate(models):  # demand
+        for k, (pm, _) in enumerate(pairs):
+            if pm == mi:
+                a[r, k] = 1
+        lo.append(m.instances); hi.append(m.instances); r += 1
+    for dk, dv in enumerate(dev_ids):  # capacity per resource, linked to y_d
+        cap = state.capacity[dv]
+        for k, (pm, pd) in enumerate(pairs):
+            if pd == dk:
+                a[r, k] = models[pm].memory_bytes / max(1, cap.memory_bytes)
+                a[r + 1, k] = compute_units(models[pm].compute_fraction) / max(1, cap.compute_units)
+        a[r, n_pairs + dk] = -1
+        a[r + 1, n_pairs + dk] = -1
+        lo += [-np.inf, -np.inf]; hi += [0, 0]; r += 2
+    phys: dict[tuple[int, str], list[int]] = {}
+    for k, (pm, pd) in enumerate(pairs):
+        if models[pm].constraints.spread:
+            phys.setdefault((pm, devices[pd].physical_id), []).append(k)
+    for ks in phys.values():
+        for k in ks:
+            a[r, k] = 1
+        lo.append(-np.inf); hi.append(1); r += 1
+    for dk in range(n_dev):
+        a[r, n_pairs + dk] = 1
+    lo.append(-np.inf); hi.append(max_devices); r += 1
+    a = a[:r].tocsr()
+    c = np.concatenate([np.zeros(n_pairs), np.ones(n_dev)])
+    ub = np.array([models[pm].instances for pm, _ in pairs] + [1] * n_dev, dtype=float)
+    res = milp(c, integrality=np.ones(n_var), bounds=Bounds(np.zeros(n_var), ub),
+               constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)),
+               options={"time_limit": float(time_limit_seconds), "disp": False})
+    if res.status == 2:
+        return None, max_devices + 1, True  # incumbent proven optimal
+    dual = getattr(res, "mip_dual_bound", None)
+    lb = int(math.ceil(dual - 1e-6)) if dual is not None and np.isfinite(dual) else 0
+    if res.x is None:
+        return None, lb, False
+    x = np.rint(res.x).astype(int)
+    out, counter = [], {}
+    for k, (pm, pd) in enumerate(pairs):
+        for _ in range(x[k]):
+            m = models[pm]
+            i = counter.get(m.name, 0)
+            counter[m.name] = i + 1
+            out.append(Assignment(m.name, i, dev_ids[pd]))
+    if any(counter.get(m.name, 0) != m.instances for m in models):
+        return None, lb, False
+    # verify with the ledger (rounding of the scaled capacity rows)
+    check = NodeState(devices, 0)
+    check.capacity = state.capacity
+    for a_ in out:
+        d = _demand(models, a_.model)
+        if not check.fits(d, a_.device):
+            return None, lb, False
+        check.reserve(d, a_.instance, a_.device)
+    used = len(check.used_devices())
+    return out, max(lb, used if res.status == 0 else lb), res.status == 0
+
+
+# -- explanations ---------------------------------------------------------------------------------------------
+
+def _explain(state: NodeState, demand: ModelDemand, instance: int, devices: Sequence[Device]) -> Unplaced:
+    rejections = []
+    closest, closest_short = None, None
+    for dev in devices:
+        reasons = state.filter_device(demand, dev.id)
+        if not reasons:
+            reasons = [InsufficientResource("memory", demand.memory_bytes, state.used_memory[dev.id],
+                                            state.capacity[dev.id].memory_bytes)]
+        rejections.append(DeviceRejection(dev.id, tuple(reasons)))
+        if not static_reasons(demand, dev):
+            short = max(0, demand.memory_bytes - (state.capacity[dev.id].memory_bytes - state.used_memory[dev.id]))
+            short_empty = max(0, demand.memory_bytes - state.capacity[dev.id].memory_bytes)
+            key = (short_empty, short)
+            if closest_short is None or key < closest_short:
+                closest, closest_short = dev.id, key
+    if not devices:
+        summary = "no devices"
+    elif closest is None:
+        summary = "no device satisfies the model's constraints"
+    elif closest_short[0] > 0:
+        cap = state.capacity[closest].memory_bytes
+        summary = (f"needs {fmt_bytes(demand.memory_bytes)}, larger than any allowed device "
+                   f"(closest: {closest} with {fmt_bytes(cap)} usable)")
+    else:
+        summary = f"no allowed device has room left (closest: {closest})"
+    return Unplaced(demand.name, instance, summary, tuple(rejections), closest)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# re-planning and the diff
+
+def _replan(devices, demands, current: tuple[Assignment, ...], config: PlannerConfig, clock, start) -> Plan:
+    by_name = {d.name: d for d in demands}
+    state = NodeState(devices, config.memory_reserve_bytes)
+    cache: dict = {}
+    eligible = {d.name: eligible_devices(d, devices, state.capacity, cache) for d in demands}
+    # 1. keep what is still valid, in the order given
+    for a in sorted(current):
+        d = by_name.get(a.model)
+        if d is None or a.instance >= d.instances or a.device not in state.devices:
+            continue
+        if (a.model, a.instance) in state.where:
+            continue
+        if a.device in eligible[a.model] and state.fits(d, a.device):
+            state.reserve(d, a.instance, a.device)
+    # 2. place what is missing
+    missing = [(d, i) for d in demands for i in range(d.instances)
+               if (d.name, i) not in state.where and eligible[d.name]]
+    _greedy(state, missing, eligible, config.strategy, demands)
+    keep_plan_unplaced = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in state.where]
+    incremental = state.assignments()
+    incremental_moves = count_moves(current, incremental)
+    candidates = [(len(keep_plan_unplaced), incremental_moves, "incremental", state)]
+    if keep_plan_unplaced or incremental_moves:
+        scratch = _fresh(devices, demands, replace(config, time_limit_seconds=max(
+            0.0, config.time_limit_seconds - (clock() - start))), clock, clock())
+        relabeled = relabel(current, scratch.placements)
+        st = NodeState(devices, config.memory_reserve_bytes)
+        for a in relabeled:
+            st.reserve(by_name[a.model], a.instance, a.device)
+        candidates.append((len(scratch.unplaced), count_moves(current, relabeled), "scratch", st))
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    _, _, method, state = candidates[0]
+    placements = state.assignments()
+    placed = set(state.where)
+    unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
+    lb = lower_bound(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
+                     state.capacity)
+    used = len(state.used_devices())
+    moves = diff(current, placements, devices, demands, config.memory_reserve_bytes)
+    return Plan(placements=tuple(placements), unplaced=tuple(_explain(state, d, i, devices) for d, i in unplaced_items),
+                devices_used=used, lower_bound=lb, optimal=config.strategy == "pack" and not unplaced_items
+                and used <= lb, moves=tuple(moves), strategy=config.strategy, method=f"replan:{method}")
+
+
+def count_moves(current: Sequence[Assignment], new: Sequence[Assignment]) -> int:
+    """Instances present in both whose device changed."""
+    before = {(a.model, a.instance): a.device for a in current}
+    return sum(1 for a in new if (a.model, a.instance) in before and before[(a.model, a.instance)] != a.device)
+
+
+def relabel(current: Sequence[Assignment], new: Sequence[Assignment]) -> list[Assignment]:
+    """Renumber each model's instances in `new` so that as many as possible keep their current device."""
+    out: list[Assignment] = []
+    by_model: dict[str, list[Assignment]] = {}
+    for a in new:
+        by_model.setdefault(a.model, []).append(a)
+    for model, lst in by_model.items():
+        n = len(lst)
+        cur = sorted((a for a in current if a.model == model and a.instance < n), key=lambda a: a.instance)
+        free_slots = list(lst)
+        taken: set[int] = set()
+        for a in cur:  # keep index and device where the new plan has a slot on that device
+            for s in free_slots:
+                if s.device == a.device:
+                    free_slots.remove(s)
+                    out.append(Assignment(model, a.instance, a.device))
+                    taken.add(a.instance)
+                    break
+        spare = [i for i in range(n) if i not in taken]
+        for s, i in zip(free_slots, spare):
+            out.append(Assignment(model, i, s.device))
+    return sorted(out)
+
+
+def diff(current: Sequence[Assignment], new: Sequence[Assignment], devices: Sequence[Device],
+         demands: Sequence[ModelDemand], memory_reserve_bytes: int = 0) -> list[Move]:
+    """An ordered add / remove / move list from `current` to `new`. Instances on lost or unhealthy devices are
+    removed first (they are gone already); excess instances next (never below a model's minimum); then adds and
+    moves, each only when its target has room at that point, a move starting its new instance before stopping the
+    old one. A cycle of moves with no room anywhere is broken by a break-before-make move of a model that stays at or
+    above its minimum; failing that the move is emitted with a note."""
+    by_name = {d.name: d for d in demands}
+    healthy = {d.id for d in devices if d.healthy}
+    before = {(a.model, a.instance): a.device for a in current}
+    after = {(a.model, a.instance): a.device for a in new}
+    live: dict[str, int] = {}
+    state = NodeState(devices, memory_reserve_bytes)
+    moves: list[Move] = []
+    for key, dev in sorted(before.items()):
+        model, inst = key
+        if dev not in healthy:
+            moves.append(Move("remove", model, inst, from_device=dev, note="device lost or unhealthy"))
+            continue
+        d = by_name.get(model)
+        if d is None:
+            d = ModelDemand(model, 0, instances=0)
+        if (model, inst) not in state.where:
+            state.reserve(d, inst, dev)
+        live[model] = live.get(model, 0) + 1
+    for key, dev in sorted(before.items()):
+        model, inst = key
+        if dev in healthy and key not in after:
+            mn = by_name[model].min_instances if model in by_name else 0
+            if live.get(model, 0) - 1 >= mn or model not in by_name:
+                moves.append(Move("remove", model, inst, from_device=dev))
+                state.unreserve(model, inst)
+                live[model] -= 1
+    pending = []
+    for key, dev in sorted(after.items()):
+        old = before.get(key)
+        if old == dev and old in healthy:
+            continue
+        pending.append((key, old if old in healthy else None, dev))
+    while pending:
+        progressed = False
+        for item in list(pending):
+            (model, inst), old, dev = item
+            d = by_name[model]
+            if old is not None:
+                state.unreserve(model, inst)  # make-before-break: both exist for a moment, check target room only
+            if state.fits(d, dev):
+                state.reserve(d, inst, dev)
+                moves.append(Move("move" if old else "add", model, inst, from_device=old, to_device=dev))
+                if old is None:
+                    live[model] = live.get(model, 0) + 1
+                pending.remove(item)
+                progressed = True
+            elif old is not None:
+                state.reserve(d, inst, old)
+        if progressed:
+            continue
+        # stuck: break a cycle
+        for item in list(pending):
+            (model, inst), old, dev = item
+            d = by_name[model]
+            if old is not None and live.get(model, 0) - 1 >= d.min_instances:
+                # break the cycle: stop this instance now, start it on its target once there is room
+                state.unreserve(model, inst)
+                live[model] -= 1
+                moves.append(Move("remove", model, inst, from_device=old, make_before_break=False,
+                                  note=f"no room to start on {dev} first: stopped, started again below"))
+                pending[pending.index(item)] = ((model, inst), None, dev)
+                break
+        else:
+            for (model, inst), old, dev in pending:
+                moves.append(Move("move" if old else "add", model, inst, from_device=old, to_device=dev,
+                                  make_before_break=False, note="needs room freed by other steps"))
+            pending = []
+    return moves

@@ -1,0 +1,129 @@
+"""ModelMetrics: inference (rows) counter, per-instance gauges, and the Triton-compatible names (triton_names=True)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from telemetry.devices import DeviceInfo, DeviceReading
+from telemetry.model_metrics import InstanceInfo, ModelMetrics
+from tests.promtool_check import promtool_check
+
+
+class FakeDevices:
+    """A MIG-enabled GPU with one MIG instance, a whole GPU, and the CPU."""
+
+    def __init__(self) -> None:
+        self._devices = [
+            DeviceInfo("gpu0", "gpu", 0, "NVIDIA A100", "GPU-aaa", "0:07", 80 * 2**30),
+            DeviceInfo("gpu1", "gpu", 1, "NVIDIA A100", "GPU-bbb", "0:0F", 80 * 2**30, mig_enabled=True),
+            DeviceInfo("gpu1/mig1.0", "mig", 1, "NVIDIA A100", "MIG-ccc", "0:0F", 40 * 2**30, parent_id="gpu1",
+                       mig_profile="3g.40gb", gpu_instance_id=1, compute_instance_id=0),
+            DeviceInfo("cpu", "cpu", -1, "CPU", "", "", 64 * 2**30),
+        ]
+
+    def devices(self):
+        return list(self._devices)
+
+    def sample(self, device_id: str) -> DeviceReading:
+        if device_id == "gpu0":
+            return DeviceReading(utilization_ratio=0.5, memory_used_bytes=2**30, power_w=250.0, power_limit_w=400.0)
+        return DeviceReading()  # N/A everywhere
+
+
+def lines(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if re.match(rf"{name}[{{ ]", line)]
+
+
+@pytest.fixture
+def triton():
+    registry = CollectorRegistry()
+    return registry, ModelMetrics(registry, triton_names=True, devices=FakeDevices())
+
+
+def test_inferences_count_rows(triton):
+    registry, m = triton
+    m.observe_batch("bert", "1", 8)
+    m.observe_batch("bert", "1", 3)
+    assert registry.get_sample_value("gpud_model_inferences_total", {"model": "bert", "version": "1"}) == 11  # 8 + 3
+    assert registry.get_sample_value("gpud_model_executions_total", {"model": "bert", "version": "1"}) == 2
+
+
+def test_triton_counters_in_microseconds(triton):
+    registry, m = triton
+    m.observe_request("bert", "1", True, queue_seconds=0.002, compute_input_seconds=0.0001,
+                      compute_infer_seconds=0.004, compute_output_seconds=0.0002, request_seconds=0.0065)
+    m.observe_request("bert", "1", True, queue_seconds=0.001, compute_input_seconds=0.0001,
+                      compute_infer_seconds=0.004, compute_output_seconds=0.0002, request_seconds=0.0055)
+    m.observe_request("bert", "1", False, 0.0, 0.0, 0.0, 0.0, 0.5)  # failures add no durations, as in Triton
+    m.observe_batch("bert", "1", 5)
+    m.set_sources(pending=lambda: {("bert", "1"): 3})
+    text = generate_latest(registry).decode()
+    lv = {"model": "bert", "version": "1"}
+
+    def v(name):
+        return registry.get_sample_value(name, lv)
+
+    assert v("nv_inference_request_success") == 2
+    assert v("nv_inference_request_failure") == 1
+    assert v("nv_inference_count") == 5 and v("nv_inference_exec_count") == 1
+    assert v("nv_inference_queue_duration_us") == pytest.approx(3000.0)  # (0.002 + 0.001) s * 1e6
+    assert v("nv_inference_compute_input_duration_us") == pytest.approx(200.0)  # 2 * 100 us
+    assert v("nv_inference_compute_infer_duration_us") == pytest.approx(8000.0)  # 2 * 4000 us
+    assert v("nv_inference_compute_output_duration_us") == pytest.approx(400.0)  # 2 * 200 us
+    assert v("nv_inference_request_duration_us") == pytest.approx(12000.0)  # 6500 + 5500 us, successes only
+    assert v("nv_inference_pending_request_count") == 3
+    # Triton's exact series names: no `_total` suffix, labels model and version
+    assert lines(text, "nv_inference_request_success") == ['nv_inference_request_success{model="bert",version="1"} 2.0']
+    assert not lines(text, "nv_inference_request_success_total")
+
+
+def test_triton_gpu_gauges_per_physical_gpu(triton):
+    registry, _ = triton
+    text = generate_latest(registry).decode()
+    # physical GPUs only (DCGM's view in Triton), labelled gpu_uuid; N/A readings emit no sample
+    assert registry.get_sample_value("nv_gpu_memory_total_bytes", {"gpu_uuid": "GPU-bbb"}) == 80 * 2**30
+    assert [line.split()[0] for line in lines(text, "nv_gpu_memory_total_bytes")] == [
+        'nv_gpu_memory_total_bytes{gpu_uuid="GPU-aaa"}', 'nv_gpu_memory_total_bytes{gpu_uuid="GPU-bbb"}']
+    assert lines(text, "nv_gpu_utilization") == ['nv_gpu_utilization{gpu_uuid="GPU-aaa"} 0.5']
+    assert lines(text, "nv_gpu_power_usage") == ['nv_gpu_power_usage{gpu_uuid="GPU-aaa"} 250.0']
+    assert lines(text, "nv_gpu_power_limit") == ['nv_gpu_power_limit{gpu_uuid="GPU-aaa"} 400.0']
+    assert not lines(text, "nv_energy_consumption")
+
+
+def test_off_by_default():
+    registry = CollectorRegistry()
+    m = ModelMetrics(registry)
+    m.observe_batch("bert", "1", 1)
+    assert "nv_" not in generate_latest(registry).decode()
+
+
+def test_instance_gauges(triton):
+    registry, m = triton
+    infos = [InstanceInfo("bert", "1", "0", "gpu0", 3 * 2**30, 2.5, True),
+             InstanceInfo("bert", "1", "1", "gpu1/mig1.0", 3 * 2**30, 4.0, False)]
+    m.set_sources(instance_info=lambda: infos)
+    lv = {"model": "bert", "version": "1", "instance": "1", "device": "gpu1/mig1.0"}
+    assert registry.get_sample_value("gpud_model_instance_memory_bytes", lv) == 3 * 2**30
+    assert registry.get_sample_value("gpud_model_instance_load_duration_seconds", lv) == 4.0
+    assert registry.get_sample_value("gpud_model_instance_ready", lv) == 0
+    m.set_sources(pending=lambda: {})  # setting one source leaves the others in place
+    assert registry.get_sample_value("gpud_model_instance_ready", lv) == 0
+
+
+def test_remove_model_drops_triton_series(triton):
+    registry, m = triton
+    m.observe_request("a", "1", True, 0.001, 0.001, 0.001, 0.001, 0.004)
+    m.observe_batch("a", "1", 2)
+    m.remove_model("a", "1")
+    assert 'model="a"' not in generate_latest(registry).decode()
+
+
+def test_promtool_accepts_gpud_names():
+    # The gpud_* exposition is lint-clean; Triton's names are Triton's (untyped, no _total) and are not linted.
+    registry = CollectorRegistry()
+    m = ModelMetrics(registry)
+    m.observe_batch("a", "1", 2)
+    m.set_sources(instance_info=lambda: [InstanceInfo("a", "1", "0", "cpu", 2**20, 0.5, True)])
+    promtool_check(generate_latest(registry))
