@@ -36,7 +36,12 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
      waited max_queue_delay_us (Ray Serve and Triton both time the window from the first request, not the last).
   6. gpud, no pointless waiting: when the queue holds this one request only and an instance is free, dispatch it
      (nothing can join it sooner than a new request arrives; at low load we must not pay the batching delay).
-  7. Otherwise `Wait(until_s = min(oldest enqueue + max_queue_delay, earliest deadline))`.
+  7. gpud, nobody else is coming soon (only with quiet_dispatch=True), with an instance free: dispatch instead of
+     waiting out the delay when (a) the queue holds at least as many rows as the previous batch had (in a closed
+     loop, the clients answered by that batch have all come back), or (b) no request has arrived for `quiet_factor`
+     times the typical gap between arrivals that queued behind others (an EWMA). Closed-loop clients fewer than the
+     preferred batch size would otherwise pay the full max_queue_delay on every batch.
+  8. Otherwise `Wait(until_s = min(oldest enqueue + max_queue_delay, quiet time, earliest deadline))`.
 
 Queue policy (Triton's ModelQueuePolicy, per priority level, `core/src/scheduler_utils.cc`):
   - max_queue_size counts the level's queued requests, delayed ones included; 0 = unbounded. A request over it is
@@ -100,6 +105,7 @@ class DispatchReason(enum.Enum):
     FULL = "full"  # blocked (next request does not fit / other shape) or reached the largest preferred size
     DELAY = "delay"  # the oldest request waited max_queue_delay (or the delay is 0)
     LONE = "lone"  # the only queued request and an instance is free (gpud rule)
+    QUIET = "quiet"  # no arrival for several typical gaps while an instance is free (gpud rule)
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,7 @@ def choose_dispatch(
     max_queue_delay_us: int,
     delay_exceeded: bool,
     lone: bool,
+    quiet: bool = False,
 ) -> tuple[int, DispatchReason] | None:
     """How many leading candidate requests to dispatch now and why, or None to wait. Rules 3-6 of the module doc.
 
@@ -210,7 +217,16 @@ def choose_dispatch(
         return len(rows), DispatchReason.DELAY
     if lone:
         return len(rows), DispatchReason.LONE
+    if quiet:
+        return len(rows), DispatchReason.QUIET
     return None
+
+
+def quiet_wait_s(gap_ewma_s: float | None, quiet_factor: float, min_quiet_s: float) -> float | None:
+    """How long without an arrival means "nobody else is coming" (None: no gap observed yet)."""
+    if gap_ewma_s is None:
+        return None
+    return max(min_quiet_s, quiet_factor * gap_ewma_s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -305,11 +321,22 @@ class BatchQueue:
         dynamic_batching: DynamicBatching | None,
         clock: Callable[[], float],
         dispatch_lone_request: bool = True,
+        quiet_dispatch: bool = False,
+        quiet_factor: float = 4.0,
+        min_quiet_s: float = 50e-6,
+        gap_smoothing: float = 0.2,
     ):
-        """dispatch_lone_request: gpud's rule 6; False gives Triton's behaviour (a lone request waits the delay)."""
+        """dispatch_lone_request: gpud's rule 6; quiet_dispatch: rule 7. Both False give Triton's behaviour."""
         _validate(max_batch_size, dynamic_batching)
         self._config = _Config(max_batch_size, dynamic_batching, dispatch_lone_request)
         self._clock = clock
+        self._quiet_dispatch = quiet_dispatch
+        self._quiet_factor = quiet_factor
+        self._min_quiet_s = min_quiet_s
+        self._gap_smoothing = gap_smoothing
+        self._last_arrival_s: float | None = None
+        self._gap_ewma_s: float | None = None  # typical gap between arrivals that found others queued
+        self._last_batch_rows = 0  # rows of the previous dispatched batch (rule 7a)
         self._levels: dict[int, _Level] = {}
         self._all: dict[QueuedRequest, None] = {}  # every queued request in enqueue order: first = oldest
         self._pending_rows = 0
@@ -383,6 +410,12 @@ class BatchQueue:
             )
 
         now_s = self._clock()
+        if self._all and self._last_arrival_s is not None:
+            # Only gaps inside a burst (others still queued) say how fast requests join a forming batch.
+            gap_s = max(0.0, now_s - self._last_arrival_s)
+            a = self._gap_smoothing
+            self._gap_ewma_s = gap_s if self._gap_ewma_s is None else (1 - a) * self._gap_ewma_s + a * gap_s
+        self._last_arrival_s = now_s
         req.enqueue_time_s = now_s
         req.level = level
         req.delayed = False
@@ -459,6 +492,11 @@ class BatchQueue:
         # matters (a blocked candidate goes at once anyway).
         delay_ends_s = self._delay_ends_s(db)
         delay_exceeded = db.max_queue_delay_us > 0 and now_s >= delay_ends_s
+        quiet_ends_s = None
+        if self._quiet_dispatch and self._last_arrival_s is not None:
+            wait_s = quiet_wait_s(self._gap_ewma_s, self._quiet_factor, self._min_quiet_s)
+            if wait_s is not None:
+                quiet_ends_s = self._last_arrival_s + wait_s
         choice = choose_dispatch(
             [r.batch_rows for r in candidate],
             blocked=blocked,
@@ -467,12 +505,15 @@ class BatchQueue:
             max_queue_delay_us=db.max_queue_delay_us,
             delay_exceeded=delay_exceeded,
             lone=cfg.dispatch_lone_request and len(self._all) == 1,
+            quiet=(quiet_ends_s is not None and now_s >= quiet_ends_s)
+            or (self._quiet_dispatch and 0 < self._last_batch_rows <= self._pending_rows),
         )
         if choice is not None:
             n, reason = choice
             return self._dispatch(candidate[:n], reason)
+        until_s = delay_ends_s if quiet_ends_s is None else min(delay_ends_s, quiet_ends_s)
         deadline_s = self._earliest_deadline_s()
-        return Wait(until_s=delay_ends_s if deadline_s is None else min(delay_ends_s, deadline_s))
+        return Wait(until_s=until_s if deadline_s is None else min(until_s, deadline_s))
 
     # -- internals ---------------------------------------------------------------------------------------------
 
@@ -496,7 +537,9 @@ class BatchQueue:
     def _dispatch(self, requests: list[QueuedRequest], reason: DispatchReason) -> Dispatch:
         for req in requests:
             self._forget(req)
-        return Dispatch(requests=tuple(requests), rows=sum(r.batch_rows for r in requests), reason=reason)
+        rows = sum(r.batch_rows for r in requests)
+        self._last_batch_rows = rows
+        return Dispatch(requests=tuple(requests), rows=rows, reason=reason)
 
     def _forget(self, req: QueuedRequest) -> None:
         level = self._levels[req.level]

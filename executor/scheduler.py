@@ -26,6 +26,20 @@ from executor.validation import PreparedRequest, prepare
 log = logging.getLogger("gpud.executor")
 
 
+BATCHING_MODE_PARAMETER = "gpud_batching"
+BATCHING_MODES = ("adaptive", "triton")
+
+
+def batching_mode(config: ModelConfig) -> str:
+    """config.pbtxt `parameters { key: "gpud_batching" value: { string_value: "triton" } }` selects Triton's exact
+    dynamic batcher; the default, "adaptive", also dispatches when waiting cannot help (executor.batcher rules 6, 7)."""
+    mode = config.parameters.get(BATCHING_MODE_PARAMETER, "adaptive")
+    if mode not in BATCHING_MODES:
+        raise ValueError(f"parameter {BATCHING_MODE_PARAMETER} must be one of {', '.join(BATCHING_MODES)}, "
+                         f"got {mode!r}")
+    return mode
+
+
 @dataclass(eq=False)
 class _Pending:
     request: InferRequest
@@ -39,14 +53,15 @@ class ModelScheduler:
     """Queues, batches and runs the requests of one model version on its instances."""
 
     def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 metrics: Any = None, dispatch_lone_request: bool = True):
+                 metrics: Any = None):
         self.config = config
         self.version = version
         self.clock = clock
         self.metrics = metrics
         self.stats = ModelStats()
+        adaptive = batching_mode(config) == "adaptive"
         self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
-                                clock=clock, dispatch_lone_request=dispatch_lone_request)
+                                clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive)
         self.instances: list[InstanceHandle] = []
         self._free: deque[InstanceHandle] = deque()
         self._running: dict[InstanceHandle, list[_Pending]] = {}

@@ -895,3 +895,88 @@ def test_driver_simulation_drains_and_never_spins(config, arrivals, instances, s
     assert len(q) == 0 and not pending
     assert set(outcome.values()) <= {"refused", "expired", "dispatched"}
     assert len(outcome) == len(arrivals)
+
+
+class TestQuietDispatch:
+    """gpud rule 7: with an instance free, a batch goes once arrivals have gone quiet for quiet_factor x the typical
+    gap, instead of waiting out max_queue_delay for requests that are not coming."""
+
+    DB = DynamicBatching(max_queue_delay_us=10_000, preferred_batch_sizes=(16,))
+
+    def quiet(self, clock, **kw):
+        return make(clock, max_batch_size=16, dynamic_batching=self.DB, quiet_dispatch=True, quiet_factor=4.0,
+                    min_quiet_s=50e-6, gap_smoothing=0.5, **kw)
+
+    def test_burst_then_silence_dispatches_after_the_quiet_time(self, clock):
+        q = self.quiet(clock)
+        q.enqueue(req("a"))
+        clock.advance(100e-6)
+        q.enqueue(req("b"))     # gap 100 us -> ewma 100 us
+        clock.advance(100e-6)
+        q.enqueue(req("c"))     # gap 100 us -> ewma 0.5 * 100 + 0.5 * 100 = 100 us
+        # quiet after 4 * 100 us = 400 us from the last arrival at 200 us -> 600 us (< 10 ms delay)
+        assert q.decide(1) == Wait(until_s=pytest.approx(600e-6))
+        clock.advance(399e-6)
+        assert isinstance(q.decide(1), Wait)
+        clock.advance(1e-6)
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["a", "b", "c"], DispatchReason.QUIET)
+
+    def test_a_new_arrival_restarts_the_quiet_time(self, clock):
+        q = self.quiet(clock)
+        q.enqueue(req("a"))
+        clock.advance(100e-6)
+        q.enqueue(req("b"))     # ewma 100 us
+        clock.advance(300e-6)
+        q.enqueue(req("c"))     # gap 300 us -> ewma 0.5 * 100 + 0.5 * 300 = 200 us
+        # quiet time 4 * 200 = 800 us after c's arrival at 400 us -> 1200 us
+        assert q.decide(1) == Wait(until_s=pytest.approx(1200e-6))
+
+    def test_gaps_across_an_empty_queue_do_not_count(self, clock):
+        q = self.quiet(clock)
+        enqueue_all(q, req("a"))
+        clock.advance(100e-6)
+        q.enqueue(req("b"))     # ewma 100 us
+        clock.advance(100e-6)
+        q.enqueue(req("c"))     # ewma 100 us
+        clock.advance(5e-3)
+        d = q.decide(1)         # 5 ms of silence >= 400 us: all three go
+        assert d.reason is DispatchReason.QUIET and d.rows == 3
+        clock.advance(1.0)      # a long idle gap, but the queue was empty: not a gap inside a burst
+        q.enqueue(req("d"))
+        clock.advance(100e-6)
+        q.enqueue(req("e"))     # gap 100 us -> ewma still 100 us; 2 rows < the previous batch's 3
+        # d arrived at 0.0002 + 0.005 + 1.0 = 1.0052 s, e at 1.0053 s; quiet 400 us later
+        assert q.decide(1) == Wait(until_s=pytest.approx(1.0053 + 400e-6))
+
+    def test_as_many_rows_as_the_previous_batch_go_at_once(self, clock):
+        q = self.quiet(clock)
+        enqueue_all(q, req("a"), req("b"))
+        clock.advance(1e-3)
+        assert q.decide(1).rows == 2  # quiet: 1 ms > 4 * 0 us gap (both arrived at once, min 50 us)
+        q.enqueue(req("c"))
+        assert q.decide(0) == Idle()   # nothing free
+        q.enqueue(req("d"))            # 2 rows queued >= the previous batch's 2: those clients are all back
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["c", "d"], DispatchReason.QUIET)
+
+    def test_the_delay_still_bounds_the_wait(self, clock):
+        q = self.quiet(clock)
+        q.enqueue(req("a"))
+        clock.advance(4e-3)
+        q.enqueue(req("b"))     # gap 4 ms -> quiet time 16 ms > the 10 ms delay
+        assert q.decide(1) == Wait(until_s=pytest.approx(10e-3))  # oldest (0) + 10 ms
+
+    def test_no_free_instance_never_dispatches(self, clock):
+        q = self.quiet(clock)
+        enqueue_all(q, req("a"), req("b"))
+        clock.advance(1.0)
+        assert q.decide(0) == Idle()
+
+    def test_off_by_default_for_tritons_semantics(self, clock):
+        q = make(clock, max_batch_size=16, dynamic_batching=self.DB)
+        q.enqueue(req("a"))
+        clock.advance(100e-6)
+        q.enqueue(req("b"))
+        clock.advance(5e-3)
+        assert q.decide(1) == Wait(until_s=pytest.approx(10e-3))
