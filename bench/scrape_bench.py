@@ -1,12 +1,14 @@
 """What one Prometheus scrape of a big node costs: 8 GPUs x 7 MIG 1g instances (56 MIG devices) and 100 models.
 
-Two device backends, each with the model metrics and the host collector in the same registry:
+Two device backends, each with the host collector in the registry and the model metrics served as the daemon serves
+them (gpud/metrics_server.py: `generate_latest(registry)` followed by `ModelMetrics.render_text()`):
   nvml       the NVML backend over the behavioural fake NVML (tests/fake_nvml.py): 8 H100 in MIG mode, so every
              scrape takes GPM samples for 8 GPUs and 56 GPU instances, drains 8 XID event sets and reads ECC,
              clocks, energy, throttle reasons; the clock advances 15 s per scrape, as between real scrapes.
   simulated  the simulated backend over the same layout (readings from a usage source).
 The fake answers in microseconds where a driver takes longer, so the nvml figure is gpud's own cost (Python,
-prometheus_client), not the driver's. Target: a scrape answers in under 50 ms.
+prometheus_client), not the driver's. Target: a scrape answers in under 50 ms. The last row times the model metrics
+through prometheus_client's exposition (ModelMetrics registered as a collector), for comparison.
 
     .venv/bin/python bench/scrape_bench.py [--repeat 100]
 """
@@ -21,8 +23,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
+from gpud.metrics_server import exposition  # noqa: E402
 from telemetry.device_metrics import DeviceCollector  # noqa: E402
 from telemetry.host_metrics import HostCollector  # noqa: E402
 from telemetry.model_metrics import ModelMetrics  # noqa: E402
@@ -52,7 +55,7 @@ class Usage:
         return 0.5 if "/mig" in device_id else None
 
 
-def populate_models(registry: CollectorRegistry) -> None:
+def populate_models(registry: CollectorRegistry | None = None) -> ModelMetrics:
     metrics = ModelMetrics(registry)
     for m in range(MODELS):
         for k in range(5):  # a few requests each, so every histogram has buckets filled
@@ -65,23 +68,26 @@ def populate_models(registry: CollectorRegistry) -> None:
     metrics.set_sources(pending=lambda: {(f"model-{m:03d}", "1"): m % 3 for m in range(MODELS)},
                         instances=lambda: {(f"model-{m:03d}", "1", devices[m % len(devices)]): 1
                                            for m in range(MODELS)})
+    return metrics
 
 
-def nvml_registry(models: bool = True) -> tuple[CollectorRegistry, Clock]:
+Scrape = tuple[CollectorRegistry, Clock, tuple[ModelMetrics, ...]]
+
+
+def nvml_registry(models: bool = True) -> Scrape:
     clock = Clock()
     fake = hgx_h100_mig(gpus=GPUS, profiles=("1g.10gb",) * MIGS_PER_GPU, record_calls=False)
     backend = NvmlBackend(nvml=fake, usage=Usage(), clock=clock)
     registry = CollectorRegistry()
     DeviceCollector(backend, registry=registry)
     HostCollector(lambda: {"cpu": os.getpid()}, registry=registry)
-    if models:
-        populate_models(registry)
+    sources = (populate_models(),) if models else ()
     for i in range(GPUS):
         fake.queue_xid(i, 79)  # not yet registered: ignored; the event sets are created by the first scrape
-    return registry, clock
+    return registry, clock, sources
 
 
-def simulated_registry(tmp: str, models: bool = True) -> tuple[CollectorRegistry, Clock]:
+def simulated_registry(tmp: str, models: bool = True) -> Scrape:
     node = os.path.join(tmp, "bench-8xh100-56mig.yaml")
     with open(node, "w", encoding="utf-8") as f:
         f.write("gpus:\n" + "".join(
@@ -90,24 +96,28 @@ def simulated_registry(tmp: str, models: bool = True) -> tuple[CollectorRegistry
     registry = CollectorRegistry()
     DeviceCollector(SimulatedBackend.from_file(node, Usage()), registry=registry)
     HostCollector(lambda: {"cpu": os.getpid()}, registry=registry)
-    if models:
-        populate_models(registry)
-    return registry, Clock()
+    sources = (populate_models(),) if models else ()
+    return registry, Clock(), sources
 
 
-def models_registry() -> tuple[CollectorRegistry, Clock]:
+def models_only() -> Scrape:
+    return CollectorRegistry(), Clock(), (populate_models(),)
+
+
+def models_collector_path() -> Scrape:
     registry = CollectorRegistry()
     populate_models(registry)
-    return registry, Clock()
+    return registry, Clock(), ()
 
 
-def measure(registry: CollectorRegistry, clock: Clock, repeat: int) -> tuple[list[float], int, int]:
-    body = generate_latest(registry)  # warm-up: registers event sets, takes the first GPM samples
+def measure(scrape: Scrape, repeat: int) -> tuple[list[float], int, int]:
+    registry, clock, sources = scrape
+    body = exposition(registry, sources)  # warm-up: registers event sets, takes the first GPM samples
     times_ms = []
     for _ in range(repeat):
         clock.now += 15.0
         t0 = time.perf_counter()
-        body = generate_latest(registry)
+        body = exposition(registry, sources)
         times_ms.append((time.perf_counter() - t0) * 1000.0)
     series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
     return times_ms, series, len(body)
@@ -131,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
             ("simulated: full scrape", lambda: simulated_registry(tmp), True),
             ("nvml: devices + host only", lambda: nvml_registry(models=False), False),
             ("simulated: devices + host", lambda: simulated_registry(tmp, models=False), False),
-            ("100 models only", models_registry, False),
+            ("100 models only", models_only, False),
+            ("100 models, collector path", models_collector_path, False),
         )
         for name, build, counts in runs:
-            registry, clock = build()
-            times, series, size = measure(registry, clock, args.repeat)
+            times, series, size = measure(build(), args.repeat)
             median, tail = statistics.median(times), p99(times)
             if counts:
                 worst = max(worst, tail)

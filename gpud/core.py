@@ -9,13 +9,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from executor.model_config import InstanceGroup
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud import __version__
 from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError, ModelRepository, config_to_json,
                                    estimate_footprint_bytes, model_metadata_json)
-from gpud.placer import DeviceRoom, candidate_kinds, choose_device
+from gpud.placer import DeviceRoom, candidate_kinds
+from placement import Constraints, Device, ModelDemand, PlannerConfig, plan
 from telemetry.devices import DeviceBackend
 
 log = logging.getLogger("gpud")
@@ -42,6 +44,22 @@ class VersionState:
 
 
 @dataclass(eq=False)
+class _Group:
+    """One instance group of one model version, waiting to be placed."""
+
+    vs: VersionState
+    group_index: int
+    group: InstanceGroup
+    model_path: str
+    estimate_bytes: int
+    first_index: int  # the instance index of the group's first instance within its model version
+
+    @property
+    def demand_name(self) -> str:
+        return f"{self.vs.name}:{self.vs.version}:{self.group_index}"
+
+
+@dataclass(eq=False)
 class ModelState:
     name: str
     versions: dict[str, VersionState] = field(default_factory=dict)
@@ -53,12 +71,15 @@ class GpudCore:
     """Implements gpud.core_api.InferenceCore."""
 
     def __init__(self, repository: ModelRepository, pool: ExecutorPool, devices: DeviceBackend, *,
-                 metrics: Any = None, device_reserve_bytes: int = 0, server_name: str = "gpud"):
+                 metrics: Any = None, device_reserve_bytes: int = 0, server_name: str = "gpud",
+                 placement_strategy: str = "pack", placement_time_limit_s: float = 2.0):
         self.repository = repository
         self.pool = pool
         self.devices = devices
         self.metrics = metrics
         self.device_reserve_bytes = device_reserve_bytes
+        self.placement_strategy = placement_strategy
+        self.placement_time_limit_s = placement_time_limit_s
         self.server_name = server_name
         self.models: dict[str, ModelState] = {}
         self._reserved: dict[str, int] = {}  # bytes promised to instances being loaded, per device
@@ -71,9 +92,12 @@ class GpudCore:
 
     # --- start-up and shutdown -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Read the repository and load every model it holds; bad models are logged and reported, not fatal."""
+        """Read the repository and load every model it holds; bad models are logged and reported, not fatal.
+        All instances are planned together, so the engine packs the whole node at once."""
+        groups = []
         for name, result in self.repository.scan().items():
-            await self._load(name, result)
+            groups += self._prepare(name, result)
+        await self._place_and_load(groups)
         self.started = True
         ready = sum(1 for m in self.models.values() for v in m.versions.values() if v.ready)
         log.info("%d model version(s) ready, %d model(s) not ready", ready,
@@ -108,15 +132,16 @@ class GpudCore:
         """Free memory per leaf device as placement sees it (gpud.autoscale's headroom reads the same figures)."""
         return self._rooms()
 
-    async def _load(self, name: str, result: ModelEntry | ModelLoadError) -> None:
+    def _prepare(self, name: str, result: ModelEntry | ModelLoadError) -> list[_Group]:
+        """Register the model's versions and return what each instance group asks of the placement engine."""
         model = self.models.setdefault(name, ModelState(name))
         if isinstance(result, ModelLoadError):
             model.error = result.reason
             log.error("model %s: %s", name, result.reason)
-            return
+            return []
         model.error = ""
         entry = result
-        has_gpus = any(d.kind in ("gpu", "mig") for d in self.devices.leaf_devices())
+        groups: list[_Group] = []
         for version in entry.versions:
             v = str(version)
             model_path = entry.model_path(version)
@@ -125,7 +150,7 @@ class GpudCore:
             except ValueError as exc:  # a batching policy the repository let through but the batcher refuses
                 model.error = f"{entry.config_path or entry.path}: {exc}"
                 log.error("model %s: %s", name, model.error)
-                return
+                return []
             vs = VersionState(name, v, entry, scheduler)
             model.versions[v] = vs
             try:
@@ -133,39 +158,75 @@ class GpudCore:
             except (ModelConfigError, OSError) as exc:
                 vs.state, vs.reason = "UNAVAILABLE", str(exc)
                 continue
-            index = 0
-            reasons = []
-            for group in entry.config.instance_groups:
-                kinds = candidate_kinds(group.kind, has_gpus)
-                for _ in range(group.count):
-                    device_id, why = choose_device(self._rooms(), estimate, kinds, group.gpus)
-                    if device_id is None:
-                        reasons.append(f"instance {index}: {why}")
-                        log.error("model %s version %s instance %d not placed: %s", name, v, index, why)
-                        index += 1
-                        continue
-                    inst = InstanceHandle(key=f"{name}:{v}:{index}", model=name, version=v, index=index,
-                                          device_id=device_id, model_path=model_path, config=entry.config,
-                                          estimate_bytes=estimate)
-                    log.info("model %s version %s instance %d -> device %s (estimated %.1f MiB)", name, v, index,
-                             device_id, estimate / 2**20)
-                    self._reserved[device_id] = self._reserved.get(device_id, 0) + estimate
-                    try:
-                        await self.pool.load_instance(inst)
-                    finally:
-                        self._reserved[device_id] -= estimate
-                    if inst.ready:
-                        vs.instances.append(inst)
-                        scheduler.add_instance(inst)
-                    else:
-                        reasons.append(f"instance {index} on {device_id}: {inst.error}")
-                    index += 1
-            if vs.instances:
-                vs.state = "READY"
-                vs.reason = "; ".join(reasons)
+            first = 0
+            for gi, group in enumerate(entry.config.instance_groups):
+                groups.append(_Group(vs, gi, group, model_path, estimate, first))
+                first += group.count
+        return groups
+
+    def _planning_devices(self) -> list[Device]:
+        """Leaf devices as the placement engine sees them: memory already in use (our instances, instances being
+        loaded, and on a real GPU other processes) is taken off; the CUDA reserve stays a reserve."""
+        out = []
+        rooms = {r.device_id: r for r in self._rooms()}
+        for d in self.devices.leaf_devices():
+            room = rooms[d.id]
+            reserve = self.device_reserve_bytes if d.kind != "cpu" else 0
+            out.append(Device(id=d.id, memory_bytes=room.free_bytes + reserve, compute_fraction=d.compute_fraction,
+                              kind=d.kind, labels={"gpu_index": str(d.index)}, parent_id=d.parent_id,
+                              memory_reserve_bytes=reserve))
+        return out
+
+    async def _place_and_load(self, groups: list[_Group]) -> None:
+        """Plan every instance of `groups` with the placement engine, then load them; record why any is not."""
+        if not groups:
+            return
+        leaves = self.devices.leaf_devices()
+        has_gpus = any(d.kind in ("gpu", "mig") for d in leaves)
+        demands = []
+        for g in groups:
+            allowed = frozenset(d.id for d in leaves if d.index in g.group.gpus) if g.group.gpus else frozenset()
+            demands.append(ModelDemand(name=g.demand_name, memory_bytes=max(1, g.estimate_bytes),
+                                       instances=g.group.count,
+                                       constraints=Constraints(kinds=frozenset(candidate_kinds(g.group.kind, has_gpus)),
+                                                               devices=allowed)))
+        config = PlannerConfig(strategy=self.placement_strategy, time_limit_seconds=self.placement_time_limit_s)
+        # The engine is pure and may search for up to its time limit: off the event loop, so serving goes on.
+        result = await asyncio.to_thread(plan, self._planning_devices(), demands, config=config)
+        log.info("placement: %d instance(s) on %d device(s) (%s, lower bound %d%s), %d not placed",
+                 len(result.placements), result.devices_used, result.method, result.lower_bound,
+                 ", optimal" if result.optimal else "", len(result.unplaced))
+        by_name = {g.demand_name: g for g in groups}
+        reasons: dict[VersionState, list[str]] = {}
+        for u in result.unplaced:
+            g = by_name[u.model]
+            why = f"instance {g.first_index + u.instance} not placed: {u.reason}"
+            reasons.setdefault(g.vs, []).append(why)
+            log.error("model %s version %s %s", g.vs.name, g.vs.version, why)
+        for a in sorted(result.placements, key=lambda a: (a.model, a.instance)):
+            g = by_name[a.model]
+            vs, index = g.vs, g.first_index + a.instance
+            inst = InstanceHandle(key=f"{vs.name}:{vs.version}:{index}", model=vs.name, version=vs.version,
+                                  index=index, device_id=a.device, model_path=g.model_path, config=vs.entry.config,
+                                  estimate_bytes=g.estimate_bytes)
+            log.info("model %s version %s instance %d -> device %s (estimated %.1f MiB)", vs.name, vs.version, index,
+                     a.device, g.estimate_bytes / 2**20)
+            self._reserved[a.device] = self._reserved.get(a.device, 0) + g.estimate_bytes
+            try:
+                await self.pool.load_instance(inst)
+            finally:
+                self._reserved[a.device] -= g.estimate_bytes
+            if inst.ready:
+                vs.instances.append(inst)
+                vs.scheduler.add_instance(inst)
             else:
-                vs.state = "UNAVAILABLE"
-                vs.reason = "; ".join(reasons) or "no instance could be loaded"
+                reasons.setdefault(vs, []).append(f"instance {index} on {a.device}: {inst.error}")
+        for vs in {g.vs for g in groups}:
+            vs.state = "READY" if vs.instances else "UNAVAILABLE"
+            vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
+
+    async def _load(self, name: str, result: ModelEntry | ModelLoadError) -> None:
+        await self._place_and_load(self._prepare(name, result))
 
     async def _unload_versions(self, model: ModelState) -> None:
         for vs in list(model.versions.values()):

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory kept free on each GPU / MIG instance for the CUDA context (default 512 MiB)")
     p.add_argument("--default-max-batch-size", type=int, metavar="N",
                    help="max_batch_size given to auto-completed models that can batch (default 4)")
+    p.add_argument("--placement-strategy", choices=["pack", "spread"],
+                   help="pack: instances on the fewest devices (default); spread: balanced over devices")
+    p.add_argument("--placement-time-limit", dest="placement_time_limit_seconds", type=float, metavar="S",
+                   help="how long the placement engine may search for a better plan (default 2)")
     p.add_argument("--exit-timeout-secs", dest="exit_timeout_seconds", type=float, metavar="S",
                    help="on SIGTERM, how long to wait for accepted requests (default 30)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
@@ -147,9 +151,12 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     DeviceCollector(backend, registry=registry)
     HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
                   registry=registry)
-    metrics = ModelMetrics(registry, triton_names=settings.triton_metrics, devices=backend)
+    # Not registered: the metrics endpoint appends its own fast exposition (render_text) to the registry's.
+    metrics = ModelMetrics(None, triton_names=settings.triton_metrics, devices=backend)
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,
-                    backend, metrics=metrics, device_reserve_bytes=settings.device_reserve_bytes)
+                    backend, metrics=metrics, device_reserve_bytes=settings.device_reserve_bytes,
+                    placement_strategy=settings.placement_strategy,
+                    placement_time_limit_s=settings.placement_time_limit_seconds)
     # --- per-instance gauges and autoscaling hints ---
     metrics.set_sources(instance_info=lambda: instance_infos(core))
     core.hints = HintsSampler(core, policy, interval_s=settings.hints_interval_seconds,
@@ -173,7 +180,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
             runner, ports["metrics"] = await start_metrics_server(registry, settings.metrics_address,
-                                                                  settings.metrics_port)
+                                                                  settings.metrics_port, text_sources=(metrics,))
             runners.append(runner)
             log.info("metrics on http://%s:%d/metrics", settings.metrics_address, ports["metrics"])
     except OSError as exc:

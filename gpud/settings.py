@@ -23,6 +23,8 @@ class Settings:
     allow_metrics: bool = True
     device_reserve_bytes: int = 512 * 2**20  # CUDA context and workspace kept free on every GPU / MIG instance
     default_max_batch_size: int = 4  # for auto-completed models that can batch (Triton's default)
+    placement_strategy: str = "pack"  # "pack": fewest devices; "spread": balanced over devices
+    placement_time_limit_seconds: float = 2.0  # how long the placement engine may search for a better plan
     exit_timeout_seconds: float = 30.0  # how long SIGTERM waits for accepted requests
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"

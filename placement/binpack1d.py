@@ -556,14 +556,14 @@ def solve(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: floa
     if len(best) <= lb or time_limit_seconds <= 0:
         return Packing(best, lb, len(best) <= lb, method)
     highs = use_highs and highs_available()
-    quick = improve(sizes, c, best, deadline=start + (0.1 if highs else 1.0) * time_limit_seconds, clock=clock,
+    quick = improve(sizes, c, best, deadline=start + (0.25 if highs else 1.0) * time_limit_seconds, clock=clock,
                     target_bins=lb, seed=seed)
     if len(quick) < len(best):
         best, method = quick, "local-search"
     if len(best) <= lb:
         return Packing(best, lb, True, method)
     if highs and clock() < deadline:
-        lp = arcflow_lp_bound(sizes, c, time_limit_seconds=0.4 * (deadline - clock()))
+        lp = arcflow_lp_bound(sizes, c, time_limit_seconds=0.3 * (deadline - clock()))
         if lp is not None:
             lp_bound, patterns = lp
             lb = max(lb, lp_bound)
@@ -585,7 +585,7 @@ def solve(sizes: Sequence[int], capacity_units: int, *, time_limit_seconds: floa
         return Packing(best, lb, True, method)
     if highs:
         remaining = deadline - clock()
-        remaining -= 0.05 * time_limit_seconds  # model building and scipy overhead
+        remaining -= 0.05 * time_limit_seconds + 0.1  # model building and scipy overhead
         res = solve_arcflow(sizes, c, time_limit_seconds=remaining, max_bins=len(best) - 1) if remaining > 0 else None
         if res is not None:
             lb = max(lb, res.lower_bound)

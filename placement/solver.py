@@ -125,30 +125,76 @@ def _demand(demands, name) -> ModelDemand:
 
 
 def _size_key(state: NodeState, d: ModelDemand) -> float:
+    return _size_keyer(state)(d)
+
+
+def _size_keyer(state: NodeState):
     max_mem = max((c.memory_bytes for c in state.capacity.values()), default=1) or 1
     max_cu = max((c.compute_units for c in state.capacity.values()), default=1) or 1
-    return max(d.memory_bytes / max_mem, compute_units(d.compute_fraction) / max_cu)
+    return lambda d: max(d.memory_bytes / max_mem, compute_units(d.compute_fraction) / max_cu)
 
 
 def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
     """Decreasing size; each instance goes to the feasible device with the best score (pack: fullest after placing,
     preferring devices, then physical GPUs, already in use; spread: emptiest). Ties by device order."""
     score = scorer_for(strategy)
-    order = sorted(items, key=lambda it: (-_size_key(state, it[0]), len(eligible[it[0].name]), it[0].name, it[1]))
+    n_dev = sum(1 for d in state.devices.values() if d.healthy)
+    # most constrained first (models allowed on fewer devices than all), then decreasing size
+    size = _size_keyer(state)
+    order = sorted(items, key=lambda it: (len(eligible[it[0].name]) >= n_dev, -size(it[0]),
+                                          len(eligible[it[0].name]), it[0].name, it[1]))
+    if strategy != "pack":
+        for d, i in order:
+            best, best_key = None, None
+            for dev in eligible[d.name]:
+                if state.fits(d, dev):
+                    key = score(state, d, dev)
+                    if best_key is None or key > best_key:
+                        best, best_key = dev, key
+            if best is not None:
+                state.reserve(d, i, best)
+        return
+    # pack: best fit among open devices; open a new one (on a GPU already in use if possible) only when none fits.
+    # Devices too full for the smallest remaining instance are closed and no longer scanned.
+    min_mem = min((d.memory_bytes for d, _ in order), default=0)
+    min_cu = min((compute_units(d.compute_fraction) for d, _ in order), default=0)
+    open_devs: list[str] = [dev for dev in state.order if state.members[dev]]
+    eligible_sets: dict[int, set[str]] = {}
+    cap_mem = {k: c.memory_bytes for k, c in state.capacity.items()}
+    cap_cu = {k: c.compute_units for k, c in state.capacity.items()}
+    used_mem, used_cu = state.used_memory, state.used_compute
     for d, i in order:
-        best, best_key = None, None
-        for dev in eligible[d.name]:
-            if not state.fits(d, dev):
+        ok = eligible_sets.get(id(eligible[d.name]))
+        if ok is None:
+            ok = eligible_sets[id(eligible[d.name])] = set(eligible[d.name])
+        mem, cu, spread = d.memory_bytes, compute_units(d.compute_fraction), d.constraints.spread
+        best, best_key = None, -1.0
+        for dev in open_devs:  # inlined fits() and most-allocated score: this loop is the hot path
+            if dev not in ok:
                 continue
-            if strategy == "pack":  # devices in use, then GPUs in use, then the fullest after placing
-                key = (bool(state.members[dev]), state.physical_used.get(state.devices[dev].physical_id, 0) > 0,
-                       score(state, d, dev))
-            else:
-                key = (score(state, d, dev),)
-            if best_key is None or key > best_key:
+            m_after, c_after = used_mem[dev] + mem, used_cu[dev] + cu
+            if m_after > cap_mem[dev] or (cu and c_after > cap_cu[dev]):
+                continue
+            if spread and not state.fits(d, dev):
+                continue
+            cm = cap_mem[dev]
+            key = (m_after / cm if cm else 0.0) + (c_after / cap_cu[dev] if cap_cu[dev] and c_after else 0.0)
+            if key > best_key:
                 best, best_key = dev, key
+        if best is None:
+            best_key2 = None
+            for dev in eligible[d.name]:
+                if state.members[dev] or not state.fits(d, dev):
+                    continue
+                key2 = (state.physical_used.get(state.devices[dev].physical_id, 0) > 0, score(state, d, dev))
+                if best_key2 is None or key2 > best_key2:
+                    best, best_key2 = dev, key2
+            if best is not None:
+                open_devs.append(best)
         if best is not None:
             state.reserve(d, i, best)
+            if cap_mem[best] - used_mem[best] < min_mem or cap_cu[best] - used_cu[best] < min_cu:
+                open_devs.remove(best)
 
 
 def _eliminate_devices(state: NodeState, eligible, demands, deadline, clock) -> None:
@@ -276,7 +322,7 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
         return None
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
+    from scipy.sparse import coo_matrix
 
     dev_ids = [d.id for d in devices]
     dev_index = {d: k for k, d in enumerate(dev_ids)}
@@ -285,37 +331,40 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
     if not pairs:
         return None
     n_pairs, n_dev = len(pairs), len(dev_ids)
+    if n_pairs > 20_000:
+        return None
     n_var = n_pairs + n_dev
-    rows = []
-    lo, hi = [], []
-    a = lil_matrix((len(models) + 2 * n_dev + len(models) * n_dev + 1, n_var))
-    r = 0
-    for mi, m in enumerate(models):  # demand
-        for k, (pm, _) in enumerate(pairs):
-            if pm == mi:
-                a[r, k] = 1
-        lo.append(m.instances); hi.append(m.instances); r += 1
-    for dk, dv in enumerate(dev_ids):  # capacity per resource, linked to y_d
-        cap = state.capacity[dv]
-        for k, (pm, pd) in enumerate(pairs):
-            if pd == dk:
-                a[r, k] = models[pm].memory_bytes / max(1, cap.memory_bytes)
-                a[r + 1, k] = compute_units(models[pm].compute_fraction) / max(1, cap.compute_units)
-        a[r, n_pairs + dk] = -1
-        a[r + 1, n_pairs + dk] = -1
-        lo += [-np.inf, -np.inf]; hi += [0, 0]; r += 2
+    rows, cols, vals, lo, hi = [], [], [], [], []
+
+    def put(row, col, val):
+        rows.append(row); cols.append(col); vals.append(val)
+
+    n_models = len(models)
+    for k, (pm, pd) in enumerate(pairs):  # demand rows 0..n_models-1, capacity rows after
+        cap = state.capacity[dev_ids[pd]]
+        put(pm, k, 1.0)
+        put(n_models + 2 * pd, k, models[pm].memory_bytes / max(1, cap.memory_bytes))
+        put(n_models + 2 * pd + 1, k, compute_units(models[pm].compute_fraction) / max(1, cap.compute_units))
+    for m in models:
+        lo.append(m.instances); hi.append(m.instances)
+    for dk in range(n_dev):
+        put(n_models + 2 * dk, n_pairs + dk, -1.0)
+        put(n_models + 2 * dk + 1, n_pairs + dk, -1.0)
+        lo += [-np.inf, -np.inf]; hi += [0, 0]
+    r = n_models + 2 * n_dev
     phys: dict[tuple[int, str], list[int]] = {}
     for k, (pm, pd) in enumerate(pairs):
         if models[pm].constraints.spread:
             phys.setdefault((pm, devices[pd].physical_id), []).append(k)
     for ks in phys.values():
         for k in ks:
-            a[r, k] = 1
+            put(r, k, 1.0)
         lo.append(-np.inf); hi.append(1); r += 1
     for dk in range(n_dev):
-        a[r, n_pairs + dk] = 1
+        put(r, n_pairs + dk, 1.0)
     lo.append(-np.inf); hi.append(max_devices); r += 1
-    a = a[:r].tocsr()
+    a = coo_matrix((vals, (rows, cols)), shape=(r, n_var))
+    a = a.tocsr()
     c = np.concatenate([np.zeros(n_pairs), np.ones(n_dev)])
     ub = np.array([models[pm].instances for pm, _ in pairs] + [1] * n_dev, dtype=float)
     res = milp(c, integrality=np.ones(n_var), bounds=Bounds(np.zeros(n_var), ub),

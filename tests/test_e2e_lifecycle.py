@@ -91,14 +91,14 @@ def test_a_model_that_fits_nowhere_is_unavailable_with_a_reason_and_the_others_s
         assert not client.is_model_ready("mlp")
         index = {m["name"]: m for m in client.get_model_repository_index()}
         assert index["mlp"]["state"] == "UNAVAILABLE"
-        assert "fits on no device" in index["mlp"]["reason"] and "gpu0" in index["mlp"]["reason"]
+        assert "not placed" in index["mlp"]["reason"] and "gpu0" in index["mlp"]["reason"]
         inspect = next(m for m in daemon.inspect()["models"] if m["name"] == "mlp")
-        assert "fits on no device" in inspect["reason"]
+        assert "larger than any allowed device" in inspect["reason"]
         assert "not placed" in daemon.log()
         inp = httpclient.InferInput("input", [1, 256], "FP32")
         inp.set_data_from_numpy(np.zeros((1, 256), np.float32))
         with pytest.raises(InferenceServerException) as err:
             client.infer("mlp", [inp])
-        assert "fits on no device" in err.value.message()
+        assert "not placed" in err.value.message()
     finally:
         assert daemon.stop() == 0, daemon.log()

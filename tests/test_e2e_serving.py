@@ -216,9 +216,10 @@ def test_metrics_expose_model_latency_and_device_memory(daemon):
                    'gpud_model_requests_total{', 'gpud_model_batch_size_bucket{', 'gpud_device_memory_used_bytes{',
                    'gpud_device_memory_total_bytes{', 'gpud_model_instances{', 'gpud_model_pending_requests{'):
         assert needle in text, needle
+    mlp_device = next(m for m in daemon.inspect()["models"] if m["name"] == "mlp")["instances"][0]["device"]
     used = [line for line in text.splitlines()
-            if line.startswith("gpud_device_memory_used_bytes{") and 'device="gpu0"' in line]
-    assert used and float(used[0].rsplit(" ", 1)[1]) > 0, "gpu0 holds the models: its memory used must show them"
+            if line.startswith("gpud_device_memory_used_bytes{") and f'device="{mlp_device}"' in line]
+    assert used and float(used[0].rsplit(" ", 1)[1]) > 0, f"{mlp_device} holds mlp: its memory used must show it"
     promtool_check(text)
 
 

@@ -53,7 +53,7 @@ def test_batches(setup):
     assert value(registry, "gpud_model_executions_total", **lv) == 4
     assert value(registry, "gpud_model_batch_size_sum", **lv) == 20  # 1 + 3 + 8 + 8
     assert value(registry, "gpud_model_batch_size_bucket", le="4.0", **lv) == 2
-    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="batch_size must be a whole number of rows >= 1"):
         m.observe_batch("bert", "2", 0)
 
 
@@ -85,7 +85,7 @@ def test_remove_model(setup):
     assert value(registry, "gpud_model_requests_total", model="a", version="1", outcome="success") == 1
 
 
-def test_children_cached(setup):
+def test_series_cached(setup):
     _, m = setup
     m.observe_batch("a", "1", 1)
     first = m._for("a", "1")

@@ -389,7 +389,8 @@ def measure_raw(raw: Raw, model: str, c: int, raw_info: dict) -> Result:
     info = raw_info.setdefault(model, {"best_rows_per_s": 0.0, "rows_per_s_by_batch": {}})
     if c == 1:
         p50, p99, cpu = raw.batch1_latency()
-        info.update(batch1_p50_ms=p50, batch1_p99_ms=p99)
+        if p50 < info.get("batch1_p50_ms", float("inf")):  # best round, as for every other figure
+            info.update(batch1_p50_ms=p50, batch1_p99_ms=p99)
         return Result(model, "raw onnxruntime", 1, 1e3 / p50, p50, p99, cpu, note="batch 1, back to back")
     rows = raw.rows_per_s(c)
     for b, (r, _) in rows.items():
@@ -578,7 +579,10 @@ def targets_check(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms
 
 def render(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms: float, idle: dict, checks: list[str],
            meta: dict) -> str:
-    out = [f"# {meta['machine']}; duration {meta['duration_s']} s after {meta['warmup_s']} s warm-up per point",
+    out = [f"# {meta['machine']} ({meta['cpu_model']})",
+           f"# {meta['command']}",
+           f"# {meta['duration_s']} s per point after {meta['warmup_s']} s warm-up; best of {meta['rounds']} "
+           f"interleaved round(s) per target",
            f"# loopback TCP RTT (1 KiB echo, median): {rtt_ms:.3f} ms"]
     for m, info in raw_info.items():
         by = ", ".join(f"b{b}: {'/'.join(map(str, v))}" for b, v in info["rows_per_s_by_batch"].items())
@@ -623,12 +627,14 @@ def parse_args(argv=None):
                    help="onnxruntime intra-op threads for everyone (0: onnxruntime's default, as gpud's default)")
     p.add_argument("--raw-seconds", type=float, default=2.0, help="seconds per raw onnxruntime measurement")
     p.add_argument("--idle-seconds", type=float, default=5.0, help="seconds of idle CPU measurement per server")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every point N times, interleaved, and keep each target's best round (default 1)")
     p.add_argument("--quick", action="store_true", help="short points (3 s, 1 s warm-up) to check the set-up")
     p.add_argument("--output", default=None, help="JSON results (default .bench/results/serving-<time>.json)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (model repository, logs)")
     args = p.parse_args(argv)
     if args.quick:
-        args.duration, args.warmup, args.raw_seconds, args.idle_seconds = 3.0, 1.0, 0.5, 3.0
+        args.duration, args.warmup, args.raw_seconds, args.idle_seconds, args.rounds = 3.0, 1.0, 0.5, 3.0, 1
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c]
     args.concurrency_for = {"mlp": args.concurrency}
     if args.heavy_concurrency:
@@ -711,24 +717,34 @@ def main(argv=None) -> int:
         for m, path in paths.items():
             raw = Raw(path, args.intra_op_threads, args.raw_seconds)
             for c in args.concurrency_for[m]:
-                log(f"{m} c={c}: raw onnxruntime")
-                results.append(measure_raw(raw, m, c, raw_info))
-                for server, served in running:
-                    if m not in served:
-                        continue
-                    for t in server.targets():
-                        if t.proto == "grpc" and args.no_grpc:
+                rounds: dict[str, list[Result]] = {}
+                for rnd in range(args.rounds):
+                    tag = f" (round {rnd + 1}/{args.rounds})" if args.rounds > 1 else ""
+                    log(f"{m} c={c}: raw onnxruntime{tag}")
+                    rounds.setdefault("raw onnxruntime", []).append(measure_raw(raw, m, c, raw_info))
+                    for server, served in running:
+                        if m not in served:
                             continue
-                        log(f"{m} c={c}: {t.label}")
-                        try:
-                            res = drive(server, t, m, c, args, tools, bodies, body_files)
-                        except RuntimeError as exc:
-                            failures.append(f"{t.label} {m} c={c}: {exc}")
-                            log(f"  FAILED: {exc}")
-                            continue
-                        results.append(res)
-                        log(f"  {res.requests_per_s:.0f} req/s, p50 {res.p50_ms:.2f} ms, p99 {res.p99_ms:.2f} ms, "
-                            f"CPU {res.cpu_ms_per_request:.3f} ms/req" + (f", {res.errors} errors" if res.errors else ""))
+                        for t in server.targets():
+                            if t.proto == "grpc" and args.no_grpc:
+                                continue
+                            log(f"{m} c={c}: {t.label}{tag}")
+                            try:
+                                res = drive(server, t, m, c, args, tools, bodies, body_files)
+                            except RuntimeError as exc:
+                                failures.append(f"{t.label} {m} c={c}: {exc}")
+                                log(f"  FAILED: {exc}")
+                                continue
+                            rounds.setdefault(t.label, []).append(res)
+                            log(f"  {res.requests_per_s:.0f} req/s, p50 {res.p50_ms:.2f} ms, p99 {res.p99_ms:.2f} ms, "
+                                f"CPU {res.cpu_ms_per_request:.3f} ms/req"
+                                + (f", {res.errors} errors" if res.errors else ""))
+                for label, rs in rounds.items():
+                    # best of the rounds: on a shared machine, interference only ever slows a point down
+                    best = max(rs, key=lambda r: (not r.errors, r.requests_per_s))
+                    if len(rs) > 1:
+                        best.extra["rounds_requests_per_s"] = [round(r.requests_per_s) for r in rs]
+                    results.append(best)
             del raw
         time.sleep(2.0)  # let in-flight work and timers after the last load settle
         for server, _ in running:
@@ -745,7 +761,7 @@ def main(argv=None) -> int:
             "cpu_model": _cpu_model(), "duration_s": args.duration, "warmup_s": args.warmup,
             "command": " ".join([os.path.relpath(sys.executable, ROOT), os.path.relpath(__file__, ROOT),
                                  *(argv if argv is not None else sys.argv[1:])]),
-            "intra_op_threads": args.intra_op_threads, "time": stamp}
+            "intra_op_threads": args.intra_op_threads, "rounds": args.rounds, "time": stamp}
     text = render(results, rat, raw_info, rtt_ms, idle, checks, meta)
     if failures:
         text += "\n\nfailures:\n" + "\n".join(f"- {f}" for f in failures)
