@@ -63,8 +63,9 @@ def render_inspect(data: dict[str, Any]) -> str:
         out = [f"{prefix}{d['id']:<14} {label:<28} mem {_bar(d['memory_used_bytes'], d['memory_total_bytes'])} "
                f"{_gib(d['memory_used_bytes'])}/{_gib(d['memory_total_bytes'])} GiB  util {util_s}"
                + ("" if d.get("healthy", True) else "  UNHEALTHY")]
+        indent = " " * len(prefix)  # instances hang under their device, without repeating the tree mark
         for inst in by_device.get(d["id"], []):
-            out.append(f"{prefix}    - {inst}")
+            out.append(f"{indent}    - {inst}")
         return out
 
     lines.append("DEVICES")
