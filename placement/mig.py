@@ -1,17 +1,21 @@
 """MIG as data: GPU instance profile tables, layout validation, expansion into leaf devices, and a layout recommender.
 
-Sources (checked while writing these tables):
-- Profile names, slice counts, instance counts and placements (start:size on the memory-slot axis): NVIDIA MIG
-  user guide, "Supported MIG Profiles" (docs.nvidia.com/datacenter/tesla/mig-user-guide/supported-mig-profiles.html),
-  and NVIDIA's go-nvml mock tables (pkg/nvml/mock/shared/gpus/*.go).
-- Memory in MiB as NVML reports it (`nvidia-smi mig -lgip` prints GiB with two decimals; MiB = GiB * 1024):
-  A100 and A30: go-nvml mock tables (e.g. 1g.5gb 4864 MiB, 7g.80gb 80384 MiB).
-  H100-80GB: lgip output 9.75 / 19.62 / 39.50 / 79.25 GiB -> 9984 / 20096 / 40448 / 81152 MiB.
-  H100-94GB (NVL): lgip output 10.62 / 21.50 / 46.12 / 92.62 GiB -> 10880 / 22016 / 47232 / 94848 MiB.
-  H200-141GB: go-nvml mock tables (18432 / 35840 / 72704 / 144384 MiB); not yet checked against an lgip output.
-  Values can differ by a few hundred MiB between driver branches: a live gpud reads them from NVML instead.
-- GPU instance profile ids are the ones `nvidia-smi mig -lgip` prints (19 = 1g, 15 = 1g double memory, 14 = 2g,
-  9 = 3g, 5 = 4g, 0 = 7g; A30: 14 = 1g.6gb, 5 = 2g.12gb, 0 = 4g.24gb).
+This module is gpud's single table of GPU models and their MIG profiles: the planner, `gpudctl place`, the simulated
+node (telemetry.simulated) and the test fake of NVML all read it. It is pure data and computation (no I/O, no NVML).
+
+Sources (checked while writing these tables; the kind of source is named next to each value below):
+- Profile names, profile ids, slice counts, instance counts and placements (start:size on the memory-slot axis):
+  NVIDIA MIG user guide, "Supported MIG Profiles" (docs.nvidia.com/datacenter/tesla/mig-user-guide/), and real
+  `nvidia-smi mig -lgip` / `-lgipp` outputs (ids: 19 = 1g, 20 = 1g+me, 15 = 1g with 2 memory slices, 14 = 2g,
+  9 = 3g, 5 = 4g, 0 = 7g; A30: 14 = 1g.6gb, 21 = 1g.6gb+me, 5 = 2g.12gb, 6 = 2g.12gb+me, 0 = 4g.24gb).
+  NVIDIA's go-nvml mock tables (pkg/nvml/mock/shared/gpus/*.go) are NOT used for ids or placements: they key
+  profiles by NVML profile *index*, give 1g.2x profiles size-1 placements and 3g size 3, which real drivers don't.
+- Memory in MiB as NVML reports it (nvmlGpuInstanceProfileInfo_t.memorySizeMB; `nvidia-smi mig -lgip` prints it
+  in GiB with two decimals, MiB = GiB * 1024, and the MIG device's "Memory-Usage" total shows the MiB directly).
+  Values differ by a few hundred MiB between driver branches (e.g. A100-SXM4-80GB 7g.80gb: 78.75 / 79.00 /
+  79.12 GiB seen): a live gpud reads them from NVML; these tables are what placement and a simulated node assume.
+- Whole-GPU memory is nvmlDeviceGetMemoryInfo().total (nvidia-smi "Memory-Usage" column) with MIG off, and the
+  NVML name is nvmlDeviceGetName() (nvidia-smi "Name" column, `nvidia-smi -L`), both from real nvidia-smi outputs.
 """
 from __future__ import annotations
 
@@ -25,32 +29,57 @@ MIB = 2**20
 
 @dataclass(frozen=True)
 class MigProfile:
-    profile_id: int
+    profile_id: int  # NVML profileId, the "ID" column of `nvidia-smi mig -lgip`
     name: str  # e.g. "3g.40gb"
-    memory_mib: int  # as NVML reports it
+    memory_mib: int  # as NVML reports it (memorySizeMB)
     compute_slices: int
-    max_count: int
+    max_count: int  # the "Instances Total" column of -lgip
     placements: tuple[tuple[int, int], ...]  # valid (start, size) on the memory-slot axis
 
     @property
     def media_extensions(self) -> bool:
         return self.name.endswith("+me")
 
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+    @property
+    def memory_slices(self) -> int:
+        """Placement size on the memory-slot axis (the same for every valid start)."""
+        return self.placements[0][1]
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.placements)
+
 
 @dataclass(frozen=True)
 class GpuModel:
-    name: str
+    name: str  # gpud's short name, e.g. "A100-SXM4-80GB" (what `gpudctl place` and spec files use)
+    nvml_name: str  # exactly as nvmlDeviceGetName reports it, e.g. "NVIDIA A100-SXM4-80GB"
     memory_mib: int  # the full GPU with MIG off, as NVML reports it
     compute_slices: int  # 7 (4 on A30)
     memory_slots: int  # 8 (4 on A30)
     profiles: tuple[MigProfile, ...]
 
-    def profile(self, name: str) -> MigProfile:
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
+
+    def find_profile(self, name: str) -> MigProfile | None:
+        """The profile named `name` ("3g.40gb", "MIG 3g.40gb" or its profile id as a string), or None."""
         key = name.removeprefix("MIG ").strip()
         for p in self.profiles:
             if p.name == key or str(p.profile_id) == key:
                 return p
-        raise ValueError(f"{self.name}: unknown MIG profile {name!r}; known: {[p.name for p in self.profiles]}")
+        return None
+
+    def profile(self, name: str) -> MigProfile:
+        p = self.find_profile(name)
+        if p is None:
+            raise ValueError(f"{self.name}: unknown MIG profile {name!r}; known: {[p.name for p in self.profiles]}")
+        return p
 
 
 def _p(pid, name, mib, slices, count, starts, size) -> MigProfile:
@@ -59,31 +88,49 @@ def _p(pid, name, mib, slices, count, starts, size) -> MigProfile:
 
 _SEVEN = range(7)
 GPU_MODELS: dict[str, GpuModel] = {g.name: g for g in (
-    GpuModel("A100-SXM4-40GB", 40960, 7, 8, (
+    # A100-SXM4-40GB. Whole GPU 40960 MiB (nvidia-smi). Profile MiB: real -lgip outputs (4.75 / 9.62 / 19.50 /
+    # 39.25 GiB; some drivers print 9.75 / 19.62 for the 2-slice and 3-slice sizes), same as go-nvml's a100.go.
+    GpuModel("A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", 40960, 7, 8, (
         _p(19, "1g.5gb", 4864, 1, 7, _SEVEN, 1), _p(20, "1g.5gb+me", 4864, 1, 1, _SEVEN, 1),
         _p(15, "1g.10gb", 9856, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.10gb", 9856, 2, 3, (0, 2, 4), 2),
         _p(9, "3g.20gb", 19968, 3, 2, (0, 4), 4), _p(5, "4g.20gb", 19968, 4, 1, (0,), 4),
         _p(0, "7g.40gb", 40192, 7, 1, (0,), 8))),
-    GpuModel("A100-SXM4-80GB", 81920, 7, 8, (
-        _p(19, "1g.10gb", 9856, 1, 7, _SEVEN, 1), _p(20, "1g.10gb+me", 9856, 1, 1, _SEVEN, 1),
+    # A100-SXM4-80GB. Whole GPU 81920 MiB (nvidia-smi). Profile MiB: real -lgip outputs on A100 80GB boards
+    # (driver 515: 9.50 / 19.50 / 39.25 / 79.00 GiB, and the MIG devices' Memory-Usage totals 9728 / 19968 /
+    # 40192 MiB). go-nvml's mock says 9856 and 80384 MiB for 1g.10gb and 7g.80gb; no real output shows those.
+    GpuModel("A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", 81920, 7, 8, (
+        _p(19, "1g.10gb", 9728, 1, 7, _SEVEN, 1), _p(20, "1g.10gb+me", 9728, 1, 1, _SEVEN, 1),
         _p(15, "1g.20gb", 19968, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.20gb", 19968, 2, 3, (0, 2, 4), 2),
         _p(9, "3g.40gb", 40192, 3, 2, (0, 4), 4), _p(5, "4g.40gb", 40192, 4, 1, (0,), 4),
-        _p(0, "7g.80gb", 80384, 7, 1, (0,), 8))),
-    GpuModel("A30-24GB", 24576, 4, 4, (
-        _p(14, "1g.6gb", 5836, 1, 4, (0, 1, 2, 3), 1), _p(21, "1g.6gb+me", 5836, 1, 1, (0, 1, 2, 3), 1),
-        _p(5, "2g.12gb", 11672, 2, 2, (0, 2), 2), _p(6, "2g.12gb+me", 11672, 2, 1, (0, 2), 2),
-        _p(0, "4g.24gb", 23344, 4, 1, (0,), 4))),
-    GpuModel("H100-80GB", 81559, 7, 8, (
+        _p(0, "7g.80gb", 80896, 7, 1, (0,), 8))),
+    # A30 (NVML name "NVIDIA A30"). Whole GPU 24576 MiB (nvidia-smi; an old driver showed 24258). Profile MiB: real
+    # -lgip outputs (5.81 / 11.69 / 23.44 GiB -> 5952 / 11968 / 24000 MiB) and -lgipp placements ({0,1,2,3}:1,
+    # {0,2}:2, {0}:4). go-nvml's mock says 5836 / 11672 / 23344 MiB; no real output shows those.
+    GpuModel("A30-24GB", "NVIDIA A30", 24576, 4, 4, (
+        _p(14, "1g.6gb", 5952, 1, 4, (0, 1, 2, 3), 1), _p(21, "1g.6gb+me", 5952, 1, 1, (0, 1, 2, 3), 1),
+        _p(5, "2g.12gb", 11968, 2, 2, (0, 2), 2), _p(6, "2g.12gb+me", 11968, 2, 1, (0, 2), 2),
+        _p(0, "4g.24gb", 24000, 4, 1, (0,), 4))),
+    # H100 SXM5 80GB (NVML name "NVIDIA H100 80GB HBM3"). Whole GPU 81559 MiB (nvidia-smi). Profile MiB: real
+    # -lgip outputs 9.75 / 19.62 / 39.50 / 79.25 GiB -> 9984 / 20096 / 40448 / 81152 MiB (newer drivers print
+    # 9.62 / 19.50 for the two small sizes).
+    GpuModel("H100-80GB", "NVIDIA H100 80GB HBM3", 81559, 7, 8, (
         _p(19, "1g.10gb", 9984, 1, 7, _SEVEN, 1), _p(20, "1g.10gb+me", 9984, 1, 1, _SEVEN, 1),
         _p(15, "1g.20gb", 20096, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.20gb", 20096, 2, 3, (0, 2, 4), 2),
         _p(9, "3g.40gb", 40448, 3, 2, (0, 4), 4), _p(5, "4g.40gb", 40448, 4, 1, (0,), 4),
         _p(0, "7g.80gb", 81152, 7, 1, (0,), 8))),
-    GpuModel("H100-94GB", 95830, 7, 8, (
+    # H100 NVL 94GB (NVML name "NVIDIA H100 NVL"). Whole GPU 95830 MiB (nvidia-smi). Profile MiB: real -lgip output
+    # on driver 550 (10.62 / 21.50 / 46.12 / 92.62 GiB -> 10880 / 22016 / 47232 / 94848 MiB; the 1g.12gb MIG
+    # devices' Memory-Usage total reads 10880 MiB). Other drivers print 10.75 / 21.62 / 46.38.
+    GpuModel("H100-94GB", "NVIDIA H100 NVL", 95830, 7, 8, (
         _p(19, "1g.12gb", 10880, 1, 7, _SEVEN, 1), _p(20, "1g.12gb+me", 10880, 1, 1, _SEVEN, 1),
         _p(15, "1g.24gb", 22016, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.24gb", 22016, 2, 3, (0, 2, 4), 2),
         _p(9, "3g.47gb", 47232, 3, 2, (0, 4), 4), _p(5, "4g.47gb", 47232, 4, 1, (0,), 4),
         _p(0, "7g.94gb", 94848, 7, 1, (0,), 8))),
-    GpuModel("H200-141GB", 143771, 7, 8, (
+    # H200 SXM 141GB (NVML name "NVIDIA H200", `nvidia-smi -L`). Whole GPU 143771 MiB (nvidia-smi). Profile MiB:
+    # NOT VERIFIED. These are go-nvml's mock values, which are the nominal sizes * 1024 (18 GB -> 18432), not
+    # measurements: 7g.141gb at 144384 MiB exceeds the whole GPU's 143771 MiB, which no real driver reports. No real
+    # -lgip output for the H200 was found; replace these when one is.
+    GpuModel("H200-141GB", "NVIDIA H200", 143771, 7, 8, (
         _p(19, "1g.18gb", 18432, 1, 7, _SEVEN, 1), _p(20, "1g.18gb+me", 18432, 1, 1, _SEVEN, 1),
         _p(15, "1g.35gb", 35840, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.35gb", 35840, 2, 3, (0, 2, 4), 2),
         _p(9, "3g.71gb", 72704, 3, 2, (0, 4), 4), _p(5, "4g.71gb", 72704, 4, 1, (0,), 4),
@@ -92,15 +139,27 @@ GPU_MODELS: dict[str, GpuModel] = {g.name: g for g in (
 ALIASES = {"A100-40GB": "A100-SXM4-40GB", "A100-80GB": "A100-SXM4-80GB", "A30": "A30-24GB",
            "H100": "H100-80GB", "H100-SXM5-80GB": "H100-80GB", "H100-NVL": "H100-94GB", "H100-94GB-NVL": "H100-94GB",
            "H200": "H200-141GB"}
+# NVML device name -> model, for what nvmlDeviceGetName reports (node files spell GPUs this way)
+NVML_NAMES: dict[str, GpuModel] = {g.nvml_name: g for g in GPU_MODELS.values()}
+
+
+def find_gpu_model(name: str) -> GpuModel | None:
+    """The model for a short name ("A100-SXM4-80GB"), an alias ("A100-80GB") or an NVML device name
+    ("NVIDIA A100-SXM4-80GB"); None if unknown."""
+    return GPU_MODELS.get(ALIASES.get(name, name)) or NVML_NAMES.get(name)
 
 
 def gpu_model(name: str) -> GpuModel:
-    key = ALIASES.get(name, name)
-    try:
-        return GPU_MODELS[key]
-    except KeyError:
+    model = find_gpu_model(name)
+    if model is None:
         raise ValueError(f"unknown GPU model {name!r}; known: {sorted(GPU_MODELS)} "
-                         f"(aliases {sorted(ALIASES)})") from None
+                         f"(aliases {sorted(ALIASES)}; NVML names {sorted(NVML_NAMES)})")
+    return model
+
+
+def gpu_model_by_nvml_name(nvml_name: str) -> GpuModel | None:
+    """The model whose nvmlDeviceGetName is exactly `nvml_name`, or None."""
+    return NVML_NAMES.get(nvml_name)
 
 
 @dataclass(frozen=True)
@@ -159,6 +218,16 @@ def validate_layout(model: GpuModel, layout: Sequence[str | tuple[str, int]]) ->
         raise ValueError(f"{model.name}: no valid placement for layout {[p.name for p, _ in wanted]} "
                          f"(memory slots overlap)")
     return tuple(PlacedInstance(wanted[k][0], *chosen[k]) for k in range(len(wanted)))
+
+
+def place_layout(model: GpuModel, layout: Sequence[str | tuple[str, int]]) -> list[int] | None:
+    """Start slots for each instance of a layout (in the given order), or None if the layout cannot exist on one
+    GPU of this model (unknown profile, too many of a profile, more than one +me, too many compute slices, or no
+    non-overlapping placement). validate_layout says why."""
+    try:
+        return [p.start for p in validate_layout(model, layout)]
+    except ValueError:
+        return None
 
 
 def expand_gpu(gpu_id: str, model: GpuModel, layout: Sequence[str | tuple[str, int]] | None, *,

@@ -9,12 +9,13 @@ Node file format (config/nodes/*.yaml):
     name: dgx-a100-2gpu-mig            # optional, defaults to the file's stem
     description: free text             # optional
     gpus:
-      - model: NVIDIA A100-SXM4-80GB   # a model from telemetry.gpu_models, spelled as NVML names it
+      - model: NVIDIA A100-SXM4-80GB   # a model from placement.mig, spelled as NVML names it
       - model: NVIDIA A100-SXM4-80GB
         pci_bus_id: "00000000:0F:00.0" # optional
         mig: [3g.40gb, 2g.20gb, 1g.10gb, 1g.10gb]   # optional MIG layout; must fit the GPU's placements
 
-A model not in the table needs `memory_total_bytes` and cannot have a MIG layout.
+A model not in the table needs `memory_total_bytes` and cannot have a MIG layout. The GPU models, their MIG profiles
+and valid placements come from placement.mig, gpud's single table of them (pure data, shared with the planner).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from telemetry.devices import (
     leaf_devices,
     mig_device_id,
 )
-from telemetry.gpu_models import GPU_MODELS, GpuModelSpec, MigProfileSpec, place_mig_layout
+from placement.mig import NVML_NAMES, GpuModel, MigProfile, gpu_model_by_nvml_name, validate_layout
 
 _PACKAGE_NODES = Path(__file__).resolve().parent / "nodes"
 _REPO_NODES = Path(__file__).resolve().parent.parent / "config" / "nodes"
@@ -104,14 +105,14 @@ def _load_gpu(path: str, node: str, index: int, gpu: Any) -> list[DeviceInfo]:
     model_name = gpu.get("model")
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"{path}: {where}.model: required, a GPU model name such as 'NVIDIA A100-SXM4-80GB'")
-    model = GPU_MODELS.get(model_name)
+    model = gpu_model_by_nvml_name(model_name)
     memory = gpu.get("memory_total_bytes")
     if memory is not None and (not isinstance(memory, int) or isinstance(memory, bool) or memory <= 0):
         raise ValueError(f"{path}: {where}.memory_total_bytes: must be a positive integer, got {memory!r}")
     if model is None and memory is None:
         raise ValueError(f"{path}: {where}.model: unknown GPU model {model_name!r} (known: "
-                         f"{', '.join(sorted(GPU_MODELS))}); give memory_total_bytes for another model")
-    total = memory if memory is not None else model.memory_total_bytes  # type: ignore[union-attr]
+                         f"{', '.join(sorted(NVML_NAMES))}); give memory_total_bytes for another model")
+    total = memory if memory is not None else model.memory_bytes  # type: ignore[union-attr]
     pci = gpu.get("pci_bus_id", f"00000000:{index + 1:02X}:00.0")
     if not isinstance(pci, str):
         raise ValueError(f"{path}: {where}.pci_bus_id: must be a string like '00000000:07:00.0'")
@@ -124,23 +125,24 @@ def _load_gpu(path: str, node: str, index: int, gpu: Any) -> list[DeviceInfo]:
     )
     out = [parent]
     for profile, gi in layout or []:
+        assert model is not None  # a layout exists only for a known model
         mid = mig_device_id(gid, gi, 0)  # one compute instance spanning its GPU instance: CI id 0
         out.append(DeviceInfo(
             id=mid, kind="mig", index=index, name=model_name, uuid=_fake_uuid("MIG", node, mid), pci_bus_id=pci,
             memory_total_bytes=profile.memory_bytes, parent_id=gid, mig_profile=profile.name, gpu_instance_id=gi,
-            compute_instance_id=0, compute_fraction=profile.compute_fraction, simulated=True,
+            compute_instance_id=0, compute_fraction=profile.compute_slices / model.compute_slices, simulated=True,
             labels={"gpu_model": model_name, "mig_profile": profile.name, "parent": gid},
         ))
     return out
 
 
-def _load_mig(path: str, where: str, model_name: str, model: GpuModelSpec | None,
-              mig: Any) -> list[tuple[MigProfileSpec, int]]:
-    if model is None or not model.mig_profiles:
+def _load_mig(path: str, where: str, model_name: str, model: GpuModel | None,
+              mig: Any) -> list[tuple[MigProfile, int]]:
+    if model is None or not model.profiles:
         raise ValueError(f"{path}: {where}.mig: GPU model {model_name!r} has no known MIG profiles")
     if not isinstance(mig, list) or not mig:
         raise ValueError(f"{path}: {where}.mig: must be a non-empty list of MIG profiles such as ['3g.40gb']")
-    profiles: list[MigProfileSpec] = []
+    profiles: list[MigProfile] = []
     gi_ids: list[int] = []
     for k, entry in enumerate(mig):
         at = f"{where}.mig[{k}]"
@@ -153,19 +155,22 @@ def _load_mig(path: str, where: str, model_name: str, model: GpuModelSpec | None
                 raise ValueError(f"{path}: {at}.gpu_instance_id: must be a non-negative integer, got {gi!r}")
         else:
             name = entry
-        spec = model.mig_profile(name) if isinstance(name, str) else None
+        # by name only: a bare number here is more likely a typo than a profile id
+        spec = next((p for p in model.profiles if p.name == name), None) if isinstance(name, str) else None
         if spec is None:
-            known = ", ".join(p.name for p in model.mig_profiles)
+            known = ", ".join(p.name for p in model.profiles)
             raise ValueError(f"{path}: {at}: unknown MIG profile {name!r} for {model_name} (known: {known})")
         if gi in gi_ids:
             raise ValueError(f"{path}: {at}.gpu_instance_id: {gi} is used twice on this GPU")
         profiles.append(spec)
         gi_ids.append(gi)
-    if place_mig_layout(model, profiles) is None:
+    try:
+        validate_layout(model, [p.name for p in profiles])
+    except ValueError as exc:
         slices = sum(p.compute_slices for p in profiles)
+        reason = str(exc).removeprefix(f"{model.name}: ")
         raise ValueError(f"{path}: {where}.mig: layout {' + '.join(p.name for p in profiles)} does not fit one "
-                         f"{model_name} ({slices} of 7 compute slices; no non-overlapping placement of the 8 "
-                         f"memory slices)")
+                         f"{model_name} ({slices} of {model.compute_slices} compute slices; {reason})") from None
     return list(zip(profiles, gi_ids))
 
 

@@ -1,4 +1,4 @@
-"""A behavioural fake of the pynvml module, built from the data tables of real GPU models (telemetry.gpu_models).
+"""A behavioural fake of the pynvml module, built from the data tables of real GPU models (placement.mig).
 
 Same function names, argument orders, return shapes and error classes as pynvml (NVMLError with `.value`,
 NVMLError_NotSupported, NVMLError_GpuIsLost, ...), so `NvmlBackend(nvml=FakeNvml(...))` runs the real code path.
@@ -20,7 +20,15 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from telemetry.gpu_models import A100_SXM4_40GB, A100_SXM4_80GB, H100_SXM5_80GB, GpuModelSpec, place_mig_layout
+from placement.mig import GpuModel, MigProfile, gpu_model, place_layout
+
+# The models the ready-made machines use; their data (NVML names, memory, MIG profiles) is placement.mig's table.
+A100_SXM4_40GB = gpu_model("A100-SXM4-40GB")
+A100_SXM4_80GB = gpu_model("A100-SXM4-80GB")
+H100_SXM5_80GB = gpu_model("H100-80GB")
+# Default enforced power limits (W) that nvidia-smi shows for these SXM boards: not placement data, only the fake's.
+POWER_LIMIT_W = {A100_SXM4_40GB.nvml_name: 400.0, A100_SXM4_80GB.nvml_name: 400.0, H100_SXM5_80GB.nvml_name: 700.0}
+DEFAULT_POWER_LIMIT_W = 300.0
 
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
@@ -44,7 +52,7 @@ NVML_GPM_METRICS_GET_VERSION = 1
 NVML_GPM_METRIC_GRAPHICS_UTIL, NVML_GPM_METRIC_SM_UTIL = 1, 2
 NVML_GPM_METRIC_PCIE_TX_PER_SEC, NVML_GPM_METRIC_PCIE_RX_PER_SEC = 20, 21  # MiB/s
 # GPM is "Hopper or newer" (NVML docs): of the modelled GPUs only the H100.
-GPM_MODELS = frozenset({H100_SXM5_80GB.name})
+GPM_MODELS = frozenset({H100_SXM5_80GB.nvml_name})
 NO_GPU_INSTANCE = 0xFFFFFFFF  # event data gpuInstanceId when the event is not attributable to one
 
 
@@ -79,6 +87,7 @@ NVMLError_Timeout = _err("NVMLError_Timeout", NVML_ERROR_TIMEOUT)
 class FakeMig:
     profile: str
     gpu_instance_id: int
+    start: int = 0  # placement start slot on the memory-slot axis (mig_layout fills it in)
     compute_instance_id: int = 0
     memory_used_bytes: int = 0
     gpm_graphics_percent: float = 0.0  # what GPM reports for this GPU instance (H100 only)
@@ -87,7 +96,7 @@ class FakeMig:
 
 @dataclass
 class FakeGpu:
-    model: GpuModelSpec
+    model: GpuModel
     mig: list[FakeMig] | None = None  # None = MIG mode off
     memory_used_bytes: int = 0
     utilization_percent: int = 0
@@ -159,12 +168,23 @@ class c_nvmlGpmMetricsGet_t:  # noqa: N801 - pynvml's ctypes struct name
         self.metrics = [_GpmMetric() for _ in range(98)]  # NVML_GPM_METRIC_MAX
 
 
-def mig_layout(model: GpuModelSpec, profiles: list[str]) -> list[FakeMig]:
+def mig_layout(model: GpuModel, profiles: list[str]) -> list[FakeMig]:
     """MIG devices for a layout, GPU instance ids 1.. in order (validated against the model's placements)."""
-    specs = [model.mig_profile(p) for p in profiles]
-    if any(s is None for s in specs) or place_mig_layout(model, specs) is None:  # type: ignore[arg-type]
-        raise ValueError(f"layout {profiles} is not valid on {model.name}")
-    return [FakeMig(p, gi) for gi, p in enumerate(profiles, start=1)]
+    starts = place_layout(model, profiles)
+    if starts is None:
+        raise ValueError(f"layout {profiles} is not valid on {model.nvml_name}")
+    return [FakeMig(p, gi, start=s) for gi, (p, s) in enumerate(zip(profiles, starts), start=1)]
+
+
+def nvml_profile_index(model: GpuModel, spec: MigProfile) -> int:
+    """NVML_GPU_INSTANCE_PROFILE_* (the argument of nvmlDeviceGetGpuInstanceProfileInfo; values from nvml.h):
+    1/2/3/4/7 slices = 0/1/2/3/4, 1 slice +me = 7 (REV1), 2 slices +me = 8 (REV1), 1 slice with 2 memory
+    slices = 9 (REV2)."""
+    if spec.media_extensions:
+        return {1: 7, 2: 8}[spec.compute_slices]
+    if spec.compute_slices == 1 and spec.memory_slices == 2:  # 1g.20gb on A100-80GB (there is none on A30)
+        return 9
+    return {1: 0, 2: 1, 3: 2, 4: 3, 7: 4}[spec.compute_slices]
 
 
 class FakeNvml:
@@ -310,8 +330,8 @@ class FakeNvml:
             gi_slices = m.profile.split("g.")[0]
             ci = self._ci_slices(handle)
             prefix = f"{ci}c." if ci != int(gi_slices) else ""
-            return f"{gpu.model.name} MIG {prefix}{m.profile}"
-        return gpu.model.name
+            return f"{gpu.model.nvml_name} MIG {prefix}{m.profile}"
+        return gpu.model.nvml_name
 
     def _ci_slices(self, handle: _Handle) -> int:
         return int(self._mig(handle).profile.split("g.")[0])
@@ -331,10 +351,10 @@ class FakeNvml:
         assert gpu is not None
         if handle.mig is not None:
             m = self._mig(handle)
-            total = gpu.model.mig_profile(m.profile).memory_bytes  # type: ignore[union-attr]
+            total = gpu.model.profile(m.profile).memory_bytes
             used = m.memory_used_bytes
         else:
-            total = gpu.model.memory_total_bytes
+            total = gpu.model.memory_bytes
             used = gpu.memory_used_bytes if gpu.mig is None else sum(m.memory_used_bytes for m in gpu.mig)
         return SimpleNamespace(total=total, used=used, free=total - used)
 
@@ -418,7 +438,7 @@ class FakeNvml:
     # -- GPM -----------------------------------------------------------------------------------------------------
     def nvmlGpmQueryDeviceSupport(self, handle: _Handle) -> SimpleNamespace:
         gpu = self._whole_gpu("nvmlGpmQueryDeviceSupport", handle)
-        return SimpleNamespace(version=1, isSupportedDevice=int(gpu.model.name in GPM_MODELS))
+        return SimpleNamespace(version=1, isSupportedDevice=int(gpu.model.nvml_name in GPM_MODELS))
 
     def nvmlGpmSampleAlloc(self) -> _GpmSample:
         self._check("nvmlGpmSampleAlloc")
@@ -439,7 +459,7 @@ class FakeNvml:
 
     def nvmlGpmSampleGet(self, handle: _Handle, sample: _GpmSample) -> _GpmSample:
         gpu = self._whole_gpu("nvmlGpmSampleGet", handle)
-        if gpu.model.name not in GPM_MODELS:
+        if gpu.model.nvml_name not in GPM_MODELS:
             raise NVMLError_NotSupported()
         return self._fill(sample, (handle.gpu, None), {
             NVML_GPM_METRIC_GRAPHICS_UTIL: gpu.gpm_graphics_percent, NVML_GPM_METRIC_SM_UTIL: gpu.gpm_sm_percent,
@@ -448,7 +468,7 @@ class FakeNvml:
 
     def nvmlGpmMigSampleGet(self, handle: _Handle, gpu_instance_id: int, sample: _GpmSample) -> _GpmSample:
         gpu = self._whole_gpu("nvmlGpmMigSampleGet", handle)  # takes the parent GPU's handle
-        if gpu.model.name not in GPM_MODELS:
+        if gpu.model.nvml_name not in GPM_MODELS:
             raise NVMLError_NotSupported()
         mig = next((m for m in gpu.mig or [] if m.gpu_instance_id == gpu_instance_id), None)
         if mig is None:
@@ -484,7 +504,7 @@ class FakeNvml:
         assert gpu is not None
         if handle.mig is not None:
             raise NVMLError_NotSupported()
-        return int(gpu.model.power_limit_w * 1000)
+        return int(POWER_LIMIT_W.get(gpu.model.nvml_name, DEFAULT_POWER_LIMIT_W) * 1000)
 
     def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:
         gpu = self._check("nvmlDeviceGetTemperature", handle)
@@ -497,7 +517,7 @@ class FakeNvml:
     def nvmlDeviceGetMigMode(self, handle: _Handle) -> list[int]:
         gpu = self._check("nvmlDeviceGetMigMode", handle)
         assert gpu is not None
-        if not gpu.model.mig_profiles:
+        if not gpu.model.profiles:
             raise NVMLError_NotSupported()
         mode = NVML_DEVICE_MIG_ENABLE if gpu.mig is not None else NVML_DEVICE_MIG_DISABLE
         return [mode, mode]
@@ -505,7 +525,7 @@ class FakeNvml:
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: _Handle) -> int:
         gpu = self._check("nvmlDeviceGetMaxMigDeviceCount", handle)
         assert gpu is not None
-        return self.MAX_MIG_DEVICES if gpu.model.mig_profiles else 0
+        return self.MAX_MIG_DEVICES if gpu.model.profiles else 0
 
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: _Handle, index: int) -> _Handle:
         gpu = self._check("nvmlDeviceGetMigDeviceHandleByIndex", handle)
@@ -549,28 +569,27 @@ class FakeNvml:
         gpu = self._check("nvmlGpuInstanceGetInfo", _Handle(gi.gpu))
         assert gpu is not None and gpu.mig is not None
         m = next(m for m in gpu.mig if m.gpu_instance_id == gi.gpu_instance_id)
-        spec = gpu.model.mig_profile(m.profile)
-        assert spec is not None
+        spec = gpu.model.profile(m.profile)
         return SimpleNamespace(device=_Handle(gi.gpu), id=gi.gpu_instance_id, profileId=spec.profile_id,
-                               placement=SimpleNamespace(start=0, size=spec.memory_slices))
+                               placement=SimpleNamespace(start=m.start, size=spec.memory_slices))
 
     def _profile_info(self, gpu: FakeGpu, spec: Any) -> SimpleNamespace:
         return SimpleNamespace(id=spec.profile_id, isP2pSupported=0, sliceCount=spec.compute_slices,
-                               instanceCount=7 // spec.compute_slices, memorySizeMB=spec.memory_bytes // 2**20,
+                               instanceCount=spec.max_count, memorySizeMB=spec.memory_mib,
                                name=f"MIG {spec.name}")
 
     def nvmlDeviceGetGpuInstanceProfileInfo(self, handle: _Handle, profile: int, version: int = 2) -> SimpleNamespace:
         gpu = self._check("nvmlDeviceGetGpuInstanceProfileInfo", handle)
         assert gpu is not None
-        for spec in gpu.model.mig_profiles:
-            if spec.profile_index == profile:
+        for spec in gpu.model.profiles:
+            if nvml_profile_index(gpu.model, spec) == profile:
                 return self._profile_info(gpu, spec)
         raise NVMLError_NotSupported()
 
     def nvmlDeviceGetGpuInstanceProfileInfoById(self, handle: _Handle, profile_id: int) -> SimpleNamespace:
         gpu = self._check("nvmlDeviceGetGpuInstanceProfileInfoById", handle)
         assert gpu is not None
-        for spec in gpu.model.mig_profiles:
+        for spec in gpu.model.profiles:
             if spec.profile_id == profile_id:
                 return self._profile_info(gpu, spec)
         raise NVMLError_NotSupported()

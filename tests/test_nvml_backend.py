@@ -5,11 +5,11 @@ import logging
 
 import pytest
 
+from placement.mig import MIB
 from telemetry.devices import DeviceBackend, DeviceReading
 from telemetry.discovery import discover
-from telemetry.gpu_models import A100_SXM4_80GB, MIB
 from telemetry.nvml import NA, NvmlBackend, NvmlSession, parse_mig_profile
-from tests.fake_nvml import FakeNvml, a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
+from tests.fake_nvml import A100_SXM4_80GB, FakeNvml, a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
 
 
 class FixedUsage:

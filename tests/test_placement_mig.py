@@ -9,35 +9,70 @@ from placement.solver import PlannerConfig
 
 GiB = 2**30
 
-# (GPU, profile, id, memory MiB, compute slices, max count, starts, size). Memory: `nvidia-smi mig -lgip` GiB x 1024
-# (H100-80GB 9.75 -> 9984, 19.62 -> 20096 (19.625), 39.50 -> 40448, 79.25 -> 81152; H100-94GB 10.62 -> 10880,
-# 46.12 -> 47232, 92.62 -> 94848) or NVIDIA's go-nvml tables (A100, A30, H200).
+# Published values, written out from the sources rather than from placement/mig.py, for every GPU model and profile.
+# Sources, by kind:
+# - whole-GPU MiB and NVML names: real `nvidia-smi` / `nvidia-smi -L` outputs ("NVIDIA A100-SXM4-80GB ... 81920MiB",
+#   "NVIDIA H100 80GB HBM3 ... 81559MiB", "NVIDIA H100 NVL ... 95830MiB", "NVIDIA H200 ... 143771MiB",
+#   "NVIDIA A30 ... 24576MiB").
+# - profile ids, instance counts, placements: NVIDIA MIG user guide "Supported MIG Profiles" and real
+#   `nvidia-smi mig -lgip` / `-lgipp` outputs ({0..6}:1, {0,2,4,6}:2, {0,2,4}:2, {0,4}:4, {0}:4, {0}:8; A30
+#   {0,1,2,3}:1, {0,2}:2, {0}:4).
+# - profile MiB = `nvidia-smi mig -lgip` GiB x 1024, real outputs: A100-40GB 4.75 / 9.62 / 19.50 / 39.25;
+#   A100-80GB 9.50 / 19.50 / 39.25 / 79.00 (driver 515; MIG devices read 9728 / 19968 / 40192 MiB); A30 5.81 /
+#   11.69 / 23.44; H100-80GB 9.75 / 19.62 / 39.50 / 79.25; H100 NVL 10.62 / 21.50 / 46.12 / 92.62 (driver 550).
+# - H200 profile MiB: go-nvml mock tables only (nominal GB x 1024, unverified; see placement/mig.py).
+GPUS = [  # (model, NVML name, whole-GPU MiB, compute slices, memory slots)
+    ("A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", 40960, 7, 8),
+    ("A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", 81920, 7, 8),
+    ("A30-24GB", "NVIDIA A30", 24576, 4, 4),
+    ("H100-80GB", "NVIDIA H100 80GB HBM3", 81559, 7, 8),
+    ("H100-94GB", "NVIDIA H100 NVL", 95830, 7, 8),
+    ("H200-141GB", "NVIDIA H200", 143771, 7, 8),
+]
+_7 = (0, 1, 2, 3, 4, 5, 6)
+# (GPU, profile, id, memory MiB, compute slices, max count, starts, size)
 PUBLISHED = [
-    ("A100-SXM4-40GB", "1g.5gb", 19, 4864, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
+    ("A100-SXM4-40GB", "1g.5gb", 19, 4864, 1, 7, _7, 1),
+    ("A100-SXM4-40GB", "1g.5gb+me", 20, 4864, 1, 1, _7, 1),
     ("A100-SXM4-40GB", "1g.10gb", 15, 9856, 1, 4, (0, 2, 4, 6), 2),
     ("A100-SXM4-40GB", "2g.10gb", 14, 9856, 2, 3, (0, 2, 4), 2),
     ("A100-SXM4-40GB", "3g.20gb", 9, 19968, 3, 2, (0, 4), 4),
     ("A100-SXM4-40GB", "4g.20gb", 5, 19968, 4, 1, (0,), 4),
     ("A100-SXM4-40GB", "7g.40gb", 0, 40192, 7, 1, (0,), 8),
-    ("A100-SXM4-80GB", "1g.10gb", 19, 9856, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
+    # A100-80GB 1g.10gb and 7g.80gb: real lgip 9.50 and 79.00 GiB (was 9856 / 80384, go-nvml's mock values)
+    ("A100-SXM4-80GB", "1g.10gb", 19, 9728, 1, 7, _7, 1),
+    ("A100-SXM4-80GB", "1g.10gb+me", 20, 9728, 1, 1, _7, 1),
+    ("A100-SXM4-80GB", "1g.20gb", 15, 19968, 1, 4, (0, 2, 4, 6), 2),
+    ("A100-SXM4-80GB", "2g.20gb", 14, 19968, 2, 3, (0, 2, 4), 2),
     ("A100-SXM4-80GB", "3g.40gb", 9, 40192, 3, 2, (0, 4), 4),
-    ("A100-SXM4-80GB", "7g.80gb", 0, 80384, 7, 1, (0,), 8),
-    ("A30-24GB", "1g.6gb", 14, 5836, 1, 4, (0, 1, 2, 3), 1),
-    ("A30-24GB", "2g.12gb", 5, 11672, 2, 2, (0, 2), 2),
-    ("A30-24GB", "4g.24gb", 0, 23344, 4, 1, (0,), 4),
-    ("H100-80GB", "1g.10gb", 19, 9984, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
+    ("A100-SXM4-80GB", "4g.40gb", 5, 40192, 4, 1, (0,), 4),
+    ("A100-SXM4-80GB", "7g.80gb", 0, 80896, 7, 1, (0,), 8),
+    # A30: real lgip 5.81 / 11.69 / 23.44 GiB (was 5836 / 11672 / 23344, go-nvml's mock values)
+    ("A30-24GB", "1g.6gb", 14, 5952, 1, 4, (0, 1, 2, 3), 1),
+    ("A30-24GB", "1g.6gb+me", 21, 5952, 1, 1, (0, 1, 2, 3), 1),
+    ("A30-24GB", "2g.12gb", 5, 11968, 2, 2, (0, 2), 2),
+    ("A30-24GB", "2g.12gb+me", 6, 11968, 2, 1, (0, 2), 2),
+    ("A30-24GB", "4g.24gb", 0, 24000, 4, 1, (0,), 4),
+    ("H100-80GB", "1g.10gb", 19, 9984, 1, 7, _7, 1),
+    ("H100-80GB", "1g.10gb+me", 20, 9984, 1, 1, _7, 1),
     ("H100-80GB", "1g.20gb", 15, 20096, 1, 4, (0, 2, 4, 6), 2),
     ("H100-80GB", "2g.20gb", 14, 20096, 2, 3, (0, 2, 4), 2),
     ("H100-80GB", "3g.40gb", 9, 40448, 3, 2, (0, 4), 4),
     ("H100-80GB", "4g.40gb", 5, 40448, 4, 1, (0,), 4),
     ("H100-80GB", "7g.80gb", 0, 81152, 7, 1, (0,), 8),
-    ("H100-94GB", "1g.12gb", 19, 10880, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
+    ("H100-94GB", "1g.12gb", 19, 10880, 1, 7, _7, 1),
+    ("H100-94GB", "1g.12gb+me", 20, 10880, 1, 1, _7, 1),
     ("H100-94GB", "1g.24gb", 15, 22016, 1, 4, (0, 2, 4, 6), 2),
+    ("H100-94GB", "2g.24gb", 14, 22016, 2, 3, (0, 2, 4), 2),
     ("H100-94GB", "3g.47gb", 9, 47232, 3, 2, (0, 4), 4),
+    ("H100-94GB", "4g.47gb", 5, 47232, 4, 1, (0,), 4),
     ("H100-94GB", "7g.94gb", 0, 94848, 7, 1, (0,), 8),
-    ("H200-141GB", "1g.18gb", 19, 18432, 1, 7, (0, 1, 2, 3, 4, 5, 6), 1),
+    ("H200-141GB", "1g.18gb", 19, 18432, 1, 7, _7, 1),
+    ("H200-141GB", "1g.18gb+me", 20, 18432, 1, 1, _7, 1),
+    ("H200-141GB", "1g.35gb", 15, 35840, 1, 4, (0, 2, 4, 6), 2),
     ("H200-141GB", "2g.35gb", 14, 35840, 2, 3, (0, 2, 4), 2),
     ("H200-141GB", "3g.71gb", 9, 72704, 3, 2, (0, 4), 4),
+    ("H200-141GB", "4g.71gb", 5, 72704, 4, 1, (0,), 4),
     ("H200-141GB", "7g.141gb", 0, 144384, 7, 1, (0,), 8),
 ]
 
@@ -47,6 +82,20 @@ def test_profile_tables_match_published_values(gpu, name, pid, mib, slices, coun
     p = mig.gpu_model(gpu).profile(name)
     assert (p.profile_id, p.memory_mib, p.compute_slices, p.max_count) == (pid, mib, slices, count)
     assert p.placements == tuple((s, size) for s in starts)
+    assert (p.starts, p.memory_slices, p.memory_bytes) == (starts, size, mib * 2**20)
+
+
+@pytest.mark.parametrize("gpu,nvml_name,mib,compute,slots", GPUS)
+def test_gpu_tables_match_published_values(gpu, nvml_name, mib, compute, slots):
+    g = mig.gpu_model(gpu)
+    assert (g.nvml_name, g.memory_mib, g.compute_slices, g.memory_slots) == (nvml_name, mib, compute, slots)
+    assert mig.gpu_model_by_nvml_name(nvml_name) is g and mig.gpu_model(nvml_name) is g
+
+
+def test_published_table_covers_every_model_and_profile():
+    assert sorted(g for g, *_ in GPUS) == sorted(mig.GPU_MODELS)
+    assert sorted((g, n) for g, n, *_ in PUBLISHED) == sorted(
+        (g.name, p.name) for g in mig.GPU_MODELS.values() for p in g.profiles)
 
 
 @pytest.mark.parametrize("gpu", sorted(mig.GPU_MODELS))
@@ -54,7 +103,36 @@ def test_every_profile_fits_the_slot_axis(gpu):
     g = mig.gpu_model(gpu)
     for p in g.profiles:
         assert all(s + size <= g.memory_slots for s, size in p.placements)
+        # + 1024: the unverified H200 7g.141gb value (144384 MiB) exceeds the whole GPU (143771 MiB)
         assert p.compute_slices <= g.compute_slices and p.memory_mib <= g.memory_mib + 1024
+        if gpu != "H200-141GB":
+            assert p.memory_mib < g.memory_mib  # a MIG instance never has more memory than the GPU with MIG off
+
+
+def test_lookup_by_alias_short_and_nvml_name():
+    assert mig.gpu_model("A100-80GB") is mig.gpu_model("NVIDIA A100-SXM4-80GB") is mig.GPU_MODELS["A100-SXM4-80GB"]
+    assert mig.find_gpu_model("NVIDIA Z9000") is None and mig.gpu_model_by_nvml_name("A100-SXM4-80GB") is None
+    with pytest.raises(ValueError, match="unknown GPU model 'NVIDIA Z9000'"):
+        mig.gpu_model("NVIDIA Z9000")
+
+
+@pytest.mark.parametrize("gpu,layout,starts", [
+    ("A100-80GB", ["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"], [4, 0, 2, 3]),  # in the given order
+    ("A100-80GB", ["4g.40gb", "3g.40gb"], [0, 4]),
+    ("A100-80GB", ["1g.20gb"] * 4, [0, 2, 4, 6]),
+    ("A30", ["2g.12gb", "1g.6gb", "1g.6gb"], [0, 2, 3]),
+    ("A100-80GB", ["4g.40gb", "4g.40gb"], None),
+    ("A100-80GB", ["3g.40gb", "3g.40gb", "1g.10gb"], None),
+    ("A100-80GB", ["1g.10gb+me", "1g.10gb+me"], None),  # at most one +me instance
+    ("A100-80GB", ["5g.50gb"], None),
+])
+def test_place_layout_gives_start_slots(gpu, layout, starts):
+    got = mig.place_layout(mig.gpu_model(gpu), layout)
+    assert got == starts
+    if got is not None:
+        sizes = [mig.gpu_model(gpu).profile(n).memory_slices for n in layout]
+        used = [x for s, n in zip(got, sizes) for x in range(s, s + n)]
+        assert len(used) == len(set(used))
 
 
 class TestValidate:

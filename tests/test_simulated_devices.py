@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 
 from telemetry.devices import DeviceBackend
-from telemetry.gpu_models import A100_SXM4_40GB, A100_SXM4_80GB, H100_SXM5_80GB, MIB, place_mig_layout
+from placement.mig import GPU_MODELS, MIB, balanced_layout, gpu_model, place_layout
 from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend, load_node
 
 REPO = Path(__file__).resolve().parent.parent
+A100_SXM4_40GB = gpu_model("NVIDIA A100-SXM4-40GB")  # node files name GPUs as NVML does
+A100_SXM4_80GB = gpu_model("NVIDIA A100-SXM4-80GB")
+H100_SXM5_80GB = gpu_model("NVIDIA H100 80GB HBM3")
 
 
 class RecordedUsage:
@@ -143,5 +146,25 @@ class TestMigPlacement:
         (H100_SXM5_80GB, ["3g.40gb", "3g.40gb"], True),
     ])
     def test_layouts(self, model, layout, fits):
-        specs = [model.mig_profile(p) for p in layout]
-        assert (place_mig_layout(model, specs) is not None) == fits
+        assert (place_layout(model, layout) is not None) == fits
+
+
+class TestOneTable:
+    """The simulated node reads placement.mig, the planner's table: every model there is a valid node-file GPU."""
+
+    @pytest.mark.parametrize("name", sorted(GPU_MODELS))
+    def test_every_placement_model_loads_by_nvml_name(self, tmp_path, name):
+        model = GPU_MODELS[name]
+        layout = balanced_layout(model)
+        devices = load_node(write(tmp_path, f"gpus:\n  - model: {model.nvml_name}\n    mig: [{', '.join(layout)}]\n"))
+        gpu, migs = devices[0], [d for d in devices if d.kind == "mig"]
+        assert (gpu.name, gpu.memory_total_bytes) == (model.nvml_name, model.memory_mib * MIB)
+        assert [(d.mig_profile, d.memory_total_bytes) for d in migs] == [
+            (p, model.profile(p).memory_mib * MIB) for p in layout]
+        assert sum(d.compute_fraction for d in migs) == pytest.approx(
+            sum(model.profile(p).compute_slices for p in layout) / model.compute_slices)
+
+    def test_a30_has_four_compute_slices(self, tmp_path):
+        path = write(tmp_path, "gpus:\n  - model: NVIDIA A30\n    mig: [2g.12gb, 2g.12gb, 1g.6gb]\n")
+        with pytest.raises(ValueError, match="5 of 4 compute slices"):
+            load_node(path)

@@ -580,7 +580,7 @@ def targets_check(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms
 def render(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms: float, idle: dict, checks: list[str],
            meta: dict) -> str:
     out = [f"# {meta['machine']} ({meta['cpu_model']})",
-           f"# {meta['command']}",
+           f"# {meta['command']}   (gpud at {meta['gpud_tree']})",
            f"# {meta['duration_s']} s per point after {meta['warmup_s']} s warm-up; best of {meta['rounds']} "
            f"interleaved round(s) per target",
            f"# loopback TCP RTT (1 KiB echo, median): {rtt_ms:.3f} ms"]
@@ -761,7 +761,8 @@ def main(argv=None) -> int:
             "cpu_model": _cpu_model(), "duration_s": args.duration, "warmup_s": args.warmup,
             "command": " ".join([os.path.relpath(sys.executable, ROOT), os.path.relpath(__file__, ROOT),
                                  *(argv if argv is not None else sys.argv[1:])]),
-            "intra_op_threads": args.intra_op_threads, "rounds": args.rounds, "time": stamp}
+            "intra_op_threads": args.intra_op_threads, "rounds": args.rounds, "time": stamp,
+            "gpud_tree": _git_describe()}
     text = render(results, rat, raw_info, rtt_ms, idle, checks, meta)
     if failures:
         text += "\n\nfailures:\n" + "\n".join(f"- {f}" for f in failures)
@@ -774,6 +775,18 @@ def main(argv=None) -> int:
     if not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)
     return 0
+
+
+def _git_describe() -> str:
+    """The commit gpud was measured at, '+dirty' when the working tree differs from it (read-only git calls)."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def _cpu_model() -> str:
