@@ -262,6 +262,80 @@ class GpudCore:
             reasons = "; ".join(v.reason for v in model.versions.values())
             raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{name}': {reasons}")
 
+    async def apply_placement(self, placements: list[dict[str, Any]]) -> dict[str, Any]:
+        desired = self._parse_placements(placements)
+        added: list[tuple[VersionState, InstanceHandle]] = []
+        removed: list[tuple[VersionState, InstanceHandle]] = []
+        for vs, wanted in desired.items():
+            have = {i.index: i for i in vs.instances}
+            for index, device in sorted(wanted.items()):
+                if index in have and have[index].device_id == device:
+                    continue
+                old = have.get(index)
+                inst = InstanceHandle(key=f"{vs.name}:{vs.version}:{index}@{device}", model=vs.name,
+                                      version=vs.version, index=index, device_id=device,
+                                      model_path=vs.entry.model_path(int(vs.version)), config=vs.entry.config,
+                                      estimate_bytes=old.footprint_bytes if old else self._estimate(vs))
+                log.info("apply: model %s version %s instance %d -> %s%s", vs.name, vs.version, index, device,
+                         f" (from {old.device_id})" if old else "")
+                await self.pool.load_instance(inst)
+                if not inst.ready:
+                    for v2, done in added:  # roll back: the node stays as it was
+                        v2.scheduler.remove_instance(done)
+                        v2.instances.remove(done)
+                        await self.pool.unload_instance(done)
+                    raise InferenceError(ErrorKind.UNAVAILABLE, f"placement not applied: instance {index} of "
+                                         f"'{vs.name}' could not load on {device}: {inst.error}; nothing changed")
+                vs.instances.append(inst)
+                vs.scheduler.add_instance(inst)
+                added.append((vs, inst))
+            removed += [(vs, i) for i in list(vs.instances)
+                        if i not in [a for _, a in added] and (i.index not in wanted or wanted[i.index] != i.device_id)]
+        for vs, inst in removed:  # break only after every make succeeded
+            vs.scheduler.remove_instance(inst)
+            vs.instances.remove(inst)
+            await self.pool.unload_instance(inst)
+            log.info("apply: model %s version %s instance %d on %s stopped", vs.name, vs.version, inst.index,
+                     inst.device_id)
+        for vs in desired:
+            vs.state = "READY" if vs.instances else "UNAVAILABLE"
+            if vs.instances:
+                vs.reason = ""
+        return {"added": [{"model": v.name, "instance": i.index, "device": i.device_id} for v, i in added],
+                "removed": [{"model": v.name, "instance": i.index, "device": i.device_id} for v, i in removed]}
+
+    def _estimate(self, vs: VersionState) -> int:
+        measured = [i.memory_bytes for i in vs.instances if i.memory_bytes]
+        return max(measured) if measured else estimate_footprint_bytes(vs.entry.model_path(int(vs.version)),
+                                                                       vs.entry.config)
+
+    def _parse_placements(self, placements: Any) -> dict[VersionState, dict[int, str]]:
+        """Validate a placement document before anything changes (bad input changes nothing)."""
+        if not isinstance(placements, list):
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT, "'placements' must be a list")
+        leaves = {d.id for d in self.devices.leaf_devices()}
+        out: dict[VersionState, dict[int, str]] = {}
+        for k, p in enumerate(placements):
+            where = f"placements[{k}]"
+            if not isinstance(p, dict) or not isinstance(p.get("model"), str) \
+                    or not isinstance(p.get("instance"), int) or not isinstance(p.get("device"), str):
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"{where}: expected {{\"model\": str, \"instance\": int, \"device\": str}}")
+            if p["device"] not in leaves:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"{where}: unknown device '{p['device']}' (devices: {', '.join(sorted(leaves))})")
+            if p["instance"] < 0:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"{where}: instance must be >= 0")
+            vs = self._version(p["model"])
+            if vs.state not in ("READY", "UNAVAILABLE"):
+                raise InferenceError(ErrorKind.UNAVAILABLE, f"{where}: model '{vs.name}' is {vs.state.lower()}")
+            wanted = out.setdefault(vs, {})
+            if p["instance"] in wanted:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"{where}: instance {p['instance']} of '{vs.name}' placed twice")
+            wanted[p["instance"]] = p["device"]
+        return out
+
     async def unload_model(self, name: str) -> None:
         model = self.models.get(name)
         if model is None:

@@ -12,10 +12,10 @@ import urllib.request
 from typing import Any, TextIO
 
 from placement import spec
-from placement.model import COMPUTE_UNITS, Device, ModelDemand, Plan, fmt_bytes
+from placement.model import COMPUTE_UNITS, Assignment, Device, ModelDemand, Plan, fmt_bytes
 from placement.solver import PlannerConfig, plan
 
-EXIT_OK, EXIT_UNPLACED, EXIT_INPUT = 0, 1, 2
+EXIT_OK, EXIT_UNPLACED, EXIT_INPUT, EXIT_APPLY = 0, 1, 2, 3
 _BAR = 20
 
 
@@ -26,8 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", required=True, metavar="DEVICES",
                    help="YAML/JSON file, a preset (" + ", ".join(sorted(spec.PRESETS)) + "), or 'live'")
     p.add_argument("--models", required=True, metavar="MODELS",
-                   help="YAML/JSON file with a 'models' list, or a model repository directory")
-    p.add_argument("--current", metavar="PLAN.json", help="current placement: re-plan with the fewest moves")
+                   help="YAML/JSON file with a 'models' list, a model repository directory, or 'live' "
+                        "(the running gpud's models with their measured footprints)")
+    p.add_argument("--current", metavar="PLAN.json",
+                   help="current placement (a plan JSON, or 'live': the running gpud's): re-plan with the fewest moves")
     p.add_argument("--strategy", choices=["pack", "spread"], default="pack")
     p.add_argument("--time-limit", type=float, default=2.0, metavar="SECONDS",
                    help="time for improvement and proofs (default 2; 0 = heuristics only)")
@@ -67,8 +69,8 @@ def _http_json(url: str) -> Any:
 
 def load_devices(arg: str, url: str | None) -> list[Device]:
     if arg == "live":
-        base = (url or os.environ.get("GPUD_URL") or "http://localhost:8000").rstrip("/")
-        return spec.devices_from_inspect(_http_json(f"{base}/v2/gpud/inspect"), f"{base}/v2/gpud/inspect")
+        where = f"{_base_url(url)}/v2/gpud/inspect"
+        return spec.devices_from_inspect(_http_json(where), where)
     if arg in spec.PRESETS:
         return spec.devices_from_data(spec.PRESETS[arg], f"preset {arg}")
     if not os.path.exists(arg):
@@ -106,7 +108,53 @@ def estimate_repository(path: str) -> list[ModelDemand]:
     return out
 
 
-def load_models(arg: str) -> list[ModelDemand]:
+def _base_url(url: str | None) -> str:
+    base = (url or os.environ.get("GPUD_URL") or "http://localhost:8000").rstrip("/")
+    return base if "://" in base else "http://" + base
+
+
+def models_from_inspect(data: Any, source: str) -> list[ModelDemand]:
+    """A running gpud's models: each served model's measured footprint (its largest instance) and instance count."""
+    out = []
+    for m in data.get("models", []) if isinstance(data, dict) else []:
+        instances = m.get("instances") or []
+        if not instances:
+            continue
+        memory = max(int(i.get("memory_bytes") or 0) for i in instances) or 1
+        out.append(ModelDemand(m["name"], memory, instances=len(instances)))
+    if not out:
+        raise ValueError(f"{source}: the running gpud serves no model instances")
+    return out
+
+
+def current_from_inspect(data: Any) -> list[Assignment]:
+    return [Assignment(m["name"], i["index"], i["device"]) for m in data.get("models", [])
+            for i in m.get("instances") or []]
+
+
+def apply_plan(result: Plan, url: str) -> dict:
+    """POST the plan's placements to gpud, which loads the new instances before it stops the old ones."""
+    body = json.dumps({"placements": [{"model": a.model, "instance": a.instance, "device": a.device}
+                                      for a in result.placements]}).encode()
+    req = urllib.request.Request(f"{_base_url(url)}/v2/gpud/placement", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read()).get("error", "")
+        except (ValueError, AttributeError):
+            message = ""
+        raise ValueError(f"gpud refused the placement (HTTP {e.code}): {message}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"cannot reach gpud at {url}: {getattr(e, 'reason', e)}") from None
+
+
+def load_models(arg: str, url: str | None = None) -> list[ModelDemand]:
+    if arg == "live":
+        where = f"{_base_url(url)}/v2/gpud/inspect"
+        return models_from_inspect(_http_json(where), where)
     if os.path.isdir(arg):
         return estimate_repository(arg)
     if not os.path.exists(arg):
@@ -172,8 +220,11 @@ def place_main(argv: list[str]) -> int:
         parser.error("--apply needs --url URL")
     try:
         devices = load_devices(args.devices, args.url)
-        demands = load_models(args.models)
-        current = spec.current_from_data(_load_file(args.current), args.current) if args.current else []
+        demands = load_models(args.models, args.url)
+        if args.current == "live":
+            current = current_from_inspect(_http_json(f"{_base_url(args.url)}/v2/gpud/inspect"))
+        else:
+            current = spec.current_from_data(_load_file(args.current), args.current) if args.current else []
         config = PlannerConfig(strategy=args.strategy, time_limit_seconds=args.time_limit)
         result = plan(devices, demands, current=current, config=config)
     except ValueError as e:
@@ -184,10 +235,19 @@ def place_main(argv: list[str]) -> int:
         sys.stdout.write("\n")
     else:
         render_table(result, devices, demands, sys.stdout, config.memory_reserve_bytes)
+    if result.unplaced:
+        if args.apply:
+            print("gpudctl place: not applied: some instances are unplaced", file=sys.stderr)
+        return EXIT_UNPLACED
     if args.apply:
-        print(f"gpudctl place: error: --apply is not supported by this gpud yet ({args.url})", file=sys.stderr)
-        return EXIT_INPUT
-    return EXIT_UNPLACED if result.unplaced else EXIT_OK
+        try:
+            applied = apply_plan(result, args.url)
+        except ValueError as e:
+            print(f"gpudctl place: error: {e}", file=sys.stderr)
+            return EXIT_APPLY
+        print(f"applied: {len(applied['added'])} instance(s) started, {len(applied['removed'])} stopped",
+              file=sys.stderr)
+    return EXIT_OK
 
 
 if __name__ == "__main__":  # pragma: no cover

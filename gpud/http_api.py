@@ -13,6 +13,7 @@ A thin aiohttp adapter over one `InferenceCore`: it only translates the wire for
     POST /v2/repository/index                                body empty or {"ready": bool}
     POST /v2/repository/models/{m}/load | /unload
     GET  /v2/gpud/inspect                                    gpud's own view (`gpudctl inspect`)
+    POST /v2/gpud/placement                                  apply a placement (`gpudctl place --apply`)
 
 Errors are `{"error": "<message>"}` with the status Triton uses (`HttpCodeFromError`): INVALID_ARGUMENT 400,
 NOT_FOUND 404, UNAVAILABLE 503, INTERNAL 500; unknown routes 404, wrong method 405, oversized bodies 413.
@@ -506,6 +507,10 @@ class _Handlers:
     async def inspect(self, request: web.Request) -> web.Response:
         return _json_response(self.core.inspect())
 
+    async def apply_placement(self, request: web.Request) -> web.Response:
+        doc = _optional_json_object(await _read_body(request, self.max_body_bytes), "placement")
+        return _json_response(await self.core.apply_placement(doc.get("placements")))
+
     async def infer(self, request: web.Request) -> web.Response:
         body = await _read_body(request, self.max_body_bytes)
         name, version = _model_route(request)
@@ -528,6 +533,7 @@ def make_app(core: InferenceCore, *, max_body_bytes: int = 64 * 2**20) -> web.Ap
     r.add_get("/v2/health/ready", h.ready)
     r.add_get("/v2", h.server_metadata)
     r.add_get("/v2/gpud/inspect", h.inspect)
+    r.add_post("/v2/gpud/placement", h.apply_placement)
     r.add_get("/v2/models/stats", h.model_stats)  # before /v2/models/{model}: "stats" is not a model name here
     r.add_post("/v2/repository/index", h.repository_index)
     r.add_post("/v2/repository/models/{model}/load", h.load)

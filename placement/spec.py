@@ -178,6 +178,8 @@ def devices_from_inspect(data: Any, source: str = "gpud inspect") -> list[Device
     for k, d in enumerate(data["devices"]):
         if not isinstance(d, dict):
             raise ValueError(f"{source}: devices[{k}]: expected an object")
+        if d.get("leaf") is False:
+            continue  # a GPU with MIG on: its MIG instances are the devices
         rows.append({"id": d.get("id"), "memory": d.get("memory_total_bytes"), "kind": d.get("kind", "gpu"),
                      "compute": d.get("compute_fraction", 1.0), "labels": d.get("labels") or {},
                      "healthy": d.get("healthy", True), "parent": d.get("parent_id") or d.get("parent")})

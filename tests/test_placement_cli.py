@@ -89,10 +89,10 @@ def test_device_errors_name_field(tmp_path, capsys):
     assert "d.yaml: devices[0]" in err and "unknown MIG profile '9g.99gb'" in err
 
 
-def test_apply_is_not_supported_yet(files, capsys):
+def test_apply_to_an_unreachable_gpud_is_a_clear_error(files, capsys):
     _, devices, models = files
-    assert place_main(["--devices", devices, "--models", models, "--apply", "--url", "http://127.0.0.1:1"]) == 2
-    assert "not supported by this gpud yet" in capsys.readouterr().err
+    assert place_main(["--devices", devices, "--models", models, "--apply", "--url", "http://127.0.0.1:1"]) == 3
+    assert "cannot reach gpud" in capsys.readouterr().err
 
 
 def test_model_repository_estimates(tmp_path, capsys):
