@@ -228,6 +228,15 @@ class _LateUsage:
         return self.target.utilization_ratio(device_id) if self.target else None
 
 
+def _run(coro) -> int:
+    """uvloop when it is installed (a faster event loop: fewer microseconds per request), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -238,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return asyncio.run(serve(settings))
+        return _run(serve(settings))
     except ValueError as exc:  # e.g. a bad node file: a clear message, not a traceback
         log.error("%s", exc)
         return 2
