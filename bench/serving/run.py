@@ -654,6 +654,7 @@ def main(argv=None) -> int:
     output = args.output or os.path.join(BENCH_DIR, "results", f"serving-{stamp}.json")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
 
+    gpud_tree = _git_describe()  # now: the daemon is started from the tree as it is at this moment
     tools = {"wrk": ensure_wrk()}
     if not args.no_grpc:
         tools["perf_analyzer"] = ensure_perf_analyzer()
@@ -762,7 +763,7 @@ def main(argv=None) -> int:
             "command": " ".join([os.path.relpath(sys.executable, ROOT), os.path.relpath(__file__, ROOT),
                                  *(argv if argv is not None else sys.argv[1:])]),
             "intra_op_threads": args.intra_op_threads, "rounds": args.rounds, "time": stamp,
-            "gpud_tree": _git_describe()}
+            "gpud_tree": gpud_tree}
     text = render(results, rat, raw_info, rtt_ms, idle, checks, meta)
     if failures:
         text += "\n\nfailures:\n" + "\n".join(f"- {f}" for f in failures)
@@ -778,11 +779,12 @@ def main(argv=None) -> int:
 
 
 def _git_describe() -> str:
-    """The commit gpud was measured at, '+dirty' when the working tree differs from it (read-only git calls)."""
+    """The commit gpud was measured at, '+dirty' when its code differs from it (read-only git calls)."""
     try:
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no", "--",
+                                "gpud", "executor", "telemetry", "placement", "pyproject.toml"],
                                capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
