@@ -529,6 +529,9 @@ def make_app(core: InferenceCore, *, max_body_bytes: int = 64 * 2**20) -> web.Ap
     h = _Handlers(core, max_body_bytes)
     app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes)
     r = app.router
+    # Infer first: the router tries routes in order, and this is the one hot route.
+    r.add_post("/v2/models/{model}/infer", h.infer)
+    r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer)
     r.add_get("/v2/health/live", h.live)
     r.add_get("/v2/health/ready", h.ready)
     r.add_get("/v2", h.server_metadata)
@@ -543,7 +546,6 @@ def make_app(core: InferenceCore, *, max_body_bytes: int = 64 * 2**20) -> web.Ap
         r.add_get(prefix + "/ready", h.model_ready)
         r.add_get(prefix + "/config", h.model_config)
         r.add_get(prefix + "/stats", h.model_stats)
-        r.add_post(prefix + "/infer", h.infer)
     return app
 
 
