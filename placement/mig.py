@@ -126,15 +126,14 @@ GPU_MODELS: dict[str, GpuModel] = {g.name: g for g in (
         _p(15, "1g.24gb", 22016, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.24gb", 22016, 2, 3, (0, 2, 4), 2),
         _p(9, "3g.47gb", 47232, 3, 2, (0, 4), 4), _p(5, "4g.47gb", 47232, 4, 1, (0,), 4),
         _p(0, "7g.94gb", 94848, 7, 1, (0,), 8))),
-    # H200 SXM 141GB (NVML name "NVIDIA H200", `nvidia-smi -L`). Whole GPU 143771 MiB (nvidia-smi). Profile MiB:
-    # NOT VERIFIED. These are go-nvml's mock values, which are the nominal sizes * 1024 (18 GB -> 18432), not
-    # measurements: 7g.141gb at 144384 MiB exceeds the whole GPU's 143771 MiB, which no real driver reports. No real
-    # -lgip output for the H200 was found; replace these when one is.
+    # H200 SXM 141GB (NVML name "NVIDIA H200", `nvidia-smi -L`). Whole GPU 143771 MiB (nvidia-smi). Profile MiB
+    # from a real `nvidia-smi mig -lgip` (an 8x H200 node, NVIDIA/mig-parted issue 120): 16.00 / 32.25 / 69.50 /
+    # 139.75 GiB. (go-nvml's mock has nominal sizes x 1024, e.g. 7g.141gb 144384 MiB, more than the whole GPU.)
     GpuModel("H200-141GB", "NVIDIA H200", 143771, 7, 8, (
-        _p(19, "1g.18gb", 18432, 1, 7, _SEVEN, 1), _p(20, "1g.18gb+me", 18432, 1, 1, _SEVEN, 1),
-        _p(15, "1g.35gb", 35840, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.35gb", 35840, 2, 3, (0, 2, 4), 2),
-        _p(9, "3g.71gb", 72704, 3, 2, (0, 4), 4), _p(5, "4g.71gb", 72704, 4, 1, (0,), 4),
-        _p(0, "7g.141gb", 144384, 7, 1, (0,), 8))),
+        _p(19, "1g.18gb", 16384, 1, 7, _SEVEN, 1), _p(20, "1g.18gb+me", 16384, 1, 1, _SEVEN, 1),
+        _p(15, "1g.35gb", 33024, 1, 4, (0, 2, 4, 6), 2), _p(14, "2g.35gb", 33024, 2, 3, (0, 2, 4), 2),
+        _p(9, "3g.71gb", 71168, 3, 2, (0, 4), 4), _p(5, "4g.71gb", 71168, 4, 1, (0,), 4),
+        _p(0, "7g.141gb", 143104, 7, 1, (0,), 8))),
 )}
 ALIASES = {"A100-40GB": "A100-SXM4-40GB", "A100-80GB": "A100-SXM4-80GB", "A30": "A30-24GB",
            "H100": "H100-80GB", "H100-SXM5-80GB": "H100-80GB", "H100-NVL": "H100-94GB", "H100-94GB-NVL": "H100-94GB",

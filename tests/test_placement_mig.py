@@ -20,7 +20,7 @@ GiB = 2**30
 # - profile MiB = `nvidia-smi mig -lgip` GiB x 1024, real outputs: A100-40GB 4.75 / 9.62 / 19.50 / 39.25;
 #   A100-80GB 9.50 / 19.50 / 39.25 / 79.00 (driver 515; MIG devices read 9728 / 19968 / 40192 MiB); A30 5.81 /
 #   11.69 / 23.44; H100-80GB 9.75 / 19.62 / 39.50 / 79.25; H100 NVL 10.62 / 21.50 / 46.12 / 92.62 (driver 550).
-# - H200 profile MiB: go-nvml mock tables only (nominal GB x 1024, unverified; see placement/mig.py).
+# - H200 profile MiB: real -lgip 16.00 / 32.25 / 69.50 / 139.75 GiB (NVIDIA/mig-parted issue 120).
 GPUS = [  # (model, NVML name, whole-GPU MiB, compute slices, memory slots)
     ("A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB", 40960, 7, 8),
     ("A100-SXM4-80GB", "NVIDIA A100-SXM4-80GB", 81920, 7, 8),
@@ -67,13 +67,13 @@ PUBLISHED = [
     ("H100-94GB", "3g.47gb", 9, 47232, 3, 2, (0, 4), 4),
     ("H100-94GB", "4g.47gb", 5, 47232, 4, 1, (0,), 4),
     ("H100-94GB", "7g.94gb", 0, 94848, 7, 1, (0,), 8),
-    ("H200-141GB", "1g.18gb", 19, 18432, 1, 7, _7, 1),
-    ("H200-141GB", "1g.18gb+me", 20, 18432, 1, 1, _7, 1),
-    ("H200-141GB", "1g.35gb", 15, 35840, 1, 4, (0, 2, 4, 6), 2),
-    ("H200-141GB", "2g.35gb", 14, 35840, 2, 3, (0, 2, 4), 2),
-    ("H200-141GB", "3g.71gb", 9, 72704, 3, 2, (0, 4), 4),
-    ("H200-141GB", "4g.71gb", 5, 72704, 4, 1, (0,), 4),
-    ("H200-141GB", "7g.141gb", 0, 144384, 7, 1, (0,), 8),
+    ("H200-141GB", "1g.18gb", 19, 16384, 1, 7, _7, 1),
+    ("H200-141GB", "1g.18gb+me", 20, 16384, 1, 1, _7, 1),
+    ("H200-141GB", "1g.35gb", 15, 33024, 1, 4, (0, 2, 4, 6), 2),
+    ("H200-141GB", "2g.35gb", 14, 33024, 2, 3, (0, 2, 4), 2),
+    ("H200-141GB", "3g.71gb", 9, 71168, 3, 2, (0, 4), 4),
+    ("H200-141GB", "4g.71gb", 5, 71168, 4, 1, (0,), 4),
+    ("H200-141GB", "7g.141gb", 0, 143104, 7, 1, (0,), 8),
 ]
 
 
@@ -103,10 +103,8 @@ def test_every_profile_fits_the_slot_axis(gpu):
     g = mig.gpu_model(gpu)
     for p in g.profiles:
         assert all(s + size <= g.memory_slots for s, size in p.placements)
-        # + 1024: the unverified H200 7g.141gb value (144384 MiB) exceeds the whole GPU (143771 MiB)
-        assert p.compute_slices <= g.compute_slices and p.memory_mib <= g.memory_mib + 1024
-        if gpu != "H200-141GB":
-            assert p.memory_mib < g.memory_mib  # a MIG instance never has more memory than the GPU with MIG off
+        assert p.compute_slices <= g.compute_slices
+        assert p.memory_mib < g.memory_mib  # a MIG instance never has more memory than the GPU with MIG off
 
 
 def test_lookup_by_alias_short_and_nvml_name():
