@@ -22,8 +22,8 @@ from telemetry.devices import DeviceBackend
 
 log = logging.getLogger("gpud")
 
-EXTENSIONS = ["classification", "model_repository", "model_configuration", "system_shared_memory",
-              "statistics", "binary_tensor_data", "schedule_policy", "model_repository(unload_dependents)"]
+# Only what gpud really implements: clients use this list to decide what to call.
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data", "schedule_policy"]
 
 
 @dataclass(eq=False)
