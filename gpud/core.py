@@ -1,5 +1,5 @@
-"""gpud's inference core: the model registry, first placement, and the one implementation of InferenceCore that
-the HTTP and gRPC front ends adapt. It wires the repository, the executor pool and the device inventory.
+"""gpud's inference core: the model registry and the one implementation of InferenceCore that the HTTP and gRPC
+front ends adapt. It wires the repository, the placement engine, the executor pool and the device inventory.
 """
 from __future__ import annotations
 
@@ -50,7 +50,6 @@ class _Group:
     vs: VersionState
     group_index: int
     group: InstanceGroup
-    model_path: str
     estimate_bytes: int
     first_index: int  # the instance index of the group's first instance within its model version
 
@@ -116,7 +115,8 @@ class GpudCore:
         await self.pool.shutdown()
 
     # --- loading ---------------------------------------------------------------------------------------------
-    def _rooms(self) -> list[DeviceRoom]:
+    def device_rooms(self) -> list[DeviceRoom]:
+        """Free memory per leaf device as placement sees it (gpud.autoscale's headroom reads the same figures)."""
         rooms = []
         for d in self.devices.leaf_devices():
             if d.simulated or d.kind == "cpu":
@@ -127,10 +127,6 @@ class GpudCore:
             free = d.memory_total_bytes - reserve - used - self._reserved.get(d.id, 0)
             rooms.append(DeviceRoom(d.id, d.kind, d.index, max(0, free), d.memory_total_bytes))
         return rooms
-
-    def device_rooms(self) -> list[DeviceRoom]:
-        """Free memory per leaf device as placement sees it (gpud.autoscale's headroom reads the same figures)."""
-        return self._rooms()
 
     def _prepare(self, name: str, result: ModelEntry | ModelLoadError) -> list[_Group]:
         """Register the model's versions and return what each instance group asks of the placement engine."""
@@ -160,7 +156,7 @@ class GpudCore:
                 continue
             first = 0
             for gi, group in enumerate(entry.config.instance_groups):
-                groups.append(_Group(vs, gi, group, model_path, estimate, first))
+                groups.append(_Group(vs, gi, group, estimate, first))
                 first += group.count
         return groups
 
@@ -168,7 +164,7 @@ class GpudCore:
         """Leaf devices as the placement engine sees them: memory already in use (our instances, instances being
         loaded, and on a real GPU other processes) is taken off; the CUDA reserve stays a reserve."""
         out = []
-        rooms = {r.device_id: r for r in self._rooms()}
+        rooms = {r.device_id: r for r in self.device_rooms()}
         for d in self.devices.leaf_devices():
             room = rooms[d.id]
             reserve = self.device_reserve_bytes if d.kind != "cpu" else 0
@@ -206,24 +202,37 @@ class GpudCore:
         for a in sorted(result.placements, key=lambda a: (a.model, a.instance)):
             g = by_name[a.model]
             vs, index = g.vs, g.first_index + a.instance
-            inst = InstanceHandle(key=f"{vs.name}:{vs.version}:{index}", model=vs.name, version=vs.version,
-                                  index=index, device_id=a.device, model_path=g.model_path, config=vs.entry.config,
-                                  estimate_bytes=g.estimate_bytes)
             log.info("model %s version %s instance %d -> device %s (estimated %.1f MiB)", vs.name, vs.version, index,
                      a.device, g.estimate_bytes / 2**20)
-            self._reserved[a.device] = self._reserved.get(a.device, 0) + g.estimate_bytes
-            try:
-                await self.pool.load_instance(inst)
-            finally:
-                self._reserved[a.device] -= g.estimate_bytes
-            if inst.ready:
-                vs.instances.append(inst)
-                vs.scheduler.add_instance(inst)
-            else:
+            inst = await self._start_instance(vs, index, a.device, g.estimate_bytes)
+            if not inst.ready:
                 reasons.setdefault(vs, []).append(f"instance {index} on {a.device}: {inst.error}")
         for vs in {g.vs for g in groups}:
             vs.state = "READY" if vs.instances else "UNAVAILABLE"
             vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
+
+    async def _start_instance(self, vs: VersionState, index: int, device: str, estimate_bytes: int,
+                              key: str | None = None) -> InstanceHandle:
+        """Load one instance of `vs` on `device`; once it is ready it serves. `inst.error` says why it is not."""
+        inst = InstanceHandle(key=key or f"{vs.name}:{vs.version}:{index}", model=vs.name, version=vs.version,
+                              index=index, device_id=device, model_path=vs.entry.model_path(int(vs.version)),
+                              config=vs.entry.config, estimate_bytes=estimate_bytes)
+        # Promised memory counts as used while the load runs, so a concurrent plan does not hand it out twice.
+        self._reserved[device] = self._reserved.get(device, 0) + estimate_bytes
+        try:
+            await self.pool.load_instance(inst)
+        finally:
+            self._reserved[device] -= estimate_bytes
+        if inst.ready:
+            vs.instances.append(inst)
+            vs.scheduler.add_instance(inst)
+        return inst
+
+    async def _stop_instance(self, vs: VersionState, inst: InstanceHandle) -> None:
+        """No new batches go to `inst`; its worker unloads it after the batch it may be running."""
+        vs.scheduler.remove_instance(inst)
+        vs.instances.remove(inst)
+        await self.pool.unload_instance(inst)
 
     async def _load(self, name: str, result: ModelEntry | ModelLoadError) -> None:
         await self._place_and_load(self._prepare(name, result))
@@ -235,9 +244,8 @@ class GpudCore:
                 await asyncio.wait_for(vs.scheduler.wait_idle(), 30.0)
             except asyncio.TimeoutError:
                 vs.scheduler.fail_all_queued(f"model '{model.name}' is being unloaded")
-            for inst in vs.instances:
-                vs.scheduler.remove_instance(inst)
-                await self.pool.unload_instance(inst)
+            for inst in list(vs.instances):
+                await self._stop_instance(vs, inst)
             if self.metrics is not None:
                 self.metrics.remove_model(model.name, vs.version)
         model.versions.clear()
@@ -272,29 +280,22 @@ class GpudCore:
                 if index in have and have[index].device_id == device:
                     continue
                 old = have.get(index)
-                inst = InstanceHandle(key=f"{vs.name}:{vs.version}:{index}@{device}", model=vs.name,
-                                      version=vs.version, index=index, device_id=device,
-                                      model_path=vs.entry.model_path(int(vs.version)), config=vs.entry.config,
-                                      estimate_bytes=old.footprint_bytes if old else self._estimate(vs))
                 log.info("apply: model %s version %s instance %d -> %s%s", vs.name, vs.version, index, device,
                          f" (from {old.device_id})" if old else "")
-                await self.pool.load_instance(inst)
+                # The key names the device too: the old instance of this index keeps serving until the new is up.
+                inst = await self._start_instance(vs, index, device,
+                                                  old.footprint_bytes if old else self._estimate(vs),
+                                                  key=f"{vs.name}:{vs.version}:{index}@{device}")
                 if not inst.ready:
                     for v2, done in added:  # roll back: the node stays as it was
-                        v2.scheduler.remove_instance(done)
-                        v2.instances.remove(done)
-                        await self.pool.unload_instance(done)
+                        await self._stop_instance(v2, done)
                     raise InferenceError(ErrorKind.UNAVAILABLE, f"placement not applied: instance {index} of "
                                          f"'{vs.name}' could not load on {device}: {inst.error}; nothing changed")
-                vs.instances.append(inst)
-                vs.scheduler.add_instance(inst)
                 added.append((vs, inst))
-            removed += [(vs, i) for i in list(vs.instances)
-                        if i not in [a for _, a in added] and (i.index not in wanted or wanted[i.index] != i.device_id)]
+            # New instances sit where they are wanted, so this picks exactly the ones they replace or drop.
+            removed += [(vs, i) for i in vs.instances if wanted.get(i.index) != i.device_id]
         for vs, inst in removed:  # break only after every make succeeded
-            vs.scheduler.remove_instance(inst)
-            vs.instances.remove(inst)
-            await self.pool.unload_instance(inst)
+            await self._stop_instance(vs, inst)
             log.info("apply: model %s version %s instance %d on %s stopped", vs.name, vs.version, inst.index,
                      inst.device_id)
         for vs in desired:
