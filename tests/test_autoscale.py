@@ -12,16 +12,9 @@ from gpud.ctl import render_inspect
 from gpud.placer import DeviceRoom
 from telemetry.hints import HintPolicy
 from tests.promtool_check import promtool_check
+from tests.fakes import FakeClock
 
 GIB = 2**30
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 def _instance(index: int, device: str, memory_bytes: int | None, ready: bool = True):
@@ -56,7 +49,7 @@ def serve(stats: ModelStats, requests: int, queue_ms: float, batch_rows: int, ba
 
 @pytest.fixture
 def setup():
-    clock, core, registry = FakeClock(), make_core(), CollectorRegistry()
+    clock, core, registry = FakeClock(1000.0), make_core(), CollectorRegistry()
     policy = HintPolicy(scale_up_stabilization_seconds=10, scale_down_stabilization_seconds=60)
     sampler = HintsSampler(core, policy, clock=clock, interval_s=5, rate_window_s=10, registry=registry)
     return clock, core, registry, sampler
@@ -70,7 +63,7 @@ def test_first_tick_collects_then_hints(setup):
     clock, core, registry, sampler = setup
     sampler.tick()
     assert value(registry, "gpud_model_desired_instances", model="bert", version="1") is None  # no delta yet
-    clock.now_s += 5
+    clock.now += 5
     sampler.tick()
     # no requests: 0 needed, bounded to min 1; the 60 s down-window is not covered yet: the current 2 stands in
     assert value(registry, "gpud_model_desired_instances", model="bert", version="1") == 2
@@ -82,7 +75,7 @@ def test_sustained_queueing_raises_the_hint(setup):
     stats = core.models["bert"].versions["1"].scheduler.stats
     sampler.tick()
     for _ in range(4):
-        clock.now_s += 5
+        clock.now += 5
         # per 5 s: 400 requests in batches of 8 at 40 ms each = 50 batches * 0.04 s = 2 s busy; queue 30 ms each
         serve(stats, 400, queue_ms=30, batch_rows=8, batch_ms=40)
         sampler.tick()
@@ -113,15 +106,15 @@ def test_headroom_from_free_memory_and_measured_footprint(setup):
 def test_reload_restarts_the_history_and_unload_drops_series(setup):
     clock, core, registry, sampler = setup
     sampler.tick()
-    clock.now_s += 5
+    clock.now += 5
     sampler.tick()
     assert ("bert", "1") in sampler.decisions()
     core.models["bert"].versions["1"] = _version("bert", [_instance(0, "gpu0", 2 * GIB)])  # reloaded: new counters
-    clock.now_s += 5
+    clock.now += 5
     sampler.tick()
     assert ("bert", "1") not in sampler.decisions()  # collecting a first window again
     del core.models["tiny"]
-    clock.now_s += 5
+    clock.now += 5
     sampler.tick()
     assert 'model="tiny",version' not in generate_latest(registry).decode()
 
@@ -143,7 +136,7 @@ def test_bad_intervals_refused():
 def test_gpudctl_renders_hints_and_headroom(setup):
     clock, core, _, sampler = setup
     sampler.tick()
-    clock.now_s += 5
+    clock.now += 5
     sampler.tick()
     data = {"server": {"version": "x"}, "device_source": "simulated", "devices": [], "models": [],
             "hints": sampler.inspect()}
@@ -157,6 +150,6 @@ def test_gpudctl_renders_hints_and_headroom(setup):
 def test_promtool_accepts_exposition(setup):
     clock, _, registry, sampler = setup
     sampler.tick()
-    clock.now_s += 5
+    clock.now += 5
     sampler.tick()
     promtool_check(generate_latest(registry))

@@ -27,17 +27,7 @@ from executor.batcher import (
 )
 from executor.model_config import DynamicBatching, QueuePolicy
 from executor.types import ErrorKind, InferenceError
-
-
-class FakeClock:
-    def __init__(self, now: float = 0.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.fakes import FakeClock
 
 
 def req(name: str = "r", rows: int = 1, key: object = "k", priority: int = 0, timeout_us: int = 0) -> QueuedRequest:

@@ -1,17 +1,10 @@
 """Device busy time -> utilization (executor.busy), with a fake clock."""
 from executor.busy import BusyTracker
-
-
-class Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
+from tests.fakes import FakeClock
 
 
 def test_overlapping_batches_count_once_and_utilization_is_the_busy_fraction():
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = BusyTracker(clock, window_s=10.0)
     b.begin()            # t=100: busy
     clock.now = 101.0
@@ -26,7 +19,7 @@ def test_overlapping_batches_count_once_and_utilization_is_the_busy_fraction():
 
 
 def test_a_dead_worker_stops_counting():
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = BusyTracker(clock)
     b.begin()
     clock.now = 100.5

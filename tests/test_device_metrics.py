@@ -15,6 +15,7 @@ from telemetry.devices import DeviceInfo, DeviceReading
 from telemetry.nvml import CLOCK_EVENT_REASONS, NvmlBackend
 from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
 from tests.fake_nvml import a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
+from tests.fakes import FakeClock
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset], float]:
@@ -144,14 +145,6 @@ def test_promtool_accepts_exposition(fake):
     assert promtool_problems(generate_latest(registry)) == []
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class TestNvmlSeries:
     def test_gpu_series_units_and_labels(self):
         registry = CollectorRegistry()
@@ -196,7 +189,7 @@ class TestNvmlSeries:
         assert find(s, "gpud_device_gr_engine_active_ratio") == []  # no GPM anywhere on an A100 node
 
     def test_gpm_activity_on_h100_mig_from_the_second_scrape(self):
-        fake, clock = hgx_h100_mig(gpus=1), Clock()
+        fake, clock = hgx_h100_mig(gpus=1), FakeClock(1000.0)
         fake.gpus[0].mig[0].gpm_graphics_percent = 75.0
         fake.gpus[0].mig[0].gpm_sm_percent = 50.0
         registry = CollectorRegistry()
@@ -217,7 +210,7 @@ class TestNvmlSeries:
         assert "nvmlDeviceGetPcieThroughput" not in fake.calls  # GPM replaces the 20 ms legacy window
 
     def test_gpm_pcie_on_h100_whole_gpu(self):
-        clock = Clock()
+        clock = FakeClock(1000.0)
         registry = CollectorRegistry()
         DeviceCollector(NvmlBackend(nvml=a100_40gb_and_h100(), clock=clock), registry=registry)
         samples(registry)

@@ -10,6 +10,7 @@ from telemetry.devices import DeviceBackend, DeviceReading
 from telemetry.discovery import discover
 from telemetry.nvml import NA, NvmlBackend, NvmlSession, parse_mig_profile
 from tests.fake_nvml import A100_SXM4_80GB, FakeNvml, a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
+from tests.fakes import FakeClock
 
 
 class FixedUsage:
@@ -190,14 +191,6 @@ def test_fake_rejects_impossible_layout():
         mig_layout(A100_SXM4_80GB, ["4g.40gb", "4g.40gb"])
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class TestRicherReadings:
     def test_reading_stays_backward_compatible(self):
         r = DeviceReading(0.5, 10, 100.0, 400.0, 40.0, True)  # the original positional order
@@ -226,7 +219,7 @@ class TestRicherReadings:
         assert "nvmlDeviceGetPcieThroughput" not in fake.calls
 
     def test_gpm_not_used_on_a100(self):
-        fake, clock = a100_40gb_and_h100(), Clock()
+        fake, clock = a100_40gb_and_h100(), FakeClock(100.0)
         b = NvmlBackend(nvml=fake, clock=clock)
         b.sample_all()
         clock.now += 15
@@ -236,7 +229,7 @@ class TestRicherReadings:
         assert fake.calls.count("nvmlGpmSampleGet") == 2  # the H100, once per pass
 
     def test_gpm_second_sample_within_refresh_interval_reuses_values(self):
-        fake, clock = hgx_h100_mig(gpus=1), Clock()
+        fake, clock = hgx_h100_mig(gpus=1), FakeClock(100.0)
         b = NvmlBackend(nvml=fake, clock=clock)
         b.sample_all()
         clock.now += 10
@@ -247,7 +240,7 @@ class TestRicherReadings:
         assert fake.calls.count("nvmlGpmMigSampleGet") == taken
 
     def test_gpm_buffers_reused_and_freed(self):
-        fake, clock = hgx_h100_mig(gpus=1), Clock()
+        fake, clock = hgx_h100_mig(gpus=1), FakeClock(100.0)
         b = NvmlBackend(nvml=fake, clock=clock)
         for _ in range(5):
             b.sample_all()

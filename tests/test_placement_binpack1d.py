@@ -8,19 +8,9 @@ from pathlib import Path
 import pytest
 
 from placement import binpack1d as b
+from tests.fakes import FakeClock
 
 DATA = Path(os.environ.get("GPUD_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")) / "binpacking"
-
-
-class FakeClock:
-    """Advances by `step` seconds on every read, so deadlines are reached without sleeping."""
-
-    def __init__(self, step: float = 0.0) -> None:
-        self.now, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
 
 
 def _valid(sizes, cap, bins):
@@ -86,7 +76,7 @@ class TestSolve:
     def test_local_search_without_highs_closes_gap(self):
         # FFD packs 3,3,2,2,2,2,2,2 (cap 6) as 3+3 | 2+2+2 | 2+2+2 ... already optimal; a harder one:
         sizes = [44, 24, 24, 22, 21, 17, 8, 8, 6, 6]  # sum 200, cap 50 -> L1 4; a perfect packing exists
-        p = b.solve(sizes, 50, time_limit_seconds=1.0, clock=FakeClock(0.001), use_highs=False)
+        p = b.solve(sizes, 50, time_limit_seconds=1.0, clock=FakeClock(step=0.001), use_highs=False)
         _valid(sizes, 50, p.bins)
         assert p.lower_bound == 4
         assert p.optimal == (len(p.bins) == 4)

@@ -10,18 +10,10 @@ from placement.model import (
     parse_memory_bytes,
 )
 from placement.solver import PlannerConfig, count_moves, diff, plan, relabel
+from tests.fakes import FakeClock
 
 GiB = 2**30
 HEUR = PlannerConfig(time_limit_seconds=0)  # constructive heuristics only: deterministic and fast
-
-
-class FakeClock:
-    def __init__(self, step: float = 0.0) -> None:
-        self.now, self.step = 0.0, step
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
 
 
 # fluent-ish builders, as in the scheduler's MakePod()/MakeNode()
@@ -250,7 +242,7 @@ def _check_plan(devices, demands, p):
 @given(problems(), st.sampled_from(["pack", "spread"]))
 def test_property_plans_respect_capacity_and_constraints(problem, strategy):
     devices, demands = problem
-    p = plan(devices, demands, config=PlannerConfig(strategy=strategy, time_limit_seconds=0.05), clock=FakeClock(0.001))
+    p = plan(devices, demands, config=PlannerConfig(strategy=strategy, time_limit_seconds=0.05), clock=FakeClock(step=0.001))
     _check_plan(devices, demands, p)
 
 
