@@ -86,8 +86,6 @@ class GpudCore:
         self.stopping = False
         # --- autoscaling hints (gpud.autoscale.HintsSampler), set by the daemon; None: no "hints" in inspect() ---
         self.hints: Any = None
-        if metrics is not None:
-            metrics.set_sources(pending=self._pending_by_model, instances=self._instances_by_device)
 
     # --- start-up and shutdown -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -432,11 +430,13 @@ class GpudCore:
         return await vs.scheduler.infer(request)
 
     # --- gpud's own views ------------------------------------------------------------------------------------
-    def _pending_by_model(self) -> dict[tuple[str, str], int]:
+    def pending_by_model(self) -> dict[tuple[str, str], int]:
+        """Requests queued or running per (model, version): the pending-requests gauge reads it at scrape time."""
         return {(m.name, v.version): v.scheduler.pending_requests for m in self.models.values()
                 for v in m.versions.values()}
 
-    def _instances_by_device(self) -> dict[tuple[str, str, str], int]:
+    def instances_by_device(self) -> dict[tuple[str, str, str], int]:
+        """Ready instances per (model, version, device), for the instances gauge."""
         counts: dict[tuple[str, str, str], int] = {}
         for m in self.models.values():
             for v in m.versions.values():

@@ -158,7 +158,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                     placement_strategy=settings.placement_strategy,
                     placement_time_limit_s=settings.placement_time_limit_seconds)
     # --- per-instance gauges and autoscaling hints ---
-    metrics.set_sources(instance_info=lambda: instance_infos(core))
+    metrics.set_sources(pending=core.pending_by_model, instances=core.instances_by_device,
+                        instance_info=lambda: instance_infos(core))
     core.hints = HintsSampler(core, policy, interval_s=settings.hints_interval_seconds,
                               rate_window_s=settings.hints_rate_window_seconds, registry=registry)
     runners, ports, grpc_server = [], {}, None
