@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
 from placement import spec
-from placement.model import COMPUTE_UNITS, Assignment, Device, ModelDemand, Plan, fmt_bytes
+from placement.model import COMPUTE_UNITS, Assignment, Constraints, Device, ModelDemand, Plan, fmt_bytes
 from placement.solver import PlannerConfig, plan
 
 EXIT_OK, EXIT_UNPLACED, EXIT_INPUT, EXIT_APPLY = 0, 1, 2, 3
@@ -78,36 +77,6 @@ def load_devices(arg: str, url: str | None) -> list[Device]:
     return spec.devices_from_data(_load_file(arg), arg)
 
 
-_COUNT_RE = re.compile(r"instance_group\s*[\[{][^\]]*?count\s*:\s*(\d+)", re.S)
-
-
-def estimate_repository(path: str) -> list[ModelDemand]:
-    """Footprints from a Triton-layout repository: weights size of the newest version x 1.5 (activations, runtime)
-    + 256 MiB workspace; instances from config.pbtxt's instance_group count (default 1)."""
-    out = []
-    for name in sorted(os.listdir(path)):
-        mdir = os.path.join(path, name)
-        if not os.path.isdir(mdir):
-            continue
-        versions = sorted((v for v in os.listdir(mdir) if v.isdigit() and os.path.isdir(os.path.join(mdir, v))),
-                          key=int)
-        if not versions:
-            continue
-        vdir = os.path.join(mdir, versions[-1])
-        weights = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(vdir) for f in files)
-        instances = 1
-        cfg = os.path.join(mdir, "config.pbtxt")
-        if os.path.exists(cfg):
-            with open(cfg, encoding="utf-8") as f:
-                m = _COUNT_RE.search(f.read())
-            if m:
-                instances = int(m.group(1))
-        out.append(ModelDemand(name, int(weights * 1.5) + 256 * 2**20, instances=instances))
-    if not out:
-        raise ValueError(f"{path}: no models found (expected <repo>/<model>/<version>/...)")
-    return out
-
-
 def _base_url(url: str | None) -> str:
     base = (url or os.environ.get("GPUD_URL") or "http://localhost:8000").rstrip("/")
     return base if "://" in base else "http://" + base
@@ -149,6 +118,31 @@ def apply_plan(result: Plan, url: str) -> dict:
         raise ValueError(f"gpud refused the placement (HTTP {e.code}): {message}") from None
     except (urllib.error.URLError, OSError) as e:
         raise ValueError(f"cannot reach gpud at {url}: {getattr(e, 'reason', e)}") from None
+
+
+def estimate_repository(path: str) -> list[ModelDemand]:
+    """Demands from a Triton-layout repository, read and estimated exactly as the daemon does at start-up: the
+    footprint from the newest served version's ONNX file, the instance count and device kinds from instance_group.
+    A model the daemon could not load is reported on stderr and left out."""
+    from gpud.model_repository import ModelLoadError, ModelRepository, estimate_footprint_bytes
+    from gpud.placer import candidate_kinds
+
+    out = []
+    try:
+        scanned = ModelRepository(path).scan()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the model repository: {e}") from None
+    for name, entry in scanned.items():
+        if isinstance(entry, ModelLoadError):
+            print(f"gpudctl place: warning: model {name} left out: {entry.reason}", file=sys.stderr)
+            continue
+        groups = entry.config.instance_groups
+        kinds = frozenset(k for g in groups for k in candidate_kinds(g.kind, has_gpus=True))
+        out.append(ModelDemand(name, max(1, estimate_footprint_bytes(entry.model_path(), entry.config)),
+                               instances=sum(g.count for g in groups), constraints=Constraints(kinds=kinds)))
+    if not out:
+        raise ValueError(f"{path}: no loadable models found (expected <repo>/<model>/<version>/model.onnx)")
+    return out
 
 
 def load_models(arg: str, url: str | None = None) -> list[ModelDemand]:

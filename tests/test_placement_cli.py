@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from gpud.examples import write_example_repository
+
 from gpud.ctl_place import place_main
 
 
@@ -97,9 +99,10 @@ def test_apply_to_an_unreachable_gpud_is_a_clear_error(files, capsys):
 
 def test_model_repository_estimates(tmp_path, capsys):
     repo = tmp_path / "repo"
-    (repo / "m1" / "1").mkdir(parents=True)
-    (repo / "m1" / "1" / "model.onnx").write_bytes(b"\0" * 1000)
-    (repo / "m1" / "config.pbtxt").write_text('name: "m1"\ninstance_group [ { count: 2 kind: KIND_GPU } ]\n')
+    write_example_repository(repo, ["mlp"])  # a real ONNX file: the estimate is the daemon's own
+    (repo / "mlp").rename(repo / "m1")
+    cfg = (repo / "m1" / "config.pbtxt").read_text().replace('name: "mlp"', 'name: "m1"')
+    (repo / "m1" / "config.pbtxt").write_text(cfg.replace("count: 1\n    kind: KIND_AUTO", "count: 2\n    kind: KIND_GPU"))
     assert place_main(["--devices", "dgx-h100", "--models", str(repo), "-o", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [p["model"] for p in out["placements"]] == ["m1", "m1"]
