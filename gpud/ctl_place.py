@@ -58,18 +58,20 @@ def _load_file(path: str) -> Any:
         raise ValueError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
 
 
-def _http_json(url: str) -> Any:
+def _inspect(url: str | None) -> tuple[Any, str]:
+    """A running gpud's GET /v2/gpud/inspect (through gpudctl inspect's client) and where it came from."""
+    from gpud.ctl import fetch_inspect
+
+    base = _base_url(url)
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            return json.loads(resp.read().decode("utf-8"))
-    except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{url}: cannot read gpud inspect: {e}") from None
+        return fetch_inspect(base), f"{base}/v2/gpud/inspect"
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
 
 
 def load_devices(arg: str, url: str | None) -> list[Device]:
     if arg == "live":
-        where = f"{_base_url(url)}/v2/gpud/inspect"
-        return spec.devices_from_inspect(_http_json(where), where)
+        return spec.devices_from_inspect(*_inspect(url))
     if arg in spec.PRESETS:
         return spec.devices_from_data(spec.PRESETS[arg], f"preset {arg}")
     if not os.path.exists(arg):
@@ -147,8 +149,7 @@ def estimate_repository(path: str) -> list[ModelDemand]:
 
 def load_models(arg: str, url: str | None = None) -> list[ModelDemand]:
     if arg == "live":
-        where = f"{_base_url(url)}/v2/gpud/inspect"
-        return models_from_inspect(_http_json(where), where)
+        return models_from_inspect(*_inspect(url))
     if os.path.isdir(arg):
         return estimate_repository(arg)
     if not os.path.exists(arg):
@@ -216,7 +217,7 @@ def place_main(argv: list[str]) -> int:
         devices = load_devices(args.devices, args.url)
         demands = load_models(args.models, args.url)
         if args.current == "live":
-            current = current_from_inspect(_http_json(f"{_base_url(args.url)}/v2/gpud/inspect"))
+            current = current_from_inspect(_inspect(args.url)[0])
         else:
             current = spec.current_from_data(_load_file(args.current), args.current) if args.current else []
         config = PlannerConfig(strategy=args.strategy, time_limit_seconds=args.time_limit)
