@@ -18,7 +18,8 @@ import numpy as np
 from executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
 from executor.model_config import ModelConfig, numpy_dtype
 from executor.pool import InstanceHandle
-from executor.shm import Segment, align, decode_bytes_tensor, encode_bytes_tensor, unlink
+from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from executor.shm import Segment, align, unlink
 from executor.stats import ModelStats
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from executor.validation import PreparedRequest, prepare
@@ -183,7 +184,7 @@ class ModelScheduler:
             parts = [p.prepared.inputs[name] for p in batch]
             spec = self.config.input(name)
             if spec.datatype == "BYTES":
-                blob = b"".join(encode_bytes_tensor(a) for a in parts)
+                blob = b"".join(encode_bytes_elements(a) for a in parts)
                 shape = ((sum(a.shape[0] for a in parts),) + parts[0].shape[1:]) if self.config.batches \
                     else parts[0].shape
                 plans.append((name, "BYTES", shape, blob, len(blob)))
@@ -236,7 +237,7 @@ class ModelScheduler:
             outputs = []
             for name, datatype, shape, offset, nbytes in reply["outputs"]:
                 if datatype == "BYTES":
-                    arr = decode_bytes_tensor(seg.buf[offset:offset + nbytes], int(np.prod(shape))).reshape(shape)
+                    arr = decode_bytes_elements(seg.buf[offset:offset + nbytes], int(np.prod(shape))).reshape(shape)
                 else:
                     arr = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
                 outputs.append((name, datatype, arr))

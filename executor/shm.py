@@ -91,29 +91,3 @@ def unlink(name: str) -> None:
         os.unlink(os.path.join(_dir(), name))
     except FileNotFoundError:
         pass
-
-
-def encode_bytes_tensor(arr: np.ndarray) -> bytes:
-    """BYTES tensors as KServe lays them out: each element a 4-byte little-endian length, then its bytes."""
-    parts = []
-    for item in arr.reshape(-1):
-        b = item if isinstance(item, bytes) else str(item).encode()
-        parts.append(len(b).to_bytes(4, "little"))
-        parts.append(b)
-    return b"".join(parts)
-
-
-def decode_bytes_tensor(buf, count: int) -> np.ndarray:
-    out = np.empty(count, dtype=np.object_)
-    mv = memoryview(buf)
-    pos = 0
-    for i in range(count):
-        if pos + 4 > len(mv):
-            raise ValueError("BYTES tensor is shorter than its element count")
-        n = int.from_bytes(mv[pos:pos + 4], "little")
-        pos += 4
-        if pos + n > len(mv):
-            raise ValueError("BYTES tensor element runs past the end of the data")
-        out[i] = bytes(mv[pos:pos + n])
-        pos += n
-    return out

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from executor.model_config import ModelConfig, numpy_dtype
-from executor.shm import Segment, align, decode_bytes_tensor, encode_bytes_tensor, new_segment_name
+from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from executor.shm import Segment, align, new_segment_name
 
 log = logging.getLogger("gpud.worker")
 
@@ -132,7 +133,7 @@ class _Instance:
             feed = {}
             for name, datatype, shape, offset, nbytes in msg["inputs"]:
                 if datatype == "BYTES":
-                    feed[name] = decode_bytes_tensor(in_seg.buf[offset:offset + nbytes],
+                    feed[name] = decode_bytes_elements(in_seg.buf[offset:offset + nbytes],
                                                      int(np.prod(shape))).reshape(shape)
                 else:
                     feed[name] = in_seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
@@ -154,7 +155,7 @@ class _Instance:
         for name, spec_type, arr in zip(msg["outputs"], msg["output_types"], results):
             arr = np.asarray(arr)
             if spec_type == "BYTES" or arr.dtype.kind in ("O", "U", "S"):
-                blobs.append((name, "BYTES", arr.shape, encode_bytes_tensor(arr)))
+                blobs.append((name, "BYTES", arr.shape, encode_bytes_elements(arr)))
             else:
                 blobs.append((name, spec_type, arr.shape, np.ascontiguousarray(arr)))
         sizes = [align(b.nbytes if isinstance(b, np.ndarray) else len(b)) for *_, b in blobs]

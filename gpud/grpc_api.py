@@ -18,7 +18,6 @@ import asyncio
 import functools
 import logging
 import math
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.core_api import InferenceCore
@@ -63,7 +63,6 @@ _PRIORITY_PARAMETER = "priority"
 _TIMEOUT_PARAMETER = "timeout"  # microseconds in the queue
 _SHARED_MEMORY_PARAMETER = "shared_memory_region"
 
-_BYTES_LENGTH_PREFIX = struct.Struct("<I")
 
 
 def _invalid(message: str) -> InferenceError:
@@ -120,23 +119,10 @@ def _input_dtype(name: str, datatype: str) -> np.dtype:
 
 
 def _decode_raw_bytes_elements(name: str, raw: bytes, element_count: int) -> np.ndarray:
-    elements = []
-    offset = 0
-    while offset < len(raw):
-        if offset + _BYTES_LENGTH_PREFIX.size > len(raw):
-            raise _invalid(f"input {name!r}: BYTES content ends inside a 4-byte length prefix at byte {offset}")
-        (length,) = _BYTES_LENGTH_PREFIX.unpack_from(raw, offset)
-        offset += _BYTES_LENGTH_PREFIX.size
-        if offset + length > len(raw):
-            raise _invalid(f"input {name!r}: BYTES element {len(elements)} claims {length} bytes, "
-                           f"only {len(raw) - offset} remain")
-        elements.append(raw[offset:offset + length])
-        offset += length
-    if len(elements) != element_count:
-        raise _invalid(f"input {name!r}: got {len(elements)} BYTES elements, expected {element_count}")
-    array = np.empty(element_count, dtype=np.object_)
-    array[:] = elements
-    return array
+    try:
+        return decode_bytes_elements(raw, element_count)
+    except ValueError as exc:
+        raise _invalid(f"input {name!r}: {exc}") from None
 
 
 def _decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
@@ -230,20 +216,9 @@ def to_infer_request(request: pb.ModelInferRequest) -> InferRequest:
 # Encoding outputs
 
 
-def _encode_bytes_elements(data: np.ndarray) -> bytes:
-    chunks = []
-    for element in data.reshape(-1):
-        if isinstance(element, str):
-            element = element.encode("utf-8")
-        element = bytes(element)
-        chunks.append(_BYTES_LENGTH_PREFIX.pack(len(element)))
-        chunks.append(element)
-    return b"".join(chunks)
-
-
 def _encode_raw(tensor: InferTensor) -> bytes:
     if tensor.datatype == "BYTES":
-        return _encode_bytes_elements(np.asarray(tensor.data))
+        return encode_bytes_elements(tensor.data)
     dtype = numpy_dtype(tensor.datatype).newbyteorder("<")
     return np.ascontiguousarray(tensor.data, dtype=dtype).tobytes()
 

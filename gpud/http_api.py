@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import struct
 from typing import Any
 
 import numpy as np
 import orjson
 from aiohttp import web
 
+from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import KSERVE_DATATYPES, numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.core_api import InferenceCore
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 INFER_HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
 _JSON = "application/json"
 _OCTET_STREAM = "application/octet-stream"
-_U32 = struct.Struct("<I")  # BYTES elements: 4-byte little-endian length, then the bytes
 _OPT_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 # Wire dtypes are little-endian; on little-endian hosts these equal the native dtypes, so frombuffer is a pure view.
@@ -282,7 +281,7 @@ def _decode_input(item: Any, index: int, view: memoryview, offset: int,
 
 def _from_binary(name: str, datatype: str, shape: list[int], count: int, buf: memoryview) -> np.ndarray:
     if datatype == "BYTES":
-        return _decode_bytes_elements(name, shape, count, buf).reshape(shape)
+        return _decode_bytes_elements(name, count, buf).reshape(shape)
     dtype = _WIRE_DTYPES[datatype]
     if len(buf) != count * dtype.itemsize:
         raise _invalid(f"input '{name}': binary_data_size is {len(buf)} bytes but shape {shape} of {datatype} "
@@ -293,24 +292,11 @@ def _from_binary(name: str, datatype: str, shape: list[int], count: int, buf: me
     return array.reshape(shape)
 
 
-def _decode_bytes_elements(name: str, shape: list[int], count: int, buf: memoryview) -> np.ndarray:
-    """BYTES binary data: each element is a 4-byte little-endian length followed by that many bytes."""
-    items: list[bytes] = []
-    pos, end = 0, len(buf)
-    unpack = _U32.unpack_from
-    while pos < end:
-        if pos + 4 > end:
-            raise _invalid(f"input '{name}': BYTES element {len(items)} has a truncated 4-byte length prefix")
-        (length,) = unpack(buf, pos)
-        pos += 4
-        if pos + length > end:
-            raise _invalid(f"input '{name}': BYTES element {len(items)} claims {length} bytes but only "
-                           f"{end - pos} are left")
-        items.append(bytes(buf[pos:pos + length]))
-        pos += length
-    if len(items) != count:
-        raise _invalid(f"input '{name}': shape {shape} has {count} elements but the BYTES data holds {len(items)}")
-    return _object_array(items)
+def _decode_bytes_elements(name: str, count: int, buf: memoryview) -> np.ndarray:
+    try:
+        return decode_bytes_elements(buf, count)
+    except ValueError as e:
+        raise _invalid(f"input '{name}': {e}") from None
 
 
 def _object_array(items: list[Any]) -> np.ndarray:
@@ -415,23 +401,10 @@ def _wire_array(tensor: InferTensor) -> np.ndarray:
 
 def _binary_output(tensor: InferTensor) -> tuple[Any, int]:
     if tensor.datatype == "BYTES":
-        data = _encode_bytes_elements(tensor)
+        data = encode_bytes_elements(tensor.data)
         return data, len(data)
     array = _wire_array(tensor)
     return array, array.nbytes
-
-
-def _encode_bytes_elements(tensor: InferTensor) -> bytes:
-    parts: list[bytes] = []
-    pack = _U32.pack
-    for item in np.asarray(tensor.data, dtype=object).reshape(-1):
-        if isinstance(item, str):
-            item = item.encode()
-        elif not isinstance(item, (bytes, bytearray, memoryview)):
-            item = str(item).encode()  # Triton writes numbers in BYTES outputs as their text too
-        parts.append(pack(len(item)))
-        parts.append(item)
-    return b"".join(parts)
 
 
 def _json_output(tensor: InferTensor) -> Any:

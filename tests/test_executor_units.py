@@ -7,7 +7,8 @@ import pytest
 from executor.model_config import ModelConfig, TensorSpec
 from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, WorkerDevice, choose_providers
 from executor.pool import ExecutorPool, WorkerHandle, tensor_region_bytes
-from executor.shm import Segment, decode_bytes_tensor, encode_bytes_tensor, new_segment_name
+from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from executor.shm import Segment, new_segment_name
 
 GPU = WorkerDevice("gpu0", "gpu", "GPU-1234")
 MIG = WorkerDevice("gpu1/mig1.0", "mig", "MIG-abcd")
@@ -61,11 +62,11 @@ def test_segment_views_are_shared_between_mappings():
 
 def test_bytes_tensors_round_trip():
     arr = np.array([b"a", b"", b"hello"], dtype=np.object_)
-    blob = encode_bytes_tensor(arr)
+    blob = encode_bytes_elements(arr)
     assert blob == b"\x01\0\0\0a" + b"\0\0\0\0" + b"\x05\0\0\0hello"
-    assert list(decode_bytes_tensor(blob, 3)) == [b"a", b"", b"hello"]
+    assert list(decode_bytes_elements(blob, 3)) == [b"a", b"", b"hello"]
     with pytest.raises(ValueError):
-        decode_bytes_tensor(blob[:-1], 3)
+        decode_bytes_elements(blob[:-1], 3)
 
 
 def test_region_size_is_one_full_batch():
