@@ -16,7 +16,7 @@ from tests.daemon_harness import SLOW_CONFIG, save, slow_model, start_daemon, wa
 
 pytestmark = pytest.mark.slow
 WIDTH = 1024
-SLOW_ROWS = 16  # a batch of this many rows computes for a good fraction of a second on this model
+SLOW_ROWS = 64  # a batch of this many rows computes for about half a second here: the kill lands mid-batch
 
 
 def _slow_request(daemon, rows: int = SLOW_ROWS):
@@ -33,7 +33,7 @@ def _pending(daemon) -> int:
 @pytest.fixture
 def slow_repo(tmp_path):
     repo = tmp_path / "repo"
-    save(slow_model(width=WIDTH, layers=300), repo, "slow", SLOW_CONFIG)
+    save(slow_model(width=WIDTH, layers=600), repo, "slow", SLOW_CONFIG)
     return repo
 
 
