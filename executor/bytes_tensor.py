@@ -40,7 +40,7 @@ def decode_bytes_elements(buf: Any, count: int) -> np.ndarray:
         items.append(bytes(view[pos:pos + length]))
         pos += length
     if len(items) != count:
-        raise ValueError(f"got {len(items)} BYTES elements, expected {count}")
+        raise ValueError(f"got {len(items)} BYTES elements, expected {count} elements")
     out = np.empty(count, dtype=np.object_)  # not np.array(items): that would try to nest sequences
     out[:] = items
     return out
