@@ -197,6 +197,15 @@ class WorkerHandle:
         err = InferenceError(ErrorKind.UNAVAILABLE,
                              f"the worker for device {self.device.id} (pid {self.pid}) died ({how}) while this "
                              f"request was running; gpud is restarting it")
+        # Instances go unready first: failing the in-flight batches frees their instances, and a scheduler must not
+        # hand the next queued batch to a dead worker. Queued requests wait for the restart instead.
+        for inst in self.instances.values():
+            if inst._load_future is not None and not inst._load_future.done():
+                inst._load_future.set_result({"op": "load_failed", "error": f"worker died ({how})"})
+            if inst.ready:
+                inst.ready = False
+                if inst.on_ready_change:
+                    inst.on_ready_change(inst)
         inflight, self._inflight = self._inflight, {}
         self.busy.reset_running()
         for cb in inflight.values():
@@ -207,13 +216,6 @@ class WorkerHandle:
         self._unloads.clear()
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(err)
-        for inst in self.instances.values():
-            if inst._load_future is not None and not inst._load_future.done():
-                inst._load_future.set_result({"op": "load_failed", "error": f"worker died ({how})"})
-            if inst.ready:
-                inst.ready = False
-                if inst.on_ready_change:
-                    inst.on_ready_change(inst)
         if self._stopping:
             return
         log.error("device %s: worker pid %s died (%s); %d batch(es) failed; restarting", self.device.id, self.pid,

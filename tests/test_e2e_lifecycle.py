@@ -42,14 +42,19 @@ def test_sigkill_of_a_worker_fails_its_requests_fast_and_the_worker_comes_back(s
     try:
         gpud_pid = daemon.ports["pid"]
         worker = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
-        with ThreadPoolExecutor(1) as pool:
+        with ThreadPoolExecutor(2) as pool:
             fut = pool.submit(_slow_request, daemon)
             wait_for(lambda: _pending(daemon) == 1, 30, "the request to be running on the worker")
+            # A full second batch cannot join the running one: it waits in the queue.
+            queued = pool.submit(_slow_request, daemon)
+            wait_for(lambda: _pending(daemon) == 2, 30, "a second request queued behind it")
             killed_at = time.monotonic()
             os.kill(worker["pid"], signal.SIGKILL)
             with pytest.raises(InferenceServerException) as err:
                 fut.result(timeout=30)
             failed_after_s = time.monotonic() - killed_at
+            # The queued request was never on the dead worker: it is served once the worker is back.
+            assert queued.result(timeout=120).shape == (SLOW_ROWS, WIDTH)
         assert "died" in err.value.message() and "restarting" in err.value.message()
         assert failed_after_s < 5, f"the in-flight request took {failed_after_s:.1f} s to fail"
         wait_for(lambda: httpclient.InferenceServerClient(daemon.http_url).is_model_ready("slow"), 60,
