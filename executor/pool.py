@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from executor.types import ErrorKind, InferenceError
 
 log = logging.getLogger("gpud.executor")
 
+_READ_CHUNK = 1 << 18
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SEGMENT_BYTES = 1 << 20
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -103,6 +105,9 @@ class WorkerHandle:
         self.pool = pool
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
+        self._rsock: socket.socket | None = None
+        self._rbuf = bytearray()
+        self._reading = False  # in _on_readable: a callback's poll() must not re-enter it
         self.pid: int | None = None
         self.alive = False
         self.restarts = 0
@@ -138,6 +143,9 @@ class WorkerHandle:
             child_sock.close()
         self.pid = self.proc.pid
         self.conn = Connection(parent_sock.detach())
+        # A second descriptor on the same socket, for non-blocking reads (the Connection keeps blocking sends).
+        self._rsock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        self._rbuf = bytearray()
         self._hello = loop.create_future()
         loop.add_reader(self.conn.fileno(), self._on_readable)
         try:
@@ -156,12 +164,59 @@ class WorkerHandle:
             self.proc.kill()
 
     def _on_readable(self) -> None:
-        conn = self.conn
+        """Read what the worker sent, without blocking, and handle every complete message. Messages are
+        multiprocessing.Connection frames (a 4-byte big-endian length, or -1 and an 8-byte one, then a pickle),
+        read here with one non-blocking recv instead of Connection.poll (a selector per call) and recv."""
+        conn, rsock = self.conn, self._rsock
+        if conn is None or rsock is None or self._reading:
+            return
+        self._reading = True
         try:
-            while conn is self.conn and conn.poll():
-                self._handle(conn.recv())
+            self._read(conn, rsock)
+        finally:
+            self._reading = False
+
+    def _read(self, conn: Connection, rsock: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    data = rsock.recv(_READ_CHUNK, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if not data:
+                    raise EOFError
+                self._rbuf += data
+                if len(data) < _READ_CHUNK:
+                    break
         except (EOFError, OSError):
             self._on_death()
+            return
+        buf = self._rbuf
+        start = 0
+        while len(buf) - start >= 4:
+            size = int.from_bytes(buf[start:start + 4], "big", signed=True)
+            head = 4
+            if size == -1:
+                if len(buf) - start < 12:
+                    break
+                size = int.from_bytes(buf[start + 4:start + 12], "big")
+                head = 12
+            end = start + head + size
+            if end > len(buf):
+                break
+            msg = pickle.loads(buf[start + head:end])
+            start = end
+            self._handle(msg)
+            if self.conn is not conn:  # the handler stopped or replaced the worker
+                return
+        del buf[:start]
+
+    def poll(self) -> None:
+        """Handle replies already waiting on the pipe, without blocking. Under a flood of requests the event loop
+        runs every readable socket's callback before it gets to this pipe's; a scheduler calls this while taking
+        requests in, so a finished batch is answered, and its instance fed, within one request's time."""
+        if self._inflight and self.conn is not None:
+            self._on_readable()
 
     def _handle(self, msg: dict) -> None:
         op = msg["op"]
@@ -191,6 +246,7 @@ class WorkerHandle:
                 pass
             self.conn.close()
         self.conn = None
+        self._close_reader()
         self.alive = False
         code = self.proc.wait() if self.proc is not None else None
         how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
@@ -286,7 +342,14 @@ class WorkerHandle:
                 pass
             self.conn.close()
             self.conn = None
+        self._close_reader()
         self.alive = False
+
+    def _close_reader(self) -> None:
+        if self._rsock is not None:
+            self._rsock.close()
+            self._rsock = None
+        self._rbuf = bytearray()
 
 
 class ExecutorPool:

@@ -22,12 +22,14 @@ from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.shm import Segment, align, unlink
 from executor.stats import ModelStats
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
-from executor.validation import PreparedRequest, prepare
+from executor.validation import PreparedCache, PreparedRequest
 
 log = logging.getLogger("gpud.executor")
 
 
 BATCHING_MODE_PARAMETER = "gpud_batching"
+# While requests pour in, look for finished batches at most this often (one non-blocking poll of the worker pipe).
+_POLL_INTERVAL_S = 50e-6
 BATCHING_MODES = ("adaptive", "triton")
 
 
@@ -41,13 +43,30 @@ def batching_mode(config: ModelConfig) -> str:
     return mode
 
 
-@dataclass(eq=False)
+Done = Callable[[Any], None]
+"""Called once with the request's InferResponse or its InferenceError."""
+
+
 class _Pending:
-    request: InferRequest
-    prepared: PreparedRequest
-    future: asyncio.Future
-    arrival_ns: int
-    dispatch_ns: int = 0
+    __slots__ = ("request", "prepared", "done", "arrival_ns", "dispatch_ns", "finished", "queued")
+
+    def __init__(self, request: InferRequest, prepared: PreparedRequest, done: Done, arrival_ns: int):
+        self.request = request
+        self.prepared = prepared
+        self.done = done
+        self.arrival_ns = arrival_ns
+        self.dispatch_ns = 0
+        self.finished = False
+        self.queued: QueuedRequest | None = None
+
+    def finish(self, result: Any) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.done(result)
+        except Exception:  # one front end's bug must not stop the rest of the batch from being answered
+            log.exception("answering request %r of model %s failed", self.request.id, self.request.model_name)
 
 
 class ModelScheduler:
@@ -69,7 +88,10 @@ class ModelScheduler:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s: float | None = None
         self._idle_waiters: list[asyncio.Future] = []
+        self._answering = 0  # batches whose answers are being delivered (not running, not yet answered)
+        self._polled_s = 0.0
         self._output_types = {o.name: o.datatype for o in config.outputs}
+        self._prepare = PreparedCache(config).prepare
 
     # --- instances -------------------------------------------------------------------------------------------
     def add_instance(self, inst: InstanceHandle) -> None:
@@ -102,18 +124,46 @@ class ModelScheduler:
         return len(self.queue) + sum(len(b) for b in self._running.values())
 
     # --- requests --------------------------------------------------------------------------------------------
-    async def infer(self, request: InferRequest) -> InferResponse:
-        prepared = prepare(self.config, request)
-        loop = asyncio.get_running_loop()
-        pending = _Pending(request, prepared, loop.create_future(), time.perf_counter_ns())
+    def submit(self, request: InferRequest, done: Done) -> _Pending:
+        """Queue `request`; `done(response_or_error)` is called once when it is answered (from the event loop).
+        Bad input and a full queue raise InferenceError at once and change nothing. The returned handle is for
+        `cancel`. A callback, not a future: a front end that answers from it needs no task per request."""
+        prepared = self._prepare(request)
+        pending = _Pending(request, prepared, done, time.perf_counter_ns())
         queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
                                priority=request.priority, timeout_us=request.timeout_us)
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
+        pending.queued = queued
         self._step()
+        if self._running:
+            now_s = time.perf_counter()
+            if now_s - self._polled_s >= _POLL_INTERVAL_S:
+                self._polled_s = now_s
+                for inst in list(self._running):
+                    inst.worker.poll()
+        return pending
+
+    def cancel(self, pending: _Pending) -> None:
+        """The client went away: if the request is still queued it never runs; its callback is not called."""
+        pending.finished = True
+        if pending.queued is not None:
+            self.queue.remove(pending.queued)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        future = asyncio.get_running_loop().create_future()
+
+        def done(result: Any) -> None:
+            if not future.done():
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+        pending = self.submit(request, done)
         try:
-            return await pending.future
+            return await future
         except asyncio.CancelledError:
-            self.queue.remove(queued)  # the client went away: never run it
+            self.cancel(pending)
             raise
 
     def _step(self) -> None:
@@ -122,13 +172,16 @@ class ModelScheduler:
         while True:
             decision = self.queue.decide(len(self._free))
             if isinstance(decision, Dispatch):
-                batch = [q.payload for q in decision.requests if not q.payload.future.done()]
+                batch = [q.payload for q in decision.requests if not q.payload.finished]
                 if batch:
                     self._run(self._free.popleft(), batch)
                 continue
             self._arm_timer(decision.until_s if isinstance(decision, Wait) else None)
             break
-        if not self._running and not len(self.queue):
+        self._notify_if_idle()
+
+    def _notify_if_idle(self) -> None:
+        if not self._running and not len(self.queue) and not self._answering:
             for fut in self._idle_waiters:
                 if not fut.done():
                     fut.set_result(None)
@@ -214,22 +267,38 @@ class ModelScheduler:
 
     def _on_reply(self, inst: InstanceHandle, batch: list[_Pending], reply, stage_ns: int) -> None:
         self._running.pop(inst, None)
-        if inst.ready and inst in self.instances:
-            self._free.append(inst)
+        error: InferenceError | None = None
+        answers = None
         if isinstance(reply, Exception):
-            self._fail(batch, reply)
+            error = reply
         elif reply["op"] == "failed":
             kind = ErrorKind[reply["kind"]] if reply["kind"] in ErrorKind.__members__ else ErrorKind.INTERNAL
-            self._fail(batch, InferenceError(kind, f"model '{self.config.name}' failed: {reply['error']}"))
+            error = InferenceError(kind, f"model '{self.config.name}' failed: {reply['error']}")
         else:
             try:
-                self._complete(inst, batch, reply, stage_ns)
+                answers = self._collect(inst, batch, reply, stage_ns)
             except Exception as exc:
                 log.exception("model %s: reading a batch's outputs failed", self.config.name)
-                self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}"))
-        self._step()
+                error = InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")
+        if inst.ready and inst in self.instances:
+            self._free.append(inst)
+        # The outputs are out of shared memory: hand the instance its next batch before answering this one, so the
+        # worker computes while the front end encodes and writes the answers.
+        self._answering += 1
+        try:
+            self._step()
+        finally:
+            self._answering -= 1
+            if error is not None:
+                self._fail(batch, error)
+            else:
+                self._answer(batch, *answers)
+            self._notify_if_idle()
 
-    def _complete(self, inst: InstanceHandle, batch: list[_Pending], reply: dict, stage_ns: int) -> None:
+    def _collect(self, inst: InstanceHandle, batch: list[_Pending], reply: dict,
+                 stage_ns: int) -> tuple[list[list[InferTensor]], int, int, int, int]:
+        """The batch's outputs copied out of the instance's shared memory (reused by the next batch), split per
+        request, and its timings (input, infer, output ns; time read)."""
         t0 = time.perf_counter_ns()
         ovf = reply["ovf_seg"]
         seg = Segment.attach(ovf) if ovf else inst.out_seg
@@ -239,7 +308,7 @@ class ModelScheduler:
                 if datatype == "BYTES":
                     arr = decode_bytes_elements(seg.buf[offset:offset + nbytes], int(np.prod(shape))).reshape(shape)
                 else:
-                    arr = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
+                    arr = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype)).copy()
                 outputs.append((name, datatype, arr))
             per_request = self._split(batch, outputs)
         finally:
@@ -247,40 +316,48 @@ class ModelScheduler:
                 seg.close()
                 unlink(ovf)
         now_ns = time.perf_counter_ns()
-        input_ns = stage_ns + reply["input_ns"]
-        infer_ns = reply["infer_ns"]
-        output_ns = reply["output_ns"] + (now_ns - t0)
-        rows = sum(p.prepared.batch_rows for p in batch)
-        self.stats.record_batch(rows, input_ns, infer_ns, output_ns, int(time.time() * 1000))
-        if self.metrics is not None:
-            self.metrics.observe_batch(self.config.name, self.version, rows)
+        return (per_request, stage_ns + reply["input_ns"], reply["infer_ns"], reply["output_ns"] + (now_ns - t0),
+                now_ns)
+
+    def _answer(self, batch: list[_Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
+                output_ns: int, now_ns: int) -> None:
+        rows = 0
+        queue_ns: list[int] = []
+        request_ns: list[int] = []
+        name, version = self.config.name, self.version
+        all_outputs = len(self.config.outputs)
         for p, tensors in zip(batch, per_request):
-            wanted = set(p.prepared.output_names)
-            response = InferResponse(self.config.name, self.version, [t for t in tensors if t.name in wanted],
-                                     id=p.request.id)
-            queue_ns = p.dispatch_ns - p.arrival_ns
-            self.stats.queue.add(queue_ns)
-            self.stats.compute_input.add(input_ns)
-            self.stats.compute_infer.add(infer_ns)
-            self.stats.compute_output.add(output_ns)
-            self.stats.success.add(now_ns - p.arrival_ns)
-            if self.metrics is not None:
-                self.metrics.observe_request(self.config.name, self.version, True, queue_ns / 1e9, input_ns / 1e9,
-                                             infer_ns / 1e9, output_ns / 1e9, (now_ns - p.arrival_ns) / 1e9)
-            if not p.future.done():
-                p.future.set_result(response)
+            prepared = p.prepared
+            rows += prepared.batch_rows
+            if len(prepared.output_names) != all_outputs:
+                wanted = set(prepared.output_names)
+                tensors = [t for t in tensors if t.name in wanted]
+            queue_ns.append(p.dispatch_ns - p.arrival_ns)
+            request_ns.append(now_ns - p.arrival_ns)
+            p.finish(InferResponse(name, version, tensors, id=p.request.id))
+        n = len(batch)
+        st = self.stats
+        st.record_batch(rows, input_ns, infer_ns, output_ns, int(time.time() * 1000))
+        st.queue.add(sum(queue_ns), n)
+        st.compute_input.add(input_ns * n, n)
+        st.compute_infer.add(infer_ns * n, n)
+        st.compute_output.add(output_ns * n, n)
+        st.success.add(sum(request_ns), n)
+        if self.metrics is not None:
+            self.metrics.observe_batch(name, version, rows)
+            self.metrics.observe_requests(name, version, queue_ns, input_ns, infer_ns, output_ns, request_ns)
 
     def _split(self, batch: list[_Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:
-        """Each request's rows of every output, copied out of shared memory (the region is reused next batch)."""
+        """Each request's rows of every output: views into the batch's outputs (already copied out of shm)."""
+        if not self.config.batches or len(batch) == 1:
+            return [[InferTensor(name, datatype, arr.shape, arr) for name, datatype, arr in outputs]]
         per_request: list[list[InferTensor]] = [[] for _ in batch]
         for name, datatype, arr in outputs:
-            if not self.config.batches:
-                per_request[0].append(InferTensor(name, datatype, arr.shape, np.array(arr)))
-                continue
             start = 0
             for i, p in enumerate(batch):
-                part = np.array(arr[start:start + p.prepared.batch_rows])
-                start += p.prepared.batch_rows
+                stop = start + p.prepared.batch_rows
+                part = arr[start:stop]
+                start = stop
                 per_request[i].append(InferTensor(name, datatype, part.shape, part))
         return per_request
 
@@ -291,8 +368,7 @@ class ModelScheduler:
             if self.metrics is not None:
                 self.metrics.observe_request(self.config.name, self.version, False, 0.0, 0.0, 0.0, 0.0,
                                              (now_ns - p.arrival_ns) / 1e9)
-            if not p.future.done():
-                p.future.set_exception(exc)
+            p.finish(exc)
 
     # --- shutdown / unload -----------------------------------------------------------------------------------
     async def wait_idle(self) -> None:

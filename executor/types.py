@@ -33,7 +33,7 @@ class InferenceError(Exception):
         return f"InferenceError({self.kind.name}, {self.message!r})"
 
 
-@dataclass
+@dataclass(slots=True)
 class InferTensor:
     """A named tensor. `data` is a numpy array of exactly `shape`; BYTES tensors hold an object array of bytes."""
 
@@ -49,7 +49,7 @@ class RequestedOutput:
     parameters: dict[str, Any] = field(default_factory=dict)  # e.g. {"binary_data": True}; front ends read these
 
 
-@dataclass
+@dataclass(slots=True)
 class InferRequest:
     model_name: str
     inputs: list[InferTensor]
@@ -59,9 +59,13 @@ class InferRequest:
     priority: int = 0  # 0 = the model's default priority level
     timeout_us: int = 0  # 0 = the model's default queue timeout
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The same object for requests with the same input names, datatypes and shapes and the same requested outputs
+    # (a front end's parsed-header cache sets it): the executor then reuses its validation. None: not known.
+    # Such requests share `outputs` and `parameters`: read them, never change them.
+    signature: Any = None
 
 
-@dataclass
+@dataclass(slots=True)
 class InferResponse:
     model_name: str
     model_version: str

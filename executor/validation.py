@@ -91,3 +91,34 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
             if o.name not in output_names:
                 output_names.append(o.name)
     return PreparedRequest(inputs, batch_rows or 1, tuple(key), output_names)
+
+
+class PreparedCache:
+    """`prepare` for one model, remembering the outcome per request signature (InferRequest.signature): a request
+    whose signature was validated before only has its arrays picked out. Requests without a signature, and the
+    first of each signature, go through `prepare` in full."""
+
+    def __init__(self, config: ModelConfig, capacity: int = 1024):
+        self.config = config
+        self.capacity = capacity
+        self._known: dict[object, tuple[tuple[tuple[str, int], ...], int, tuple, list[str]]] = {}
+
+    def prepare(self, request: InferRequest) -> PreparedRequest:
+        signature = request.signature
+        if signature is not None:
+            known = self._known.get(signature)
+            if known is not None:
+                order, batch_rows, shape_key, output_names = known
+                tensors = request.inputs
+                return PreparedRequest({name: tensors[i].data for name, i in order}, batch_rows, shape_key,
+                                       output_names)
+        prepared = prepare(self.config, request)
+        if signature is not None:
+            if len(self._known) >= self.capacity:
+                self._known.clear()  # signatures churn (e.g. a request id in every header): start over
+            index = {t.name: i for i, t in enumerate(request.inputs)}
+            # Only when nothing was reshaped: then every request of this signature has its arrays as given.
+            if all(request.inputs[index[n]].data is a for n, a in prepared.inputs.items()):
+                self._known[signature] = (tuple((n, index[n]) for n in prepared.inputs), prepared.batch_rows,
+                                          prepared.shape_key, prepared.output_names)
+        return prepared

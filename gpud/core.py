@@ -418,7 +418,7 @@ class GpudCore:
                 index.append({"name": name, "version": v.version, "state": state, "reason": reason})
         return index
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def _ready_scheduler(self, request: InferRequest):
         if self.stopping:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         vs = self._version(request.model_name, request.model_version)
@@ -427,7 +427,13 @@ class GpudCore:
             raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "
                                  f"state: {why}")
-        return await vs.scheduler.infer(request)
+        return vs.scheduler
+
+    def submit(self, request: InferRequest, done) -> None:
+        self._ready_scheduler(request).submit(request, done)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        return await self._ready_scheduler(request).infer(request)
 
     # --- gpud's own views ------------------------------------------------------------------------------------
     def pending_by_model(self) -> dict[tuple[str, str], int]:

@@ -1,6 +1,7 @@
 """KServe v2 HTTP front end, wire-compatible with Triton, `tritonclient.http` and `perf_analyzer`.
 
-A thin aiohttp adapter over one `InferenceCore`: it only translates the wire format. Routes follow Triton's HTTP server
+A thin adapter over one `InferenceCore` served by `gpud.http_server` (httptools): it only translates the wire
+format. Routes follow Triton's HTTP server
 (`src/http_server.cc`) and protocol extensions (binary tensor data, statistics, model configuration, model repository):
 
     GET  /v2/health/live | /v2/health/ready                 200, or 400 when not live/ready (empty body, as Triton)
@@ -21,29 +22,30 @@ NOT_FOUND 404, UNAVAILABLE 503, INTERNAL 500; unknown routes 404, wrong method 4
 Hot-path notes. The request body is read once (a single chunk is not copied at all); the JSON header is parsed by
 orjson straight from a memoryview; binary inputs become `np.frombuffer` views into the body (read-only, possibly
 unaligned; no copy); JSON outputs are serialized by orjson from the numpy array (no `tolist()`); binary outputs are
-joined with the header into the body in one copy. TCP_NODELAY: aiohttp sets it on every accepted connection
-(`aiohttp.base_protocol.BaseProtocol.connection_made` calls `tcp_nodelay(transport, True)`), so we don't.
+joined with the header into the body in one copy. An inference is handed to the core with `submit` and answered
+from its completion callback: no task or future per request.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import orjson
-from aiohttp import web
 
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import KSERVE_DATATYPES, numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.core_api import InferenceCore
+from gpud.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 
 log = logging.getLogger(__name__)
 
 INFER_HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
-_JSON = "application/json"
 _OCTET_STREAM = "application/octet-stream"
 _OPT_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
@@ -71,78 +73,8 @@ def _invalid(message: str) -> InferenceError:
     return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Responses
-# ---------------------------------------------------------------------------------------------------------------------
-def _json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), content_type=_JSON)
-
-
-def _error_response(status: int, message: str) -> web.Response:
-    return _json_response({"error": message}, status)
-
-
-@web.middleware
-async def _error_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Every failure becomes `{"error": ...}` so clients (tritonclient reads `error`) never see an HTML page."""
-    try:
-        return await handler(request)
-    except InferenceError as e:
-        return _error_response(e.http_status, e.message)
-    except HttpError as e:
-        return _error_response(e.status, e.message)
-    except web.HTTPException as e:  # raised by aiohttp's router for unknown routes and wrong methods
-        if e.status < 400:
-            raise
-        if e.status == 404:
-            return _error_response(404, f"no route for {request.method} {request.path}")
-        if e.status == 405:
-            return _error_response(405, f"method {request.method} not allowed for {request.path}")
-        return _error_response(e.status, e.text or e.reason)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # a bug somewhere below us: answer 500 and keep serving
-        log.exception("unexpected error serving %s %s", request.method, request.path)
-        return _error_response(500, f"internal error: {type(e).__name__}: {e}")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Request bodies
-# ---------------------------------------------------------------------------------------------------------------------
-def _too_large(size: int, limit: int) -> HttpError:
-    return HttpError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes")
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, at most `limit` bytes. Checks Content-Length before reading anything.
-
-    Not `request.read()`: it copies twice (into a bytearray, then to bytes). `readexactly` of a body that arrived
-    in one chunk returns that chunk itself. A compressed body (Content-Encoding, which aiohttp inflates) or a chunked
-    one has no usable length, so it is read to the end and counted.
-    """
-    length = request.content_length
-    if length is not None and length > limit:
-        raise _too_large(length, limit)
-    try:
-        if length is not None and _content_encoding(request) is None:
-            return await request.content.readexactly(length)
-        chunks: list[bytes] = []
-        size = 0
-        while chunk := await request.content.readany():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(size, limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except asyncio.IncompleteReadError as e:
-        raise _invalid(f"request body ended after {len(e.partial)} of {length} bytes") from None
-    except web.RequestPayloadError as e:  # e.g. a body that does not inflate with its Content-Encoding
-        raise _invalid(f"cannot read the request body: {str(e).replace(chr(10), ' ')}") from None
-
-
-def _content_encoding(request: web.Request) -> str | None:
-    encoding = request.headers.get("Content-Encoding")
-    return None if encoding in (None, "", "identity") else encoding
+def _json_body(obj: Any) -> bytes:
+    return orjson.dumps(obj)
 
 
 def _loads(data: bytes | memoryview, what: str) -> Any:
@@ -165,8 +97,64 @@ def _optional_json_object(body: bytes, what: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Infer request decoding: JSON header + optional binary tensor data
 # ---------------------------------------------------------------------------------------------------------------------
+class _BinaryPlan:
+    """A JSON header seen before, already parsed and checked, whose inputs are all binary (not BYTES or BOOL, whose
+    data needs checking per request). Clients send the same header again and again (same shapes, same outputs):
+    a request with a known header only has its arrays cut out of the body. The plan is also the request's
+    `signature`, so the executor reuses its validation too."""
+
+    __slots__ = ("inputs", "binary_size", "id", "outputs", "priority", "timeout_us", "parameters")
+
+    def __init__(self, request: InferRequest, binary_size: int):
+        self.inputs = tuple((t.name, t.datatype, t.shape, _WIRE_DTYPES[t.datatype], t.data.size,
+                             t.data.size * _WIRE_DTYPES[t.datatype].itemsize) for t in request.inputs)
+        self.binary_size = binary_size
+        self.id = request.id
+        self.outputs = request.outputs
+        self.priority = request.priority
+        self.timeout_us = request.timeout_us
+        self.parameters = request.parameters
+
+    @staticmethod
+    def fits(request: InferRequest, binary_size: int) -> bool:
+        return sum(t.data.nbytes for t in request.inputs) == binary_size and all(
+            t.datatype not in ("BYTES", "BOOL") and t.data.base is not None for t in request.inputs)
+
+    def request(self, body: bytes, offset: int, model_name: str, model_version: str) -> InferRequest:
+        tensors = []
+        for name, datatype, shape, dtype, count, nbytes in self.inputs:
+            tensors.append(InferTensor(name, datatype, shape, np.frombuffer(body, dtype, count, offset).reshape(shape)))
+            offset += nbytes
+        return InferRequest(model_name, tensors, model_version, self.id, self.outputs, self.priority, self.timeout_us,
+                            self.parameters, self)
+
+
+_PLANS: dict[bytes, _BinaryPlan] = {}
+_PLANS_MAX = 1024
+_PLAN_MAX_HEADER_BYTES = 4096
+
+
 def decode_infer_request(body: bytes, header_length: str | None, model_name: str, model_version: str) -> InferRequest:
     """Parse a KServe v2 infer request body. `header_length` is the Inference-Header-Content-Length header, if any."""
+    header = None
+    if header_length is not None:
+        json_end = _parse_header_length(header_length, len(body))
+        header = bytes(body[:json_end])
+        plan = _PLANS.get(header)
+        if plan is not None and plan.binary_size == len(body) - json_end:
+            return plan.request(body, json_end, model_name, model_version)
+    request = _decode_infer_request(body, header_length, model_name, model_version)
+    if header is not None and len(header) <= _PLAN_MAX_HEADER_BYTES and \
+            _BinaryPlan.fits(request, len(body) - len(header)):
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()  # headers churn (e.g. a request id in each): start over rather than track recency
+        plan = _PLANS[header] = _BinaryPlan(request, len(body) - len(header))
+        request.signature = plan
+    return request
+
+
+def _decode_infer_request(body: bytes, header_length: str | None, model_name: str,
+                          model_version: str) -> InferRequest:
     view = memoryview(body)
     json_end = len(body) if header_length is None else _parse_header_length(header_length, len(body))
     doc = _loads(view[:json_end], "inference request")
@@ -356,7 +344,14 @@ def _bytes_from_json(name: str, data: list) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------------
 # Infer response encoding
 # ---------------------------------------------------------------------------------------------------------------------
-def encode_infer_response(response: InferResponse, request: InferRequest) -> web.Response:
+@dataclass(frozen=True, slots=True)
+class EncodedResponse:
+    body: bytes
+    content_type: str
+    headers: dict[str, str]
+
+
+def encode_infer_response(response: InferResponse, request: InferRequest) -> EncodedResponse:
     """JSON, or JSON header + binary tensor data as tritonclient's InferResult reads it.
 
     An output is binary when its requested output says `binary_data: true`, else when the request says
@@ -385,10 +380,10 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> web
     doc["outputs"] = outputs_json
     header = orjson.dumps(doc, option=_OPT_NUMPY)
     if not buffers:
-        return web.Response(body=header, content_type=_JSON)
+        return EncodedResponse(header, JSON, {})
     # One copy: join reads the arrays' buffers directly (no tobytes()).
-    return web.Response(body=b"".join([header, *buffers]), content_type=_OCTET_STREAM,
-                        headers={INFER_HEADER_CONTENT_LENGTH: str(len(header))})
+    return EncodedResponse(b"".join([header, *buffers]), _OCTET_STREAM,
+                           {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
 
 
 def _wire_array(tensor: InferTensor) -> np.ndarray:
@@ -419,115 +414,198 @@ def _json_output(tensor: InferTensor) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Handlers
+# Routing and handlers
 # ---------------------------------------------------------------------------------------------------------------------
-class _Handlers:
-    """Route handlers bound to one core; each translates one endpoint and nothing more."""
+_Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
+_Route = tuple[dict[str, Callable[..., Any]], tuple[str, ...]]  # handlers by method, path arguments
+_ROUTE_CACHE_SIZE = 4096
 
-    def __init__(self, core: InferenceCore, max_body_bytes: int):
+
+class HttpApi:
+    """The routes above over one core, as an `http_server.Handler`. Sync handlers return a reply; the repository and
+    placement ones are coroutines (one task each); infer answers from the core's completion callback."""
+
+    def __init__(self, core: InferenceCore):
         self.core = core
-        self.max_body_bytes = max_body_bytes
+        self._tasks: set[asyncio.Task] = set()
+        self._static: dict[str, dict[str, Callable[..., Any]]] = {
+            "/v2/health/live": {"GET": self.live},
+            "/v2/health/ready": {"GET": self.ready},
+            "/v2": {"GET": self.server_metadata},
+            "/v2/gpud/inspect": {"GET": self.inspect},
+            "/v2/gpud/placement": {"POST": self.apply_placement},
+            "/v2/models/stats": {"GET": self.model_stats},  # "stats" is not a model name here
+            "/v2/repository/index": {"POST": self.repository_index},
+        }
+        self._model_tails: dict[str, dict[str, Callable[..., Any]]] = {
+            "": {"GET": self.model_metadata}, "ready": {"GET": self.model_ready},
+            "config": {"GET": self.model_config}, "stats": {"GET": self.model_stats},
+            "infer": {"POST": self.infer},
+        }
+        self._routes: dict[str, _Route | None] = {}
 
-    async def live(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.core.server_live() else 400)
+    # --- dispatch --------------------------------------------------------------------------------------------
+    def __call__(self, request: HttpRequest, respond: Respond) -> None:
+        route = self._routes.get(request.path, False)
+        if route is False:
+            route = self._route(request.path)
+            if len(self._routes) < _ROUTE_CACHE_SIZE:
+                self._routes[request.path] = route
+        if route is None:
+            respond(404, error_body(f"no route for {request.method} {request.path}"))
+            return
+        handlers, args = route
+        handler = handlers.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
+            respond(405, error_body(f"method {request.method} not allowed for {request.path}"))
+            return
+        try:
+            reply = handler(request, respond, *args)
+        except Exception as e:
+            self._respond_error(respond, e, request)
+            return
+        if reply is None:  # the handler answers by itself (infer)
+            return
+        if isinstance(reply, tuple):
+            respond(reply[0], reply[1], JSON if reply[1] else "")
+            return
+        self._spawn(reply, respond, request)
 
-    async def ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.core.server_ready() else 400)
+    def _route(self, path: str) -> _Route | None:
+        handlers = self._static.get(path)
+        if handlers is not None:
+            return handlers, ()
+        parts = path.split("/")
+        if len(parts) < 4 or parts[0] or parts[1] != "v2":
+            return None
+        if parts[2] == "models" and parts[3]:
+            name, rest = parts[3], parts[4:]
+            version = ""
+            if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
+                version, rest = rest[1], rest[2:]
+            if len(rest) > 1:
+                return None
+            handlers = self._model_tails.get(rest[0] if rest else "")
+            return (handlers, (name, version)) if handlers is not None else None
+        if len(parts) == 6 and parts[2] == "repository" and parts[3] == "models" and parts[4]:
+            if parts[5] == "load":
+                return {"POST": self.load}, (parts[4],)
+            if parts[5] == "unload":
+                return {"POST": self.unload}, (parts[4],)
+        return None
 
-    async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json_response(self.core.server_metadata())
+    def _spawn(self, coro: Awaitable[_Reply], respond: Respond, request: HttpRequest) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
 
-    async def model_metadata(self, request: web.Request) -> web.Response:
-        name, version = _model_route(request)
-        return _json_response(self.core.model_metadata(name, version))
+        def finished(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                respond(503, error_body("the request was cancelled: the server is shutting down"))
+            elif t.exception() is not None:
+                self._respond_error(respond, t.exception(), request)
+            else:
+                status, body = t.result()
+                respond(status, body, JSON if body else "")
 
-    async def model_ready(self, request: web.Request) -> web.Response:
-        name, version = _model_route(request)
+        task.add_done_callback(finished)
+
+    @staticmethod
+    def _respond_error(respond: Respond, exc: BaseException, request: HttpRequest) -> None:
+        """Every failure becomes `{"error": ...}`: clients (tritonclient reads `error`) never see anything else."""
+        if isinstance(exc, InferenceError):
+            respond(exc.http_status, error_body(exc.message))
+        elif isinstance(exc, HttpError):
+            respond(exc.status, error_body(exc.message))
+        else:  # a bug somewhere below us: answer 500 and keep serving
+            log.error("unexpected error serving %s %s", request.method, request.path, exc_info=exc)
+            respond(500, error_body(f"internal error: {type(exc).__name__}: {exc}"))
+
+    # --- handlers --------------------------------------------------------------------------------------------
+    def live(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200 if self.core.server_live() else 400, b""
+
+    def ready(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200 if self.core.server_ready() else 400, b""
+
+    def server_metadata(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200, _json_body(self.core.server_metadata())
+
+    def model_metadata(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
+        return 200, _json_body(self.core.model_metadata(name, version))
+
+    def model_ready(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
         if self.core.model_ready(name, version):
-            return web.Response(status=200)
-        return _error_response(400, f"model '{name}' version '{version}' is not ready" if version
+            return 200, b""
+        return 400, error_body(f"model '{name}' version '{version}' is not ready" if version
                                else f"model '{name}' is not ready")
 
-    async def model_config(self, request: web.Request) -> web.Response:
-        name, version = _model_route(request)
-        return _json_response(self.core.model_config(name, version))
+    def model_config(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
+        return 200, _json_body(self.core.model_config(name, version))
 
-    async def model_stats(self, request: web.Request) -> web.Response:
-        name = request.match_info.get("model", "")
-        return _json_response(self.core.model_statistics(name, request.match_info.get("version", "")))
+    def model_stats(self, request: HttpRequest, respond: Respond, name: str = "", version: str = "") -> _Reply:
+        return 200, _json_body(self.core.model_statistics(name, version))
 
-    async def repository_index(self, request: web.Request) -> web.Response:
-        doc = _optional_json_object(await _read_body(request, self.max_body_bytes), "repository index request")
+    def repository_index(self, request: HttpRequest, respond: Respond) -> _Reply:
+        doc = _optional_json_object(request.body, "repository index request")
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise _invalid(f"repository index 'ready' must be a boolean, got {ready!r}")
-        return _json_response(self.core.repository_index(ready_only=ready))
+        return 200, _json_body(self.core.repository_index(ready_only=ready))
 
-    async def load(self, request: web.Request) -> web.Response:
-        doc = _optional_json_object(await _read_body(request, self.max_body_bytes), "model load request")
+    def load(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
+        doc = _optional_json_object(request.body, "model load request")
         params = _parameters(doc.get("parameters"), "load request")
         overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
         if overrides:  # Triton would load from the override; silently loading the repository copy would mislead
             raise _invalid(f"loading with overrides {overrides} is not supported; load from the model repository")
-        await self.core.load_model(request.match_info["model"])
-        return web.Response(status=200)
 
-    async def unload(self, request: web.Request) -> web.Response:
-        await _read_body(request, self.max_body_bytes)  # {"parameters": {"unload_dependents": ...}}: no ensembles
-        await self.core.unload_model(request.match_info["model"])
-        return web.Response(status=200)
+        async def run() -> _Reply:
+            await self.core.load_model(name)
+            return 200, b""
+        return run()
 
-    async def inspect(self, request: web.Request) -> web.Response:
-        return _json_response(self.core.inspect())
+    def unload(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
+        # The body ({"parameters": {"unload_dependents": ...}}) is read and ignored: gpud has no ensembles.
+        async def run() -> _Reply:
+            await self.core.unload_model(name)
+            return 200, b""
+        return run()
 
-    async def apply_placement(self, request: web.Request) -> web.Response:
-        doc = _optional_json_object(await _read_body(request, self.max_body_bytes), "placement")
-        return _json_response(await self.core.apply_placement(doc.get("placements")))
+    def inspect(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200, _json_body(self.core.inspect())
 
-    async def infer(self, request: web.Request) -> web.Response:
-        body = await _read_body(request, self.max_body_bytes)
-        name, version = _model_route(request)
-        infer_request = decode_infer_request(body, request.headers.get(INFER_HEADER_CONTENT_LENGTH), name, version)
-        response = await self.core.infer(infer_request)
-        return encode_infer_response(response, infer_request)
+    def apply_placement(self, request: HttpRequest, respond: Respond) -> Awaitable[_Reply]:
+        doc = _optional_json_object(request.body, "placement")
 
+        async def run() -> _Reply:
+            return 200, _json_body(await self.core.apply_placement(doc.get("placements")))
+        return run()
 
-def _model_route(request: web.Request) -> tuple[str, str]:
-    info = request.match_info
-    return info["model"], info.get("version", "")
+    def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:
+        infer_request = decode_infer_request(request.body, request.headers.get(_HEADER_LENGTH_KEY), name, version)
 
+        def done(result: InferResponse | BaseException) -> None:
+            if isinstance(result, BaseException):
+                self._respond_error(respond, result, request)
+                return
+            try:
+                encoded = encode_infer_response(result, infer_request)
+            except Exception as e:
+                self._respond_error(respond, e, request)
+                return
+            respond(200, encoded.body, encoded.content_type,
+                    list(encoded.headers.items()) if encoded.headers else None)
 
-def make_app(core: InferenceCore, *, max_body_bytes: int = 64 * 2**20) -> web.Application:
-    """The aiohttp application serving `core` over KServe v2 HTTP."""
-    h = _Handlers(core, max_body_bytes)
-    app = web.Application(middlewares=[_error_middleware], client_max_size=max_body_bytes)
-    r = app.router
-    # Infer first: the router tries routes in order, and this is the one hot route.
-    r.add_post("/v2/models/{model}/infer", h.infer)
-    r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer)
-    r.add_get("/v2/health/live", h.live)
-    r.add_get("/v2/health/ready", h.ready)
-    r.add_get("/v2", h.server_metadata)
-    r.add_get("/v2/gpud/inspect", h.inspect)
-    r.add_post("/v2/gpud/placement", h.apply_placement)
-    r.add_get("/v2/models/stats", h.model_stats)  # before /v2/models/{model}: "stats" is not a model name here
-    r.add_post("/v2/repository/index", h.repository_index)
-    r.add_post("/v2/repository/models/{model}/load", h.load)
-    r.add_post("/v2/repository/models/{model}/unload", h.unload)
-    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        r.add_get(prefix, h.model_metadata)
-        r.add_get(prefix + "/ready", h.model_ready)
-        r.add_get(prefix + "/config", h.model_config)
-        r.add_get(prefix + "/stats", h.model_stats)
-    return app
+        self.core.submit(infer_request, done)
 
 
-async def start_http_server(core: InferenceCore, host: str, port: int, **kw: Any) -> tuple[web.AppRunner, int]:
-    """Serve `core` on host:port (0 = an ephemeral port). Returns the runner (`await runner.cleanup()` stops it)
-    and the bound port. `kw` goes to make_app."""
-    # No access log: formatting a line per request costs more than the rest of a small request's handling.
-    runner = web.AppRunner(make_app(core, **kw), access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    return runner, runner.addresses[0][1]
+_HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
+
+
+async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,
+                            keepalive_timeout_s: float = 75.0) -> tuple[HttpServer, int]:
+    """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
+    it) and the bound port."""
+    server = HttpServer(HttpApi(core), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s)
+    return server, await server.start(host, port)

@@ -15,6 +15,7 @@ from prometheus_client import ProcessCollector
 from executor.onnxruntime_backend import WorkerDevice
 from executor.pool import ExecutorPool
 from gpud import __version__
+from gpud.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.systemd_notify import notify
 from telemetry.hints import HintPolicy
@@ -214,7 +215,10 @@ async def _close(runners, grpc_server, grace_s: float) -> None:
     if grpc_server is not None:
         await grpc_server.stop(grace_s)
     for runner in runners:
-        await runner.cleanup()
+        if isinstance(runner, HttpServer):
+            await runner.close(grace_s)
+        else:
+            await runner.cleanup()
 
 
 class _LateUsage:

@@ -15,6 +15,7 @@ import numpy as np
 
 from executor.model_config import numpy_dtype, triton_type
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+from gpud.core_api import submit_via_infer
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
 
@@ -152,6 +153,9 @@ class FakeCore:
                                  f"batch size {shape[0]} exceeds max_batch_size {model.max_batch_size}")
         if tensor.data.shape != tuple(shape) or (datatype != "BYTES" and tensor.data.dtype != numpy_dtype(datatype)):
             raise InferenceError(ErrorKind.INTERNAL, f"adapter built a bad array for input '{name}'")
+
+    def submit(self, request: InferRequest, done) -> None:
+        submit_via_infer(self, request, done)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         self.last_request = request

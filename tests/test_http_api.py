@@ -37,7 +37,7 @@ class ServerThread:
         self.runner, self.port = started.result(timeout=TIMEOUT_S)
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=TIMEOUT_S)
+        asyncio.run_coroutine_threadsafe(self.runner.close(1.0), self.loop).result(timeout=TIMEOUT_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=TIMEOUT_S)
         self.loop.close()

@@ -99,3 +99,24 @@ def test_promtool_accepts_exposition(setup):
     m.observe_batch("a", "1", 4)
     m.set_sources(pending=lambda: {("a", "1"): 1}, instances=lambda: {("a", "1", "cpu"): 1})
     promtool_check(generate_latest(registry))
+
+
+def test_observe_requests_equals_one_observe_request_per_request():
+    # The scheduler records a batch's requests at once; the exposition must be what per-request calls give.
+    queue_ns = [200_000, 20_000_000, 0, 250_000]
+    request_ns = [4_600_000, 24_500_000, 1_000_000, 10_000_000_000]
+    one, batch = CollectorRegistry(), CollectorRegistry()
+    m1, m2 = ModelMetrics(one), ModelMetrics(batch)
+    for q, r in zip(queue_ns, request_ns):
+        m1.observe_request("resnet", "1", True, q / 1e9, 100_000 / 1e9, 4_000_000 / 1e9, 250_000 / 1e9, r / 1e9)
+    m2.observe_requests("resnet", "1", queue_ns, 100_000, 4_000_000, 250_000, request_ns)
+    m2.observe_requests("resnet", "1", [], 1, 1, 1, [])  # an empty batch changes nothing
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
+
+    a, b = samples(one), samples(batch)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert b[key] == pytest.approx(a[key]), key

@@ -1,0 +1,417 @@
+"""A small HTTP/1.1 server: one asyncio.Protocol per connection over httptools (llhttp, the C parser Node.js uses).
+
+Why not aiohttp: its per-request machinery (request and response objects, stream readers, a task per request, the
+router) cost ~0.1 ms of CPU per request, more than everything else gpud does for a small inference. Here a request
+is parsed by C callbacks into one `HttpRequest`, handed to the application's handler inside `data_received`, and
+answered through a `respond` callable, at once or later (an inference answers from the batch-completion callback):
+no task, no future, no stream object per request.
+
+What it does, as a production HTTP/1.1 server must: keep-alive and HTTP/1.0 close, pipelined requests answered in
+order, `Expect: 100-continue`, chunked request bodies, gzip/deflate request bodies (inflated under the same size
+limit as plain ones: 413, not a memory blow-up), HEAD, malformed requests answered 400 and closed, idle keep-alive
+connections closed after `keepalive_timeout_s`, reading paused while too many pipelined answers are outstanding or
+the client does not read, and a graceful close that lets accepted requests finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+from urllib.parse import unquote
+
+import httptools
+import orjson
+
+log = logging.getLogger(__name__)
+
+_REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
+            417: "Expectation Failed", 429: "Too Many Requests", 500: "Internal Server Error",
+            501: "Not Implemented", 503: "Service Unavailable", 504: "Gateway Timeout"}
+_STATUS_LINES: dict[int, bytes] = {}
+JSON = "application/json"
+# The answers a handler gives most often have their first lines prebuilt.
+_HEAD_CACHE: dict[tuple[int, str], bytes] = {}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_MAX_PIPELINED = 32  # answers outstanding on one connection before we stop reading from it
+_MAX_DISCARD_BYTES = 64 * 2**20  # of a refused (413) body read and dropped before closing on the client
+
+
+def _status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n".encode()
+    return line
+
+
+def _head_prefix(status: int, content_type: str) -> bytes:
+    key = (status, content_type)
+    head = _HEAD_CACHE.get(key)
+    if head is None:
+        head = _status_line(status) + (f"Content-Type: {content_type}\r\n".encode() if content_type else b"")
+        if len(_HEAD_CACHE) < 256:
+            _HEAD_CACHE[key] = head
+    return head
+
+
+@dataclass(eq=False, slots=True)
+class HttpRequest:
+    method: str
+    path: str  # percent-decoded, without the query
+    query: str
+    headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
+    body: bytes
+    keep_alive: bool = True
+
+
+class Respond(Protocol):
+    def __call__(self, status: int, body: bytes = b"", content_type: str = JSON,
+                 headers: list[tuple[str, str]] | None = None) -> None: ...
+
+
+Handler = Callable[[HttpRequest, Respond], None]
+"""Called once per request inside the event loop; answers through `respond` exactly once, now or later. An
+exception it raises is answered 500 (and logged). Calls of `respond` after the first, or after the client went
+away, are ignored."""
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip or deflate request body, inflated to at most `limit` bytes. Raises BodyTooLarge or ValueError."""
+    if encoding == "gzip":
+        attempts = (16 + zlib.MAX_WBITS,)
+    elif encoding == "deflate":  # RFC 9110 says zlib-wrapped; some clients send raw deflate
+        attempts = (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    else:
+        raise LookupError(encoding)
+    error: Exception | None = None
+    for wbits in attempts:
+        d = zlib.decompressobj(wbits)
+        try:
+            out = d.decompress(body, limit + 1)
+            if len(out) > limit or d.unconsumed_tail:
+                raise BodyTooLarge(f"request body inflates to more than the limit of {limit} bytes")
+            if not d.eof:
+                raise ValueError("the compressed body is truncated")
+            return out
+        except zlib.error as e:
+            error = e
+    raise ValueError(str(error))
+
+
+class _Slot:
+    """One request's place in its connection's answer order (pipelining)."""
+    __slots__ = ("data", "close", "done")
+
+    def __init__(self) -> None:
+        self.data: bytes | list[bytes] | None = None
+        self.close = False
+        self.done = False
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, server: HttpServer):
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.slots: deque[_Slot] = deque()
+        self.closing = False  # no more requests: close once the outstanding answers are written
+        self.reading = True
+        self.writable = True
+        self.last_activity_s = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.url = b""
+        self.headers: dict[str, str] = {}
+        self.body_parts: list[bytes] = []
+        self.body_size = 0
+        self.rejected = False  # this message was already answered (413): its body is read and dropped, then we close
+        self.discarded_bytes = 0
+
+    # --- transport callbacks ---------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:  # answers are single small writes: never wait for Nagle
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        self.last_activity_s = self.server.loop.time()
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        self.transport = None
+        self.slots.clear()
+        self.server._maybe_idle()
+
+    def data_received(self, data: bytes) -> None:
+        self.last_activity_s = self.server.loop.time()
+        if self.closing and not self.slots and not self.rejected:
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # The request before the upgrade was dispatched already; we speak only HTTP/1.1.
+            self._stop_after_answers()
+        except Exception as e:
+            if self.rejected or self.closing:
+                return
+            message = str(e.__context__ or e) or type(e).__name__
+            self._answer_and_close(400, f"malformed HTTP request: {message}")
+
+    def eof_received(self) -> bool | None:
+        self._stop_after_answers()
+        return True  # keep the write side open until our answers are out
+
+    def pause_writing(self) -> None:
+        self.writable = False
+        self._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.writable = True
+        self._maybe_resume_reading()
+
+    # --- parser callbacks ------------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._reset()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self.headers.get("content-length")
+        limit = self.server.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            self._reject(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
+        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self.rejected:
+            # Drop the rest of a refused body rather than close on it at once: closing with unread data makes the
+            # kernel reset the connection, and the client would see a reset instead of our 413.
+            self.discarded_bytes += len(body)
+            if self.discarded_bytes > _MAX_DISCARD_BYTES and self.transport is not None:
+                self.transport.close()
+            return
+        self.body_size += len(body)
+        if self.body_size > self.server.max_body_bytes:
+            self._reject(413, f"request body of more than {self.server.max_body_bytes} bytes exceeds the limit "
+                              f"of {self.server.max_body_bytes} bytes")
+            return
+        self.body_parts.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.rejected:
+            if self.transport is not None:
+                self.transport.close()
+            return
+        parts = self.body_parts
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        url = self.url
+        q = url.find(b"?")
+        raw_path, query = (url, "") if q < 0 else (url[:q], url[q + 1:].decode("latin-1"))
+        path = raw_path.decode("latin-1")
+        if "%" in path:
+            path = unquote(path)
+        request = HttpRequest(self.parser.get_method().decode("latin-1"), path, query, self.headers, body,
+                              self.parser.should_keep_alive())
+        slot = _Slot()
+        slot.close = not request.keep_alive
+        self.slots.append(slot)
+        if len(self.slots) >= _MAX_PIPELINED:
+            self._pause_reading()
+        if not request.keep_alive:
+            self.closing = True
+        encoding = request.headers.get("content-encoding")
+        if encoding and encoding != "identity":
+            try:
+                request.body = inflate(body, encoding.lower(), self.server.max_body_bytes)
+            except BodyTooLarge as e:
+                self._write(slot, 413, error_body(str(e)), JSON, None, False)
+                return
+            except LookupError:
+                self._write(slot, 415, error_body(f"unsupported content-encoding {encoding!r}; "
+                                                  "use gzip or deflate"), JSON, None, False)
+                return
+            except ValueError as e:
+                self._write(slot, 400, error_body(f"cannot decode the request body with content-encoding "
+                                                  f"{encoding}: {e}"), JSON, None, False)
+                return
+        head = request.method == "HEAD"
+
+        def respond(status: int, body: bytes = b"", content_type: str = JSON,
+                    headers: list[tuple[str, str]] | None = None) -> None:
+            self._write(slot, status, body, content_type, headers, head)
+
+        try:
+            self.server.handler(request, respond)
+        except Exception as e:
+            log.exception("unexpected error serving %s %s", request.method, request.path)
+            respond(500, error_body(f"internal error: {type(e).__name__}: {e}"))
+
+    # --- answers ---------------------------------------------------------------------------------------------
+    def _write(self, slot: _Slot, status: int, body: bytes, content_type: str,
+               headers: list[tuple[str, str]] | None, head_only: bool) -> None:
+        if slot.done or self.transport is None:
+            return
+        slot.done = True
+        close = slot.close or self.server.closing
+        head = _head_prefix(status, content_type)
+        extra = b"Content-Length: %d\r\n" % len(body)
+        if headers:
+            extra += "".join(f"{k}: {v}\r\n" for k, v in headers).encode("latin-1")
+        if close:
+            extra += b"Connection: close\r\n"
+            slot.close = True
+        if head_only:
+            slot.data = head + extra + b"\r\n"
+        elif len(body) <= 65536:
+            slot.data = head + extra + b"\r\n" + body
+        else:
+            slot.data = [head + extra + b"\r\n", body]
+        slots = self.slots
+        if slots[0] is not slot:
+            return  # an earlier pipelined request is still running: it goes out first
+        transport = self.transport
+        while slots and slots[0].done:
+            s = slots.popleft()
+            if isinstance(s.data, list):
+                transport.writelines(s.data)
+            else:
+                transport.write(s.data)
+            if s.close:
+                self.closing = True
+                slots.clear()
+                transport.close()
+                return
+        if self.closing and not slots and not self.rejected:
+            transport.close()
+            return
+        if not self.reading and len(slots) < _MAX_PIPELINED // 2:
+            self._maybe_resume_reading()
+        if not slots:
+            self.server._maybe_idle()
+
+    def _reject(self, status: int, message: str) -> None:
+        """Answer now, before the body has been read; the body is then dropped and the connection closed."""
+        self.rejected = True
+        self.closing = True
+        slot = _Slot()
+        self.slots.append(slot)
+        self._write(slot, status, error_body(message), JSON, [("Connection", "close")], False)
+
+    def _answer_and_close(self, status: int, message: str) -> None:
+        slot = _Slot()
+        slot.close = True
+        self.slots.append(slot)
+        self.closing = True
+        self._write(slot, status, error_body(message), JSON, None, False)
+
+    def _stop_after_answers(self) -> None:
+        self.closing = True
+        if not self.slots and self.transport is not None:
+            self.transport.close()
+
+    def _pause_reading(self) -> None:
+        if self.reading and self.transport is not None:
+            self.reading = False
+            self.transport.pause_reading()
+
+    def _maybe_resume_reading(self) -> None:
+        if not self.reading and self.writable and len(self.slots) < _MAX_PIPELINED // 2 \
+                and self.transport is not None and not self.closing:
+            self.reading = True
+            self.transport.resume_reading()
+
+    def close_if_idle(self) -> bool:
+        if not self.slots and self.transport is not None:
+            self.closing = True
+            self.transport.close()
+            return True
+        return False
+
+
+@dataclass(eq=False)
+class HttpServer:
+    """Serves `handler` on one listening socket. `start()` binds; `close(grace_s)` stops accepting, lets accepted
+    requests finish (up to grace_s), then closes every connection."""
+
+    handler: Handler
+    max_body_bytes: int = 64 * 2**20
+    keepalive_timeout_s: float = 75.0
+    backlog: int = 1024
+    connections: set[_Connection] = field(default_factory=set)
+    closing: bool = False
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.base_events.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._idle: asyncio.Future | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        self.loop = asyncio.get_running_loop()
+        self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=self.backlog,
+                                                     reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._arm_sweeper()
+        return self.port
+
+    def _arm_sweeper(self) -> None:
+        self._sweeper = self.loop.call_later(max(1.0, self.keepalive_timeout_s / 4), self._sweep)
+
+    def _sweep(self) -> None:
+        """Close keep-alive connections idle for longer than keepalive_timeout_s (one timer for all of them)."""
+        deadline = self.loop.time() - self.keepalive_timeout_s
+        for conn in list(self.connections):
+            if conn.last_activity_s < deadline:
+                conn.close_if_idle()
+        if not self.closing:
+            self._arm_sweeper()
+
+    def _maybe_idle(self) -> None:
+        if self._idle is not None and not self._idle.done() and all(not c.slots for c in self.connections):
+            self._idle.set_result(None)
+
+    async def close(self, grace_s: float = 5.0) -> None:
+        """Stop listening; wait up to grace_s for outstanding answers; close every connection."""
+        self.closing = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.closing = True
+            conn.close_if_idle()
+        if any(c.slots for c in self.connections):
+            self._idle = self.loop.create_future()
+            try:
+                await asyncio.wait_for(self._idle, grace_s)
+            except asyncio.TimeoutError:
+                log.warning("HTTP: %d connection(s) still had answers outstanding after %.1f s; closing them",
+                            sum(1 for c in self.connections if c.slots), grace_s)
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        if self._server is not None:
+            await self._server.wait_closed()
