@@ -509,3 +509,49 @@ class TestCodec:
         result = httpclient.InferResult.from_response_body(
             response.body, header_length=int(response.headers[INFER_HEADER_CONTENT_LENGTH]))
         np.testing.assert_array_equal(result.as_numpy("y"), x)
+
+
+class TestHeaderPlans:
+    """decode_infer_request remembers binary-only headers it has parsed: a repeat gives the same request."""
+
+    DOC = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2], "parameters": {"binary_data_size": 16}},
+                      {"name": "k", "datatype": "INT64", "shape": [2, 1], "parameters": {"binary_data_size": 16}}],
+           "outputs": [{"name": "y", "parameters": {"binary_data": True}}], "id": "r1",
+           "parameters": {"priority": 2, "timeout": 700}}
+
+    def _decode(self, x: np.ndarray, k: np.ndarray, model="m"):
+        body, headers = _binary(self.DOC, x.tobytes() + k.tobytes())
+        return decode_infer_request(body, headers[INFER_HEADER_CONTENT_LENGTH], model, "3")
+
+    def test_a_repeated_header_decodes_like_the_first(self):
+        x1, k1 = np.arange(4, dtype=np.float32), np.array([5, 6], dtype=np.int64)
+        first = self._decode(x1, k1)
+        x2, k2 = x1 + 10, k1 * 3
+        again = self._decode(x2, k2, model="other")  # the plan is per header, not per model
+        assert again.signature is first.signature is not None  # the executor reuses its validation by it
+        assert (again.model_name, again.model_version, again.id, again.priority, again.timeout_us) == \
+            ("other", "3", "r1", 2, 700)
+        assert [o.name for o in again.outputs] == ["y"]
+        np.testing.assert_array_equal(again.inputs[0].data, x2.reshape(2, 2))
+        np.testing.assert_array_equal(again.inputs[1].data, k2.reshape(2, 1))
+        assert again.inputs[1].data.dtype == np.int64 and again.inputs[1].shape == (2, 1)
+        assert not again.inputs[0].data.flags.owndata  # still views into the body
+
+    def test_a_known_header_with_the_wrong_amount_of_binary_data_is_still_refused(self):
+        x, k = np.arange(4, dtype=np.float32), np.array([5, 6], dtype=np.int64)
+        self._decode(x, k)
+        body, headers = _binary(self.DOC, x.tobytes() + k.tobytes() + b"\0" * 8)
+        with pytest.raises(InferenceError, match="binary_data_size parameters add up to 32"):
+            decode_infer_request(body, headers[INFER_HEADER_CONTENT_LENGTH], "m", "")
+
+    def test_bool_and_bytes_inputs_are_checked_every_time(self):
+        doc = {"inputs": [{"name": "x", "datatype": "BOOL", "shape": [1], "parameters": {"binary_data_size": 1}}]}
+        body, headers = _binary(doc, b"\x01")
+        assert decode_infer_request(body, headers[INFER_HEADER_CONTENT_LENGTH], "m", "").signature is None
+        body, headers = _binary(doc, b"\x02")
+        with pytest.raises(InferenceError, match="0 or 1"):
+            decode_infer_request(body, headers[INFER_HEADER_CONTENT_LENGTH], "m", "")
+
+    def test_json_requests_have_no_signature(self):
+        doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
+        assert decode_infer_request(orjson.dumps(doc), None, "m", "").signature is None

@@ -6,7 +6,7 @@ import pytest
 
 from executor.model_config import ModelConfig, TensorSpec
 from executor.types import ErrorKind, InferenceError, InferRequest, InferTensor, RequestedOutput
-from executor.validation import prepare
+from executor.validation import PreparedCache, prepare
 
 BATCHING = ModelConfig(name="m", max_batch_size=8,
                        inputs=(TensorSpec("a", "FP32", (4,)), TensorSpec("b", "INT64", (-1,))),
@@ -50,3 +50,36 @@ def test_bad_requests_are_invalid_argument(inputs, outputs, message):
 def test_fixed_shape_mismatch():
     with pytest.raises(InferenceError, match="Expected \\[2,3\\], got \\[1,2,3\\]"):
         prepare(FIXED, InferRequest("f", [t("a", "FP32", (1, 2, 3))]))
+
+
+class TestPreparedCache:
+    SIG = object()
+
+    def _request(self, rows, signature=SIG, b_len=7):
+        return InferRequest("m", [t("b", "INT64", (rows, b_len)), t("a", "FP32", (rows, 4))], signature=signature)
+
+    def test_same_signature_reuses_the_validation_and_takes_this_requests_arrays(self):
+        cache = PreparedCache(BATCHING)
+        first = cache.prepare(self._request(3))
+        second_request = self._request(3)
+        second = cache.prepare(second_request)
+        assert list(second.inputs) == ["a", "b"]  # the model's order, not the request's
+        assert second.inputs["a"] is second_request.inputs[1].data
+        assert second.inputs["b"] is second_request.inputs[0].data
+        assert (second.batch_rows, second.shape_key, second.output_names) == \
+            (first.batch_rows, first.shape_key, first.output_names)
+
+    def test_no_signature_and_bad_requests_are_validated_in_full(self):
+        cache = PreparedCache(BATCHING)
+        with pytest.raises(InferenceError, match="batch-size must be <= 8"):
+            cache.prepare(self._request(9, signature=None))
+        bad_sig = object()
+        for _ in range(2):  # a refused request is not remembered: its signature is refused every time
+            with pytest.raises(InferenceError, match="batch-size must be <= 8"):
+                cache.prepare(self._request(9, signature=bad_sig))
+
+    def test_a_full_cache_starts_over(self):
+        cache = PreparedCache(BATCHING, capacity=2)
+        for _ in range(5):
+            assert cache.prepare(self._request(2, signature=object())).batch_rows == 2
+        assert len(cache._known) <= 2

@@ -1,0 +1,181 @@
+"""executor.scheduler.ModelScheduler against a scripted worker: the callback API, cancellation, and the order of
+events when a batch finishes (the next batch goes to the instance before the finished one is answered)."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
+from executor.pool import InstanceHandle
+from executor.scheduler import ModelScheduler
+from executor.shm import Segment, new_segment_name
+from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+
+CONFIG = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)),),
+                     outputs=(TensorSpec("y", "FP32", (2,)),), dynamic_batching=DynamicBatching())
+
+
+class ScriptedWorker:
+    """Records the batches the scheduler sends; the test answers them, computing y = 2x from shared memory."""
+
+    def __init__(self, log: list):
+        self.log = log
+        self.pending: list[tuple[dict, object]] = []
+        self.polls = 0
+
+    def submit(self, msg, callback):
+        self.log.append(("dispatch", msg["inputs"][0][2][0]))
+        self.pending.append((msg, callback))
+
+    def poll(self):
+        self.polls += 1
+
+    def finish(self, inst: InstanceHandle) -> None:
+        msg, callback = self.pending.pop(0)
+        name, _, shape, offset, _ = msg["inputs"][0]
+        x = inst.in_seg.ndarray(offset, shape, np.float32)
+        inst.out_seg.ndarray(0, shape, np.float32)[...] = 2 * x
+        callback({"op": "done", "seq": 0, "ovf_seg": "", "input_ns": 1, "infer_ns": 2, "output_ns": 3,
+                  "outputs": [("y", "FP32", shape, 0, int(np.prod(shape)) * 4)]})
+
+
+@pytest.fixture
+def setup():
+    log: list = []
+    worker = ScriptedWorker(log)
+    inst = InstanceHandle(key="m/1/0", model="m", version="1", index=0, device_id="cpu", model_path="",
+                          config=CONFIG, estimate_bytes=0, worker=worker, ready=True,
+                          in_seg=Segment.create(new_segment_name("in"), 1 << 16),
+                          out_seg=Segment.create(new_segment_name("out"), 1 << 16))
+    scheduler = ModelScheduler(CONFIG, "1")
+    scheduler.add_instance(inst)
+    yield scheduler, inst, worker, log
+    inst.close_segments()
+
+
+def _request(value: float, rows: int = 1) -> InferRequest:
+    return InferRequest("m", [InferTensor("x", "FP32", (rows, 2), np.full((rows, 2), value, np.float32))])
+
+
+def test_next_batch_is_dispatched_before_the_finished_one_is_answered(setup):
+    scheduler, inst, worker, log = setup
+
+    async def run():
+        answers = {}
+
+        def done(tag):
+            def record(result):
+                log.append(("answer", tag))
+                answers[tag] = result
+            return record
+
+        scheduler.submit(_request(1.0), done("a"))  # alone: dispatched at once (instance free)
+        scheduler.submit(_request(2.0), done("b"))  # the instance is busy: these two queue
+        scheduler.submit(_request(3.0), done("c"))
+        assert log == [("dispatch", 1)]
+        worker.finish(inst)
+        # b and c went to the instance before a was answered: the worker computes while answers are written.
+        assert log == [("dispatch", 1), ("dispatch", 2), ("answer", "a")]
+        worker.finish(inst)
+        assert log[-2:] == [("answer", "b"), ("answer", "c")]
+        for tag, value in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+            assert isinstance(answers[tag], InferResponse)
+            np.testing.assert_array_equal(answers[tag].outputs[0].data, [[2 * value, 2 * value]])
+        # The answers are copies: the next batch reuses the output region.
+        worker_free_run = scheduler.submit(_request(9.0), done("d"))
+        worker.finish(inst)
+        np.testing.assert_array_equal(answers["a"].outputs[0].data, [[2.0, 2.0]])
+        assert worker_free_run.finished
+        await scheduler.wait_idle()
+
+    asyncio.run(run())
+    st = scheduler.stats
+    assert (st.success.count, st.queue.count, st.compute_infer.count, st.execution_count) == (4, 4, 4, 3)
+    assert st.compute_infer.ns == 4 * 2  # each request counts its batch's infer time once
+
+
+def test_bad_input_raises_at_once_and_queues_nothing(setup):
+    scheduler, _, _, log = setup
+
+    async def run():
+        bad = InferRequest("m", [InferTensor("x", "FP32", (1, 3), np.zeros((1, 3), np.float32))])
+        with pytest.raises(InferenceError) as e:
+            scheduler.submit(bad, lambda r: pytest.fail("answered"))
+        assert e.value.kind is ErrorKind.INVALID_ARGUMENT
+        assert scheduler.pending_requests == 0 and log == []
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_queued_request_never_runs_and_is_never_answered(setup):
+    scheduler, inst, worker, log = setup
+
+    async def run():
+        answered = []
+        scheduler.submit(_request(1.0), answered.append)
+        queued = scheduler.submit(_request(2.0), lambda r: pytest.fail("a cancelled request was answered"))
+        scheduler.cancel(queued)
+        worker.finish(inst)
+        assert len(answered) == 1 and log == [("dispatch", 1)]
+        assert scheduler.pending_requests == 0
+
+    asyncio.run(run())
+
+
+def test_infer_wraps_submit_and_cancelling_it_dequeues(setup):
+    scheduler, inst, worker, log = setup
+
+    async def run():
+        first = asyncio.ensure_future(scheduler.infer(_request(1.0)))
+        second = asyncio.ensure_future(scheduler.infer(_request(2.0)))
+        await asyncio.sleep(0)  # both coroutines run up to their await
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        worker.finish(inst)
+        result = await first
+        np.testing.assert_array_equal(result.outputs[0].data, [[2.0, 2.0]])
+        assert log == [("dispatch", 1)] and scheduler.pending_requests == 0
+
+    asyncio.run(run())
+
+
+def test_a_failed_batch_fails_each_request_with_the_workers_error(setup):
+    scheduler, inst, worker, _ = setup
+
+    async def run():
+        results = []
+        scheduler.submit(_request(1.0), results.append)
+        _, callback = worker.pending.pop(0)
+        callback({"op": "failed", "seq": 0, "kind": "INTERNAL", "error": "boom"})
+        assert isinstance(results[0], InferenceError) and "boom" in results[0].message
+
+    asyncio.run(run())
+
+
+def test_worker_is_polled_while_requests_arrive_with_a_batch_running(setup):
+    scheduler, inst, worker, _ = setup
+
+    async def run():
+        scheduler.submit(_request(1.0), lambda r: None)
+        assert worker.polls == 1  # a batch was running when it was submitted
+        worker.finish(inst)
+
+    asyncio.run(run())
+
+
+def test_an_answer_callback_that_raises_does_not_stop_the_others(setup, caplog):
+    scheduler, inst, worker, _ = setup
+
+    async def run():
+        got = []
+        scheduler.submit(_request(1.0), lambda r: None)
+        scheduler.submit(_request(2.0), lambda r: 1 / 0)
+        scheduler.submit(_request(3.0), got.append)
+        worker.finish(inst)
+        worker.finish(inst)
+        assert len(got) == 1 and isinstance(got[0], InferResponse)
+
+    asyncio.run(run())
+    assert any("answering request" in r.message for r in caplog.records)
