@@ -98,27 +98,42 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
         raise LookupError(encoding)
     error: Exception | None = None
     for wbits in attempts:
-        d = zlib.decompressobj(wbits)
         try:
-            out = d.decompress(body, limit + 1)
-            if len(out) > limit or d.unconsumed_tail:
-                raise BodyTooLarge(f"request body inflates to more than the limit of {limit} bytes")
-            if not d.eof:
-                raise ValueError("the compressed body is truncated")
-            return out
+            return _inflate_members(body, wbits, limit, several=encoding == "gzip")
         except zlib.error as e:
             error = e
     raise ValueError(str(error))
 
 
+def _inflate_members(data: bytes, wbits: int, limit: int, several: bool) -> bytes:
+    """A gzip body may be several members one after the other (RFC 1952); deflate is one stream."""
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(data, limit - size + 1)
+        size += len(out)
+        if size > limit or d.unconsumed_tail:
+            raise BodyTooLarge(f"request body inflates to more than the limit of {limit} bytes")
+        if not d.eof:
+            raise ValueError("the compressed body is truncated")
+        parts.append(out)
+        data = d.unused_data
+        if not data:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if not several:
+            raise ValueError(f"{len(data)} bytes follow the end of the compressed stream")
+
+
 class _Slot:
     """One request's place in its connection's answer order (pipelining)."""
-    __slots__ = ("data", "close", "done")
+    __slots__ = ("data", "close", "done", "http10_keep_alive")
 
     def __init__(self) -> None:
         self.data: bytes | list[bytes] | None = None
         self.close = False
         self.done = False
+        self.http10_keep_alive = False
 
 
 class _Connection(asyncio.Protocol):
@@ -128,6 +143,9 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.slots: deque[_Slot] = deque()
         self.closing = False  # no more requests: close once the outstanding answers are written
+        self.refusing = False  # a body was refused (413): no later request on this connection is handled
+        self.draining = False  # reading and dropping the refused body before closing
+        self.pending_continue = False  # a 100 Continue waits for the earlier answers to go out first
         self.reading = True
         self.writable = True
         self.last_activity_s = 0.0
@@ -138,7 +156,6 @@ class _Connection(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self.body_parts: list[bytes] = []
         self.body_size = 0
-        self.rejected = False  # this message was already answered (413): its body is read and dropped, then we close
         self.discarded_bytes = 0
 
     # --- transport callbacks ---------------------------------------------------------------------------------
@@ -161,7 +178,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_activity_s = self.server.loop.time()
-        if self.closing and not self.slots and not self.rejected:
+        if self.closing and not self.slots and not self.draining:
             return
         try:
             self.parser.feed_data(data)
@@ -169,7 +186,7 @@ class _Connection(asyncio.Protocol):
             # The request before the upgrade was dispatched already; we speak only HTTP/1.1.
             self._stop_after_answers()
         except Exception as e:
-            if self.rejected or self.closing:
+            if self.refusing or self.closing:
                 return
             message = str(e.__context__ or e) or type(e).__name__
             self._answer_and_close(400, f"malformed HTTP request: {message}")
@@ -197,15 +214,21 @@ class _Connection(asyncio.Protocol):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        if self.refusing:
+            return
         length = self.headers.get("content-length")
         limit = self.server.max_body_bytes
         if length is not None and length.isdigit() and int(length) > limit:
             self._reject(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
-        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
-            self.transport.write(_CONTINUE)
+        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None \
+                and self.parser.get_http_version() == "1.1":  # RFC 9110 15.2: no 1xx to an HTTP/1.0 client
+            if self.slots:  # earlier pipelined answers go first
+                self.pending_continue = True
+            else:
+                self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
-        if self.rejected:
+        if self.refusing:
             # Drop the rest of a refused body rather than close on it at once: closing with unread data makes the
             # kernel reset the connection, and the client would see a reset instead of our 413.
             self.discarded_bytes += len(body)
@@ -220,9 +243,11 @@ class _Connection(asyncio.Protocol):
         self.body_parts.append(body)
 
     def on_message_complete(self) -> None:
-        if self.rejected:
-            if self.transport is not None:
-                self.transport.close()
+        if self.refusing:
+            if self.draining:  # the refused body has been read: close once the answers before it are out
+                self.draining = False
+                if not self.slots and self.transport is not None:
+                    self.transport.close()
             return
         parts = self.body_parts
         body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -236,6 +261,7 @@ class _Connection(asyncio.Protocol):
                               self.parser.should_keep_alive())
         slot = _Slot()
         slot.close = not request.keep_alive
+        slot.http10_keep_alive = request.keep_alive and self.parser.get_http_version() == "1.0"
         self.slots.append(slot)
         if len(self.slots) >= _MAX_PIPELINED:
             self._pause_reading()
@@ -282,6 +308,8 @@ class _Connection(asyncio.Protocol):
         if close:
             extra += b"Connection: close\r\n"
             slot.close = True
+        elif slot.http10_keep_alive:  # an HTTP/1.0 client keeps the connection only when told so
+            extra += b"Connection: keep-alive\r\n"
         if head_only:
             slot.data = head + extra + b"\r\n"
         elif len(body) <= 65536:
@@ -292,6 +320,7 @@ class _Connection(asyncio.Protocol):
         if slots[0] is not slot:
             return  # an earlier pipelined request is still running: it goes out first
         transport = self.transport
+        self.last_activity_s = self.server.loop.time()  # idle time counts from the last answer too
         while slots and slots[0].done:
             s = slots.popleft()
             if isinstance(s.data, list):
@@ -303,17 +332,22 @@ class _Connection(asyncio.Protocol):
                 slots.clear()
                 transport.close()
                 return
-        if self.closing and not slots and not self.rejected:
+        if self.closing and not slots and not self.draining:
             transport.close()
             return
+        if self.pending_continue and not slots:
+            self.pending_continue = False
+            transport.write(_CONTINUE)
         if not self.reading and len(slots) < _MAX_PIPELINED // 2:
             self._maybe_resume_reading()
         if not slots:
             self.server._maybe_idle()
 
     def _reject(self, status: int, message: str) -> None:
-        """Answer now, before the body has been read; the body is then dropped and the connection closed."""
-        self.rejected = True
+        """Answer (after any earlier pipelined answers) before the body has been read; the body is then read and
+        dropped, and the connection closed."""
+        self.refusing = True
+        self.draining = True
         self.closing = True
         slot = _Slot()
         self.slots.append(slot)
