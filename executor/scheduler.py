@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np

@@ -60,15 +60,6 @@ _JSON_KINDS: dict[str, str] = {
 _KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers", "U": "strings", "O": "mixed values"}
 
 
-class HttpError(Exception):
-    """An error with an HTTP status outside ErrorKind (413, 404 route, 405); the message goes to the client."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 def _invalid(message: str) -> InferenceError:
     return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
 
@@ -515,8 +506,6 @@ class HttpApi:
         """Every failure becomes `{"error": ...}`: clients (tritonclient reads `error`) never see anything else."""
         if isinstance(exc, InferenceError):
             respond(exc.http_status, error_body(exc.message))
-        elif isinstance(exc, HttpError):
-            respond(exc.status, error_body(exc.message))
         else:  # a bug somewhere below us: answer 500 and keep serving
             log.error("unexpected error serving %s %s", request.method, request.path, exc_info=exc)
             respond(500, error_body(f"internal error: {type(exc).__name__}: {exc}"))
