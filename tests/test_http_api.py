@@ -555,3 +555,34 @@ class TestHeaderPlans:
     def test_json_requests_have_no_signature(self):
         doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
         assert decode_infer_request(orjson.dumps(doc), None, "m", "").signature is None
+
+    def test_answers_to_a_known_header_reuse_the_encoded_response_header(self):
+        x, k = np.arange(4, dtype=np.float32), np.array([5, 6], dtype=np.int64)
+        bodies = []
+        for scale in (1, 2, 3):
+            request = self._decode(x * scale, k)
+            y = InferTensor("y", "FP32", (2, 2), (x * scale).reshape(2, 2))
+            encoded = encode_infer_response(InferResponse("m", "3", [y]), request)
+            result = httpclient.InferResult.from_response_body(
+                encoded.body, header_length=int(encoded.headers[INFER_HEADER_CONTENT_LENGTH]))
+            np.testing.assert_array_equal(result.as_numpy("y"), (x * scale).reshape(2, 2))
+            assert result.get_response()["id"] == "r1"
+            bodies.append(encoded.body)
+        assert len(request.signature.answers) == 1  # one header, encoded once, reused twice
+        # Another output shape is another header.
+        y = InferTensor("y", "FP32", (1, 4), x.reshape(1, 4))
+        encoded = encode_infer_response(InferResponse("m", "3", [y]), request)
+        result = httpclient.InferResult.from_response_body(
+            encoded.body, header_length=int(encoded.headers[INFER_HEADER_CONTENT_LENGTH]))
+        assert result.as_numpy("y").shape == (1, 4)
+
+    def test_json_outputs_are_never_cached(self):
+        doc = {**self.DOC, "outputs": [{"name": "y", "parameters": {"binary_data": False}}], "id": "j"}
+        x, k = np.arange(4, dtype=np.float32), np.array([5, 6], dtype=np.int64)
+        body, headers = _binary(doc, x.tobytes() + k.tobytes())
+        for scale in (1, 2):
+            request = decode_infer_request(body, headers[INFER_HEADER_CONTENT_LENGTH], "m", "")
+            y = InferTensor("y", "FP32", (2, 2), (x * scale).reshape(2, 2))
+            encoded = encode_infer_response(InferResponse("m", "1", [y]), request)
+            assert orjson.loads(encoded.body)["outputs"][0]["data"] == (x * scale).tolist()
+        assert request.signature.answers == {}
