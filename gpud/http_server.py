@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
-            417: "Expectation Failed", 429: "Too Many Requests", 500: "Internal Server Error",
+            417: "Expectation Failed", 431: "Request Header Fields Too Large", 429: "Too Many Requests", 500: "Internal Server Error",
             501: "Not Implemented", 503: "Service Unavailable", 504: "Gateway Timeout"}
 _STATUS_LINES: dict[int, bytes] = {}
 JSON = "application/json"
@@ -39,6 +39,7 @@ JSON = "application/json"
 _HEAD_CACHE: dict[tuple[int, str], bytes] = {}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 32  # answers outstanding on one connection before we stop reading from it
+_MAX_HEAD_BYTES = 64 * 1024  # request line and headers together (aiohttp allows 8 KiB a line; nginx 32 KiB in all)
 _MAX_DISCARD_BYTES = 64 * 2**20  # of a refused (413) body read and dropped before closing on the client
 
 
@@ -86,6 +87,10 @@ def error_body(message: str) -> bytes:
 
 class BodyTooLarge(Exception):
     pass
+
+
+class _HeadTooLarge(Exception):
+    """Raised inside a parser callback to stop parsing a request whose head is over the limit (already answered)."""
 
 
 def inflate(body: bytes, encoding: str, limit: int) -> bytes:
@@ -157,6 +162,7 @@ class _Connection(asyncio.Protocol):
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.discarded_bytes = 0
+        self.head_bytes = 0
 
     # --- transport callbacks ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -209,9 +215,20 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self.head_bytes += len(url)
+        if self.head_bytes > _MAX_HEAD_BYTES:
+            self._head_too_large("request line")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > _MAX_HEAD_BYTES:
+            self._head_too_large("request headers")
+
+    def _head_too_large(self, what: str) -> None:
+        """llhttp sets no bound on a request's head: without one a client could grow it without end."""
+        self._answer_and_close(431, f"{what} longer than {_MAX_HEAD_BYTES} bytes")
+        raise _HeadTooLarge
 
     def on_headers_complete(self) -> None:
         if self.refusing:

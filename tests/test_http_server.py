@@ -981,3 +981,24 @@ def test_respond_after_the_client_closed_is_harmless(server):
     fresh = server.connect()
     fresh.send(req("GET", "/alive"))
     assert fresh.read_response().body == b"/alive"
+
+
+@pytest.mark.parametrize("where", ["headers", "url"])
+def test_request_head_over_64_kib_is_431_and_closed(server, where):
+    # llhttp bounds nothing: without gpud's own limit a client could grow a request's head without end.
+    c = server.connect()
+    if where == "headers":
+        c.send(req("GET", "/big", headers=[(f"X-Filler-{i}", "v" * 1000) for i in range(70)]))
+    else:
+        c.send(req("GET", "/" + "a" * 70_000))
+    r = c.read_response()
+    assert r.status == 431 and r.headers["connection"] == "close"
+    assert "longer than 65536 bytes" in error_of(r)
+    c.read_eof()
+    assert server.requests == []  # never handed to the handler
+
+
+def test_request_head_just_under_the_limit_is_served(server):
+    c = server.connect()
+    c.send(req("GET", "/ok", headers=[(f"X-Filler-{i}", "v" * 1000) for i in range(60)]))
+    assert c.read_response().status == 200
