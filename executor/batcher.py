@@ -36,11 +36,16 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
      waited max_queue_delay_us (Ray Serve and Triton both time the window from the first request, not the last).
   6. gpud, no pointless waiting: when the queue holds this one request only and an instance is free, dispatch it
      (nothing can join it sooner than a new request arrives; at low load we must not pay the batching delay).
+     With quiet_dispatch, not when it arrived in a stream (less than rule 7b's quiet time after the previous
+     arrival): under a flood the queue empties for a moment between batches, and dispatching the first newcomer
+     alone would occupy the instance with a batch of one while the rest of the stream queues behind it; rule 7
+     then dispatches it within the quiet time, or with the others.
   7. gpud, nobody else is coming soon (only with quiet_dispatch=True), with an instance free: dispatch instead of
-     waiting out the delay when (a) the queue holds at least as many rows as the previous batch had (in a closed
-     loop, the clients answered by that batch have all come back), or (b) no request has arrived for `quiet_factor`
-     times the typical gap between arrivals that queued behind others (an EWMA). Closed-loop clients fewer than the
-     preferred batch size would otherwise pay the full max_queue_delay on every batch.
+     waiting out the delay when (a) the queue holds at least as many rows as recent batches had (smoothed, the
+     newest weighing 0.2: in a closed loop, the clients answered by those batches have all come back), or (b) no
+     request has arrived for `quiet_factor` times the typical gap between arrivals that queued behind others (an
+     EWMA). Closed-loop clients fewer than the preferred batch size would otherwise pay the full max_queue_delay on
+     every batch.
   8. Otherwise `Wait(until_s = min(oldest enqueue + max_queue_delay, quiet time, earliest deadline))`.
 
 Queue policy (Triton's ModelQueuePolicy, per priority level, `core/src/scheduler_utils.cc`):
@@ -77,6 +82,7 @@ QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
 REQUEST_TIMEOUT_MESSAGE = "Request timeout expired"
 
 _TIMEOUT_ACTIONS = ("REJECT", "DELAY")
+_BATCH_ROWS_SMOOTHING = 0.2  # EWMA weight of the newest batch in rule 7a's "rows of recent batches"
 
 
 def timeout_error() -> InferenceError:
@@ -336,7 +342,8 @@ class BatchQueue:
         self._gap_smoothing = gap_smoothing
         self._last_arrival_s: float | None = None
         self._gap_ewma_s: float | None = None  # typical gap between arrivals that found others queued
-        self._last_batch_rows = 0  # rows of the previous dispatched batch (rule 7a)
+        self._lone_gap_s: float | None = None  # gap between the latest arrival and the one before it
+        self._last_batch_rows = 0.0  # rows of recent batches, smoothed (rule 7a); 0 = none yet
         self._levels: dict[int, _Level] = {}
         self._all: dict[QueuedRequest, None] = {}  # every queued request in enqueue order: first = oldest
         self._pending_rows = 0
@@ -410,6 +417,7 @@ class BatchQueue:
             )
 
         now_s = self._clock()
+        self._lone_gap_s = None if self._last_arrival_s is None else now_s - self._last_arrival_s
         if self._all and self._last_arrival_s is not None:
             # Only gaps inside a burst (others still queued) say how fast requests join a forming batch.
             gap_s = max(0.0, now_s - self._last_arrival_s)
@@ -493,10 +501,13 @@ class BatchQueue:
         delay_ends_s = self._delay_ends_s(db)
         delay_exceeded = db.max_queue_delay_us > 0 and now_s >= delay_ends_s
         quiet_ends_s = None
+        lone = cfg.dispatch_lone_request and len(self._all) == 1
         if self._quiet_dispatch and self._last_arrival_s is not None:
             wait_s = quiet_wait_s(self._gap_ewma_s, self._quiet_factor, self._min_quiet_s)
             if wait_s is not None:
                 quiet_ends_s = self._last_arrival_s + wait_s
+                if lone and self._lone_gap_s is not None and self._lone_gap_s < wait_s:
+                    lone = False  # it came in a stream: rule 7 decides
         choice = choose_dispatch(
             [r.batch_rows for r in candidate],
             blocked=blocked,
@@ -504,7 +515,7 @@ class BatchQueue:
             preferred_batch_sizes=db.preferred_batch_sizes,
             max_queue_delay_us=db.max_queue_delay_us,
             delay_exceeded=delay_exceeded,
-            lone=cfg.dispatch_lone_request and len(self._all) == 1,
+            lone=lone,
             quiet=(quiet_ends_s is not None and now_s >= quiet_ends_s)
             or (self._quiet_dispatch and 0 < self._last_batch_rows <= self._pending_rows),
         )
@@ -538,7 +549,10 @@ class BatchQueue:
         for req in requests:
             self._forget(req)
         rows = sum(r.batch_rows for r in requests)
-        self._last_batch_rows = rows
+        # Smoothed, not the last batch alone: one small batch (a lone request between bursts) must not make every
+        # following batch leave as soon as it is that small, which ratchets a flood down to batches of one or two.
+        prev = self._last_batch_rows
+        self._last_batch_rows = rows if prev <= 0 else prev + _BATCH_ROWS_SMOOTHING * (rows - prev)
         return Dispatch(requests=tuple(requests), rows=rows, reason=reason)
 
     def _forget(self, req: QueuedRequest) -> None:

@@ -963,6 +963,59 @@ class TestQuietDispatch:
         clock.advance(1.0)
         assert q.decide(0) == Idle()
 
+    def _full_batch_in_a_stream(self, q, clock):
+        """a, b 100 us apart, then c with 14 rows at once: gap EWMA 50 us, a batch of 16 (preferred) leaves."""
+        q.enqueue(req("a"))
+        clock.advance(100e-6)
+        q.enqueue(req("b"))               # gap 100 us -> ewma 100 us
+        q.enqueue(req("c", rows=14))      # gap 0 -> ewma 50 us
+        d = q.decide(1)
+        assert (d.rows, d.reason) == (16, DispatchReason.PREFERRED)
+
+    def test_a_request_arriving_in_a_stream_does_not_go_alone(self, clock):
+        # Under a flood the queue empties for a moment after each batch; the next arrival must not take the free
+        # instance alone (a batch of one) while the rest of the stream queues behind it.
+        q = self.quiet(clock)
+        self._full_batch_in_a_stream(q, clock)
+        clock.advance(50e-6)
+        q.enqueue(req("d"))               # 50 us after c: less than the quiet time, max(50 us, 4 x 50 us) = 200 us
+        assert q.decide(1) == Wait(until_s=pytest.approx(150e-6 + 200e-6))
+        clock.advance(200e-6)
+        d = q.decide(1)                   # nobody came: it goes alone after all, within the quiet time
+        assert (names(d.requests), d.reason) == (["d"], DispatchReason.QUIET)
+
+    def test_a_request_after_a_pause_still_goes_alone_at_once(self, clock):
+        q = self.quiet(clock)
+        self._full_batch_in_a_stream(q, clock)
+        clock.advance(1.0)
+        q.enqueue(req("d"))               # a second after the last arrival: rule 6 as before
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["d"], DispatchReason.LONE)
+
+    def test_one_small_batch_does_not_set_the_size_of_the_next(self, clock):
+        # Rule 7a compares with recent batches' rows smoothed (weight 0.2 for the newest), not the last batch alone:
+        # after batches of 16, one batch of 1 leaves the bar at 13, so two queued rows wait for quiet or more rows.
+        q = self.quiet(clock)
+        self._full_batch_in_a_stream(q, clock)
+        clock.advance(1.0)
+        q.enqueue(req("d"))
+        assert q.decide(1).reason is DispatchReason.LONE   # bar: 16 + 0.2 * (1 - 16) = 13
+        q.enqueue(req("e"))
+        assert q.decide(0) == Idle()
+        q.enqueue(req("f"))
+        assert isinstance(q.decide(1), Wait)               # 2 rows < 13: not "everyone is back"
+        for name in "ghijklmnopq":
+            q.enqueue(req(name))
+        d = q.decide(1)                                    # 13 rows queued: those clients are back
+        assert (d.rows, d.reason) == (13, DispatchReason.QUIET)
+
+    def test_rule_6_is_unconditional_without_quiet_dispatch(self, clock):
+        q = make(clock, max_batch_size=16, dynamic_batching=self.DB)
+        self._full_batch_in_a_stream(q, clock)
+        clock.advance(50e-6)
+        q.enqueue(req("d"))
+        assert q.decide(1).reason is DispatchReason.LONE
+
     def test_off_by_default_for_tritons_semantics(self, clock):
         q = make(clock, max_batch_size=16, dynamic_batching=self.DB)
         q.enqueue(req("a"))
