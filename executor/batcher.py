@@ -517,7 +517,7 @@ class BatchQueue:
             delay_exceeded=delay_exceeded,
             lone=lone,
             quiet=(quiet_ends_s is not None and now_s >= quiet_ends_s)
-            or (self._quiet_dispatch and 0 < self._last_batch_rows <= self._pending_rows),
+            or (self._quiet_dispatch and 0 < round(self._last_batch_rows) <= self._pending_rows),
         )
         if choice is not None:
             n, reason = choice
@@ -551,6 +551,7 @@ class BatchQueue:
         rows = sum(r.batch_rows for r in requests)
         # Smoothed, not the last batch alone: one small batch (a lone request between bursts) must not make every
         # following batch leave as soon as it is that small, which ratchets a flood down to batches of one or two.
+        # Compared rounded: approaching a steady size from above, the average stays a fraction over it for long.
         prev = self._last_batch_rows
         self._last_batch_rows = rows if prev <= 0 else prev + _BATCH_ROWS_SMOOTHING * (rows - prev)
         return Dispatch(requests=tuple(requests), rows=rows, reason=reason)

@@ -177,6 +177,7 @@ class WorkerHandle:
             self._reading = False
 
     def _read(self, conn: Connection, rsock: socket.socket) -> None:
+        dead = False
         try:
             while True:
                 try:
@@ -189,27 +190,32 @@ class WorkerHandle:
                 if len(data) < _READ_CHUNK:
                     break
         except (EOFError, OSError):
+            dead = True  # but first the replies that arrived before the end: a finished batch is not a failed one
+        self._handle_frames(conn)
+        if dead and self.conn is conn:
             self._on_death()
-            return
+
+    def _handle_frames(self, conn: Connection) -> None:
         buf = self._rbuf
-        start = 0
-        while len(buf) - start >= 4:
-            size = int.from_bytes(buf[start:start + 4], "big", signed=True)
+        while len(buf) >= 4:
+            size = int.from_bytes(buf[:4], "big", signed=True)
             head = 4
             if size == -1:
-                if len(buf) - start < 12:
-                    break
-                size = int.from_bytes(buf[start + 4:start + 12], "big")
+                if len(buf) < 12:
+                    return
+                size = int.from_bytes(buf[4:12], "big")
                 head = 12
-            end = start + head + size
+            end = head + size
             if end > len(buf):
-                break
-            msg = pickle.loads(buf[start + head:end])
-            start = end
-            self._handle(msg)
+                return
+            msg = pickle.loads(buf[head:end])
+            del buf[:end]  # before handling: a handler that raises must not get its message again
+            try:
+                self._handle(msg)
+            except Exception:  # a callback's bug must not strand the replies behind it
+                log.exception("device %s: handling the worker's %r message failed", self.device.id, msg.get("op"))
             if self.conn is not conn:  # the handler stopped or replaced the worker
                 return
-        del buf[:start]
 
     def poll(self) -> None:
         """Handle replies already waiting on the pipe, without blocking. Under a flood of requests the event loop

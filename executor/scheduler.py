@@ -62,6 +62,7 @@ class _Pending:
         if self.finished:
             return
         self.finished = True
+        self.queued = None
         try:
             self.done(result)
         except Exception:  # one front end's bug must not stop the rest of the batch from being answered
@@ -147,6 +148,8 @@ class ModelScheduler:
         pending.finished = True
         if pending.queued is not None:
             self.queue.remove(pending.queued)
+            pending.queued = None
+            self._notify_if_idle()  # the queue may just have emptied: a shutdown waiting for idle goes on
 
     async def infer(self, request: InferRequest) -> InferResponse:
         future = asyncio.get_running_loop().create_future()
@@ -172,6 +175,8 @@ class ModelScheduler:
             decision = self.queue.decide(len(self._free))
             if isinstance(decision, Dispatch):
                 batch = [q.payload for q in decision.requests if not q.payload.finished]
+                for p in batch:
+                    p.queued = None  # out of the queue; and no cycle (queued.payload is p) keeping the body alive
                 if batch:
                     self._run(self._free.popleft(), batch)
                 continue

@@ -1009,6 +1009,28 @@ class TestQuietDispatch:
         d = q.decide(1)                                    # 13 rows queued: those clients are back
         assert (d.rows, d.reason) == (13, DispatchReason.QUIET)
 
+    def test_the_smoothed_bar_reaches_a_new_steady_batch_size(self, clock):
+        # From batches of 16 down to a steady 8 the average approaches 8 from above and never equals it; compared
+        # rounded, 8 queued rows go at once again after a dozen batches instead of waiting for quiet each time.
+        q = self.quiet(clock)
+        self._full_batch_in_a_stream(q, clock)
+        waited = []
+        for _ in range(15):
+            clock.advance(1.0)
+            for i in range(8):
+                q.enqueue(req(f"r{i}"))
+            d = q.decide(1)
+            if isinstance(d, Wait):
+                waited.append(True)
+                clock.advance(d.until_s - clock())
+                d = q.decide(1)
+            assert d.rows == 8
+        assert waited and len(waited) < 15
+        clock.advance(1.0)
+        for i in range(8):
+            q.enqueue(req(f"s{i}"))
+        assert q.decide(1).rows == 8  # at once
+
     def test_rule_6_is_unconditional_without_quiet_dispatch(self, clock):
         q = make(clock, max_batch_size=16, dynamic_batching=self.DB)
         self._full_batch_in_a_stream(q, clock)

@@ -1,0 +1,130 @@
+"""executor.pool.WorkerHandle's non-blocking frame reader (_on_readable/_read/poll)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import select
+import socket
+from multiprocessing.connection import Connection
+
+import pytest
+
+from executor.onnxruntime_backend import WorkerDevice
+from executor.pool import _READ_CHUNK, ExecutorPool, InstanceHandle, WorkerHandle
+from executor.model_config import ModelConfig, TensorSpec
+from executor.types import InferenceError
+
+
+def _frame(obj) -> bytes:
+    payload = pickle.dumps(obj)
+    return len(payload).to_bytes(4, "big", signed=True) + payload
+
+
+def _frame_of_exactly(size: int, seq: int) -> bytes:
+    msg = {"op": "done", "seq": seq, "pad": b""}
+    pad = size - len(_frame(msg))
+    while True:
+        msg["pad"] = b"x" * pad
+        f = _frame(msg)
+        if len(f) == size:
+            return f
+        pad += size - len(f)
+
+
+@pytest.fixture
+def handle_and_peer():
+    ours, theirs = socket.socketpair()
+    for s in (ours, theirs):  # room for a whole read chunk without a reader on the other side
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    handle = WorkerHandle(WorkerDevice("cpu", "cpu", "", True), ExecutorPool([]))
+    handle.conn = Connection(ours.detach())
+    handle._rsock = socket.socket(fileno=os.dup(handle.conn.fileno()))
+    yield handle, theirs
+    handle._close_reader()
+    if handle.conn is not None:
+        handle.conn.close()
+    theirs.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fixed bugs (each test failed before its fix)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_replies_received_before_end_of_file_are_handled_first(handle_and_peer):
+    handle, theirs = handle_and_peer
+    seen, deaths = [], []
+    handle._handle = lambda msg: seen.append(msg["seq"])
+    handle._on_death = lambda: deaths.append(len(seen))
+    theirs.sendall(_frame_of_exactly(_READ_CHUNK, seq=1))  # the worker's last reply, then it exits
+    theirs.shutdown(socket.SHUT_WR)
+    handle._on_readable()
+    if not deaths:
+        handle._on_readable()
+    assert deaths == [1], f"the worker's death was handled with replies {seen} processed (expected [1] first)"
+
+
+def test_a_raising_handler_does_not_strand_the_next_reply(handle_and_peer):
+    handle, theirs = handle_and_peer
+    answered = []
+
+    def boom(msg):
+        raise RuntimeError("a callback bug")
+
+    handle._inflight = {1: boom, 2: answered.append}
+    theirs.sendall(_frame({"op": "done", "seq": 1}) + _frame({"op": "done", "seq": 2}))
+    handle._on_readable()  # the callback's error is logged; the reader goes on
+    assert answered == [{"op": "done", "seq": 2}], "reply 2 was read off the socket but never handled"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tricky cases that are handled correctly
+# ---------------------------------------------------------------------------------------------------------------------
+def test_poll_from_inside_a_reply_callback_does_not_reenter(handle_and_peer):
+    handle, theirs = handle_and_peer
+    order = []
+
+    def first(msg):
+        order.append(("start", msg["seq"]))
+        theirs.sendall(_frame({"op": "done", "seq": 3}))  # more arrives while we are handling
+        handle.poll()  # e.g. a done callback submitting a request: must not handle 2 or 3 inside 1
+        order.append(("end", msg["seq"]))
+
+    handle._inflight = {1: first, 2: lambda m: order.append(("cb", 2)), 3: lambda m: order.append(("cb", 3))}
+    theirs.sendall(_frame({"op": "done", "seq": 1}) + _frame({"op": "done", "seq": 2}))
+    handle._on_readable()
+    assert order == [("start", 1), ("end", 1), ("cb", 2)]
+    assert _readable(handle._rsock)  # 3 is still on the socket: the loop's reader gets it
+    handle._on_readable()
+    assert order[-1] == ("cb", 3) and not handle._inflight and not handle._reading
+
+
+def test_end_of_file_fails_in_flight_batches_after_marking_instances_unready(handle_and_peer):
+    handle, theirs = handle_and_peer
+    config = ModelConfig(name="m", max_batch_size=0, inputs=(TensorSpec("x", "FP32", (1,)),),
+                         outputs=(TensorSpec("y", "FP32", (1,)),))
+    inst = InstanceHandle(key="m/1/0", model="m", version="1", index=0, device_id="cpu", model_path="",
+                          config=config, estimate_bytes=0, worker=handle, ready=True)
+    handle.instances[inst.key] = inst
+    handle._stopping = True  # no restart in a unit test
+    events = []
+    inst.on_ready_change = lambda i: events.append(("ready", i.ready))
+    handle._inflight = {1: lambda r: events.append(("reply", r["seq"])),
+                        2: lambda r: events.append(("failed", isinstance(r, InferenceError), inst.ready))}
+    handle.busy.begin()
+    handle.busy.begin()
+
+    async def run():
+        theirs.sendall(_frame({"op": "done", "seq": 1}))
+        theirs.shutdown(socket.SHUT_WR)
+        handle.poll()
+        handle.poll()  # nothing more from poll (batch 2 is still in flight): the end of file
+
+    asyncio.run(run())
+    assert events == [("reply", 1), ("ready", False), ("failed", True, False)]
+    assert handle.conn is None and handle._rsock is None and not handle._inflight
+    handle.poll()  # after the death: a no-op
