@@ -6,11 +6,10 @@ as numbers, so the gRPC adapter can `google.protobuf.json_format.ParseDict` them
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from executor.types import InferenceError, InferRequest, InferResponse
 
 
 class InferenceCore(Protocol):
@@ -68,18 +67,3 @@ class InferenceCore(Protocol):
         or unready model, bad input, full queue); otherwise `done` is called once, from the event loop, with the
         response or the error. The HTTP front end uses it so that a request costs no task."""
         ...
-
-
-def submit_via_infer(core: InferenceCore, request: InferRequest,
-                     done: Callable[[InferResponse | BaseException], None]) -> None:
-    """`submit` for a core that only has `infer` (test doubles): one task per request."""
-    task = asyncio.ensure_future(core.infer(request))
-
-    def finished(t: asyncio.Task) -> None:
-        if t.cancelled():
-            done(InferenceError(ErrorKind.UNAVAILABLE, "the request was cancelled"))
-        else:
-            exc = t.exception()
-            done(exc if exc is not None else t.result())
-
-    task.add_done_callback(finished)

@@ -7,6 +7,7 @@ Shared by the HTTP and gRPC adapter tests: extend it, keep `FakeCore()` construc
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,6 @@ import numpy as np
 
 from executor.model_config import numpy_dtype, triton_type
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
-from gpud.core_api import submit_via_infer
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
 
@@ -155,7 +155,16 @@ class FakeCore:
             raise InferenceError(ErrorKind.INTERNAL, f"adapter built a bad array for input '{name}'")
 
     def submit(self, request: InferRequest, done) -> None:
-        submit_via_infer(self, request, done)
+        """InferenceCore.submit over `infer`: one task per request (the real core needs none)."""
+        task = asyncio.ensure_future(self.infer(request))
+
+        def finished(t: asyncio.Task) -> None:
+            if t.cancelled():
+                done(InferenceError(ErrorKind.UNAVAILABLE, "the request was cancelled"))
+            else:
+                done(t.exception() or t.result())
+
+        task.add_done_callback(finished)
 
     async def infer(self, request: InferRequest) -> InferResponse:
         self.last_request = request
