@@ -352,33 +352,28 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> Enc
     `binary_data_output: true` (tritonclient sets the latter when no outputs are named).
     """
     plan = request.signature
-    if type(plan) is _BinaryPlan and not response.parameters:
-        key = (response.model_name, response.model_version, response.id,
-               tuple([(t.name, t.datatype, t.shape) for t in response.outputs]))
-        header = plan.answers.get(key)
-        if header is not None:
-            return EncodedResponse(b"".join([header, *[_wire_array(t) for t in response.outputs]]), _OCTET_STREAM,
-                                   {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
-        encoded = _encode_infer_response(response, request)
-        if encoded.headers and len(plan.answers) < 8 and all(t.datatype != "BYTES" for t in response.outputs) \
-                and not _any_json_output(response, request):
-            plan.answers[key] = encoded.body[:int(encoded.headers[INFER_HEADER_CONTENT_LENGTH])]
+    if type(plan) is not _BinaryPlan or response.parameters:
+        return _encode_infer_response(response, request)[0]
+    key = (response.model_name, response.model_version, response.id,
+           tuple([(t.name, t.datatype, t.shape) for t in response.outputs]))
+    header = plan.answers.get(key)
+    if header is None:
+        encoded, header = _encode_infer_response(response, request)
+        if header is not None and len(plan.answers) < 8:
+            plan.answers[key] = header
         return encoded
-    return _encode_infer_response(response, request)
+    return EncodedResponse(b"".join([header, *[_wire_array(t) for t in response.outputs]]), _OCTET_STREAM,
+                           {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
 
 
-def _any_json_output(response: InferResponse, request: InferRequest) -> bool:
-    default_binary = request.parameters.get("binary_data_output", False)
-    per_output = {o.name: o.parameters.get("binary_data") for o in request.outputs} if request.outputs else {}
-    return any(not (default_binary if per_output.get(t.name) is None else per_output[t.name])
-               for t in response.outputs)
-
-
-def _encode_infer_response(response: InferResponse, request: InferRequest) -> EncodedResponse:
+def _encode_infer_response(response: InferResponse, request: InferRequest) -> tuple[EncodedResponse, bytes | None]:
+    """The encoded response, and its JSON header when another response with the same outputs' names, datatypes and
+    shapes has that same header (every output binary and none BYTES, whose size depends on the data)."""
     default_binary = request.parameters.get("binary_data_output", False)
     per_output = {o.name: o.parameters.get("binary_data") for o in request.outputs} if request.outputs else {}
     outputs_json: list[dict[str, Any]] = []
     buffers: list[Any] = []
+    reusable = True
     for tensor in response.outputs:
         binary = per_output.get(tensor.name)
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
@@ -386,8 +381,10 @@ def _encode_infer_response(response: InferResponse, request: InferRequest) -> En
             data, nbytes = _binary_output(tensor)
             entry["parameters"] = {"binary_data_size": nbytes}
             buffers.append(data)
+            reusable = reusable and tensor.datatype != "BYTES"
         else:
             entry["data"] = _json_output(tensor)
+            reusable = False
         outputs_json.append(entry)
 
     doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
@@ -398,10 +395,10 @@ def _encode_infer_response(response: InferResponse, request: InferRequest) -> En
     doc["outputs"] = outputs_json
     header = orjson.dumps(doc, option=_OPT_NUMPY)
     if not buffers:
-        return EncodedResponse(header, JSON, {})
+        return EncodedResponse(header, JSON, {}), None
     # One copy: join reads the arrays' buffers directly (no tobytes()).
-    return EncodedResponse(b"".join([header, *buffers]), _OCTET_STREAM,
-                           {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
+    return (EncodedResponse(b"".join([header, *buffers]), _OCTET_STREAM,
+                            {INFER_HEADER_CONTENT_LENGTH: str(len(header))}), header if reusable else None)
 
 
 def _wire_array(tensor: InferTensor) -> np.ndarray:
