@@ -245,15 +245,7 @@ class WorkerHandle:
 
     def _on_death(self) -> None:
         loop = asyncio.get_running_loop()
-        if self.conn is not None:
-            try:
-                loop.remove_reader(self.conn.fileno())
-            except (ValueError, OSError):
-                pass
-            self.conn.close()
-        self.conn = None
-        self._close_reader()
-        self.alive = False
+        self._disconnect()
         code = self.proc.wait() if self.proc is not None else None
         how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         err = InferenceError(ErrorKind.UNAVAILABLE,
@@ -341,6 +333,10 @@ class WorkerHandle:
             except asyncio.TimeoutError:
                 self._kill()
                 self.proc.wait()
+        self._disconnect()
+
+    def _disconnect(self) -> None:
+        """Stop reading the worker's pipe and close both descriptors on it."""
         if self.conn is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self.conn.fileno())
