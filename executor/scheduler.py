@@ -27,9 +27,9 @@ log = logging.getLogger("gpud.executor")
 
 
 BATCHING_MODE_PARAMETER = "gpud_batching"
+BATCHING_MODES = ("adaptive", "triton")
 # While requests pour in, look for finished batches at most this often (one non-blocking poll of the worker pipe).
 _POLL_INTERVAL_S = 50e-6
-BATCHING_MODES = ("adaptive", "triton")
 
 
 def batching_mode(config: ModelConfig) -> str:
