@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from typing import Any, Callable
@@ -118,6 +119,14 @@ class ModelScheduler:
     @property
     def ready_instances(self) -> int:
         return sum(1 for i in self.instances if i.ready)
+
+    @property
+    def has_ready_instance(self) -> bool:
+        """Whether any instance is ready: asked on every request, so it stops at the first."""
+        for inst in self.instances:
+            if inst.ready:
+                return True
+        return False
 
     @property
     def pending_requests(self) -> int:
@@ -250,7 +259,7 @@ class ModelScheduler:
                 dtype = numpy_dtype(spec.datatype)
                 rows = sum(a.shape[0] for a in parts) if self.config.batches else None
                 shape = ((rows,) + parts[0].shape[1:]) if rows is not None else parts[0].shape
-                nbytes = int(np.prod(shape)) * dtype.itemsize
+                nbytes = math.prod(shape) * dtype.itemsize
                 plans.append((name, spec.datatype, shape, parts, nbytes))
                 total += align(nbytes)
         inst.ensure_capacity(total)

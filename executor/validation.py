@@ -1,6 +1,8 @@
 """Checks a request against its model's configuration before it is queued (pure): bad input never reaches a worker."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +78,7 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
             key.append((spec.name, shape))
         data = t.data
         if data.shape != shape:
-            if data.size != int(np.prod(shape)):
+            if data.size != math.prod(shape):
                 raise _bad(f"input '{spec.name}': {data.size} elements given for shape {_fmt(shape)}")
             data = data.reshape(shape)
         inputs[spec.name] = data

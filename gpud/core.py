@@ -40,7 +40,7 @@ class VersionState:
 
     @property
     def ready(self) -> bool:
-        return self.state == "READY" and self.scheduler.ready_instances > 0
+        return self.state == "READY" and self.scheduler.has_ready_instance
 
 
 @dataclass(eq=False)
