@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import urllib.request
 
 import numpy as np
@@ -30,6 +31,16 @@ def cpu_seconds(procs) -> float:
     return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
 
 
+def read_stats(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)["model_stats"][0]
+
+
+def batch_infer_ns(stats: dict) -> int:
+    """Time inside the engine's run, summed over batches (batch_stats counts each execution once)."""
+    return sum(b["compute_infer"]["ns"] for b in stats.get("batch_stats", []))
+
+
 def one_point(args, workdir: str, repo: str, body_file: str, header_len: int, wrk: str) -> dict:
     ready = os.path.join(workdir, "gpud.ready")
     if os.path.exists(ready):  # the previous repetition's: GpudServer.start waits for this file to appear
@@ -39,21 +50,26 @@ def one_point(args, workdir: str, repo: str, body_file: str, header_len: int, wr
     try:
         front, *workers = server.tree()
         target = next(t for t in server.targets() if t.label == f"gpud http-{args.body}")
-        before = (cpu_seconds([front]), cpu_seconds(workers))
+        url = f"http://127.0.0.1:{server.http_port}/v2/models/{args.model}/stats"
+        stats_before = read_stats(url)
+        before = (cpu_seconds([front]), cpu_seconds(workers), time.perf_counter())
         result = run.run_wrk(wrk, server, target, args.model, args.concurrency, args.seconds, body_file, header_len,
                              workdir)
-        after = (cpu_seconds([front]), cpu_seconds(workers))
-        url = f"http://127.0.0.1:{server.http_port}/v2/models/{args.model}/stats"
-        with urllib.request.urlopen(url, timeout=10) as r:
-            stats = json.load(r)["model_stats"][0]
+        after = (cpu_seconds([front]), cpu_seconds(workers), time.perf_counter())
+        stats = read_stats(url)
     finally:
         server.stop()
     n = max(1, result["requests"])
+    batches = stats["execution_count"] - stats_before["execution_count"]
+    infer_s = (batch_infer_ns(stats) - batch_infer_ns(stats_before)) / 1e9
     return {
         "req_s": result["requests"] / (result["duration_us"] / 1e6),
         "p50_ms": result["p50_us"] / 1e3, "p99_ms": result["p99_us"] / 1e3,
         "front_us": (after[0] - before[0]) / n * 1e6, "worker_us": (after[1] - before[1]) / n * 1e6,
-        "rows_per_batch": stats["inference_count"] / max(1, stats["execution_count"]),
+        "rows_per_batch": (stats["inference_count"] - stats_before["inference_count"]) / max(1, batches),
+        # The share of the point the worker spent inside the engine's run: what is left is the instance waiting
+        # between batches (for requests, or for the front end to hand it the next batch).
+        "infer_busy": infer_s / (after[2] - before[2]), "infer_ms_per_batch": infer_s * 1e3 / max(1, batches),
         "errors": result["errors_status"] + result["errors_read"] + result["errors_timeout"],
     }
 
@@ -80,11 +96,12 @@ def main(argv=None) -> int:
         with open(body_file, "wb") as f:
             f.write(body)
         print(f"# {args.model}, {args.concurrency} connections, HTTP {args.body}, {args.seconds:.0f} s x {args.repeat}")
-        print(f"{'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'front us/req':>12} {'worker us/req':>13} {'rows/batch':>10}")
+        print(f"{'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'front us/req':>12} {'worker us/req':>13} {'rows/batch':>10} {'infer busy':>10} {'infer ms/batch':>14}")
         for _ in range(args.repeat):
             r = one_point(args, workdir, repo, body_file, header_len, wrk)
             print(f"{r['req_s']:8.0f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {r['front_us']:12.0f} "
-                  f"{r['worker_us']:13.0f} {r['rows_per_batch']:10.1f}" + (f"  errors {r['errors']}" if r["errors"]
+                  f"{r['worker_us']:13.0f} {r['rows_per_batch']:10.1f} {r['infer_busy']:10.0%} "
+                  f"{r['infer_ms_per_batch']:14.2f}" + (f"  errors {r['errors']}" if r["errors"]
                                                                           else ""))
     return 0
 
