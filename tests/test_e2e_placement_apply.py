@@ -54,12 +54,15 @@ def test_spread_plan_applied_to_a_live_gpud(daemon):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "applied: 0 instance(s) started, 0 stopped" in out.stderr
     assert _placement(daemon) == before
-    # A fresh spread plan moves two of the three instances to devices of their own.
+    # A fresh spread plan moves instances off the one device pack used, and the daemon ends up exactly where the
+    # plan says. (Which devices: the plan scores memory fill with footprints measured at load, which vary by host.)
     out = place()
     assert out.returncode == 0, out.stdout + out.stderr
     assert "applied:" in out.stderr
+    planned = {p["model"]: p["device"] for p in json.loads(out.stdout)["placements"]}
     after = _placement(daemon)
-    assert len(set(after.values())) == 3, f"spread should use three devices: {after}"
+    assert after == planned
+    assert len(set(after.values())) >= 2, f"spread should use more than one device: {after}"
     assert all(len(m["instances"]) == 1 and m["instances"][0]["ready"] for m in daemon.inspect()["models"])
     np.testing.assert_allclose(_infer_mlp(daemon), reference, rtol=1e-6)
 
