@@ -1,8 +1,8 @@
 """The executor pool: one worker process per device, supervised, and the model instances loaded on them.
 
 Workers are started when the first instance is placed on their device. A worker that dies is restarted with
-back-off and its instances are reloaded; the batches it held fail at once with a clear error. Other devices are
-untouched. The pool lives in the daemon's event loop; workers talk to it over a socket pair.
+back-off and its instances are reloaded; the batches it held fail at once with a clear error. A worker that hangs
+(a batch unanswered for worker_hang_s) is killed, and is then a worker that died. Other devices are untouched. The pool lives in the daemon's event loop; workers talk to it over a socket pair.
 """
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ _READ_CHUNK = 1 << 18
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SEGMENT_BYTES = 1 << 20
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+DEFAULT_WORKER_HANG_S = 120.0
+
+
+def seconds_until_hung(now_s: float, oldest_sent_s: float, hang_s: float) -> float | None:
+    """Seconds left before a worker whose oldest unanswered batch was sent at `oldest_sent_s` counts as hung, or
+    None when it already does. A batch's age is its run time: an instance is sent its next batch only once the
+    previous one is answered, so batches do not queue inside a worker."""
+    age_s = now_s - oldest_sent_s
+    return None if age_s >= hang_s else hang_s - age_s
 
 
 def tensor_region_bytes(config: ModelConfig, tensors, default: int = DEFAULT_SEGMENT_BYTES) -> int:
@@ -119,6 +128,11 @@ class WorkerHandle:
         self._unloads: dict[str, asyncio.Future] = {}
         self._stopping = False
         self._starting: asyncio.Task | None = None
+        # Hang watch: when each unanswered batch was sent (oldest first), the one timer that checks them, and the
+        # age of the batch that made gpud kill the worker.
+        self._sent_s: dict[int, float] = {}
+        self._hang_timer: asyncio.TimerHandle | None = None
+        self._hung_after_s: float | None = None
 
     # --- process lifecycle -------------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
@@ -142,6 +156,7 @@ class WorkerHandle:
         finally:
             child_sock.close()
         self.pid = self.proc.pid
+        self._hung_after_s = None
         self.conn = Connection(parent_sock.detach())
         # A second descriptor on the same socket, for non-blocking reads (the Connection keeps blocking sends).
         self._rsock = socket.socket(fileno=os.dup(self.conn.fileno()))
@@ -227,6 +242,7 @@ class WorkerHandle:
     def _handle(self, msg: dict) -> None:
         op = msg["op"]
         if op == "done" or op == "failed":
+            self._sent_s.pop(msg["seq"], None)
             cb = self._inflight.pop(msg["seq"], None)
             self.busy.end()
             if cb is not None:
@@ -247,7 +263,11 @@ class WorkerHandle:
         loop = asyncio.get_running_loop()
         self._disconnect()
         code = self.proc.wait() if self.proc is not None else None
-        how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        if self._hung_after_s is not None:
+            how = f"hung: a batch unanswered for {self._hung_after_s:.0f} s, so gpud killed it"
+        else:
+            how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 \
+                else f"exit code {code}"
         err = InferenceError(ErrorKind.UNAVAILABLE,
                              f"the worker for device {self.device.id} (pid {self.pid}) died ({how}) while this "
                              f"request was running; gpud is restarting it")
@@ -261,6 +281,7 @@ class WorkerHandle:
                 if inst.on_ready_change:
                     inst.on_ready_change(inst)
         inflight, self._inflight = self._inflight, {}
+        self._sent_s.clear()
         self.busy.reset_running()
         for cb in inflight.values():
             cb(err)
@@ -301,8 +322,36 @@ class WorkerHandle:
         seq = next(self._seq)
         msg["seq"] = seq
         self.send(msg)
+        if self.pool.worker_hang_s > 0:
+            self._sent_s[seq] = self.pool.clock()
+            if self._hang_timer is None:
+                self._arm_hang_timer(self.pool.worker_hang_s)
         self._inflight[seq] = callback
         self.busy.begin()
+
+    # --- hang watch ------------------------------------------------------------------------------------------------
+    # A worker stuck in a kernel or the driver (a GPU fallen off the bus, a deadlock in a backend) holds its batches
+    # forever and never dies. One timer per worker, armed while it holds batches: a batch unanswered for
+    # worker_hang_s means hung, and a hung worker is killed, which fails its batches with a clear error and
+    # restarts it.
+    def _arm_hang_timer(self, delay_s: float) -> None:
+        self._hang_timer = asyncio.get_running_loop().call_later(delay_s, self._check_hang)
+
+    def _check_hang(self) -> None:
+        self._hang_timer = None
+        if not self._sent_s or self.conn is None or self._stopping:
+            return  # idle again (the next submit re-arms), or already dead / stopping
+        now_s = self.pool.clock()
+        oldest_sent_s = next(iter(self._sent_s.values()))
+        left_s = seconds_until_hung(now_s, oldest_sent_s, self.pool.worker_hang_s)
+        if left_s is not None:
+            self._arm_hang_timer(left_s)
+            return
+        self._hung_after_s = now_s - oldest_sent_s
+        log.error("device %s: worker pid %s has left a batch unanswered for %.0f s (--worker-hang-secs %g), "
+                  "%d batch(es) in flight; killing it", self.device.id, self.pid, self._hung_after_s,
+                  self.pool.worker_hang_s, len(self._inflight))
+        self._kill()  # the pipe's end of file then runs _on_death: batches fail, the worker restarts
 
     def forget_segments(self, names: list[str]) -> None:
         if self.conn is not None:
@@ -337,6 +386,9 @@ class WorkerHandle:
 
     def _disconnect(self) -> None:
         """Stop reading the worker's pipe and close both descriptors on it."""
+        if self._hang_timer is not None:
+            self._hang_timer.cancel()
+            self._hang_timer = None
         if self.conn is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self.conn.fileno())
@@ -358,10 +410,12 @@ class ExecutorPool:
     """All device workers and every model instance on them. Also the UsageSource of the simulated devices."""
 
     def __init__(self, devices: list[WorkerDevice], *, clock: Callable[[], float] = time.monotonic,
-                 worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO):
+                 worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO,
+                 worker_hang_s: float = DEFAULT_WORKER_HANG_S):
         self.devices = {d.id: d for d in devices}
         self.clock = clock
         self.worker_start_timeout_s = worker_start_timeout_s
+        self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
         self.worker_log_level = worker_log_level
         self.workers: dict[str, WorkerHandle] = {}
         self._start_locks: dict[str, asyncio.Lock] = {}

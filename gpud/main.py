@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long the placement engine may search for a better plan (default 2)")
     p.add_argument("--exit-timeout-secs", dest="exit_timeout_seconds", type=float, metavar="S",
                    help="on SIGTERM, how long to wait for accepted requests (default 30)")
+    p.add_argument("--worker-hang-secs", dest="worker_hang_seconds", type=float, metavar="S",
+                   help="a batch unanswered this long means its device worker is hung (a stuck kernel or driver): "
+                        "the worker is killed, its batches fail with an error saying so, and it is restarted "
+                        "(default 120; 0 = never)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -106,7 +110,10 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
             flags.setdefault(k, args.address)
     if args.log_verbose:
         flags["log_level"] = "DEBUG"
-    return Settings(**(overrides | flags))
+    settings = Settings(**(overrides | flags))
+    if not settings.worker_hang_seconds >= 0:  # also refuses NaN
+        raise ValueError(f"worker_hang_seconds must be >= 0 (0 = never), got {settings.worker_hang_seconds}")
+    return settings
 
 
 def _example_repository() -> str:
@@ -146,7 +153,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     backend = discover(settings.node, usage)
     leaves = backend.leaf_devices()
     pool = ExecutorPool([WorkerDevice(d.id, d.kind, d.uuid, d.simulated) for d in leaves],
-                        worker_log_level=logging.getLogger().level)
+                        worker_log_level=logging.getLogger().level, worker_hang_s=settings.worker_hang_seconds)
     usage.target = pool
     registry = CollectorRegistry()
     ProcessCollector(registry=registry, namespace="gpud")

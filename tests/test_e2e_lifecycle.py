@@ -67,6 +67,32 @@ def test_sigkill_of_a_worker_fails_its_requests_fast_and_the_worker_comes_back(s
         assert daemon.stop() == 0, daemon.log()
 
 
+def test_a_hung_worker_is_killed_its_requests_fail_saying_so_and_it_comes_back(slow_repo, tmp_path):
+    daemon = start_daemon(slow_repo, tmp_path, "--worker-hang-secs", "2")
+    worker = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
+    try:
+        # Stopped before the request: its batch reaches the worker's pipe and is never answered, as with a kernel
+        # that never returns. Without the hang watch this request would wait forever.
+        os.kill(worker["pid"], signal.SIGSTOP)
+        with pytest.raises(InferenceServerException) as err:
+            _slow_request(daemon, rows=1)
+        message = err.value.message()
+        assert "hung: a batch unanswered for" in message and "so gpud killed it" in message
+        assert "restarting" in message
+        assert "(--worker-hang-secs 2)" in daemon.log() and "killing it" in daemon.log()
+        wait_for(lambda: httpclient.InferenceServerClient(daemon.http_url).is_model_ready("slow"), 60,
+                 "the worker to be restarted and the model reloaded")
+        assert _slow_request(daemon, rows=1).shape == (1, WIDTH)
+        after = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
+        assert after["pid"] != worker["pid"] and after["alive"] and after["restarts"] == 1
+    finally:
+        try:
+            os.kill(worker["pid"], signal.SIGKILL)  # if the watch failed, do not leave a stopped process behind
+        except ProcessLookupError:
+            pass
+        assert daemon.stop() == 0, daemon.log()
+
+
 def test_sigterm_finishes_accepted_requests_and_exits_0(slow_repo, tmp_path):
     daemon = start_daemon(slow_repo, tmp_path)
     n = 4

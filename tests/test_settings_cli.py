@@ -76,3 +76,15 @@ def test_gpudctl_usage():
     out = subprocess.run([sys.executable, "-m", "gpud.ctl", "frobnicate"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 2
+
+
+def test_worker_hang_seconds_from_flag_and_file_and_a_negative_one_is_refused(tmp_path):
+    assert resolve_settings(build_parser().parse_args([])).worker_hang_seconds == 120.0
+    assert resolve_settings(build_parser().parse_args(["--worker-hang-secs", "0"])).worker_hang_seconds == 0.0
+    f = tmp_path / "gpud.yaml"
+    f.write_text("worker_hang_seconds: -1\n")
+    with pytest.raises(ValueError, match="worker_hang_seconds must be >= 0"):
+        resolve_settings(build_parser().parse_args(["--config", str(f)]))
+    out = subprocess.run([sys.executable, "-m", "gpud.main", "--worker-hang-secs", "nan"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and "worker_hang_seconds must be >= 0" in out.stderr

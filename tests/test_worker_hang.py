@@ -1,0 +1,112 @@
+"""The hang watch on device workers (executor.pool): a batch left unanswered for worker_hang_s kills its worker, so
+the requests in it fail with an error that says so instead of waiting forever. Driven with a fake clock over a
+socket pair; tests/test_e2e_lifecycle.py stops a real worker with SIGSTOP."""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from multiprocessing.connection import Connection
+
+import pytest
+
+from executor.onnxruntime_backend import WorkerDevice
+from executor.pool import ExecutorPool, WorkerHandle, seconds_until_hung
+from executor.types import InferenceError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@pytest.mark.parametrize("now_s, sent_s, hang_s, left_s", [
+    (10.0, 10.0, 5.0, 5.0),
+    (13.0, 10.0, 5.0, 2.0),
+    (15.0, 10.0, 5.0, None),  # exactly hang_s: hung
+    (99.0, 10.0, 5.0, None),
+])
+def test_seconds_until_hung(now_s, sent_s, hang_s, left_s):
+    assert seconds_until_hung(now_s, sent_s, hang_s) == left_s
+
+
+def _handle(clock: Clock, hang_s: float) -> tuple[WorkerHandle, socket.socket, list[str]]:
+    ours, theirs = socket.socketpair()
+    handle = WorkerHandle(WorkerDevice("cpu", "cpu", "", True), ExecutorPool([], clock=clock, worker_hang_s=hang_s))
+    handle.conn = Connection(ours.detach())
+    handle._rsock = socket.socket(fileno=os.dup(handle.conn.fileno()))
+    kills: list[str] = []
+    handle._kill = lambda: kills.append("killed")  # no process here: record instead
+    return handle, theirs, kills
+
+
+def _close(handle: WorkerHandle, theirs: socket.socket) -> None:
+    handle._disconnect()
+    theirs.close()
+
+
+def test_a_batch_unanswered_for_hang_s_kills_the_worker_and_its_requests_fail_saying_hung():
+    async def run():
+        clock = Clock()
+        handle, theirs, kills = _handle(clock, hang_s=5.0)
+        results = []
+        try:
+            handle.submit({"op": "infer"}, results.append)
+            clock.now_s += 2.0
+            handle.submit({"op": "infer"}, results.append)
+            timer = handle._hang_timer
+            assert timer is not None
+            assert handle._hang_timer is timer, "one timer per worker, not one per batch"
+            clock.now_s += 2.9
+            handle._check_hang()  # the oldest batch is 4.9 s old: not yet
+            assert not kills and handle._hang_timer is not None
+            assert handle._hang_timer.when() - asyncio.get_running_loop().time() == pytest.approx(0.1, abs=0.05)
+            clock.now_s += 0.1
+            handle._check_hang()
+            assert kills == ["killed"] and handle._hung_after_s == pytest.approx(5.0)
+            handle._stopping = True  # no restart (it would start a real worker)
+            handle._on_death()  # what the pipe's end of file does once the process is gone
+            assert len(results) == 2 and all(isinstance(r, InferenceError) for r in results)
+            assert "hung: a batch unanswered for 5 s, so gpud killed it" in results[0].message
+            assert "restarting" in results[0].message
+            assert handle._hang_timer is None and not handle._sent_s
+        finally:
+            _close(handle, theirs)
+    asyncio.run(run())
+
+
+def test_answered_batches_leave_the_worker_alone_and_the_age_is_the_oldest_unanswered_batchs():
+    async def run():
+        clock = Clock()
+        handle, theirs, kills = _handle(clock, hang_s=5.0)
+        try:
+            handle.submit({"op": "infer"}, lambda r: None)  # seq 0
+            clock.now_s += 3.0
+            handle.submit({"op": "infer"}, lambda r: None)  # seq 1
+            handle._handle({"op": "done", "seq": 0})
+            clock.now_s += 3.0  # 6 s after the first batch, 3 s after the second
+            handle._check_hang()
+            assert not kills and handle._hang_timer is not None
+            handle._handle({"op": "done", "seq": 1})
+            clock.now_s += 100.0
+            handle._check_hang()  # nothing in flight: nothing to watch, and no timer left behind
+            assert not kills and handle._hang_timer is None
+            handle.submit({"op": "infer"}, lambda r: None)  # the next batch arms it again
+            assert handle._hang_timer is not None
+        finally:
+            _close(handle, theirs)
+    asyncio.run(run())
+
+
+def test_hang_watch_off_arms_no_timer():
+    async def run():
+        handle, theirs, kills = _handle(Clock(), hang_s=0.0)
+        try:
+            handle.submit({"op": "infer"}, lambda r: None)
+            assert handle._hang_timer is None and not handle._sent_s
+        finally:
+            _close(handle, theirs)
+    asyncio.run(run())
