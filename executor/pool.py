@@ -119,7 +119,8 @@ class WorkerHandle:
         self._reading = False  # in _on_readable: a callback's poll() must not re-enter it
         self.pid: int | None = None
         self.alive = False
-        self.restarts = 0
+        self.restarts = 0  # restart attempts
+        self.failures = {"died": 0, "hung": 0}  # times the worker was lost while serving, by cause
         self.instances: dict[str, InstanceHandle] = {}
         self.busy = BusyTracker(pool.clock)
         self._seq = itertools.count()
@@ -293,6 +294,7 @@ class WorkerHandle:
             self._hello.set_exception(err)
         if self._stopping:
             return
+        self.failures["hung" if self._hung_after_s is not None else "died"] += 1
         log.error("device %s: worker pid %s died (%s); %d batch(es) failed; restarting", self.device.id, self.pid,
                   how, len(inflight))
         self._starting = loop.create_task(self._restart())
@@ -493,8 +495,8 @@ class ExecutorPool:
         return worker.busy.utilization_ratio()
 
     def worker_info(self) -> list[dict[str, Any]]:
-        return [{"device": w.device.id, "pid": w.pid, "alive": w.alive, "restarts": w.restarts}
-                for w in self.workers.values()]
+        return [{"device": w.device.id, "pid": w.pid, "alive": w.alive, "restarts": w.restarts,
+                 "failures": dict(w.failures)} for w in self.workers.values()]
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(w.stop() for w in self.workers.values()), return_exceptions=True)

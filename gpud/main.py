@@ -133,6 +133,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from telemetry.device_metrics import DeviceCollector
     from telemetry.discovery import discover
     from telemetry.host_metrics import HostCollector
+    from telemetry.worker_metrics import WorkerCollector
     from telemetry.model_metrics import ModelMetrics
 
     policy = hint_policy(settings)  # refuse a bad policy before starting anything
@@ -160,6 +161,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     DeviceCollector(backend, registry=registry)
     HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
                   registry=registry)
+    WorkerCollector(pool.worker_info, registry=registry)
     # Not registered: the metrics endpoint appends its own fast exposition (render_text) to the registry's.
     metrics = ModelMetrics(None, triton_names=settings.triton_metrics, devices=backend)
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,

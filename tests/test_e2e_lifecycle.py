@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -28,6 +29,11 @@ def _slow_request(daemon, rows: int = SLOW_ROWS):
 
 def _pending(daemon) -> int:
     return next(m["pending_requests"] for m in daemon.inspect()["models"] if m["name"] == "slow")
+
+
+def _metrics(daemon) -> str:
+    with urllib.request.urlopen(daemon.metrics_url, timeout=30) as r:
+        return r.read().decode()
 
 
 @pytest.fixture
@@ -62,6 +68,8 @@ def test_sigkill_of_a_worker_fails_its_requests_fast_and_the_worker_comes_back(s
         assert _slow_request(daemon, rows=1).shape == (1, WIDTH)
         after = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
         assert after["pid"] != worker["pid"] and after["alive"] and after["restarts"] == 1
+        assert after["failures"] == {"died": 1, "hung": 0}
+        assert 'gpud_worker_restarts_total{cause="died",device="cpu"} 1.0' in _metrics(daemon)
         assert daemon.ports["pid"] == gpud_pid and daemon.proc.poll() is None, "gpud itself must not restart"
     finally:
         assert daemon.stop() == 0, daemon.log()
@@ -85,6 +93,10 @@ def test_a_hung_worker_is_killed_its_requests_fail_saying_so_and_it_comes_back(s
         assert _slow_request(daemon, rows=1).shape == (1, WIDTH)
         after = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
         assert after["pid"] != worker["pid"] and after["alive"] and after["restarts"] == 1
+        assert after["failures"] == {"died": 0, "hung": 1}
+        metrics = _metrics(daemon)
+        assert 'gpud_worker_restarts_total{cause="hung",device="cpu"} 1.0' in metrics
+        assert 'gpud_worker_up{device="cpu"} 1.0' in metrics
     finally:
         try:
             os.kill(worker["pid"], signal.SIGKILL)  # if the watch failed, do not leave a stopped process behind
