@@ -86,8 +86,22 @@ def render_inspect(data: dict[str, Any]) -> str:
                      f"{_ms(m.get('compute_seconds_avg')):>10}")
         if m.get("reason"):
             lines.append(f"      reason: {m['reason']}")
+    lines += _render_workers(data.get("workers") or [])
     lines += _render_hints(data.get("hints"))
     return "\n".join(lines)
+
+
+def _render_workers(workers: list[dict[str, Any]]) -> list[str]:
+    """One line per device worker: its process, and how often gpud lost it (died, or killed when hung)."""
+    if not workers:
+        return []
+    lines = ["", "WORKERS", f"  {'device':<14} {'pid':>8} {'state':<10} {'died':>5} {'hung':>5}"]
+    for w in sorted(workers, key=lambda w: w["device"]):
+        failures = w.get("failures") or {}
+        state = "up" if w.get("alive") else "restarting"
+        lines.append(f"  {w['device']:<14} {w.get('pid') or '-':>8} {state:<10} {failures.get('died', 0):>5} "
+                     f"{failures.get('hung', 0):>5}")
+    return lines
 
 
 # --- autoscaling hints (gpud.autoscale) ---------------------------------------------------------------------------
