@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -34,7 +35,7 @@ _READ_CHUNK = 1 << 18
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_SEGMENT_BYTES = 1 << 20
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
-DEFAULT_WORKER_HANG_S = 120.0
+DEFAULT_WORKER_HANG_S = 300.0
 
 
 def seconds_until_hung(now_s: float, oldest_sent_s: float, hang_s: float) -> float | None:
@@ -168,6 +169,8 @@ class WorkerHandle:
             hello = await asyncio.wait_for(self._hello, timeout=self.pool.worker_start_timeout_s)
         except asyncio.TimeoutError:
             self._kill()
+            self._disconnect()  # this attempt is over: its pipe's end of file must not count as a lost worker
+            self._exit_code()
             raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"worker for device {self.device.id} did not start within "
                                  f"{self.pool.worker_start_timeout_s:.0f} s") from None
@@ -178,6 +181,18 @@ class WorkerHandle:
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
+
+    def _exit_code(self) -> int | None:
+        """The worker's exit status, or None if it has not exited yet. Never blocks the event loop for long: a
+        process stuck in the driver can outlive SIGKILL, so it is then reaped by a thread whenever it ends."""
+        proc = self.proc
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=0.05)  # usually at once: its pipe closed because it exited
+        except subprocess.TimeoutExpired:
+            threading.Thread(target=proc.wait, name=f"reap-{proc.pid}", daemon=True).start()
+            return None
 
     def _on_readable(self) -> None:
         """Read what the worker sent, without blocking, and handle every complete message. Messages are
@@ -262,13 +277,15 @@ class WorkerHandle:
 
     def _on_death(self) -> None:
         loop = asyncio.get_running_loop()
+        was_up = self.alive  # False: it died while starting, and the start itself reports that
         self._disconnect()
-        code = self.proc.wait() if self.proc is not None else None
+        code = self._exit_code()
         if self._hung_after_s is not None:
             how = f"hung: a batch unanswered for {self._hung_after_s:.0f} s, so gpud killed it"
+        elif code is None:
+            how = "its pipe closed; exit status not known yet"
         else:
-            how = f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0 \
-                else f"exit code {code}"
+            how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         err = InferenceError(ErrorKind.UNAVAILABLE,
                              f"the worker for device {self.device.id} (pid {self.pid}) died ({how}) while this "
                              f"request was running; gpud is restarting it")
@@ -292,11 +309,13 @@ class WorkerHandle:
         self._unloads.clear()
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(err)
-        if self._stopping:
+        if self._stopping or not was_up:
             return
         self.failures["hung" if self._hung_after_s is not None else "died"] += 1
         log.error("device %s: worker pid %s died (%s); %d batch(es) failed; restarting", self.device.id, self.pid,
                   how, len(inflight))
+        if self._starting is not None and not self._starting.done():
+            return  # it died while a restart was reloading its models: that restart sees it and goes round again
         self._starting = loop.create_task(self._restart())
 
     async def _restart(self) -> None:
@@ -310,9 +329,14 @@ class WorkerHandle:
             except Exception as exc:
                 log.error("device %s: restarting the worker failed: %s", self.device.id, exc)
                 continue
-            for inst in list(self.instances.values()):
-                await self.pool._load_on_worker(inst, self)
-            return
+            try:
+                for inst in list(self.instances.values()):
+                    await self.pool._load_on_worker(inst, self)
+            except InferenceError as exc:  # the new worker is gone already (send on a closed pipe)
+                log.error("device %s: reloading the models on the restarted worker failed: %s", self.device.id,
+                          exc.message)
+            if self.alive:
+                return
 
     # --- messages ----------------------------------------------------------------------------------------------
     def send(self, msg: dict) -> None:
@@ -340,6 +364,8 @@ class WorkerHandle:
         self._hang_timer = asyncio.get_running_loop().call_later(delay_s, self._check_hang)
 
     def _check_hang(self) -> None:
+        # Ages are read on pool.clock and the timer runs on the loop's clock: both are time.monotonic in the
+        # daemon (a test's fake clock only matters when it calls this directly).
         self._hang_timer = None
         if not self._sent_s or self.conn is None or self._stopping:
             return  # idle again (the next submit re-arms), or already dead / stopping
@@ -353,7 +379,10 @@ class WorkerHandle:
         log.error("device %s: worker pid %s has left a batch unanswered for %.0f s (--worker-hang-secs %g), "
                   "%d batch(es) in flight; killing it", self.device.id, self.pid, self._hung_after_s,
                   self.pool.worker_hang_s, len(self._inflight))
-        self._kill()  # the pipe's end of file then runs _on_death: batches fail, the worker restarts
+        self._kill()
+        # Not waiting for the pipe's end of file: a process stuck in the driver may not exit, and its pipe stays
+        # open. Its batches fail and a new worker starts now.
+        self._on_death()
 
     def forget_segments(self, names: list[str]) -> None:
         if self.conn is not None:

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-hang-secs", dest="worker_hang_seconds", type=float, metavar="S",
                    help="a batch unanswered this long means its device worker is hung (a stuck kernel or driver): "
                         "the worker is killed, its batches fail with an error saying so, and it is restarted "
-                        "(default 120; 0 = never)")
+                        "(default 300; 0 = never; raise it where TensorRT builds engines for new shapes at run "
+                        "time, which can take minutes)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -45,9 +45,15 @@ class WorkerCollector(Collector):
         except Exception:  # noqa: BLE001 - a failing source must not take the other metrics down
             log.exception("reading the workers' state failed")
             return fams
-        for row in sorted(rows, key=lambda r: r["device"]):
-            up.add_metric([row["device"]], 1.0 if row.get("alive") else 0.0)
-            failures = row.get("failures") or {}
-            for cause in CAUSES:
-                restarts.add_metric([row["device"], cause], float(failures.get(cause, 0)))
+        for row in rows:
+            try:
+                device = str(row["device"])
+                failures = row.get("failures") or {}
+                counts = [float(failures.get(cause) or 0) for cause in CAUSES]
+            except (KeyError, TypeError, ValueError, AttributeError):  # one bad row must not fail the scrape
+                log.warning("skipping a malformed worker row: %r", row)
+                continue
+            up.add_metric([device], 1.0 if row.get("alive") else 0.0)
+            for cause, count in zip(CAUSES, counts):
+                restarts.add_metric([device, cause], count)
         return fams

@@ -79,7 +79,7 @@ def test_gpudctl_usage():
 
 
 def test_worker_hang_seconds_from_flag_and_file_and_a_negative_one_is_refused(tmp_path):
-    assert resolve_settings(build_parser().parse_args([])).worker_hang_seconds == 120.0
+    assert resolve_settings(build_parser().parse_args([])).worker_hang_seconds == 300.0
     assert resolve_settings(build_parser().parse_args(["--worker-hang-secs", "0"])).worker_hang_seconds == 0.0
     f = tmp_path / "gpud.yaml"
     f.write_text("worker_hang_seconds: -1\n")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection
 
 import pytest
@@ -52,6 +54,12 @@ def test_a_batch_unanswered_for_hang_s_kills_the_worker_and_its_requests_fail_sa
     async def run():
         clock = Clock()
         handle, theirs, kills = _handle(clock, hang_s=5.0)
+        handle.alive = True
+        restarts = []
+
+        async def restart():
+            restarts.append("restart")
+        handle._restart = restart  # no real worker here
         results = []
         try:
             handle.submit({"op": "infer"}, results.append)
@@ -62,20 +70,79 @@ def test_a_batch_unanswered_for_hang_s_kills_the_worker_and_its_requests_fail_sa
             assert handle._hang_timer is timer, "one timer per worker, not one per batch"
             clock.now_s += 2.9
             handle._check_hang()  # the oldest batch is 4.9 s old: not yet
-            assert not kills and handle._hang_timer is not None
+            assert not kills and handle._hang_timer is not None and not results
             assert handle._hang_timer.when() - asyncio.get_running_loop().time() == pytest.approx(0.1, abs=0.05)
             clock.now_s += 0.1
             handle._check_hang()
+            # Killed, and handled as dead at once: a process stuck in the driver may never close its pipe.
             assert kills == ["killed"] and handle._hung_after_s == pytest.approx(5.0)
-            handle._stopping = True  # no restart (it would start a real worker)
-            handle._on_death()  # what the pipe's end of file does once the process is gone
             assert len(results) == 2 and all(isinstance(r, InferenceError) for r in results)
             assert "hung: a batch unanswered for 5 s, so gpud killed it" in results[0].message
             assert "restarting" in results[0].message
-            assert handle._hang_timer is None and not handle._sent_s
+            assert handle.failures == {"died": 0, "hung": 1}
+            assert handle.conn is None and handle._hang_timer is None and not handle._sent_s
+            await handle._starting
+            assert restarts == ["restart"]
         finally:
             _close(handle, theirs)
     asyncio.run(run())
+
+
+def test_a_death_during_a_restarts_reload_does_not_start_a_second_restart():
+    async def run():
+        handle, theirs, kills = _handle(Clock(), hang_s=5.0)
+        handle.alive = True
+        release = asyncio.Event()
+
+        async def running_restart():
+            await release.wait()
+        handle._starting = asyncio.create_task(running_restart())
+        running = handle._starting
+        try:
+            handle._on_death()
+            assert handle._starting is running and handle.failures == {"died": 1, "hung": 0}
+        finally:
+            release.set()
+            await running
+            _close(handle, theirs)
+    asyncio.run(run())
+
+
+def test_a_death_while_starting_is_not_a_lost_worker():
+    async def run():
+        handle, theirs, kills = _handle(Clock(), hang_s=5.0)
+        handle.alive = False  # no hello yet
+        try:
+            handle._on_death()
+            assert handle._starting is None and handle.failures == {"died": 0, "hung": 0}
+        finally:
+            _close(handle, theirs)
+    asyncio.run(run())
+
+
+def test_a_start_that_times_out_is_neither_a_death_nor_a_second_restart():
+    async def run():
+        pool = ExecutorPool([WorkerDevice("cpu", "cpu", "", True)], worker_start_timeout_s=0.001)
+        handle = WorkerHandle(pool.devices["cpu"], pool)
+        with pytest.raises(InferenceError, match="did not start within"):
+            await handle.start()
+        assert handle.conn is None and handle.proc.poll() is not None  # killed, disconnected and reaped
+        await asyncio.sleep(0)  # a stray end-of-file callback would run here
+        assert handle._starting is None and handle.failures == {"died": 0, "hung": 0}
+    asyncio.run(run())
+
+
+def test_exit_code_does_not_wait_for_a_process_that_outlives_its_kill():
+    handle = WorkerHandle(WorkerDevice("cpu", "cpu", "", True), ExecutorPool([]))
+    handle.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert handle._exit_code() is None  # still running: handed to a reaper thread, not waited for
+    finally:
+        handle.proc.kill()
+        assert handle.proc.wait(timeout=30) < 0
+    handle.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    handle.proc.wait(timeout=30)
+    assert handle._exit_code() == 3
 
 
 def test_answered_batches_leave_the_worker_alone_and_the_age_is_the_oldest_unanswered_batchs():

@@ -44,3 +44,12 @@ def test_promtool_accepts_the_exposition():
     registry = CollectorRegistry()
     WorkerCollector(lambda: [{"device": "gpu0", "alive": True, "failures": {"hung": 1}}], registry=registry)
     promtool_check(generate_latest(registry))
+
+
+def test_a_malformed_row_is_skipped_not_the_scrape():
+    registry = CollectorRegistry()
+    WorkerCollector(lambda: [{"alive": True}, {"device": "gpu0", "failures": {"hung": "x"}},
+                             {"device": "cpu", "alive": True, "failures": {"died": None}}], registry=registry)
+    got = _samples(registry)
+    assert got[("gpud_worker_up", (("device", "cpu"),))] == 1.0
+    assert not [k for k in got if ("device", "gpu0") in k[1]]
