@@ -2,7 +2,8 @@
 
 Workers are started when the first instance is placed on their device. A worker that dies is restarted with
 back-off and its instances are reloaded; the batches it held fail at once with a clear error. A worker that hangs
-(a batch unanswered for worker_hang_s) is killed, and is then a worker that died. Other devices are untouched. The pool lives in the daemon's event loop; workers talk to it over a socket pair.
+(a batch unanswered for worker_hang_s) is killed, and is then a worker that died. Other devices are untouched.
+The pool lives in the daemon's event loop; workers talk to it over a socket pair.
 """
 from __future__ import annotations
 
