@@ -36,6 +36,19 @@ def _metrics(daemon) -> str:
         return r.read().decode()
 
 
+def _assert_worker_came_back(daemon, worker: dict, cause: str) -> None:
+    """The CPU worker was lost once for `cause`, restarted under a new pid, reloaded, and serves; the metrics agree."""
+    wait_for(lambda: httpclient.InferenceServerClient(daemon.http_url).is_model_ready("slow"), 60,
+             "the worker to be restarted and the model reloaded")
+    assert _slow_request(daemon, rows=1).shape == (1, WIDTH)
+    after = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
+    assert after["pid"] != worker["pid"] and after["alive"] and after["restarts"] == 1
+    assert after["failures"] == {"died": 0, "hung": 0} | {cause: 1}
+    metrics = _metrics(daemon)
+    assert f'gpud_worker_restarts_total{{cause="{cause}",device="cpu"}} 1.0' in metrics
+    assert 'gpud_worker_up{device="cpu"} 1.0' in metrics
+
+
 @pytest.fixture
 def slow_repo(tmp_path):
     repo = tmp_path / "repo"
@@ -63,13 +76,7 @@ def test_sigkill_of_a_worker_fails_its_requests_fast_and_the_worker_comes_back(s
             assert queued.result(timeout=120).shape == (SLOW_ROWS, WIDTH)
         assert "died" in err.value.message() and "restarting" in err.value.message()
         assert failed_after_s < 5, f"the in-flight request took {failed_after_s:.1f} s to fail"
-        wait_for(lambda: httpclient.InferenceServerClient(daemon.http_url).is_model_ready("slow"), 60,
-                 "the worker to be restarted and the model reloaded")
-        assert _slow_request(daemon, rows=1).shape == (1, WIDTH)
-        after = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
-        assert after["pid"] != worker["pid"] and after["alive"] and after["restarts"] == 1
-        assert after["failures"] == {"died": 1, "hung": 0}
-        assert 'gpud_worker_restarts_total{cause="died",device="cpu"} 1.0' in _metrics(daemon)
+        _assert_worker_came_back(daemon, worker, cause="died")
         assert daemon.ports["pid"] == gpud_pid and daemon.proc.poll() is None, "gpud itself must not restart"
     finally:
         assert daemon.stop() == 0, daemon.log()
@@ -88,15 +95,7 @@ def test_a_hung_worker_is_killed_its_requests_fail_saying_so_and_it_comes_back(s
         assert "hung: a batch unanswered for" in message and "so gpud killed it" in message
         assert "restarting" in message
         assert "(--worker-hang-secs 2)" in daemon.log() and "killing it" in daemon.log()
-        wait_for(lambda: httpclient.InferenceServerClient(daemon.http_url).is_model_ready("slow"), 60,
-                 "the worker to be restarted and the model reloaded")
-        assert _slow_request(daemon, rows=1).shape == (1, WIDTH)
-        after = next(w for w in daemon.inspect()["workers"] if w["device"] == "cpu")
-        assert after["pid"] != worker["pid"] and after["alive"] and after["restarts"] == 1
-        assert after["failures"] == {"died": 0, "hung": 1}
-        metrics = _metrics(daemon)
-        assert 'gpud_worker_restarts_total{cause="hung",device="cpu"} 1.0' in metrics
-        assert 'gpud_worker_up{device="cpu"} 1.0' in metrics
+        _assert_worker_came_back(daemon, worker, cause="hung")
     finally:
         try:
             os.kill(worker["pid"], signal.SIGKILL)  # if the watch failed, do not leave a stopped process behind
