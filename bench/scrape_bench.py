@@ -1,7 +1,7 @@
 """What one Prometheus scrape of a big node costs: 8 GPUs x 7 MIG 1g instances (56 MIG devices) and 100 models.
 
 Two device backends, each with the host collector in the registry and the model metrics served as the daemon serves
-them (gpud/metrics_server.py: `generate_latest(registry)` followed by `ModelMetrics.render_text()`):
+them (gpud/api/metrics_server.py: `generate_latest(registry)` followed by `ModelMetrics.render_text()`):
   nvml       the NVML backend over the behavioural fake NVML (tests/fake_nvml.py): 8 H100 in MIG mode, so every
              scrape takes GPM samples for 8 GPUs and 56 GPU instances, drains 8 XID event sets and reads ECC,
              clocks, energy, throttle reasons; the clock advances 15 s per scrape, as between real scrapes.
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from gpud.metrics_server import exposition  # noqa: E402
+from gpud.api.metrics_server import exposition  # noqa: E402
 from telemetry.device_metrics import DeviceCollector  # noqa: E402
 from telemetry.host_metrics import HostCollector  # noqa: E402
 from telemetry.model_metrics import ModelMetrics  # noqa: E402

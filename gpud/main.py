@@ -16,7 +16,7 @@ from prometheus_client import ProcessCollector
 from executor.onnxruntime_backend import WorkerDevice
 from executor.pool import ExecutorPool
 from gpud import __version__
-from gpud.http_server import HttpServer
+from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.systemd_notify import notify
 from telemetry.hints import HintPolicy
@@ -129,7 +129,7 @@ def _example_repository() -> str:
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from gpud.autoscale import HintsSampler, instance_infos
     from gpud.core import GpudCore
-    from gpud.metrics_server import start_metrics_server
+    from gpud.api.metrics_server import start_metrics_server
     from gpud.model_repository import ModelRepository
     from telemetry.device_metrics import DeviceCollector
     from telemetry.discovery import discover
@@ -178,14 +178,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     try:
         await core.start()
         if settings.allow_http:
-            from gpud.http_api import start_http_server
+            from gpud.api.http_api import start_http_server
 
             runner, ports["http"] = await start_http_server(core, settings.http_address, settings.http_port,
                                                             max_body_bytes=settings.max_request_bytes)
             runners.append(runner)
             log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
         if settings.allow_grpc:
-            from gpud.grpc_api import start_grpc_server
+            from gpud.api.grpc_api import start_grpc_server
 
             grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
                                                   max_message_bytes=settings.max_request_bytes)

@@ -1,4 +1,4 @@
-"""HTTP header plans (gpud.http_api._BinaryPlan) used as request signatures by the schedulers'
+"""HTTP header plans (gpud.api.http_infer._BinaryPlan) used as request signatures by the schedulers'
 PreparedCache, with requested-output subsets, several models sharing one header, and batched answers encoded from
 views into one copy."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tritonclient.http as httpclient
 from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError, InferResponse
-from gpud.http_api import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
+from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from tests.test_scheduler_edges import Worker, _instance
 
 M = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)),),

@@ -1,4 +1,4 @@
-"""gpud.http_api against the official tritonclient.http client and raw HTTP requests.
+"""gpud.api.http_api against the official tritonclient.http client and raw HTTP requests.
 
 The server runs on 127.0.0.1:<ephemeral> in a background thread with its own event loop (tritonclient.http is
 synchronous). Startup and shutdown wait on futures with bounded timeouts; nothing sleeps to synchronise.
@@ -19,7 +19,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from executor.types import InferenceError, InferResponse, InferTensor
-from gpud.http_api import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response, start_http_server
+from gpud.api.http_api import start_http_server
+from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from tests.fake_core import FakeCore
 
 TIMEOUT_S = 10

@@ -1,4 +1,4 @@
-"""gpud.http_server.HttpServer over raw sockets: keep-alive, pipelining, bodies, limits, errors and shutdown.
+"""gpud.api.http_server.HttpServer over raw sockets: keep-alive, pipelining, bodies, limits, errors and shutdown.
 
 Each server runs on 127.0.0.1:<ephemeral> on its own event loop in a daemon thread; the test thread talks to it with
 plain blocking sockets, every read bounded by a timeout. Nothing sleeps to synchronise: the tests wait on events
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from gpud.http_server import BodyTooLarge, HttpRequest, HttpServer, error_body, inflate
+from gpud.api.http_server import BodyTooLarge, HttpRequest, HttpServer, error_body, inflate
 
 TIMEOUT_S = 5.0
 

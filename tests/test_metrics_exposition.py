@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpud.metrics_server import exposition, make_metrics_app, start_metrics_server
+from gpud.api.metrics_server import exposition, make_metrics_app, start_metrics_server
 from telemetry.host_metrics import HostCollector
 from telemetry.model_metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_SECONDS, InstanceInfo, ModelMetrics
 from tests.promtool_check import promtool_check

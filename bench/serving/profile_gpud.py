@@ -37,7 +37,8 @@ def py_spy() -> str:
 
 
 AREAS = [  # (substring of a frame's file, area): the first match names the area
-    ("gpud/http_api", "gpud http_api"), ("gpud/grpc_api", "gpud grpc_api"), ("gpud/core", "gpud core"),
+    ("gpud/api/http_api", "gpud http_api"), ("gpud/api/http_infer", "gpud http_api"), ("gpud/api/grpc_api", "gpud grpc_api"),
+    ("gpud/core", "gpud core"),
     ("executor/scheduler", "executor scheduler"), ("executor/batcher", "executor batcher"),
     ("executor/validation", "executor validation"), ("executor/pool", "executor pool"),
     ("executor/worker", "executor worker"), ("executor/", "executor other"),

@@ -1,0 +1,13 @@
+"""gpud's faces on the network: thin adapters over one `gpud.core_api.InferenceCore`, each owning its wire format.
+
+KServe v2, wire-compatible with Triton (`tritonclient`, `perf_analyzer`):
+- `http_server`: a small HTTP/1.1 server over httptools; it carries the KServe HTTP routes, the hot path, because
+  aiohttp's per-request machinery costs more CPU than everything else gpud does for a small inference.
+- `http_api`: the KServe HTTP routes and handlers; `http_infer`: inference request and response bodies (JSON and the
+  binary tensor data extension).
+- `grpc_api`: Triton's GRPCInferenceService (grpc.aio).
+
+Prometheus:
+- `metrics_server`: the /metrics endpoint on aiohttp. Scrapes are few and not latency-critical, so it uses the
+  ordinary stack rather than the hot-path server.
+"""

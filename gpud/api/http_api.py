@@ -1,0 +1,264 @@
+"""KServe v2 HTTP front end, wire-compatible with Triton, `tritonclient.http` and `perf_analyzer`.
+
+A thin adapter over one `InferenceCore` served by `gpud.api.http_server` (httptools): it only translates the wire
+format. Routes follow Triton's HTTP server
+(`src/http_server.cc`) and protocol extensions (binary tensor data, statistics, model configuration, model repository):
+
+    GET  /v2/health/live | /v2/health/ready                 200, or 400 when not live/ready (empty body, as Triton)
+    GET  /v2                                                 server metadata
+    GET  /v2/models/{m}[/versions/{v}]                       model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready                 200, or 400 {"error"} when not ready
+    GET  /v2/models/{m}[/versions/{v}]/config                Triton ModelConfig as JSON
+    GET  /v2/models[/{m}[/versions/{v}]]/stats               statistics extension
+    POST /v2/models/{m}[/versions/{v}]/infer                 JSON and binary tensor data
+    POST /v2/repository/index                                body empty or {"ready": bool}
+    POST /v2/repository/models/{m}/load | /unload
+    GET  /v2/gpud/inspect                                    gpud's own view (`gpudctl inspect`)
+    POST /v2/gpud/placement                                  apply a placement (`gpudctl place --apply`)
+
+Errors are `{"error": "<message>"}` with the status Triton uses (`HttpCodeFromError`): INVALID_ARGUMENT 400,
+NOT_FOUND 404, UNAVAILABLE 503, INTERNAL 500; unknown routes 404, wrong method 405, oversized bodies 413.
+
+An inference is handed to the core with `submit` and answered from its completion callback: no task or future
+per request. Its bodies are decoded and encoded by `gpud.api.http_infer`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from executor.types import ErrorKind, InferenceError, InferResponse
+from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
+from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
+from gpud.core_api import InferenceCore
+
+log = logging.getLogger(__name__)
+
+
+def _invalid(message: str) -> InferenceError:
+    return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+def _json_body(obj: Any) -> bytes:
+    return orjson.dumps(obj)
+
+
+def _optional_json_object(body: bytes, what: str) -> dict[str, Any]:
+    """Bodies of the repository endpoints: empty means all defaults (as Triton)."""
+    if not body.strip():
+        return {}
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise _invalid(f"malformed JSON in {what}: {e}") from None
+    if not isinstance(doc, dict):
+        raise _invalid(f"{what} must be a JSON object")
+    return doc
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _invalid(f"{where} 'parameters' must be a JSON object")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Routing and handlers
+# ---------------------------------------------------------------------------------------------------------------------
+_Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
+_Route = tuple[dict[str, Callable[..., Any]], tuple[str, ...]]  # handlers by method, path arguments
+_ROUTE_CACHE_SIZE = 4096
+
+
+class HttpApi:
+    """The routes above over one core, as an `http_server.Handler`. Sync handlers return a reply; the repository and
+    placement ones are coroutines (one task each); infer answers from the core's completion callback."""
+
+    def __init__(self, core: InferenceCore):
+        self.core = core
+        self._tasks: set[asyncio.Task] = set()
+        self._static: dict[str, dict[str, Callable[..., Any]]] = {
+            "/v2/health/live": {"GET": self.live},
+            "/v2/health/ready": {"GET": self.ready},
+            "/v2": {"GET": self.server_metadata},
+            "/v2/gpud/inspect": {"GET": self.inspect},
+            "/v2/gpud/placement": {"POST": self.apply_placement},
+            "/v2/models/stats": {"GET": self.model_stats},  # "stats" is not a model name here
+            "/v2/repository/index": {"POST": self.repository_index},
+        }
+        self._model_tails: dict[str, dict[str, Callable[..., Any]]] = {
+            "": {"GET": self.model_metadata}, "ready": {"GET": self.model_ready},
+            "config": {"GET": self.model_config}, "stats": {"GET": self.model_stats},
+            "infer": {"POST": self.infer},
+        }
+        self._routes: dict[str, _Route | None] = {}
+
+    # --- dispatch --------------------------------------------------------------------------------------------
+    def __call__(self, request: HttpRequest, respond: Respond) -> None:
+        route = self._routes.get(request.path, False)
+        if route is False:
+            route = self._route(request.path)
+            if len(self._routes) < _ROUTE_CACHE_SIZE:
+                self._routes[request.path] = route
+        if route is None:
+            respond(404, error_body(f"no route for {request.method} {request.path}"))
+            return
+        handlers, args = route
+        handler = handlers.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
+            respond(405, error_body(f"method {request.method} not allowed for {request.path}"))
+            return
+        try:
+            reply = handler(request, respond, *args)
+        except Exception as e:
+            self._respond_error(respond, e, request)
+            return
+        if reply is None:  # the handler answers by itself (infer)
+            return
+        if isinstance(reply, tuple):
+            respond(reply[0], reply[1], JSON if reply[1] else "")
+            return
+        self._spawn(reply, respond, request)
+
+    def _route(self, path: str) -> _Route | None:
+        handlers = self._static.get(path)
+        if handlers is not None:
+            return handlers, ()
+        parts = path.split("/")
+        if len(parts) < 4 or parts[0] or parts[1] != "v2":
+            return None
+        if parts[2] == "models" and parts[3]:
+            name, rest = parts[3], parts[4:]
+            version = ""
+            if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
+                version, rest = rest[1], rest[2:]
+            if len(rest) > 1:
+                return None
+            handlers = self._model_tails.get(rest[0] if rest else "")
+            return (handlers, (name, version)) if handlers is not None else None
+        if len(parts) == 6 and parts[2] == "repository" and parts[3] == "models" and parts[4]:
+            if parts[5] == "load":
+                return {"POST": self.load}, (parts[4],)
+            if parts[5] == "unload":
+                return {"POST": self.unload}, (parts[4],)
+        return None
+
+    def _spawn(self, coro: Awaitable[_Reply], respond: Respond, request: HttpRequest) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
+
+        def finished(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                respond(503, error_body("the request was cancelled: the server is shutting down"))
+            elif t.exception() is not None:
+                self._respond_error(respond, t.exception(), request)
+            else:
+                status, body = t.result()
+                respond(status, body, JSON if body else "")
+
+        task.add_done_callback(finished)
+
+    @staticmethod
+    def _respond_error(respond: Respond, exc: BaseException, request: HttpRequest) -> None:
+        """Every failure becomes `{"error": ...}`: clients (tritonclient reads `error`) never see anything else."""
+        if isinstance(exc, InferenceError):
+            respond(exc.http_status, error_body(exc.message))
+        else:  # a bug somewhere below us: answer 500 and keep serving
+            log.error("unexpected error serving %s %s", request.method, request.path, exc_info=exc)
+            respond(500, error_body(f"internal error: {type(exc).__name__}: {exc}"))
+
+    # --- handlers --------------------------------------------------------------------------------------------
+    def live(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200 if self.core.server_live() else 400, b""
+
+    def ready(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200 if self.core.server_ready() else 400, b""
+
+    def server_metadata(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200, _json_body(self.core.server_metadata())
+
+    def model_metadata(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
+        return 200, _json_body(self.core.model_metadata(name, version))
+
+    def model_ready(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
+        if self.core.model_ready(name, version):
+            return 200, b""
+        return 400, error_body(f"model '{name}' version '{version}' is not ready" if version
+                               else f"model '{name}' is not ready")
+
+    def model_config(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
+        return 200, _json_body(self.core.model_config(name, version))
+
+    def model_stats(self, request: HttpRequest, respond: Respond, name: str = "", version: str = "") -> _Reply:
+        return 200, _json_body(self.core.model_statistics(name, version))
+
+    def repository_index(self, request: HttpRequest, respond: Respond) -> _Reply:
+        doc = _optional_json_object(request.body, "repository index request")
+        ready = doc.get("ready", False)
+        if not isinstance(ready, bool):
+            raise _invalid(f"repository index 'ready' must be a boolean, got {ready!r}")
+        return 200, _json_body(self.core.repository_index(ready_only=ready))
+
+    def load(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
+        doc = _optional_json_object(request.body, "model load request")
+        params = _parameters(doc.get("parameters"), "load request")
+        overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
+        if overrides:  # Triton would load from the override; silently loading the repository copy would mislead
+            raise _invalid(f"loading with overrides {overrides} is not supported; load from the model repository")
+
+        async def run() -> _Reply:
+            await self.core.load_model(name)
+            return 200, b""
+        return run()
+
+    def unload(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
+        # The body ({"parameters": {"unload_dependents": ...}}) is read and ignored: gpud has no ensembles.
+        async def run() -> _Reply:
+            await self.core.unload_model(name)
+            return 200, b""
+        return run()
+
+    def inspect(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200, _json_body(self.core.inspect())
+
+    def apply_placement(self, request: HttpRequest, respond: Respond) -> Awaitable[_Reply]:
+        doc = _optional_json_object(request.body, "placement")
+
+        async def run() -> _Reply:
+            return 200, _json_body(await self.core.apply_placement(doc.get("placements")))
+        return run()
+
+    def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:
+        infer_request = decode_infer_request(request.body, request.headers.get(_HEADER_LENGTH_KEY), name, version)
+
+        def done(result: InferResponse | BaseException) -> None:
+            if isinstance(result, BaseException):
+                self._respond_error(respond, result, request)
+                return
+            try:
+                encoded = encode_infer_response(result, infer_request)
+            except Exception as e:
+                self._respond_error(respond, e, request)
+                return
+            respond(200, encoded.body, encoded.content_type,
+                    list(encoded.headers.items()) if encoded.headers else None)
+
+        self.core.submit(infer_request, done)
+
+
+_HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
+
+
+async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,
+                            keepalive_timeout_s: float = 75.0) -> tuple[HttpServer, int]:
+    """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
+    it) and the bound port."""
+    server = HttpServer(HttpApi(core), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s)
+    return server, await server.start(host, port)
