@@ -9,12 +9,13 @@ import numpy as np
 
 
 class ErrorKind(enum.Enum):
-    """What went wrong, in protocol-neutral terms. Front ends map it (HTTP status / gRPC code)."""
+    """What went wrong, in protocol-neutral terms. Each front end maps it to its own status (HTTP status, gRPC code).
+    Worker processes send the kind by name."""
 
-    INVALID_ARGUMENT = 400  # malformed request, wrong shape or dtype, unknown input
-    NOT_FOUND = 404  # unknown model or version
-    UNAVAILABLE = 503  # model not ready, queue full, worker lost, shutting down, timed out in queue
-    INTERNAL = 500  # a bug or a backend failure
+    INVALID_ARGUMENT = enum.auto()  # malformed request, wrong shape or dtype, unknown input
+    NOT_FOUND = enum.auto()  # unknown model or version
+    UNAVAILABLE = enum.auto()  # model not ready, queue full, worker lost, shutting down, timed out in queue
+    INTERNAL = enum.auto()  # a bug or a backend failure
 
 
 class InferenceError(Exception):
@@ -24,10 +25,6 @@ class InferenceError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
-
-    @property
-    def http_status(self) -> int:
-        return self.kind.value
 
     def __repr__(self) -> str:
         return f"InferenceError({self.kind.name}, {self.message!r})"

@@ -208,6 +208,27 @@ class TestInfer:
         np.testing.assert_array_equal(np.frombuffer(response.raw_output_contents[0], dtype="<f4"), [2, 3, 4, 5])
 
 
+# The core's error kinds are protocol-neutral; the gRPC front end picks Triton's codes
+ERROR_CODES = [(ErrorKind.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+               (ErrorKind.NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+               (ErrorKind.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+               (ErrorKind.INTERNAL, grpc.StatusCode.INTERNAL)]
+
+
+def test_error_codes_cover_every_kind():
+    assert {kind for kind, _ in ERROR_CODES} == set(ErrorKind)
+
+
+@pytest.mark.parametrize("kind, code", ERROR_CODES, ids=[k.name for k, _ in ERROR_CODES])
+def test_error_kind_to_code(stub, core, monkeypatch, kind, code):
+    def fail(name, version=""):
+        raise InferenceError(kind, f"{kind.name} from the core")
+    monkeypatch.setattr(core, "model_metadata", fail)
+    with pytest.raises(grpc.RpcError) as exc_info:
+        stub.ModelMetadata(triton_pb.ModelMetadataRequest(name="add_sub"), timeout=TIMEOUT_S)
+    assert (exc_info.value.code(), exc_info.value.details()) == (code, f"{kind.name} from the core")
+
+
 class TestInferErrors:
     def test_unknown_model_is_not_found(self, client):
         a = np.ones((1, 4), dtype=np.float32)

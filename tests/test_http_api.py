@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from executor.types import InferenceError, InferResponse, InferTensor
+from executor.types import ErrorKind, InferenceError, InferResponse, InferTensor
 from gpud.api.http_api import start_http_server
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from tests.fake_core import FakeCore
@@ -426,6 +426,25 @@ def test_expect_100_continue(server):
 def test_wrong_method_is_405_with_error_body(server):
     status, _, body = server.request("POST", "/v2/health/live", b"")
     assert status == 405 and "not allowed" in orjson.loads(body)["error"]
+    server.assert_ready()
+
+
+# Triton's HttpCodeFromError: the core's error kinds are protocol-neutral, the HTTP front end picks the status
+ERROR_STATUSES = [(ErrorKind.INVALID_ARGUMENT, 400), (ErrorKind.NOT_FOUND, 404), (ErrorKind.UNAVAILABLE, 503),
+                  (ErrorKind.INTERNAL, 500)]
+
+
+def test_error_statuses_cover_every_kind():
+    assert {kind for kind, _ in ERROR_STATUSES} == set(ErrorKind)
+
+
+@pytest.mark.parametrize("kind, status", ERROR_STATUSES, ids=[k.name for k, _ in ERROR_STATUSES])
+def test_error_kind_to_status(server, core, monkeypatch, kind, status):
+    def fail(name, version=""):
+        raise InferenceError(kind, f"{kind.name} from the core")
+    monkeypatch.setattr(core, "model_metadata", fail)
+    got_status, _, body = server.request("GET", "/v2/models/add_sub")
+    assert (got_status, orjson.loads(body)) == (status, {"error": f"{kind.name} from the core"})
     server.assert_ready()
 
 

@@ -35,7 +35,8 @@ from gpud.proto import model_config_pb2
 
 logger = logging.getLogger(__name__)
 
-_STATUS_CODES = {
+# Triton's gRPC codes for the same errors (as HTTP_STATUS in http_api)
+GRPC_STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
     ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
@@ -255,7 +256,7 @@ def _parse(message_dict: dict[str, Any], message):
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     """Answer with the status for exc (context.abort raises, ending the RPC)."""
     if isinstance(exc, InferenceError):
-        await context.abort(_STATUS_CODES[exc.kind], exc.message)
+        await context.abort(GRPC_STATUS_CODES[exc.kind], exc.message)
     else:
         # Not an error a client caused: log it with its traceback, answer INTERNAL, keep serving.
         logger.error("gRPC %s failed", method, exc_info=exc)

@@ -71,6 +71,13 @@ def _parameters(value: Any, where: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------------
 # Routing and handlers
 # ---------------------------------------------------------------------------------------------------------------------
+# Triton's HttpCodeFromError
+HTTP_STATUS: dict[ErrorKind, int] = {
+    ErrorKind.INVALID_ARGUMENT: 400,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.INTERNAL: 500,
+}
 _Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
 _Route = tuple[dict[str, Callable[..., Any]], tuple[str, ...]]  # handlers by method, path arguments
 _ROUTE_CACHE_SIZE = 4096
@@ -169,7 +176,7 @@ class HttpApi:
     def _respond_error(respond: Respond, exc: BaseException, request: HttpRequest) -> None:
         """Every failure becomes `{"error": ...}`: clients (tritonclient reads `error`) never see anything else."""
         if isinstance(exc, InferenceError):
-            respond(exc.http_status, error_body(exc.message))
+            respond(HTTP_STATUS[exc.kind], error_body(exc.message))
         else:  # a bug somewhere below us: answer 500 and keep serving
             log.error("unexpected error serving %s %s", request.method, request.path, exc_info=exc)
             respond(500, error_body(f"internal error: {type(exc).__name__}: {exc}"))
