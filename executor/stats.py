@@ -14,9 +14,6 @@ class Duration:
         self.count += count
         self.ns += ns
 
-    def json(self) -> dict[str, int]:
-        return {"count": self.count, "ns": self.ns}
-
 
 @dataclass
 class BatchStats:
@@ -49,32 +46,3 @@ class ModelStats:
         b.compute_input.add(input_ns)
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
-
-    def json(self, name: str, version: str) -> dict[str, Any]:
-        zero = {"count": 0, "ns": 0}
-        return {
-            "name": name,
-            "version": version,
-            "last_inference": self.last_inference_ms,
-            "inference_count": self.inference_count,
-            "execution_count": self.execution_count,
-            "inference_stats": {
-                "success": self.success.json(),
-                "fail": self.fail.json(),
-                "queue": self.queue.json(),
-                "compute_input": self.compute_input.json(),
-                "compute_infer": self.compute_infer.json(),
-                "compute_output": self.compute_output.json(),
-                "cache_hit": dict(zero),
-                "cache_miss": dict(zero),
-            },
-            "batch_stats": [
-                {
-                    "batch_size": size,
-                    "compute_input": b.compute_input.json(),
-                    "compute_infer": b.compute_infer.json(),
-                    "compute_output": b.compute_output.json(),
-                }
-                for size, b in sorted(self.batches.items())
-            ],
-        }

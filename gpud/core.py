@@ -14,8 +14,10 @@ from executor.pool import ExecutorPool, InstanceHandle
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud import __version__
-from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError, ModelRepository, config_to_json,
-                                   estimate_footprint_bytes, model_metadata_json)
+from gpud.core_api import (LoadState, ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
+                           ServerMetadata)
+from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError, ModelRepository,
+                                   estimate_footprint_bytes)
 from gpud.placer import DeviceRoom, candidate_kinds
 from placement import Constraints, Device, ModelDemand, PlannerConfig, plan
 from telemetry.devices import DeviceBackend
@@ -371,8 +373,8 @@ class GpudCore:
     def server_ready(self) -> bool:
         return self.started and not self.stopping
 
-    def server_metadata(self) -> dict[str, Any]:
-        return {"name": self.server_name, "version": __version__, "extensions": list(EXTENSIONS)}
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata(self.server_name, __version__, tuple(EXTENSIONS))
 
     def model_ready(self, name: str, version: str = "") -> bool:
         model = self._model(name)
@@ -383,30 +385,29 @@ class GpudCore:
         except InferenceError:
             return False
 
-    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         vs = self._version(name, version)
         versions = sorted(self._model(name).versions, key=int) if not version else [version]
-        return model_metadata_json(vs.entry.config, versions)
+        return ModelMetadata.of(vs.entry.config, versions)
 
-    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+    def model_config(self, name: str, version: str = "") -> ServedModelConfig:
         vs = self._version(name, version)
-        return config_to_json(vs.entry.config, vs.entry.version_policy)
+        return ServedModelConfig(vs.entry.config, vs.entry.version_policy)
 
-    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
         if name:
             selected = [self._version(name, version)] if version else list(self._model(name).versions.values())
         else:
             selected = [v for m in self.models.values() for v in m.versions.values()]
-        return {"model_stats": [v.scheduler.stats.json(v.name, v.version) for v in selected]}
+        return [ModelStatistics(v.name, v.version, v.scheduler.stats) for v in selected]
 
-    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
         index = []
         for name in sorted(self.models):
             model = self.models[name]
             if not model.versions:
                 if not ready_only:
-                    index.append({"name": name, "version": "", "state": "UNAVAILABLE",
-                                  "reason": model.error or "unloaded"})
+                    index.append(RepositoryModel(name, "", LoadState.UNAVAILABLE, model.error or "unloaded"))
                 continue
             for v in sorted(model.versions.values(), key=lambda x: int(x.version)):
                 state = "READY" if v.ready else ("UNAVAILABLE" if v.state == "READY" else v.state)
@@ -415,7 +416,7 @@ class GpudCore:
                 reason = v.reason if state != "READY" else ""
                 if state == "UNAVAILABLE" and v.state == "READY":
                     reason = "no instance is ready (a worker is restarting)"
-                index.append({"name": name, "version": v.version, "state": state, "reason": reason})
+                index.append(RepositoryModel(name, v.version, LoadState(state), reason))
         return index
 
     def _ready_scheduler(self, request: InferRequest):

@@ -1,50 +1,118 @@
-"""The one inference core that the HTTP and gRPC front ends adapt. Front ends only translate wire formats.
+"""The one inference core that the HTTP and gRPC front ends adapt, and the typed values it answers with.
 
-Every method raises `executor.types.InferenceError` for errors a client should see (the kind picks the HTTP status
-or gRPC code). Dict results are already in the JSON shape of the KServe v2 / Triton HTTP protocol, with integers
-as numbers, so the gRPC adapter can `google.protobuf.json_format.ParseDict` them into its messages.
+Front ends own their wire formats. The core returns the protocol-neutral values below and raises
+`executor.types.InferenceError`, whose kind each front end maps to its own status; `gpud.api.http_encode` writes them
+as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messages (a test checks the two agree).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from executor.model_config import ModelConfig, TensorSpec
+from executor.stats import ModelStats
 from executor.types import InferenceError, InferRequest, InferResponse
+from gpud.model_repository import VersionPolicy
+
+BATCH_DIM = -1  # the batch dimension in metadata shapes: any size up to max_batch_size
+
+
+@dataclass(frozen=True)
+class ServerMetadata:
+    name: str
+    version: str
+    extensions: tuple[str, ...]  # the protocol extensions the server implements; clients decide what to call by it
+
+
+@dataclass(frozen=True)
+class TensorMetadata:
+    name: str
+    datatype: str  # KServe datatype: "FP32", "BYTES", ...
+    shape: tuple[int, ...]  # -1 = any size; starts with the batch dimension when the model batches
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    name: str
+    versions: tuple[str, ...]
+    platform: str
+    inputs: tuple[TensorMetadata, ...]
+    outputs: tuple[TensorMetadata, ...]
+
+    @classmethod
+    def of(cls, config: ModelConfig, versions: Iterable[int | str]) -> ModelMetadata:
+        """A model's metadata. Shapes carry the batch dimension (-1) when the model batches, as Triton reports."""
+        batch = (BATCH_DIM,) if config.batches else ()
+
+        def tensors(specs: tuple[TensorSpec, ...]) -> tuple[TensorMetadata, ...]:
+            return tuple(TensorMetadata(s.name, s.datatype, batch + s.dims) for s in specs)
+
+        return cls(name=config.name, versions=tuple(str(v) for v in versions), platform=config.platform,
+                   inputs=tensors(config.inputs), outputs=tensors(config.outputs))
+
+
+@dataclass(frozen=True)
+class ServedModelConfig:
+    """A model's complete configuration and the version policy it is served under (ModelConfig carries none)."""
+
+    config: ModelConfig
+    version_policy: VersionPolicy = VersionPolicy()
+
+
+@dataclass(frozen=True)
+class ModelStatistics:
+    """Triton's statistics of one model version: the executor's cumulative record, read when it is encoded."""
+
+    name: str
+    version: str
+    stats: ModelStats
+
+
+class LoadState(enum.Enum):
+    """Where a model version stands, in the states of Triton's repository index."""
+
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(frozen=True)
+class RepositoryModel:
+    """One row of the repository index: a model version, or a model with no version ("") and why."""
+
+    name: str
+    version: str
+    state: LoadState
+    reason: str = ""  # why it is not ready; "" when it is
 
 
 class InferenceCore(Protocol):
+    """Every method raises `executor.types.InferenceError` for errors a client should see."""
+
     def server_live(self) -> bool: ...
 
     def server_ready(self) -> bool: ...
 
-    def server_metadata(self) -> dict[str, Any]:
-        """{"name": "gpud", "version": "...", "extensions": [...]}"""
-        ...
+    def server_metadata(self) -> ServerMetadata: ...
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """False for a known model that is not ready; raises NOT_FOUND for an unknown model."""
         ...
 
-    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
-        """{"name", "versions": ["1"], "platform", "inputs": [{"name", "datatype", "shape": [-1, 4]}], "outputs": [...]}
-        Shapes include the batch dimension (-1) when the model batches, as Triton reports them."""
+    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+        """version "": every served version is listed."""
         ...
 
-    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
-        """Triton's ModelConfig as JSON: {"name", "platform", "backend", "max_batch_size", "input": [{"name",
-        "data_type": "TYPE_FP32", "dims": [4]}], "output": [...], "instance_group": [...], "dynamic_batching": {...}}"""
+    def model_config(self, name: str, version: str = "") -> ServedModelConfig: ...
+
+    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
+        """name "": every version of every model; version "": every version of the model."""
         ...
 
-    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
-        """Triton's statistics extension: {"model_stats": [{"name", "version", "last_inference", "inference_count",
-        "execution_count", "inference_stats": {"success": {"count", "ns"}, "fail", "queue", "compute_input",
-        "compute_infer", "compute_output", "cache_hit", "cache_miss"}, "batch_stats": [{"batch_size",
-        "compute_input": {"count", "ns"}, "compute_infer", "compute_output"}]}]}. name "" = every model."""
-        ...
-
-    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
-        """[{"name", "version", "state": "READY" | "UNAVAILABLE" | "LOADING" | "UNLOADING", "reason": "..."}]"""
-        ...
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
 
     def inspect(self) -> dict[str, Any]:
         """gpud's own view for `gpudctl inspect` (served at GET /v2/gpud/inspect): {"devices": [...], "models": [...]}"""

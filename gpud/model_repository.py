@@ -16,7 +16,6 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import onnx
 from google.protobuf import text_format
@@ -102,13 +101,13 @@ class VersionPolicy:
             return tuple(v for v in present if v in self.versions)
         return tuple(present[-self.num_versions :]) if self.num_versions > 0 else ()
 
-    def to_json(self) -> dict[str, Any]:
-        """The `version_policy` object of Triton's config JSON."""
+    def __str__(self) -> str:
+        """The policy as config.pbtxt writes it, for messages."""
         if self.kind == "all":
-            return {"all": {}}
+            return "all { }"
         if self.kind == "specific":
-            return {"specific": {"versions": list(self.versions)}}
-        return {"latest": {"num_versions": self.num_versions}}
+            return f"specific {{ versions: {list(self.versions)} }}"
+        return f"latest {{ num_versions: {self.num_versions} }}"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -586,7 +585,7 @@ def load_model(
     versions = policy.select(present)
     if not versions:
         raise ModelConfigError(
-            blame, f"version_policy {policy.to_json()} selects none of the versions present {list(present)}"
+            blame, f"version_policy {{ {policy} }} selects none of the versions present {list(present)}"
         )
     model_paths = {}
     for v in versions:
@@ -723,96 +722,3 @@ def estimate_footprint_bytes(model_path: str | os.PathLike[str], config: ModelCo
                 elements *= batch
         activation_bytes += elements * _itemsize(tt.elem_type)
     return weights + activation_bytes
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# JSON for the /config and metadata endpoints
-
-
-def _io_json(spec: TensorSpec, is_input: bool, batches: bool) -> dict[str, Any]:
-    d: dict[str, Any] = {"name": spec.name, "data_type": triton_type(spec.datatype)}
-    if is_input:
-        d["format"] = "FORMAT_NONE"
-    if spec.dims:
-        d["dims"] = list(spec.dims)
-    else:
-        # A scalar per batch item: Triton's auto-complete writes dims [1] with an empty reshape.
-        d["dims"] = [1]
-        if batches:
-            d["reshape"] = {"shape": []}
-    d["is_shape_tensor"] = False
-    if is_input:
-        d["allow_ragged_batch"] = False
-        d["optional"] = spec.optional
-    else:
-        d["label_filename"] = ""
-    return d
-
-
-def _queue_policy_json(p: QueuePolicy) -> dict[str, Any]:
-    return {
-        "timeout_action": p.timeout_action,
-        "default_timeout_microseconds": p.default_timeout_us,
-        "allow_timeout_override": p.allow_timeout_override,
-        "max_queue_size": p.max_queue_size,
-    }
-
-
-def config_to_json(config: ModelConfig, version_policy: VersionPolicy | None = None) -> dict[str, Any]:
-    """Triton's /v2/models/<m>/config JSON: model_config.proto field names, enums as names, integers as numbers.
-
-    `google.protobuf.json_format.ParseDict(d, model_config_pb2.ModelConfig())` accepts it (the gRPC adapter relies
-    on that). ModelConfig carries no version policy, so it is passed in (default: Triton's latest-1).
-    """
-    d: dict[str, Any] = {
-        "name": config.name,
-        "platform": config.platform,
-        "backend": config.backend,
-        "version_policy": (version_policy or VersionPolicy()).to_json(),
-        "max_batch_size": config.max_batch_size,
-        "input": [_io_json(s, True, config.batches) for s in config.inputs],
-        "output": [_io_json(s, False, config.batches) for s in config.outputs],
-        "instance_group": [
-            {"name": g.name or config.name, "kind": g.kind, "count": g.count, "gpus": list(g.gpus)}
-            for g in config.instance_groups
-        ],
-        "default_model_filename": config.default_model_filename,
-        "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
-    }
-    if config.gpu_execution_accelerators:
-        d["optimization"] = {
-            "execution_accelerators": {
-                "gpu_execution_accelerator": [{"name": n} for n in config.gpu_execution_accelerators]
-            }
-        }
-    db = config.dynamic_batching
-    if db is not None:
-        d["dynamic_batching"] = {
-            "preferred_batch_size": list(db.preferred_batch_sizes),
-            "max_queue_delay_microseconds": db.max_queue_delay_us,
-            "preserve_ordering": db.preserve_ordering,
-            "priority_levels": db.priority_levels,
-            "default_priority_level": db.default_priority_level,
-            "default_queue_policy": _queue_policy_json(db.default_queue_policy),
-            # JSON object keys are strings; protobuf's JSON mapping reads them back as the uint64 map keys.
-            "priority_queue_policy": {
-                str(level): _queue_policy_json(p) for level, p in sorted(db.priority_queue_policy.items())
-            },
-        }
-    return d
-
-
-def model_metadata_json(config: ModelConfig, versions: Iterable[int | str]) -> dict[str, Any]:
-    """KServe v2 model metadata. Shapes carry the batch dimension (-1) when the model batches, as Triton reports."""
-    batch = [WILDCARD_DIM] if config.batches else []
-
-    def tensors(specs: tuple[TensorSpec, ...]) -> list[dict[str, Any]]:
-        return [{"name": s.name, "datatype": s.datatype, "shape": batch + list(s.dims)} for s in specs]
-
-    return {
-        "name": config.name,
-        "versions": [str(v) for v in versions],
-        "platform": config.platform,
-        "inputs": tensors(config.inputs),
-        "outputs": tensors(config.outputs),
-    }

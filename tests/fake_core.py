@@ -14,8 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from executor.model_config import numpy_dtype, triton_type
+from executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec, numpy_dtype
+from executor.stats import Duration, ModelStats
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+from gpud.core_api import (LoadState, ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
+                           ServerMetadata)
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
 
@@ -31,6 +34,14 @@ class FakeModel:
     version: str = "1"
     inference_count: int = 0
     failure_count: int = 0
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig(name=self.name, max_batch_size=self.max_batch_size,
+                           inputs=tuple(TensorSpec(n, d, s) for n, d, s in self.inputs),
+                           outputs=tuple(TensorSpec(n, d, s) for n, d, s in self.outputs),
+                           instance_groups=(InstanceGroup(1, "KIND_CPU", (), f"{self.name}_0"),),
+                           dynamic_batching=DynamicBatching(max_queue_delay_us=100))
 
 
 def _add_sub(x: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -76,9 +87,9 @@ class FakeCore:
     def server_ready(self) -> bool:
         return self.ready
 
-    def server_metadata(self) -> dict[str, Any]:
-        return {"name": "gpud", "version": "0.1.0-fake",
-                "extensions": ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]}
+    def server_metadata(self) -> ServerMetadata:
+        return ServerMetadata("gpud", "0.1.0-fake",
+                              ("binary_tensor_data", "statistics", "model_repository", "model_configuration"))
 
     def _model(self, name: str, version: str = "") -> FakeModel:
         model = self.models.get(name)
@@ -94,36 +105,23 @@ class FakeCore:
     def _shape(self, model: FakeModel, dims: tuple[int, ...]) -> list[int]:
         return ([-1] if model.max_batch_size > 0 else []) + list(dims)
 
-    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         m = self._model(name, version)
-        return {"name": m.name, "versions": [m.version], "platform": "onnxruntime_onnx",
-                "inputs": [{"name": n, "datatype": d, "shape": self._shape(m, s)} for n, d, s in m.inputs],
-                "outputs": [{"name": n, "datatype": d, "shape": self._shape(m, s)} for n, d, s in m.outputs]}
+        return ModelMetadata.of(m.config, [m.version])
 
-    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
-        m = self._model(name, version)
-        return {"name": m.name, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
-                "max_batch_size": m.max_batch_size,
-                "input": [{"name": n, "data_type": triton_type(d), "dims": list(s)} for n, d, s in m.inputs],
-                "output": [{"name": n, "data_type": triton_type(d), "dims": list(s)} for n, d, s in m.outputs],
-                "instance_group": [{"name": f"{m.name}_0", "kind": "KIND_CPU", "count": 1}],
-                "dynamic_batching": {"max_queue_delay_microseconds": 100}}
+    def model_config(self, name: str, version: str = "") -> ServedModelConfig:
+        return ServedModelConfig(self._model(name, version).config)
 
-    def model_statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
         models = [self._model(name, version)] if name else list(self.models.values())
-        return {"model_stats": [
-            {"name": m.name, "version": m.version, "last_inference": 0, "inference_count": m.inference_count,
-             "execution_count": m.inference_count,
-             "inference_stats": {"success": {"count": m.inference_count, "ns": 0},
-                                 "fail": {"count": m.failure_count, "ns": 0},
-                                 "queue": {"count": 0, "ns": 0}, "compute_input": {"count": 0, "ns": 0},
-                                 "compute_infer": {"count": 0, "ns": 0}, "compute_output": {"count": 0, "ns": 0},
-                                 "cache_hit": {"count": 0, "ns": 0}, "cache_miss": {"count": 0, "ns": 0}},
-             "batch_stats": []} for m in models]}
+        return [ModelStatistics(m.name, m.version,
+                                ModelStats(success=Duration(m.inference_count), fail=Duration(m.failure_count),
+                                           inference_count=m.inference_count, execution_count=m.inference_count))
+                for m in models]
 
-    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
-        return [{"name": m.name, "version": m.version, "state": "READY" if m.ready else "UNAVAILABLE",
-                 "reason": "" if m.ready else "unloaded"}
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        return [RepositoryModel(m.name, m.version, LoadState.READY if m.ready else LoadState.UNAVAILABLE,
+                                "" if m.ready else "unloaded")
                 for m in self.models.values() if m.ready or not ready_only]
 
     def inspect(self) -> dict[str, Any]:

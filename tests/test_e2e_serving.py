@@ -196,6 +196,30 @@ def test_repository_index_reports_broken_models_and_others_serve(daemon):
     assert client.is_server_ready()
 
 
+def test_http_and_grpc_describe_the_server_alike(daemon):
+    # Both front ends encode the core's same typed answers: Triton's HTTP JSON, read as protobuf JSON with Triton's
+    # own protos (tritonclient's), is the gRPC answer.
+    from google.protobuf import json_format
+    from tritonclient.grpc import model_config_pb2, service_pb2
+
+    http = httpclient.InferenceServerClient(daemon.http_url)
+    grpc = grpcclient.InferenceServerClient(daemon.grpc_url)
+    inp = httpclient.InferInput("input", [2, 256], "FP32")
+    inp.set_data_from_numpy(np.ones((2, 256), np.float32))
+    http.infer("mlp", [inp])  # statistics with a batch in them
+    assert json_format.ParseDict(http.get_server_metadata(), service_pb2.ServerMetadataResponse()) == \
+        grpc.get_server_metadata()
+    for model in ("mlp", "cnn", "two_input"):
+        assert json_format.ParseDict(http.get_model_metadata(model), service_pb2.ModelMetadataResponse()) == \
+            grpc.get_model_metadata(model)
+        assert json_format.ParseDict(http.get_model_config(model), model_config_pb2.ModelConfig()) == \
+            grpc.get_model_config(model).config
+    assert json_format.ParseDict(http.get_inference_statistics(), service_pb2.ModelStatisticsResponse()) == \
+        grpc.get_inference_statistics()
+    assert json_format.ParseDict({"models": http.get_model_repository_index()},
+                                 service_pb2.RepositoryIndexResponse()) == grpc.get_model_repository_index()
+
+
 def test_unload_and_load_through_the_repository_api(daemon):
     client = httpclient.InferenceServerClient(daemon.http_url)
     client.unload_model("cnn")
@@ -233,6 +257,7 @@ def test_gpudctl_inspect_shows_tree_instances_and_latency(daemon):
     raw = subprocess.run([sys.executable, "-m", "gpud.ctl", "inspect", "--url", daemon.http_url, "--json"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     data = json.loads(raw.stdout)
+    assert data["server"] == daemon.get_json("/v2")  # the server metadata, as GET /v2 answers it
     assert {d["id"] for d in data["devices"]} >= {"gpu0", "gpu1", "gpu1/mig1.0", "cpu"}
     mlp = next(m for m in data["models"] if m["name"] == "mlp")
     assert mlp["instances"][0]["memory_bytes"] > 0

@@ -145,7 +145,11 @@ class TestHealthAndMetadata:
     def test_model_config(self, client, version):
         config = client.get_model_config("add_sub", model_version=version)
         assert config["max_batch_size"] == 8
-        assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]}
+        # every field Triton's HTTP server writes for an input, integers as JSON numbers
+        assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_FP32", "format": "FORMAT_NONE",
+                                      "dims": [4], "is_shape_tensor": False, "allow_ragged_batch": False,
+                                      "optional": False}
+        assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 100
 
     def test_inspect(self, server):
         status, headers, body = server.request("GET", "/v2/gpud/inspect")

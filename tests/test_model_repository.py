@@ -1,4 +1,5 @@
-"""Model repository: config.pbtxt parsing and validation, auto-complete from ONNX, version policies, JSON shapes."""
+"""Model repository: config.pbtxt parsing and validation, auto-complete from ONNX, version policies, and the
+HTTP JSON of what it reads (gpud.api.http_encode)."""
 from __future__ import annotations
 
 import os
@@ -13,6 +14,8 @@ from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
 from executor.model_config import DynamicBatching, InstanceGroup, QueuePolicy, TensorSpec
+from gpud.api.http_encode import model_config_json, model_metadata_json
+from gpud.core_api import ModelMetadata, ServedModelConfig
 from gpud.model_repository import (
     ModelConfigError,
     ModelEntry,
@@ -21,11 +24,9 @@ from gpud.model_repository import (
     VersionPolicy,
     available_versions,
     config_from_proto,
-    config_to_json,
     estimate_footprint_bytes,
     load_model,
     load_model_config,
-    model_metadata_json,
     parse_config_text,
 )
 from gpud.proto import model_config_pb2
@@ -465,7 +466,7 @@ class TestJson:
     def test_round_trip_through_parse_dict(self, tmp_path, config, policy):
         text = None if config is None and not policy else (config or "") + "\n" + policy
         entry = load_model(make_model_dir(tmp_path, "m", text))
-        d = config_to_json(entry.config, entry.version_policy)
+        d = model_config_json(ServedModelConfig(entry.config, entry.version_policy))
         message = json_format.ParseDict(d, model_config_pb2.ModelConfig())
         # the JSON means the same config: converting the protobuf back gives the same typed values
         again, again_policy = config_from_proto(message, "m", "<json>")
@@ -476,7 +477,7 @@ class TestJson:
 
     def test_triton_field_names(self, tmp_path):
         text = XY_CONFIG + "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 100 }"
-        d = config_to_json(load_model_config(make_model_dir(tmp_path, "m", text)))
+        d = model_config_json(ServedModelConfig(load_model_config(make_model_dir(tmp_path, "m", text))))
         assert d["input"][0]["data_type"] == "TYPE_FP32"
         assert d["input"][0]["dims"] == [4]
         assert d["version_policy"] == {"latest": {"num_versions": 1}}
@@ -489,7 +490,7 @@ class TestJson:
         # a batching model whose tensor is [-1]: Triton's auto-complete writes dims [1] and an empty reshape
         cfg = load_cfg_from(identity_model(("x", "y", TensorProto.FLOAT, [B])))
         assert cfg.inputs[0].dims == ()
-        d = config_to_json(cfg)
+        d = model_config_json(ServedModelConfig(cfg))
         assert d["input"][0]["dims"] == [1] and d["input"][0]["reshape"] == {"shape": []}
         json_format.ParseDict(d, model_config_pb2.ModelConfig())
 
@@ -499,7 +500,7 @@ class TestJson:
     )
     def test_metadata(self, model, default_mbs, in_shape):
         cfg = load_cfg_from(model, default_mbs)
-        md = model_metadata_json(cfg, [1, 3])
+        md = model_metadata_json(ModelMetadata.of(cfg, [1, 3]))
         assert md == {
             "name": "m",
             "versions": ["1", "3"],

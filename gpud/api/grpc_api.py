@@ -1,7 +1,8 @@
 """The gRPC front end: KServe v2 / Triton's GRPCInferenceService over one InferenceCore.
 
-A thin adapter: it translates protobuf messages to and from executor.types and the core's Triton-shaped dicts, and
-maps InferenceError kinds to gRPC status codes. It decides nothing about models, batching or placement.
+A thin adapter: it translates protobuf messages to and from executor.types and the core's typed answers (those with
+`gpud.api.grpc_encode`), and maps InferenceError kinds to gRPC status codes. It decides nothing about models,
+batching or placement.
 
     server = await start_grpc_server(core, "0.0.0.0", 8001)
     server.bound_port   # the port actually bound (useful with port 0)
@@ -23,15 +24,15 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf import json_format
 
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
+                                  repository_index_message, server_metadata_message)
 from gpud.core_api import InferenceCore
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import grpc_service_pb2_grpc as pb_grpc
-from gpud.proto import model_config_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -248,11 +249,6 @@ def to_infer_response(response: InferResponse, requested: list[RequestedOutput] 
 # The servicer
 
 
-def _parse(message_dict: dict[str, Any], message):
-    """Fill a proto message from one of the core's Triton-shaped dicts, ignoring fields our protos do not carry."""
-    return json_format.ParseDict(message_dict, message, ignore_unknown_fields=True)
-
-
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     """Answer with the status for exc (context.abort raises, ending the RPC)."""
     if isinstance(exc, InferenceError):
@@ -308,25 +304,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_unary
     async def ServerMetadata(self, request, context):
-        return _parse(self._core.server_metadata(), pb.ServerMetadataResponse())
+        return server_metadata_message(self._core.server_metadata())
 
     @_unary
     async def ModelMetadata(self, request, context):
-        return _parse(self._core.model_metadata(request.name, request.version), pb.ModelMetadataResponse())
+        return model_metadata_message(self._core.model_metadata(request.name, request.version))
 
     @_unary
     async def ModelConfig(self, request, context):
-        config = _parse(self._core.model_config(request.name, request.version), model_config_pb2.ModelConfig())
+        config = model_config_message(self._core.model_config(request.name, request.version))
         return pb.ModelConfigResponse(config=config)
 
     @_unary
     async def ModelStatistics(self, request, context):
-        return _parse(self._core.model_statistics(request.name, request.version), pb.ModelStatisticsResponse())
+        return model_statistics_message(self._core.model_statistics(request.name, request.version))
 
     @_unary
     async def RepositoryIndex(self, request, context):
-        models = self._core.repository_index(ready_only=request.ready)
-        return _parse({"models": models}, pb.RepositoryIndexResponse())
+        return repository_index_message(self._core.repository_index(ready_only=request.ready))
 
     @_unary
     async def RepositoryModelLoad(self, request, context):

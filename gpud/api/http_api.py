@@ -32,6 +32,8 @@ from typing import Any
 import orjson
 
 from executor.types import ErrorKind, InferenceError, InferResponse
+from gpud.api.http_encode import (model_config_json, model_metadata_json, model_statistics_json,
+                                  repository_index_json, server_metadata_json)
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 from gpud.core_api import InferenceCore
@@ -189,10 +191,10 @@ class HttpApi:
         return 200 if self.core.server_ready() else 400, b""
 
     def server_metadata(self, request: HttpRequest, respond: Respond) -> _Reply:
-        return 200, _json_body(self.core.server_metadata())
+        return 200, _json_body(server_metadata_json(self.core.server_metadata()))
 
     def model_metadata(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
-        return 200, _json_body(self.core.model_metadata(name, version))
+        return 200, _json_body(model_metadata_json(self.core.model_metadata(name, version)))
 
     def model_ready(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
         if self.core.model_ready(name, version):
@@ -201,17 +203,17 @@ class HttpApi:
                                else f"model '{name}' is not ready")
 
     def model_config(self, request: HttpRequest, respond: Respond, name: str, version: str) -> _Reply:
-        return 200, _json_body(self.core.model_config(name, version))
+        return 200, _json_body(model_config_json(self.core.model_config(name, version)))
 
     def model_stats(self, request: HttpRequest, respond: Respond, name: str = "", version: str = "") -> _Reply:
-        return 200, _json_body(self.core.model_statistics(name, version))
+        return 200, _json_body(model_statistics_json(self.core.model_statistics(name, version)))
 
     def repository_index(self, request: HttpRequest, respond: Respond) -> _Reply:
         doc = _optional_json_object(request.body, "repository index request")
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
             raise _invalid(f"repository index 'ready' must be a boolean, got {ready!r}")
-        return 200, _json_body(self.core.repository_index(ready_only=ready))
+        return 200, _json_body(repository_index_json(self.core.repository_index(ready_only=ready)))
 
     def load(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
         doc = _optional_json_object(request.body, "model load request")

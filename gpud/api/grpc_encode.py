@@ -1,0 +1,160 @@
+"""The core's typed answers as Triton's gRPC messages (server and model metadata, model configuration, statistics,
+repository index), built field by field from the typed values.
+
+Every message here is the one Triton's HTTP JSON of the same value (`gpud.api.http_encode`) means, down to which
+sub-messages are present: tests/test_api_encoders.py reads that JSON as protobuf JSON and compares.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from executor.model_config import QueuePolicy, TensorSpec, triton_type
+from executor.stats import Duration, ModelStats
+from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
+                           TensorMetadata)
+from gpud.model_repository import VersionPolicy
+from gpud.proto import grpc_service_pb2 as pb
+from gpud.proto import model_config_pb2 as mc
+
+
+def server_metadata_message(metadata: ServerMetadata) -> pb.ServerMetadataResponse:
+    return pb.ServerMetadataResponse(name=metadata.name, version=metadata.version, extensions=metadata.extensions)
+
+
+def _tensor_metadata(t: TensorMetadata) -> pb.ModelMetadataResponse.TensorMetadata:
+    return pb.ModelMetadataResponse.TensorMetadata(name=t.name, datatype=t.datatype, shape=t.shape)
+
+
+def model_metadata_message(metadata: ModelMetadata) -> pb.ModelMetadataResponse:
+    return pb.ModelMetadataResponse(
+        name=metadata.name,
+        versions=metadata.versions,
+        platform=metadata.platform,
+        inputs=[_tensor_metadata(t) for t in metadata.inputs],
+        outputs=[_tensor_metadata(t) for t in metadata.outputs],
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model configuration
+
+
+def _version_policy(policy: VersionPolicy, message: mc.ModelVersionPolicy) -> None:
+    if policy.kind == "all":
+        message.all.SetInParent()
+    elif policy.kind == "specific":
+        message.specific.versions.extend(policy.versions)
+        message.specific.SetInParent()  # present even if it were empty, as {"specific": {...}} is in the JSON
+    else:
+        message.latest.num_versions = policy.num_versions
+        message.latest.SetInParent()
+
+
+def _tensor(spec: TensorSpec, message: mc.ModelInput | mc.ModelOutput, batches: bool) -> None:
+    message.name = spec.name
+    message.data_type = mc.DataType.Value(triton_type(spec.datatype))
+    if spec.dims:
+        message.dims.extend(spec.dims)
+    else:
+        # A scalar per batch item: Triton's auto-complete writes dims [1] with an empty reshape.
+        message.dims.append(1)
+        if batches:
+            message.reshape.SetInParent()
+    # format FORMAT_NONE, is_shape_tensor, allow_ragged_batch and label_filename are their defaults
+
+
+def _queue_policy(policy: QueuePolicy, message: mc.ModelQueuePolicy) -> None:
+    message.SetInParent()
+    message.timeout_action = mc.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action)
+    message.default_timeout_microseconds = policy.default_timeout_us
+    message.allow_timeout_override = policy.allow_timeout_override
+    message.max_queue_size = policy.max_queue_size
+
+
+def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
+    """model_config.proto's ModelConfig (what ModelConfigResponse.config carries)."""
+    config = served.config
+    message = mc.ModelConfig(
+        name=config.name,
+        platform=config.platform,
+        backend=config.backend,
+        max_batch_size=config.max_batch_size,
+        default_model_filename=config.default_model_filename,
+    )
+    _version_policy(served.version_policy, message.version_policy)
+    for spec in config.inputs:
+        _tensor(spec, message.input.add(), config.batches)
+        if spec.optional:
+            message.input[-1].optional = True
+    for spec in config.outputs:
+        _tensor(spec, message.output.add(), config.batches)
+    for g in config.instance_groups:
+        message.instance_group.add(name=g.name or config.name, kind=mc.ModelInstanceGroup.Kind.Value(g.kind),
+                                   count=g.count, gpus=g.gpus)
+    for key, value in config.parameters.items():
+        message.parameters[key].string_value = value  # the entry exists even for an empty value
+    if config.gpu_execution_accelerators:
+        accelerators = message.optimization.execution_accelerators.gpu_execution_accelerator
+        for name in config.gpu_execution_accelerators:
+            accelerators.add(name=name)
+    db = config.dynamic_batching
+    if db is not None:
+        batching = message.dynamic_batching
+        batching.SetInParent()
+        batching.preferred_batch_size.extend(db.preferred_batch_sizes)
+        batching.max_queue_delay_microseconds = db.max_queue_delay_us
+        batching.preserve_ordering = db.preserve_ordering
+        batching.priority_levels = db.priority_levels
+        batching.default_priority_level = db.default_priority_level
+        _queue_policy(db.default_queue_policy, batching.default_queue_policy)
+        for level, policy in sorted(db.priority_queue_policy.items()):
+            _queue_policy(policy, batching.priority_queue_policy[level])
+    return message
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Statistics and the repository index
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _model_statistics(name: str, version: str, stats: ModelStats) -> pb.ModelStatistics:
+    return pb.ModelStatistics(
+        name=name,
+        version=version,
+        last_inference=stats.last_inference_ms,
+        inference_count=stats.inference_count,
+        execution_count=stats.execution_count,
+        inference_stats=pb.InferStatistics(
+            success=_duration(stats.success),
+            fail=_duration(stats.fail),
+            queue=_duration(stats.queue),
+            compute_input=_duration(stats.compute_input),
+            compute_infer=_duration(stats.compute_infer),
+            compute_output=_duration(stats.compute_output),
+            cache_hit=pb.StatisticDuration(),  # gpud has no response cache
+            cache_miss=pb.StatisticDuration(),
+        ),
+        batch_stats=[
+            pb.InferBatchStatistics(
+                batch_size=size,
+                compute_input=_duration(b.compute_input),
+                compute_infer=_duration(b.compute_infer),
+                compute_output=_duration(b.compute_output),
+            )
+            for size, b in sorted(stats.batches.items())
+        ],
+    )
+
+
+def model_statistics_message(statistics: Iterable[ModelStatistics]) -> pb.ModelStatisticsResponse:
+    return pb.ModelStatisticsResponse(model_stats=[_model_statistics(s.name, s.version, s.stats) for s in statistics])
+
+
+def repository_index_message(models: Iterable[RepositoryModel]) -> pb.RepositoryIndexResponse:
+    return pb.RepositoryIndexResponse(models=[
+        pb.RepositoryIndexResponse.ModelIndex(name=m.name, version=m.version, state=m.state.value, reason=m.reason)
+        for m in models
+    ])
