@@ -1,7 +1,8 @@
 """Typed model configuration: what the executor needs to know to run and batch a model.
 
-These are plain values. `gpud.model_repository` builds them from Triton's `config.pbtxt` (or from the ONNX file
-when there is none) and turns them back into Triton's JSON/protobuf shapes for the /config endpoints.
+These are plain values. `gpud.repository` builds them from Triton's `config.pbtxt` (or from the ONNX file when
+there is none); the front ends (`gpud.api`) turn them back into Triton's JSON/protobuf shapes for the /config
+endpoints.
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ from executor.types import ErrorKind, InferenceError, InferRequest, InferRespons
 from gpud import __version__
 from gpud.core_api import (LoadState, ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
-from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError, ModelRepository,
-                                   estimate_footprint_bytes)
+from gpud.repository.config import ModelConfigError
+from gpud.repository.footprint import estimate_footprint_bytes
+from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
 from gpud.placer import DeviceRoom, candidate_kinds
 from placement import Constraints, Device, ModelDemand, PlannerConfig, plan
 from telemetry.devices import DeviceBackend

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from executor.model_config import ModelConfig, TensorSpec
 from executor.stats import ModelStats
 from executor.types import InferenceError, InferRequest, InferResponse
-from gpud.model_repository import VersionPolicy
+from gpud.repository.config import VersionPolicy
 
 BATCH_DIM = -1  # the batch dimension in metadata shapes: any size up to max_batch_size
 

@@ -126,8 +126,9 @@ def estimate_repository(path: str) -> list[ModelDemand]:
     """Demands from a Triton-layout repository, read and estimated exactly as the daemon does at start-up: the
     footprint from the newest served version's ONNX file, the instance count and device kinds from instance_group.
     A model the daemon could not load is reported on stderr and left out."""
-    from gpud.model_repository import ModelLoadError, ModelRepository, estimate_footprint_bytes
     from gpud.placer import candidate_kinds
+    from gpud.repository.footprint import estimate_footprint_bytes
+    from gpud.repository.layout import ModelLoadError, ModelRepository
 
     out = []
     try:

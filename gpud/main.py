@@ -130,7 +130,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from gpud.autoscale import HintsSampler, instance_infos
     from gpud.core import GpudCore
     from gpud.api.metrics_server import start_metrics_server
-    from gpud.model_repository import ModelRepository
+    from gpud.repository.layout import ModelRepository
     from telemetry.device_metrics import DeviceCollector
     from telemetry.discovery import discover
     from telemetry.host_metrics import HostCollector

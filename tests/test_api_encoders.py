@@ -12,7 +12,8 @@ from gpud.api import grpc_encode, http_encode
 from gpud.core_api import (LoadState, ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
 from gpud.examples import write_example_repository
-from gpud.model_repository import ModelEntry, ModelRepository, VersionPolicy
+from gpud.repository.config import VersionPolicy
+from gpud.repository.layout import ModelEntry, ModelRepository
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2
 

@@ -9,7 +9,8 @@ import pytest
 
 from executor.model_config import DynamicBatching, TensorSpec, numpy_dtype
 from gpud.examples import EXAMPLES, two_input_reference, write_example_repository
-from gpud.model_repository import ModelEntry, ModelRepository, estimate_footprint_bytes
+from gpud.repository.footprint import estimate_footprint_bytes
+from gpud.repository.layout import ModelEntry, ModelRepository
 
 
 @pytest.fixture(scope="module")

@@ -16,20 +16,17 @@ from onnx import TensorProto, helper, numpy_helper
 from executor.model_config import DynamicBatching, InstanceGroup, QueuePolicy, TensorSpec
 from gpud.api.http_encode import model_config_json, model_metadata_json
 from gpud.core_api import ModelMetadata, ServedModelConfig
-from gpud.model_repository import (
-    ModelConfigError,
+from gpud.proto import model_config_pb2
+from gpud.repository.config import ModelConfigError, VersionPolicy, config_from_proto, parse_config_text
+from gpud.repository.footprint import estimate_footprint_bytes
+from gpud.repository.layout import (
     ModelEntry,
     ModelLoadError,
     ModelRepository,
-    VersionPolicy,
     available_versions,
-    config_from_proto,
-    estimate_footprint_bytes,
     load_model,
     load_model_config,
-    parse_config_text,
 )
-from gpud.proto import model_config_pb2
 
 B = "batch"  # symbolic batch dimension
 

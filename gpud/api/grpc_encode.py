@@ -12,7 +12,7 @@ from executor.model_config import QueuePolicy, TensorSpec, triton_type
 from executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
-from gpud.model_repository import VersionPolicy
+from gpud.repository.config import VersionPolicy
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2 as mc
 

@@ -14,7 +14,7 @@ from executor.model_config import QueuePolicy, TensorSpec, triton_type
 from executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
-from gpud.model_repository import VersionPolicy
+from gpud.repository.config import VersionPolicy
 
 
 def server_metadata_json(metadata: ServerMetadata) -> dict[str, Any]:
