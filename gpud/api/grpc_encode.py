@@ -83,9 +83,9 @@ def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
     )
     _version_policy(served.version_policy, message.version_policy)
     for spec in config.inputs:
-        _tensor(spec, message.input.add(), config.batches)
-        if spec.optional:
-            message.input[-1].optional = True
+        tensor = message.input.add()
+        _tensor(spec, tensor, config.batches)
+        tensor.optional = spec.optional
     for spec in config.outputs:
         _tensor(spec, message.output.add(), config.batches)
     for g in config.instance_groups:
