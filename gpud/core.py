@@ -19,6 +19,7 @@ from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError,
 from gpud.placer import DeviceRoom, candidate_kinds
 from placement import Constraints, Device, ModelDemand, PlannerConfig, plan
 from telemetry.devices import DeviceBackend
+from telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
 
 log = logging.getLogger("gpud")
 
@@ -27,7 +28,7 @@ EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_t
 
 
 @dataclass(eq=False)
-class VersionState:
+class RegisteredVersion:
     """One served version of a model: its scheduler and instances, and why it is not ready when it is not."""
 
     name: str
@@ -47,7 +48,7 @@ class VersionState:
 class _Group:
     """One instance group of one model version, waiting to be placed."""
 
-    vs: VersionState
+    vs: RegisteredVersion
     group_index: int
     group: InstanceGroup
     estimate_bytes: int
@@ -59,9 +60,9 @@ class _Group:
 
 
 @dataclass(eq=False)
-class ModelState:
+class RegisteredModel:
     name: str
-    versions: dict[str, VersionState] = field(default_factory=dict)
+    versions: dict[str, RegisteredVersion] = field(default_factory=dict)
     error: str = ""  # the repository error when the model could not be read at all
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -70,17 +71,16 @@ class GpudCore:
     """Implements gpud.core_api.InferenceCore."""
 
     def __init__(self, repository: ModelRepository, pool: ExecutorPool, devices: DeviceBackend, *,
-                 metrics: Any = None, device_reserve_bytes: int = 0, server_name: str = "gpud",
+                 device_reserve_bytes: int = 0, server_name: str = "gpud",
                  placement_strategy: str = "pack", placement_time_limit_s: float = 2.0):
         self.repository = repository
         self.pool = pool
         self.devices = devices
-        self.metrics = metrics
         self.device_reserve_bytes = device_reserve_bytes
         self.placement_strategy = placement_strategy
         self.placement_time_limit_s = placement_time_limit_s
         self.server_name = server_name
-        self.models: dict[str, ModelState] = {}
+        self.models: dict[str, RegisteredModel] = {}
         self._reserved: dict[str, int] = {}  # bytes promised to instances being loaded, per device
         self.started = False
         self.stopping = False
@@ -128,7 +128,7 @@ class GpudCore:
 
     def _prepare(self, name: str, result: ModelEntry | ModelLoadError) -> list[_Group]:
         """Register the model's versions and return what each instance group asks of the placement engine."""
-        model = self.models.setdefault(name, ModelState(name))
+        model = self.models.setdefault(name, RegisteredModel(name))
         if isinstance(result, ModelLoadError):
             model.error = result.reason
             log.error("model %s: %s", name, result.reason)
@@ -140,12 +140,12 @@ class GpudCore:
             v = str(version)
             model_path = entry.model_path(version)
             try:
-                scheduler = ModelScheduler(entry.config, v, metrics=self.metrics)
+                scheduler = ModelScheduler(entry.config, v)
             except ValueError as exc:  # a batching policy the repository let through but the batcher refuses
                 model.error = f"{entry.config_path or entry.path}: {exc}"
                 log.error("model %s: %s", name, model.error)
                 return []
-            vs = VersionState(name, v, entry, scheduler)
+            vs = RegisteredVersion(name, v, entry, scheduler)
             model.versions[v] = vs
             try:
                 estimate = estimate_footprint_bytes(model_path, entry.config)
@@ -191,7 +191,7 @@ class GpudCore:
                  len(result.placements), result.devices_used, result.method, result.lower_bound,
                  ", optimal" if result.optimal else "", len(result.unplaced))
         by_name = {g.demand_name: g for g in groups}
-        reasons: dict[VersionState, list[str]] = {}
+        reasons: dict[RegisteredVersion, list[str]] = {}
         for u in result.unplaced:
             g = by_name[u.model]
             why = f"instance {g.first_index + u.instance} not placed: {u.reason}"
@@ -209,7 +209,7 @@ class GpudCore:
             vs.state = "READY" if vs.instances else "UNAVAILABLE"
             vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
 
-    async def _start_instance(self, vs: VersionState, index: int, device: str, estimate_bytes: int,
+    async def _start_instance(self, vs: RegisteredVersion, index: int, device: str, estimate_bytes: int,
                               key: str | None = None) -> InstanceHandle:
         """Load one instance of `vs` on `device`; once it is ready it serves. `inst.error` says why it is not."""
         inst = InstanceHandle(key=key or f"{vs.name}:{vs.version}:{index}", model=vs.name, version=vs.version,
@@ -226,7 +226,7 @@ class GpudCore:
             vs.scheduler.add_instance(inst)
         return inst
 
-    async def _stop_instance(self, vs: VersionState, inst: InstanceHandle) -> None:
+    async def _stop_instance(self, vs: RegisteredVersion, inst: InstanceHandle) -> None:
         """No new batches go to `inst`; its worker unloads it after the batch it may be running."""
         vs.scheduler.remove_instance(inst)
         vs.instances.remove(inst)
@@ -235,7 +235,7 @@ class GpudCore:
     async def _load(self, name: str, result: ModelEntry | ModelLoadError) -> None:
         await self._place_and_load(self._prepare(name, result))
 
-    async def _unload_versions(self, model: ModelState) -> None:
+    async def _unload_versions(self, model: RegisteredModel) -> None:
         for vs in list(model.versions.values()):
             vs.state = "UNLOADING"
             try:
@@ -244,8 +244,6 @@ class GpudCore:
                 vs.scheduler.fail_all_queued(f"model '{model.name}' is being unloaded")
             for inst in list(vs.instances):
                 await self._stop_instance(vs, inst)
-            if self.metrics is not None:
-                self.metrics.remove_model(model.name, vs.version)
         model.versions.clear()
 
     async def load_model(self, name: str) -> None:
@@ -258,7 +256,7 @@ class GpudCore:
                 raise InferenceError(ErrorKind.NOT_FOUND, f"failed to load '{name}', no version is available") \
                     from None
             result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
-        model = self.models.setdefault(name, ModelState(name))
+        model = self.models.setdefault(name, RegisteredModel(name))
         async with model.lock:
             await self._unload_versions(model)  # a load of a loaded model is a reload, as in Triton
             await self._load(name, result)
@@ -270,8 +268,8 @@ class GpudCore:
 
     async def apply_placement(self, placements: list[dict[str, Any]]) -> dict[str, Any]:
         desired = self._parse_placements(placements)
-        added: list[tuple[VersionState, InstanceHandle]] = []
-        removed: list[tuple[VersionState, InstanceHandle]] = []
+        added: list[tuple[RegisteredVersion, InstanceHandle]] = []
+        removed: list[tuple[RegisteredVersion, InstanceHandle]] = []
         for vs, wanted in desired.items():
             have = {i.index: i for i in vs.instances}
             for index, device in sorted(wanted.items()):
@@ -303,17 +301,17 @@ class GpudCore:
         return {"added": [{"model": v.name, "instance": i.index, "device": i.device_id} for v, i in added],
                 "removed": [{"model": v.name, "instance": i.index, "device": i.device_id} for v, i in removed]}
 
-    def _estimate(self, vs: VersionState) -> int:
+    def _estimate(self, vs: RegisteredVersion) -> int:
         measured = [i.memory_bytes for i in vs.instances if i.memory_bytes]
         return max(measured) if measured else estimate_footprint_bytes(vs.entry.model_path(int(vs.version)),
                                                                        vs.entry.config)
 
-    def _parse_placements(self, placements: Any) -> dict[VersionState, dict[int, str]]:
+    def _parse_placements(self, placements: Any) -> dict[RegisteredVersion, dict[int, str]]:
         """Validate a placement document before anything changes (bad input changes nothing)."""
         if not isinstance(placements, list):
             raise InferenceError(ErrorKind.INVALID_ARGUMENT, "'placements' must be a list")
         leaves = {d.id for d in self.devices.leaf_devices()}
-        out: dict[VersionState, dict[int, str]] = {}
+        out: dict[RegisteredVersion, dict[int, str]] = {}
         for k, p in enumerate(placements):
             where = f"placements[{k}]"
             if not isinstance(p, dict) or not isinstance(p.get("model"), str) \
@@ -344,13 +342,13 @@ class GpudCore:
         log.info("model %s unloaded", name)
 
     # --- lookups ---------------------------------------------------------------------------------------------
-    def _model(self, name: str) -> ModelState:
+    def _model(self, name: str) -> RegisteredModel:
         model = self.models.get(name)
         if model is None:
             raise InferenceError(ErrorKind.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
         return model
 
-    def _version(self, name: str, version: str = "") -> VersionState:
+    def _version(self, name: str, version: str = "") -> RegisteredVersion:
         model = self._model(name)
         if not version:
             if not model.versions:
@@ -436,21 +434,14 @@ class GpudCore:
         return await self._ready_scheduler(request).infer(request)
 
     # --- gpud's own views ------------------------------------------------------------------------------------
-    def pending_by_model(self) -> dict[tuple[str, str], int]:
-        """Requests queued or running per (model, version): the pending-requests gauge reads it at scrape time."""
-        return {(m.name, v.version): v.scheduler.pending_requests for m in self.models.values()
-                for v in m.versions.values()}
-
-    def instances_by_device(self) -> dict[tuple[str, str, str], int]:
-        """Ready instances per (model, version, device), for the instances gauge."""
-        counts: dict[tuple[str, str, str], int] = {}
-        for m in self.models.values():
-            for v in m.versions.values():
-                for inst in v.instances:
-                    if inst.ready:
-                        key = (m.name, v.version, inst.device_id)
-                        counts[key] = counts.get(key, 0) + 1
-        return counts
+    def snapshot(self) -> ServingSnapshot:
+        """The registry as a typed, read-only value (telemetry.serving): what the metrics collectors, the hints and
+        inspect read. Cheap (no device reads): the collectors call it at every scrape."""
+        has_gpus = any(d.kind in ("gpu", "mig") for d in self.devices.leaf_devices())
+        return ServingSnapshot(tuple(
+            ModelView(name, m.error, tuple(_version_view(v, has_gpus)
+                                           for v in sorted(m.versions.values(), key=lambda x: int(x.version))))
+            for name, m in sorted(self.models.items())))
 
     def inspect(self) -> dict[str, Any]:
         devices = []
@@ -493,6 +484,20 @@ class GpudCore:
         if self.hints is not None:
             out["hints"] = self.hints.inspect()
         return out
+
+
+def _version_view(v: RegisteredVersion, has_gpus: bool) -> VersionView:
+    if v.ready:
+        state, reason = ModelState.READY, ""
+    elif v.state == "READY":  # loaded, but no instance ready now
+        state, reason = ModelState.UNAVAILABLE, "no instance is ready (a worker is restarting)"
+    else:
+        state, reason = ModelState(v.state), v.reason
+    kinds = frozenset(k for g in v.entry.config.instance_groups for k in candidate_kinds(g.kind, has_gpus))
+    instances = tuple(InstanceView(i.index, i.device_id, i.ready, i.memory_bytes, i.estimate_bytes, i.measured_by,
+                                   i.load_seconds, i.provider, i.error) for i in v.instances)
+    return VersionView(v.name, v.version, state, reason, v.entry.config.max_batch_size, kinds,
+                       v.scheduler.pending_requests, instances, v.scheduler.stats)
 
 
 def _exists(repository: ModelRepository, name: str) -> bool:

@@ -19,7 +19,7 @@ from gpud import __version__
 from gpud.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.systemd_notify import notify
-from telemetry.hints import HintPolicy
+from telemetry.hints import DeviceFree, HintPolicy
 
 log = logging.getLogger("gpud")
 
@@ -127,7 +127,7 @@ def _example_repository() -> str:
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
-    from gpud.autoscale import HintsSampler, instance_infos
+    from gpud.autoscale import HintsSampler
     from gpud.core import GpudCore
     from gpud.metrics_server import start_metrics_server
     from gpud.model_repository import ModelRepository
@@ -163,16 +163,16 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
                   registry=registry)
     WorkerCollector(pool.worker_info, registry=registry)
-    # Not registered: the metrics endpoint appends its own fast exposition (render_text) to the registry's.
-    metrics = ModelMetrics(None, triton_names=settings.triton_metrics, devices=backend)
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,
-                    backend, metrics=metrics, device_reserve_bytes=settings.device_reserve_bytes,
+                    backend, device_reserve_bytes=settings.device_reserve_bytes,
                     placement_strategy=settings.placement_strategy,
                     placement_time_limit_s=settings.placement_time_limit_seconds)
-    # --- per-instance gauges and autoscaling hints ---
-    metrics.set_sources(pending=core.pending_by_model, instances=core.instances_by_device,
-                        instance_info=lambda: instance_infos(core))
-    core.hints = HintsSampler(core, policy, interval_s=settings.hints_interval_seconds,
+    # Model metrics read the core's snapshot at scrape time. Not registered: the metrics endpoint appends their fast
+    # exposition (render_text) to the registry's.
+    metrics = ModelMetrics(core.snapshot, triton_names=settings.triton_metrics, devices=backend)
+    core.hints = HintsSampler(core.snapshot, lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes)
+                                                      for r in core.device_rooms()],
+                              policy, interval_s=settings.hints_interval_seconds,
                               rate_window_s=settings.hints_rate_window_seconds, registry=registry)
     runners, ports, grpc_server = [], {}, None
     try:
