@@ -131,6 +131,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from gpud.core import GpudCore
     from gpud.metrics_server import start_metrics_server
     from gpud.model_repository import ModelRepository
+    from gpud.placing.inputs import has_gpus
+    from gpud.placing.service import PlacementService
+    from gpud.registry import Registry
     from telemetry.device_metrics import DeviceCollector
     from telemetry.discovery import discover
     from telemetry.host_metrics import HostCollector
@@ -163,15 +166,17 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
                   registry=registry)
     WorkerCollector(pool.worker_info, registry=registry)
-    core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,
-                    backend, device_reserve_bytes=settings.device_reserve_bytes,
-                    placement_strategy=settings.placement_strategy,
-                    placement_time_limit_s=settings.placement_time_limit_seconds)
+    models = Registry(has_gpus=has_gpus(leaves))
+    placement = PlacementService(backend, pool, models, device_reserve_bytes=settings.device_reserve_bytes,
+                                 strategy=settings.placement_strategy,
+                                 time_limit_s=settings.placement_time_limit_seconds)
+    core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), models,
+                    placement, pool)
     # Model metrics read the core's snapshot at scrape time. Not registered: the metrics endpoint appends their fast
     # exposition (render_text) to the registry's.
     metrics = ModelMetrics(core.snapshot, triton_names=settings.triton_metrics, devices=backend)
     core.hints = HintsSampler(core.snapshot, lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes)
-                                                      for r in core.device_rooms()],
+                                                      for r in placement.rooms()],
                               policy, interval_s=settings.hints_interval_seconds,
                               rate_window_s=settings.hints_rate_window_seconds, registry=registry)
     runners, ports, grpc_server = [], {}, None

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from executor.stats import ModelStats
 from gpud.autoscale import MIN_FOOTPRINT_BYTES, HintsSampler
-from gpud.ctl import render_inspect
+from gpud.cli.inspect import render_inspect
 from telemetry.hints import DeviceFree, HintPolicy
 from tests.promtool_check import promtool_check
 from tests.fakes import FakeClock

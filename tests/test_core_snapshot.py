@@ -1,26 +1,25 @@
-"""GpudCore.snapshot(): the registry as the typed, read-only value that metrics, hints and inspect read."""
+"""Registry.snapshot() (what GpudCore.snapshot() returns): the registry as the typed, read-only value that metrics,
+hints and inspect read."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from executor.pool import ExecutorPool, InstanceHandle
-from gpud.core import GpudCore
+from executor.pool import InstanceHandle
 from gpud.examples import write_example_repository
 from gpud.model_repository import ModelRepository
+from gpud.registry import Registry
 from telemetry.serving import ModelState
-from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
 
 
 @pytest.fixture
 def core(tmp_path):
     write_example_repository(tmp_path, ["mlp", "cnn"])
-    backend = SimulatedBackend.from_file(DEFAULT_NODE_FILE)
-    core = GpudCore(ModelRepository(tmp_path), ExecutorPool([]), backend)
-    for name, entry in core.repository.scan().items():
-        core._prepare(name, entry)  # registered, nothing loaded: no worker process is started
-    return core
+    registry = Registry(has_gpus=True)
+    for name, entry in ModelRepository(tmp_path).scan().items():
+        registry.register(name, entry)  # registered, nothing loaded: no worker process is started
+    return registry
 
 
 def _instance(vs, index: int, device: str, *, ready: bool, memory_bytes: int | None) -> InstanceHandle:
@@ -32,7 +31,7 @@ def _instance(vs, index: int, device: str, *, ready: bool, memory_bytes: int | N
 
 def test_versions_instances_and_records(core):
     mlp = core.models["mlp"].versions["1"]
-    mlp.state = "READY"
+    mlp.state = ModelState.READY
     mlp.instances = [_instance(mlp, 0, "gpu0", ready=True, memory_bytes=7 * 2**20),
                      _instance(mlp, 1, "gpu1/mig1.0", ready=False, memory_bytes=None)]
     mlp.scheduler.instances = list(mlp.instances)  # what serves, as add_instance leaves it
@@ -53,7 +52,7 @@ def test_versions_instances_and_records(core):
 
 def test_loaded_version_with_no_ready_instance_reads_unavailable(core):
     mlp = core.models["mlp"].versions["1"]
-    mlp.state = "READY"  # loaded, but its only instance is down (its worker restarting)
+    mlp.state = ModelState.READY  # loaded, but its only instance is down (its worker restarting)
     mlp.instances = [_instance(mlp, 0, "cpu", ready=False, memory_bytes=2**20)]
     mlp.scheduler.instances = list(mlp.instances)
     v = next(v for v in core.snapshot().versions() if v.model == "mlp")
