@@ -12,6 +12,7 @@ from executor.pool import ExecutorPool
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud import __version__
+from gpud.inspect_view import HintsView, inspect_document
 from gpud.model_repository import (ModelConfigError, ModelEntry, ModelLoadError, ModelRepository, config_to_json,
                                    model_metadata_json)
 from gpud.placing.service import PlacementService, RequestedPlacement
@@ -28,16 +29,15 @@ class GpudCore:
     """Implements gpud.core_api.InferenceCore."""
 
     def __init__(self, repository: ModelRepository, registry: Registry, placement: PlacementService,
-                 pool: ExecutorPool, *, server_name: str = "gpud"):
+                 pool: ExecutorPool, *, hints: HintsView | None = None, server_name: str = "gpud"):
         self.repository = repository
         self.registry = registry
         self.placement = placement
         self.pool = pool
+        self.hints = hints  # the autoscaling hints (gpud.autoscale) shown by inspect(); None: none
         self.server_name = server_name
         self.started = False
         self.stopping = False
-        # --- autoscaling hints (gpud.autoscale.HintsSampler), set by the daemon; None: no "hints" in inspect() ---
-        self.hints: Any = None
 
     @property
     def models(self) -> dict[str, RegisteredModel]:
@@ -195,8 +195,6 @@ class GpudCore:
         return self.registry.snapshot()
 
     def inspect(self) -> dict[str, Any]:
-        from gpud.inspect_view import inspect_document
-
         return inspect_document(self.server_metadata(), self.snapshot(), self.placement, self.pool.worker_info(),
                                 self.hints)
 
