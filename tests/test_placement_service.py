@@ -3,6 +3,7 @@ pool is a scripted double (loads succeed or fail as told, and can be held mid-lo
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,16 @@ def test_memory_of_a_load_in_flight_is_reserved(node):
 
     free_before, during = asyncio.run(scenario())
     assert free_before - during == new[0].estimate_bytes  # promised while loading, not handed out twice
+
+
+def test_a_model_pinned_to_a_missing_gpu_is_unavailable_with_the_reason(node):
+    repository, registry, pool, service = node
+    config = Path(repository.path) / "mlp" / "config.pbtxt"
+    text = config.read_text()
+    start = text.index("instance_group")
+    config.write_text(text[:start] + "instance_group [ { kind: KIND_GPU, gpus: [ 7 ] } ]"
+                      + text[text.index("]", start) + 1:])
+    new = registry.register("mlp", repository.load("mlp"))
+    asyncio.run(service.place(new))
+    assert new[0].state is ModelState.UNAVAILABLE and "the node has no GPU 7 (GPUs: 0, 1)" in new[0].reason
+    assert not pool.events  # not placed anywhere

@@ -5,7 +5,7 @@ import pytest
 
 from executor.model_config import InstanceGroup
 from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds, demand_names,
-                                 locate, planning_devices)
+                                 locate, pin_errors, planning_devices)
 from placement import Assignment
 from telemetry.devices import DeviceInfo
 
@@ -110,3 +110,16 @@ class TestInstances:
         for a in inputs.current:  # and back
             key, index = inputs.instance(a)
             assert inputs.assignment(key.model, key.version, index, a.device, v.groups) == a
+
+
+class TestPins:
+    def test_pins_to_gpus_the_node_has(self):
+        assert pin_errors(version("m", InstanceGroup(gpus=(0, 1))), planning_devices(NODE, device_reserve_bytes=0)) \
+            == []
+
+    def test_a_pin_to_a_missing_gpu_is_refused_as_triton_does(self):
+        v = version("m", InstanceGroup(), InstanceGroup(gpus=(1, 5)))
+        assert pin_errors(v, planning_devices(NODE, device_reserve_bytes=0)) == [
+            "instance_group[1] gpus [1, 5]: the node has no GPU 5 (GPUs: 0, 1)"]
+        assert pin_errors(version("m", InstanceGroup(gpus=(0,))), planning_devices([CPU], device_reserve_bytes=0)) \
+            == ["instance_group[0] gpus [0]: the node has no GPU 0 (GPUs: none)"]

@@ -15,7 +15,7 @@ import sys
 from typing import Any, TextIO
 
 from gpud.cli.client import DEFAULT_URL, GpudUnreachable, fetch_inspect, post_json
-from gpud.placing.inputs import build_inputs, has_gpus, planning_devices
+from gpud.placing.inputs import build_inputs, has_gpus, pin_errors, planning_devices
 from gpud.settings import Settings
 from placement import spec
 from placement.model import Assignment, Device, ModelDemand, Plan, fmt_bytes
@@ -129,7 +129,13 @@ def repository_demands(path: str, devices: list[Device], default_max_batch_size:
                       file=sys.stderr)
         if registry.models[name].error:
             print(f"gpudctl place: warning: model {name} left out: {registry.models[name].error}", file=sys.stderr)
-        versions += [vs.demand() for vs in placeable]
+        for vs in placeable:
+            errors = pin_errors(vs.demand(), devices)
+            if errors:
+                print(f"gpudctl place: warning: model {name} version {vs.version} left out: {'; '.join(errors)}",
+                      file=sys.stderr)
+            else:
+                versions.append(vs.demand())
     if not versions:
         raise ValueError(f"{path}: no loadable models found (expected <repo>/<model>/<version>/model.onnx)")
     return list(build_inputs(devices, versions).demands)

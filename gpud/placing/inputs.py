@@ -123,6 +123,20 @@ def first_indices(groups: Sequence[InstanceGroup]) -> list[int]:
     return out
 
 
+def pin_errors(version: VersionDemand, devices: Sequence[Device]) -> list[str]:
+    """Why the version's GPU pins (instance_group.gpus) name GPUs this node does not have, as Triton refuses them;
+    empty when they are all there."""
+    present = sorted({int(i) for d in devices if d.kind in GPU_KINDS
+                      for i in [d.label(GPU_INDEX_LABEL)] if i is not None and i.lstrip("-").isdigit()})
+    out = []
+    for k, group in enumerate(version.groups):
+        missing = [i for i in group.gpus if i not in present]
+        if missing:
+            out.append(f"instance_group[{k}] gpus {list(group.gpus)}: the node has no GPU "
+                       f"{', '.join(map(str, missing))} (GPUs: {', '.join(map(str, present)) or 'none'})")
+    return out
+
+
 def demand_names(versions: Sequence[VersionDemand]) -> dict[GroupKey, str]:
     """`model` when the model has one version with one group, else `model:version`, else `model:version:group`."""
     per_model: dict[str, int] = {}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.types import ErrorKind, InferenceError
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
-                                 planning_devices, reserve_bytes_for)
+                                 pin_errors, planning_devices, reserve_bytes_for)
 from gpud.registry import RegisteredVersion, Registry
 from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
 from placement.model import fmt_bytes
@@ -143,9 +143,10 @@ class PlacementService:
     async def place(self, new: Sequence[RegisteredVersion]) -> None:
         """Plan every instance of `new` into the room the live instances leave (they stay where they are) and load
         them. Each version ends READY with what loaded, or UNAVAILABLE with why each instance did not."""
-        if not new:
-            return
         async with self.lock:
+            new = self._refuse_bad_pins(new)
+            if not new:
+                return
             inputs = self.inputs(new)
             result = await self._plan(inputs, replace(self.config, move_current=False))
             log.info("placement: %d instance(s) on %d device(s) (%s, lower bound %d%s), %d not placed",
@@ -170,6 +171,19 @@ class PlacementService:
             for vs in new:
                 vs.state = ModelState.READY if vs.instances else ModelState.UNAVAILABLE
                 vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
+
+    def _refuse_bad_pins(self, versions: Sequence[RegisteredVersion]) -> list[RegisteredVersion]:
+        """Versions pinned to GPUs the node lacks are UNAVAILABLE with the reason, not placed anywhere."""
+        devices = planning_devices(self.devices.leaf_devices(), device_reserve_bytes=0)
+        ok = []
+        for vs in versions:
+            errors = pin_errors(vs.demand(), devices)
+            if errors:
+                vs.state, vs.reason = ModelState.UNAVAILABLE, "; ".join(errors)
+                log.error("model %s version %s: %s", vs.name, vs.version, vs.reason)
+            else:
+                ok.append(vs)
+        return ok
 
     async def stop_version(self, vs: RegisteredVersion) -> None:
         """Stop every instance of `vs` (an unload): no new batches go to them; each finishes the batch it runs."""
