@@ -28,7 +28,9 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 from gpud.api.metrics_server import exposition  # noqa: E402
 from telemetry.device_metrics import DeviceCollector  # noqa: E402
 from telemetry.host_metrics import HostCollector  # noqa: E402
+from executor.stats import ModelStats  # noqa: E402
 from telemetry.model_metrics import ModelMetrics  # noqa: E402
+from telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView  # noqa: E402
 from telemetry.nvml import NvmlBackend  # noqa: E402
 from telemetry.simulated import SimulatedBackend  # noqa: E402
 from tests.fake_nvml import hgx_h100_mig  # noqa: E402
@@ -56,19 +58,21 @@ class Usage:
 
 
 def populate_models(registry: CollectorRegistry | None = None) -> ModelMetrics:
-    metrics = ModelMetrics(registry)
-    for m in range(MODELS):
-        for k in range(5):  # a few requests each, so every histogram has buckets filled
-            metrics.observe_request(f"model-{m:03d}", "1", True, queue_seconds=0.001 * k,
-                                    compute_input_seconds=0.0001, compute_infer_seconds=0.004 + 0.001 * k,
-                                    compute_output_seconds=0.0001, request_seconds=0.006 + 0.001 * k)
-            metrics.observe_batch(f"model-{m:03d}", "1", 1 + k)
-        metrics.observe_request(f"model-{m:03d}", "1", False)
+    """100 model versions, each with a few batches recorded (so every histogram has buckets filled), a failure, a
+    pending count and one instance on a MIG device, read from a snapshot as the daemon's collectors read it."""
     devices = [f"gpu{g}/mig{i}.0" for g in range(GPUS) for i in range(1, MIGS_PER_GPU + 1)]
-    metrics.set_sources(pending=lambda: {(f"model-{m:03d}", "1"): m % 3 for m in range(MODELS)},
-                        instances=lambda: {(f"model-{m:03d}", "1", devices[m % len(devices)]): 1
-                                           for m in range(MODELS)})
-    return metrics
+    versions = []
+    for m in range(MODELS):
+        stats = ModelStats()
+        for k in range(5):
+            stats.record_batch(1 + k, [1_000_000 * k], [6_000_000 + 1_000_000 * k], 100_000,
+                               4_000_000 + 1_000_000 * k, 100_000, 0)
+        stats.record_failure(0)
+        inst = InstanceView(0, devices[m % len(devices)], True, 2**30, 2**30, "device_memory", 1.0, "CUDA", "")
+        versions.append(VersionView(f"model-{m:03d}", "1", ModelState.READY, "", 8, frozenset({"mig"}), m % 3,
+                                    (inst,), stats))
+    snapshot = ServingSnapshot(tuple(ModelView(v.model, "", (v,)) for v in versions))
+    return ModelMetrics(lambda: snapshot, registry)
 
 
 Scrape = tuple[CollectorRegistry, Clock, tuple[ModelMetrics, ...]]

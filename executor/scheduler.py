@@ -73,13 +73,11 @@ class _Pending:
 class ModelScheduler:
     """Queues, batches and runs the requests of one model version on its instances."""
 
-    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 metrics: Any = None):
+    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.version = version
         self.clock = clock
-        self.metrics = metrics
-        self.stats = ModelStats()
+        self.stats = ModelStats()  # the one record of this version's requests (executor.stats): others read it
         adaptive = batching_mode(config) == "adaptive"
         self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
                                 clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive)
@@ -348,17 +346,7 @@ class ModelScheduler:
             queue_ns.append(p.dispatch_ns - p.arrival_ns)
             request_ns.append(now_ns - p.arrival_ns)
             p.finish(InferResponse(name, version, tensors, id=p.request.id))
-        n = len(batch)
-        st = self.stats
-        st.record_batch(rows, input_ns, infer_ns, output_ns, int(time.time() * 1000))
-        st.queue.add(sum(queue_ns), n)
-        st.compute_input.add(input_ns * n, n)
-        st.compute_infer.add(infer_ns * n, n)
-        st.compute_output.add(output_ns * n, n)
-        st.success.add(sum(request_ns), n)
-        if self.metrics is not None:
-            self.metrics.observe_batch(name, version, rows)
-            self.metrics.observe_requests(name, version, queue_ns, input_ns, infer_ns, output_ns, request_ns)
+        self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
 
     def _split(self, batch: list[_Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:
         """Each request's rows of every output: views into the batch's outputs (already copied out of shm)."""
@@ -377,10 +365,7 @@ class ModelScheduler:
     def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
         now_ns = time.perf_counter_ns()
         for p in batch:
-            self.stats.fail.add(now_ns - p.arrival_ns)
-            if self.metrics is not None:
-                self.metrics.observe_request(self.config.name, self.version, False, 0.0, 0.0, 0.0, 0.0,
-                                             (now_ns - p.arrival_ns) / 1e9)
+            self.stats.record_failure(now_ns - p.arrival_ns)
             p.finish(exc)
 
     # --- shutdown / unload -----------------------------------------------------------------------------------

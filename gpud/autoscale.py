@@ -22,10 +22,10 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpud.placer import candidate_kinds
+from executor.stats import ModelStats
 from telemetry.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
                              ModelObservation, desired_instances, node_headroom, observe)
-from telemetry.model_metrics import InstanceInfo
+from telemetry.serving import ServingSnapshot, SnapshotSource
 
 log = logging.getLogger("gpud.autoscale")
 
@@ -34,13 +34,16 @@ log = logging.getLogger("gpud.autoscale")
 MIN_FOOTPRINT_BYTES = 2**20
 
 Key = tuple[str, str]  # (model, version)
+FreeDevicesSource = Callable[[], list[DeviceFree]]
 
 
 @dataclass
 class _Track:
     """One model version's recent counters and policy state."""
 
-    scheduler_id: int  # a reload builds a new scheduler whose counters start at 0: the history must restart
+    # A reload starts a new statistics record whose counters start at 0: the history must restart. The record itself,
+    # not its id(): a freed record's id can be reused by the next one.
+    record: ModelStats
     samples: deque  # ModelCounters, oldest first, spanning at most the rate window
     state: HintState
     throughput: float | None = None  # last measured, kept through idle windows
@@ -48,35 +51,29 @@ class _Track:
     decision: HintDecision | None = None
 
 
-def read_counters(core: Any, now_s: float) -> dict[Key, tuple[int, ModelCounters]]:
-    """The cumulative counters of every served model version (executor.stats), keyed (model, version)."""
+def read_counters(snapshot: ServingSnapshot, now_s: float) -> dict[Key, tuple[ModelStats, ModelCounters]]:
+    """The cumulative counters of every served model version, keyed (model, version), with the record they are
+    read from (executor.stats)."""
     out = {}
-    for m in core.models.values():
-        for v in m.versions.values():
-            st = v.scheduler.stats
-            busy_ns = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in st.batches.values())
-            out[(m.name, v.version)] = (id(v.scheduler), ModelCounters(
-                time_s=now_s, requests=st.success.count + st.fail.count, successes=st.success.count,
-                queue_ns=st.queue.ns, batch_compute_ns=busy_ns, ready_instances=v.scheduler.ready_instances))
+    for v in snapshot.versions():
+        st = v.stats
+        busy_ns = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in st.batches.values())
+        out[(v.model, v.version)] = (st, ModelCounters(
+            time_s=now_s, requests=st.success.count + st.fail.count, successes=st.success.count,
+            queue_ns=st.queue.ns, batch_compute_ns=busy_ns, ready_instances=v.ready_instances))
     return out
 
 
-def instance_infos(core: Any) -> list[InstanceInfo]:
-    """Every loaded instance with its measured footprint and load time (ModelMetrics' scrape-time source)."""
-    return [InstanceInfo(m.name, v.version, str(i.index), i.device_id, i.footprint_bytes, i.load_seconds, i.ready)
-            for m in core.models.values() for v in m.versions.values() for i in v.instances]
-
-
-def model_footprints(core: Any) -> list[ModelFootprint]:
+def model_footprints(snapshot: ServingSnapshot) -> list[ModelFootprint]:
     """Per model: the largest measured instance footprint over its versions (the conservative figure for "one more"),
     and the device kinds its instance groups may use. Models with no loaded instance have no measurement: skipped."""
-    has_gpus = any(d.kind in ("gpu", "mig") for d in core.devices.leaf_devices())
     out = []
-    for m in core.models.values():
-        sizes, kinds = [], set()
-        for v in m.versions.values():
-            for g in v.entry.config.instance_groups:
-                kinds.update(candidate_kinds(g.kind, has_gpus))
+    for m in snapshot.models:
+        sizes: list[int] = []
+        kinds: set[str] = set()
+        for v in m.versions:
+            kinds.update(v.device_kinds)
+            # A measured 0 (a resident-memory delta on the CPU) says nothing: the estimate stands in.
             sizes += [i.memory_bytes or i.estimate_bytes for i in v.instances]
         if sizes and kinds:
             out.append(ModelFootprint(m.name, max(MIN_FOOTPRINT_BYTES, max(sizes)), tuple(sorted(kinds))))
@@ -84,15 +81,19 @@ def model_footprints(core: Any) -> list[ModelFootprint]:
 
 
 class HintsSampler(Collector):
-    """Ticks every `interval_s` of `clock`; exports gpud_model_desired_instances and friends at scrape time."""
+    """Ticks every `interval_s` of `clock`; exports gpud_model_desired_instances and friends at scrape time.
+    `snapshot` is the serving core's (telemetry.serving); `free_devices` the free memory per leaf device as
+    placement sees it."""
 
-    def __init__(self, core: Any, policy: HintPolicy, *, clock: Callable[[], float] = time.monotonic,
-                 interval_s: float = 5.0, rate_window_s: float = 30.0, registry: CollectorRegistry | None = None):
+    def __init__(self, snapshot: SnapshotSource, free_devices: FreeDevicesSource, policy: HintPolicy, *,
+                 clock: Callable[[], float] = time.monotonic, interval_s: float = 5.0, rate_window_s: float = 30.0,
+                 registry: CollectorRegistry | None = None):
         if interval_s <= 0:
             raise ValueError(f"hints interval must be > 0 seconds, got {interval_s}")
         if rate_window_s < interval_s:
             raise ValueError(f"hints rate window ({rate_window_s} s) must be at least one interval ({interval_s} s)")
-        self.core = core
+        self.snapshot = snapshot
+        self.free_devices = free_devices
         self.policy = policy
         self.clock = clock
         self.interval_s = interval_s
@@ -106,14 +107,15 @@ class HintsSampler(Collector):
     def tick(self) -> None:
         """One sample of every model version, and one policy step for those with a full delta."""
         now = self.clock()
-        current = read_counters(self.core, now)
+        snapshot = self.snapshot()
+        current = read_counters(snapshot, now)
         for key in list(self._tracks):
             if key not in current:
                 del self._tracks[key]  # unloaded: its series go with it
-        for key, (scheduler_id, counters) in current.items():
+        for key, (record, counters) in current.items():
             track = self._tracks.get(key)
-            if track is None or track.scheduler_id != scheduler_id:
-                self._tracks[key] = _Track(scheduler_id, deque([counters]), HintState())
+            if track is None or track.record is not record:
+                self._tracks[key] = _Track(record, deque([counters]), HintState())
                 continue
             samples = track.samples
             samples.append(counters)
@@ -126,12 +128,9 @@ class HintsSampler(Collector):
             track.throughput = track.observation.throughput_per_instance_per_second
             track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now)
         try:
-            self.headroom = node_headroom(self._free_devices(), model_footprints(self.core))
+            self.headroom = node_headroom(self.free_devices(), model_footprints(snapshot))
         except Exception:  # noqa: BLE001 - a device read failing must not stop the hints of the models
             log.exception("computing node headroom failed")
-
-    def _free_devices(self) -> list[DeviceFree]:
-        return [DeviceFree(r.device_id, r.kind, r.free_bytes) for r in self.core.device_rooms()]
 
     async def run(self) -> None:
         """Tick forever (cancel to stop). A failing tick is logged and the next one runs: hints are advisory."""

@@ -6,7 +6,6 @@ as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messages (
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,6 +14,7 @@ from executor.model_config import ModelConfig, TensorSpec
 from executor.stats import ModelStats
 from executor.types import InferenceError, InferRequest, InferResponse
 from gpud.repository.config import VersionPolicy
+from telemetry.serving import ModelState
 
 BATCH_DIM = -1  # the batch dimension in metadata shapes: any size up to max_batch_size
 
@@ -70,22 +70,13 @@ class ModelStatistics:
     stats: ModelStats
 
 
-class LoadState(enum.Enum):
-    """Where a model version stands, in the states of Triton's repository index."""
-
-    READY = "READY"
-    UNAVAILABLE = "UNAVAILABLE"
-    LOADING = "LOADING"
-    UNLOADING = "UNLOADING"
-
-
 @dataclass(frozen=True)
 class RepositoryModel:
     """One row of the repository index: a model version, or a model with no version ("") and why."""
 
     name: str
     version: str
-    state: LoadState
+    state: ModelState  # Triton's repository index states
     reason: str = ""  # why it is not ready; "" when it is
 
 

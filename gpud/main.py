@@ -19,7 +19,7 @@ from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.systemd_notify import notify
-from telemetry.hints import HintPolicy
+from telemetry.hints import DeviceFree, HintPolicy
 
 log = logging.getLogger("gpud")
 
@@ -127,9 +127,12 @@ def _example_repository() -> str:
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
-    from gpud.autoscale import HintsSampler, instance_infos
+    from gpud.autoscale import HintsSampler
     from gpud.core import GpudCore
     from gpud.api.metrics_server import start_metrics_server
+    from gpud.placing.inputs import has_gpus
+    from gpud.placing.service import PlacementService
+    from gpud.registry import Registry
     from gpud.repository.layout import ModelRepository
     from telemetry.device_metrics import DeviceCollector
     from telemetry.discovery import discover
@@ -163,17 +166,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
                   registry=registry)
     WorkerCollector(pool.worker_info, registry=registry)
-    # Not registered: the metrics endpoint appends its own fast exposition (render_text) to the registry's.
-    metrics = ModelMetrics(None, triton_names=settings.triton_metrics, devices=backend)
-    core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), pool,
-                    backend, metrics=metrics, device_reserve_bytes=settings.device_reserve_bytes,
-                    placement_strategy=settings.placement_strategy,
-                    placement_time_limit_s=settings.placement_time_limit_seconds)
-    # --- per-instance gauges and autoscaling hints ---
-    metrics.set_sources(pending=core.pending_by_model, instances=core.instances_by_device,
-                        instance_info=lambda: instance_infos(core))
-    core.hints = HintsSampler(core, policy, interval_s=settings.hints_interval_seconds,
-                              rate_window_s=settings.hints_rate_window_seconds, registry=registry)
+    # Built one way, each from what exists before it: the registry and the placement service, the readers of the
+    # registry's snapshot (model metrics at scrape time, the hints on their tick), then the core that routes over it.
+    models = Registry(has_gpus=has_gpus(leaves))
+    placement = PlacementService(backend, pool, models, device_reserve_bytes=settings.device_reserve_bytes,
+                                 strategy=settings.placement_strategy,
+                                 time_limit_s=settings.placement_time_limit_seconds)
+    # Not registered: the metrics endpoint appends their fast exposition (render_text) to the registry's.
+    metrics = ModelMetrics(models.snapshot, triton_names=settings.triton_metrics, devices=backend)
+    hints = HintsSampler(models.snapshot, lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes)
+                                                   for r in placement.rooms()],
+                         policy, interval_s=settings.hints_interval_seconds,
+                         rate_window_s=settings.hints_rate_window_seconds, registry=registry)
+    core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), models,
+                    placement, pool, hints=hints)
     runners, ports, grpc_server = [], {}, None
     try:
         await core.start()
@@ -213,7 +219,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     notify("READY=1\nSTATUS=serving")
     log.info("gpud %s ready: serving", __version__)
 
-    hints_task = asyncio.create_task(core.hints.run(), name="autoscaling-hints")
+    hints_task = asyncio.create_task(hints.run(), name="autoscaling-hints")
 
     await stop.wait()
     hints_task.cancel()

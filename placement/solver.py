@@ -33,6 +33,10 @@ class PlannerConfig:
     memory_reserve_bytes: int = 0  # per device, for the CUDA context and workspace (a device may override it)
     use_highs: bool = True  # use scipy's HiGHS when it is installed
     seed: int = 0
+    # Re-plans: True tries a plan from scratch too when keeping the current instances leaves something unplaced (and
+    # takes it if it places more); False keeps every valid current instance where it is and places only what is
+    # missing into the room that is left (a model loaded next to running ones).
+    move_current: bool = True
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -453,7 +457,7 @@ def _replan(devices, demands, current: tuple[Assignment, ...], config: PlannerCo
     incremental = state.assignments()
     incremental_moves = count_moves(current, incremental)
     candidates = [(len(keep_plan_unplaced), incremental_moves, "incremental", state)]
-    if keep_plan_unplaced or incremental_moves:
+    if config.move_current and (keep_plan_unplaced or incremental_moves):
         scratch = _fresh(devices, demands, replace(config, time_limit_seconds=max(
             0.0, config.time_limit_seconds - (clock() - start))), clock, clock())
         relabeled = relabel(current, scratch.placements)

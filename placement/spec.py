@@ -170,17 +170,41 @@ def current_from_data(data: Any, source: str = "<current>") -> list[Assignment]:
     return out
 
 
-def devices_from_inspect(data: Any, source: str = "gpud inspect") -> list[Device]:
-    """Devices from a running gpud's GET /v2/gpud/inspect."""
-    if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
-        raise ValueError(f"{source}: expected an object with a 'devices' list")
+# --- the other way: typed values -> plain data in the formats above (what gpud publishes as its planning inputs) --
+def devices_to_data(devices: list[Device]) -> dict[str, Any]:
+    """`devices_from_data`'s format: devices_from_data(devices_to_data(ds)) == ds."""
     rows = []
-    for k, d in enumerate(data["devices"]):
-        if not isinstance(d, dict):
-            raise ValueError(f"{source}: devices[{k}]: expected an object")
-        if d.get("leaf") is False:
-            continue  # a GPU with MIG on: its MIG instances are the devices
-        rows.append({"id": d.get("id"), "memory": d.get("memory_total_bytes"), "kind": d.get("kind", "gpu"),
-                     "compute": d.get("compute_fraction", 1.0), "labels": d.get("labels") or {},
-                     "healthy": d.get("healthy", True), "parent": d.get("parent_id") or d.get("parent")})
-    return devices_from_data({"devices": rows}, source)
+    for d in devices:
+        row: dict[str, Any] = {"id": d.id, "memory_bytes": d.memory_bytes, "compute": d.compute_fraction,
+                               "kind": d.kind, "healthy": d.healthy, "labels": dict(d.labels)}
+        if d.parent_id is not None:
+            row["parent"] = d.parent_id
+        if d.memory_reserve_bytes is not None:
+            row["reserve"] = d.memory_reserve_bytes
+        rows.append(row)
+    return {"devices": rows}
+
+
+def models_to_data(demands: list[ModelDemand]) -> dict[str, Any]:
+    """`models_from_data`'s format: models_from_data(models_to_data(ms)) == ms."""
+    rows = []
+    for m in demands:
+        c = m.constraints
+        constraints: dict[str, Any] = {}
+        if c.kinds:
+            constraints["kinds"] = sorted(c.kinds)
+        if c.labels:
+            constraints["labels"] = {k: list(v) for k, v in c.labels}
+        if c.devices:
+            constraints["devices"] = sorted(c.devices)
+        if c.spread:
+            constraints["spread"] = True
+        rows.append({"name": m.name, "memory_bytes": m.memory_bytes, "instances": m.instances,
+                     "compute": m.compute_fraction, "min_instances": m.min_instances,
+                     "max_instances": m.max_instances, **({"constraints": constraints} if constraints else {})})
+    return {"models": rows}
+
+
+def current_to_data(assignments: list[Assignment]) -> dict[str, Any]:
+    """`current_from_data`'s format."""
+    return {"placements": [{"model": a.model, "instance": a.instance, "device": a.device} for a in assignments]}

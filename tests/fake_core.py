@@ -17,8 +17,9 @@ import numpy as np
 from executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec, numpy_dtype
 from executor.stats import Duration, ModelStats
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
-from gpud.core_api import (LoadState, ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
+from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
+from telemetry.serving import ModelState
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
 
@@ -120,7 +121,7 @@ class FakeCore:
                 for m in models]
 
     def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
-        return [RepositoryModel(m.name, m.version, LoadState.READY if m.ready else LoadState.UNAVAILABLE,
+        return [RepositoryModel(m.name, m.version, ModelState.READY if m.ready else ModelState.UNAVAILABLE,
                                 "" if m.ready else "unloaded")
                 for m in self.models.values() if m.ready or not ready_only]
 

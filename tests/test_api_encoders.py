@@ -9,13 +9,14 @@ from google.protobuf import json_format
 from executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorSpec
 from executor.stats import BatchStats, Duration, ModelStats
 from gpud.api import grpc_encode, http_encode
-from gpud.core_api import (LoadState, ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
+from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
 from gpud.examples import write_example_repository
-from gpud.repository.config import VersionPolicy
-from gpud.repository.layout import ModelEntry, ModelRepository
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2
+from gpud.repository.config import VersionPolicy
+from gpud.repository.layout import ModelEntry, ModelRepository
+from telemetry.serving import ModelState
 
 FULL = ModelConfig(
     name="full", max_batch_size=16,
@@ -86,10 +87,10 @@ class TestEncodersAgree:
         _same(http_encode.model_statistics_json(statistics), grpc_encode.model_statistics_message(statistics))
 
     def test_repository_index(self):
-        models = [RepositoryModel("a", "1", LoadState.READY),
-                  RepositoryModel("a", "2", LoadState.UNAVAILABLE, "no instance is ready"),
-                  RepositoryModel("b", "", LoadState.UNAVAILABLE, "b/config.pbtxt: bad"),
-                  RepositoryModel("c", "1", LoadState.LOADING), RepositoryModel("d", "1", LoadState.UNLOADING)]
+        models = [RepositoryModel("a", "1", ModelState.READY),
+                  RepositoryModel("a", "2", ModelState.UNAVAILABLE, "no instance is ready"),
+                  RepositoryModel("b", "", ModelState.UNAVAILABLE, "b/config.pbtxt: bad"),
+                  RepositoryModel("c", "1", ModelState.LOADING), RepositoryModel("d", "1", ModelState.UNLOADING)]
         _same({"models": http_encode.repository_index_json(models)}, grpc_encode.repository_index_message(models))
 
     def test_server_metadata(self):
@@ -119,7 +120,7 @@ class TestHttpJson:
         }
 
     def test_repository_index_and_server_metadata(self):
-        assert http_encode.repository_index_json([RepositoryModel("b", "", LoadState.UNAVAILABLE, "why")]) == [
+        assert http_encode.repository_index_json([RepositoryModel("b", "", ModelState.UNAVAILABLE, "why")]) == [
             {"name": "b", "version": "", "state": "UNAVAILABLE", "reason": "why"}]
         assert http_encode.server_metadata_json(ServerMetadata("gpud", "1", ("statistics",))) == {
             "name": "gpud", "version": "1", "extensions": ["statistics"]}

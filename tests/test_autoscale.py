@@ -1,58 +1,46 @@
 """gpud.autoscale: the sampler between the core and telemetry.hints, driven by a fake clock and fake stats."""
 from __future__ import annotations
 
-from types import SimpleNamespace as NS
-
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from executor.stats import ModelStats
-from gpud.autoscale import MIN_FOOTPRINT_BYTES, HintsSampler, instance_infos
-from gpud.ctl import render_inspect
-from gpud.placer import DeviceRoom
-from telemetry.hints import HintPolicy
+from gpud.autoscale import MIN_FOOTPRINT_BYTES, HintsSampler
+from gpud.cli.inspect import render_inspect
+from telemetry.hints import DeviceFree, HintPolicy
 from tests.promtool_check import promtool_check
 from tests.fakes import FakeClock
+from tests.serving_fakes import FakeServing, instance
 
 GIB = 2**30
 
 
-def _instance(index: int, device: str, memory_bytes: int | None, ready: bool = True):
-    return NS(index=index, device_id=device, memory_bytes=memory_bytes, estimate_bytes=GIB, ready=ready,
-              load_seconds=1.5, footprint_bytes=memory_bytes if memory_bytes is not None else GIB)
+def make_serving() -> FakeServing:
+    serving = FakeServing()
+    serving.version("bert", instances=(instance(0, "gpu0", 2 * GIB), instance(1, "gpu1/mig1.0", 3 * GIB)),
+                    kinds=frozenset({"gpu", "mig"}))
+    serving.version("tiny", instances=(instance(0, "cpu", 0, estimate_bytes=GIB),), kinds=frozenset({"cpu"}))
+    return serving
 
 
-def _version(name: str, instances: list, kind: str = "KIND_GPU"):
-    scheduler = NS(stats=ModelStats(), ready_instances=sum(1 for i in instances if i.ready))
-    config = NS(instance_groups=[NS(kind=kind, count=len(instances))])
-    return NS(version="1", scheduler=scheduler, entry=NS(config=config), instances=instances)
-
-
-def make_core():
-    versions = {"bert": _version("bert", [_instance(0, "gpu0", 2 * GIB), _instance(1, "gpu1/mig1.0", 3 * GIB)]),
-                "tiny": _version("tiny", [_instance(0, "cpu", 0)], kind="KIND_CPU")}
-    models = {n: NS(name=n, versions={"1": v}) for n, v in versions.items()}
-    rooms = [DeviceRoom("gpu0", "gpu", 0, 10 * GIB, 80 * GIB), DeviceRoom("gpu1/mig1.0", "mig", 1, 7 * GIB, 40 * GIB),
-             DeviceRoom("cpu", "cpu", -1, 4 * GIB, 64 * GIB)]
-    leaves = [NS(kind=r.kind) for r in rooms]
-    return NS(models=models, devices=NS(leaf_devices=lambda: leaves), device_rooms=lambda: rooms)
+FREE = [DeviceFree("gpu0", "gpu", 10 * GIB), DeviceFree("gpu1/mig1.0", "mig", 7 * GIB),
+        DeviceFree("cpu", "cpu", 4 * GIB)]
 
 
 def serve(stats: ModelStats, requests: int, queue_ms: float, batch_rows: int, batch_ms: float) -> None:
     """`requests` successful requests in batches of `batch_rows`, each batch computing `batch_ms`."""
     for _ in range(requests // batch_rows):
-        stats.record_batch(batch_rows, 0, int(batch_ms * 1e6), 0, 0)
-    for _ in range(requests):
-        stats.success.add(0)
-        stats.queue.add(int(queue_ms * 1e6))
+        stats.record_batch(batch_rows, [int(queue_ms * 1e6)] * batch_rows, [0] * batch_rows, 0, int(batch_ms * 1e6),
+                           0, 0)
 
 
 @pytest.fixture
 def setup():
-    clock, core, registry = FakeClock(1000.0), make_core(), CollectorRegistry()
+    clock, serving, registry = FakeClock(1000.0), make_serving(), CollectorRegistry()
     policy = HintPolicy(scale_up_stabilization_seconds=10, scale_down_stabilization_seconds=60)
-    sampler = HintsSampler(core, policy, clock=clock, interval_s=5, rate_window_s=10, registry=registry)
-    return clock, core, registry, sampler
+    sampler = HintsSampler(serving, lambda: FREE, policy, clock=clock, interval_s=5, rate_window_s=10,
+                           registry=registry)
+    return clock, serving, registry, sampler
 
 
 def value(registry, name, **labels):
@@ -60,7 +48,7 @@ def value(registry, name, **labels):
 
 
 def test_first_tick_collects_then_hints(setup):
-    clock, core, registry, sampler = setup
+    clock, serving, registry, sampler = setup
     sampler.tick()
     assert value(registry, "gpud_model_desired_instances", model="bert", version="1") is None  # no delta yet
     clock.now += 5
@@ -71,8 +59,8 @@ def test_first_tick_collects_then_hints(setup):
 
 
 def test_sustained_queueing_raises_the_hint(setup):
-    clock, core, registry, sampler = setup
-    stats = core.models["bert"].versions["1"].scheduler.stats
+    clock, serving, registry, sampler = setup
+    stats = serving.stats("bert")
     sampler.tick()
     for _ in range(4):
         clock.now += 5
@@ -104,37 +92,31 @@ def test_headroom_from_free_memory_and_measured_footprint(setup):
 
 
 def test_reload_restarts_the_history_and_unload_drops_series(setup):
-    clock, core, registry, sampler = setup
+    clock, serving, registry, sampler = setup
     sampler.tick()
     clock.now += 5
     sampler.tick()
     assert ("bert", "1") in sampler.decisions()
-    core.models["bert"].versions["1"] = _version("bert", [_instance(0, "gpu0", 2 * GIB)])  # reloaded: new counters
+    serving.remove("bert")
+    serving.version("bert", instances=(instance(0, "gpu0", 2 * GIB),))  # reloaded: a new record, new counters
     clock.now += 5
     sampler.tick()
     assert ("bert", "1") not in sampler.decisions()  # collecting a first window again
-    del core.models["tiny"]
+    serving.remove("tiny")
     clock.now += 5
     sampler.tick()
     assert 'model="tiny",version' not in generate_latest(registry).decode()
 
 
-def test_instance_infos_feed_the_per_instance_gauges(setup):
-    _, core, _, _ = setup
-    infos = instance_infos(core)
-    assert [(i.model, i.instance, i.device, i.memory_bytes) for i in infos] == [
-        ("bert", "0", "gpu0", 2 * GIB), ("bert", "1", "gpu1/mig1.0", 3 * GIB), ("tiny", "0", "cpu", 0)]
-
-
 def test_bad_intervals_refused():
     with pytest.raises(ValueError, match="interval"):
-        HintsSampler(make_core(), HintPolicy(), interval_s=0)
+        HintsSampler(make_serving(), lambda: FREE, HintPolicy(), interval_s=0)
     with pytest.raises(ValueError, match="rate window"):
-        HintsSampler(make_core(), HintPolicy(), interval_s=5, rate_window_s=1)
+        HintsSampler(make_serving(), lambda: FREE, HintPolicy(), interval_s=5, rate_window_s=1)
 
 
 def test_gpudctl_renders_hints_and_headroom(setup):
-    clock, core, _, sampler = setup
+    clock, _, _, sampler = setup
     sampler.tick()
     clock.now += 5
     sampler.tick()

@@ -1,7 +1,7 @@
 """gpudctl inspect's WORKERS section: each device worker's process and how often gpud lost it."""
 from __future__ import annotations
 
-from gpud.ctl import render_inspect
+from gpud.cli.inspect import render_inspect
 
 BASE = {"server": {"version": "0.1.0"}, "device_source": "simulated", "devices": [], "models": []}
 

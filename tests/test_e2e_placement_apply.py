@@ -44,7 +44,7 @@ def test_spread_plan_applied_to_a_live_gpud(daemon):
     reference = _infer_mlp(daemon)
 
     def place(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "gpud.ctl", "place", "--devices", "live", "--models", "live",
+        return subprocess.run([sys.executable, "-m", "gpud.cli", "place", "--devices", "live", "--models", "live",
                                "--strategy", "spread", "--time-limit", "0", "-o", "json", "--apply",
                                "--url", daemon.http_url, *extra], capture_output=True, text=True, timeout=120,
                               cwd=ROOT)

@@ -248,13 +248,13 @@ def test_metrics_expose_model_latency_and_device_memory(daemon):
 
 
 def test_gpudctl_inspect_shows_tree_instances_and_latency(daemon):
-    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "inspect", "--url", daemon.http_url],
+    out = subprocess.run([sys.executable, "-m", "gpud.cli", "inspect", "--url", daemon.http_url],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "gpu1/mig1.0" in out.stdout and "└─" in out.stdout and "MIG 3g.40gb" in out.stdout
     assert "mlp:1#0" in out.stdout and "queue ms" in out.stdout
     assert "corrupt" in out.stdout and "reason:" in out.stdout
-    raw = subprocess.run([sys.executable, "-m", "gpud.ctl", "inspect", "--url", daemon.http_url, "--json"],
+    raw = subprocess.run([sys.executable, "-m", "gpud.cli", "inspect", "--url", daemon.http_url, "--json"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     data = json.loads(raw.stdout)
     assert data["server"] == daemon.get_json("/v2")  # the server metadata, as GET /v2 answers it
@@ -264,6 +264,6 @@ def test_gpudctl_inspect_shows_tree_instances_and_latency(daemon):
 
 
 def test_gpudctl_inspect_unreachable_is_a_clear_error():
-    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "inspect", "--url", "127.0.0.1:9"],
+    out = subprocess.run([sys.executable, "-m", "gpud.cli", "inspect", "--url", "127.0.0.1:9"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 1 and "cannot reach gpud" in out.stderr

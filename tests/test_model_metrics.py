@@ -1,11 +1,13 @@
-"""ModelMetrics: request/batch instruments, scrape-time gauges, series removal."""
+"""ModelMetrics: request/batch families read from the statistics records, scrape-time gauges, series removal."""
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from executor.stats import ModelStats
 from telemetry.model_metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_SECONDS, ModelMetrics
 from tests.promtool_check import promtool_check
+from tests.serving_fakes import FakeServing, instance
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -14,17 +16,15 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None
 
 @pytest.fixture
 def setup():
-    registry = CollectorRegistry()
-    return registry, ModelMetrics(registry)
+    registry, serving = CollectorRegistry(), FakeServing()
+    return registry, serving, ModelMetrics(serving, registry)
 
 
 def test_requests_by_outcome_and_latency_histograms(setup):
-    registry, m = setup
-    m.observe_request("resnet", "1", True, queue_seconds=0.0002, compute_input_seconds=0.0001,
-                      compute_infer_seconds=0.004, compute_output_seconds=0.0003, request_seconds=0.0046)
-    m.observe_request("resnet", 1, True, queue_seconds=0.02, compute_input_seconds=0.0001,
-                      compute_infer_seconds=0.004, compute_output_seconds=0.0003, request_seconds=0.0245)
-    m.observe_request("resnet", "1", False)
+    registry, serving, _ = setup
+    serving.request("resnet", "1", queue_s=0.0002, input_s=0.0001, infer_s=0.004, output_s=0.0003, request_s=0.0046)
+    serving.request("resnet", "1", queue_s=0.02, input_s=0.0001, infer_s=0.004, output_s=0.0003, request_s=0.0245)
+    serving.failure("resnet", "1")
     lv = dict(model="resnet", version="1")
     assert value(registry, "gpud_model_requests_total", outcome="success", **lv) == 2
     assert value(registry, "gpud_model_requests_total", outcome="failure", **lv) == 1
@@ -46,75 +46,77 @@ def test_buckets():
 
 
 def test_batches(setup):
-    registry, m = setup
+    registry, serving, _ = setup
     for size in (1, 3, 8, 8):
-        m.observe_batch("bert", "2", size)
+        serving.batch("bert", "2", rows=size)
     lv = dict(model="bert", version="2")
     assert value(registry, "gpud_model_executions_total", **lv) == 4
     assert value(registry, "gpud_model_batch_size_sum", **lv) == 20  # 1 + 3 + 8 + 8
     assert value(registry, "gpud_model_batch_size_bucket", le="4.0", **lv) == 2
-    with pytest.raises(ValueError, match="batch_size must be a whole number of rows >= 1"):
-        m.observe_batch("bert", "2", 0)
+    with pytest.raises(ValueError, match="at least one request and one row"):
+        ModelStats().record_batch(0, [0], [0], 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="at least one request and one row"):
+        ModelStats().record_batch(1, [], [], 0, 0, 0, 0)
 
 
 def test_gauges_read_at_scrape_time(setup):
-    registry, m = setup
-    pending = {("resnet", "1"): 3}
-    instances = {("resnet", "1", "gpu0"): 2, ("resnet", "1", "gpu1/mig1.0"): 1}
-    m.set_sources(pending=lambda: dict(pending), instances=lambda: dict(instances))
+    registry, serving, _ = setup
+    v = serving.version("resnet", "1", pending=3,
+                        instances=(instance(0, "gpu0", 1), instance(1, "gpu0", 1), instance(2, "gpu1/mig1.0", 1)))
     assert value(registry, "gpud_model_pending_requests", model="resnet", version="1") == 3
     assert value(registry, "gpud_model_instances", model="resnet", version="1", device="gpu1/mig1.0") == 1
-    pending[("resnet", "1")] = 0
-    del instances[("resnet", "1", "gpu0")]
+    assert value(registry, "gpud_model_instances", model="resnet", version="1", device="gpu0") == 2
+    v.pending = 0
+    v.instances = v.instances[2:]
     assert value(registry, "gpud_model_pending_requests", model="resnet", version="1") == 0
     assert value(registry, "gpud_model_instances", model="resnet", version="1", device="gpu0") is None
 
 
-def test_remove_model(setup):
-    registry, m = setup
-    m.observe_request("a", "1", True, 0.001, 0.001, 0.001, 0.001, 0.004)
-    m.observe_request("a", "1", False)
-    m.observe_batch("a", "1", 4)
-    m.observe_request("b", "1", True, 0.001, 0.001, 0.001, 0.001, 0.004)
-    m.remove_model("a", "1")
+def test_unloaded_model_leaves(setup):
+    registry, serving, m = setup
+    serving.request("a", "1", 0.001, 0.001, 0.001, 0.001, 0.004)
+    serving.failure("a", "1")
+    serving.request("b", "1", 0.001, 0.001, 0.001, 0.001, 0.004)
+    serving.remove("a", "1")  # unloaded: its version left the snapshot
     text = generate_latest(registry).decode()
     assert 'model="a"' not in text and 'model="b"' in text
-    m.remove_model("a", "1")  # idempotent
-    m.remove_model("never", "1")
-    m.observe_request("a", "1", True, 0.001, 0.001, 0.001, 0.001, 0.004)  # comes back cleanly if reloaded
+    assert ("a", "1") not in m._labels  # its cached line prefixes went too
+    serving.request("a", "1", 0.001, 0.001, 0.001, 0.001, 0.004)  # comes back cleanly if reloaded (a new record)
     assert value(registry, "gpud_model_requests_total", model="a", version="1", outcome="success") == 1
 
 
-def test_series_cached(setup):
-    _, m = setup
-    m.observe_batch("a", "1", 1)
-    first = m._for("a", "1")
-    m.observe_batch("a", "1", 1)
-    assert m._for("a", "1") is first
+def test_line_prefixes_cached_between_scrapes(setup):
+    _, serving, m = setup
+    serving.batch("a", "1")
+    m.render_text()
+    first = m._labels[("a", "1")]
+    serving.batch("a", "1")
+    m.render_text()
+    assert m._labels[("a", "1")] is first
 
 
 def test_promtool_accepts_exposition(setup):
-    registry, m = setup
-    m.observe_request("a", "1", True, 0.001, 0.001, 0.001, 0.001, 0.004)
-    m.observe_batch("a", "1", 4)
-    m.set_sources(pending=lambda: {("a", "1"): 1}, instances=lambda: {("a", "1", "cpu"): 1})
+    registry, serving, _ = setup
+    serving.batch("a", "1", rows=4, queue_s=(0.001,), request_s=(0.004,), input_s=0.001, infer_s=0.001,
+                  output_s=0.001)
+    serving.version("a", "1", pending=1, instances=(instance(0, "cpu", 2**20),))
     promtool_check(generate_latest(registry))
 
 
-def test_observe_requests_equals_one_observe_request_per_request():
-    # The scheduler records a batch's requests at once; the exposition must be what per-request calls give.
+def test_one_batch_record_equals_one_request_per_batch():
+    # The scheduler records a batch's requests at once; every request's latencies land as if recorded alone.
     queue_ns = [200_000, 20_000_000, 0, 250_000]
     request_ns = [4_600_000, 24_500_000, 1_000_000, 10_000_000_000]
-    one, batch = CollectorRegistry(), CollectorRegistry()
-    m1, m2 = ModelMetrics(one), ModelMetrics(batch)
+    one, batch = FakeServing(), FakeServing()
     for q, r in zip(queue_ns, request_ns):
-        m1.observe_request("resnet", "1", True, q / 1e9, 100_000 / 1e9, 4_000_000 / 1e9, 250_000 / 1e9, r / 1e9)
-    m2.observe_requests("resnet", "1", queue_ns, 100_000, 4_000_000, 250_000, request_ns)
-    m2.observe_requests("resnet", "1", [], 1, 1, 1, [])  # an empty batch changes nothing
+        one.request("resnet", "1", q / 1e9, 100_000 / 1e9, 4_000_000 / 1e9, 250_000 / 1e9, r / 1e9)
+    batch.stats("resnet", "1").record_batch(4, queue_ns, request_ns, 100_000, 4_000_000, 250_000, 0)
 
-    def samples(registry):
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in registry.collect() for s in family.samples if not s.name.endswith("_created")}
+    def samples(serving):
+        registry = CollectorRegistry()
+        ModelMetrics(serving, registry)
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in registry.collect()
+                for s in family.samples if not s.name.startswith(("gpud_model_batch_size", "gpud_model_executions"))}
 
     a, b = samples(one), samples(batch)
     assert a.keys() == b.keys()

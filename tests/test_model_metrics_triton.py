@@ -7,8 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from telemetry.devices import DeviceInfo, DeviceReading
-from telemetry.model_metrics import InstanceInfo, ModelMetrics
+from telemetry.model_metrics import ModelMetrics
 from tests.promtool_check import promtool_check
+from tests.serving_fakes import FakeServing, instance
 
 
 class FakeDevices:
@@ -38,27 +39,26 @@ def lines(text: str, name: str) -> list[str]:
 
 @pytest.fixture
 def triton():
-    registry = CollectorRegistry()
-    return registry, ModelMetrics(registry, triton_names=True, devices=FakeDevices())
+    registry, serving = CollectorRegistry(), FakeServing()
+    ModelMetrics(serving, registry, triton_names=True, devices=FakeDevices())
+    return registry, serving
 
 
 def test_inferences_count_rows(triton):
-    registry, m = triton
-    m.observe_batch("bert", "1", 8)
-    m.observe_batch("bert", "1", 3)
+    registry, serving = triton
+    serving.batch("bert", "1", rows=8)
+    serving.batch("bert", "1", rows=3)
     assert registry.get_sample_value("gpud_model_inferences_total", {"model": "bert", "version": "1"}) == 11  # 8 + 3
     assert registry.get_sample_value("gpud_model_executions_total", {"model": "bert", "version": "1"}) == 2
 
 
 def test_triton_counters_in_microseconds(triton):
-    registry, m = triton
-    m.observe_request("bert", "1", True, queue_seconds=0.002, compute_input_seconds=0.0001,
-                      compute_infer_seconds=0.004, compute_output_seconds=0.0002, request_seconds=0.0065)
-    m.observe_request("bert", "1", True, queue_seconds=0.001, compute_input_seconds=0.0001,
-                      compute_infer_seconds=0.004, compute_output_seconds=0.0002, request_seconds=0.0055)
-    m.observe_request("bert", "1", False, 0.0, 0.0, 0.0, 0.0, 0.5)  # failures add no durations, as in Triton
-    m.observe_batch("bert", "1", 5)
-    m.set_sources(pending=lambda: {("bert", "1"): 3})
+    registry, serving = triton
+    # one batch of 5 rows: two requests, queued 2 ms and 1 ms, 100 us input, 4 ms infer, 200 us output
+    serving.batch("bert", "1", rows=5, queue_s=(0.002, 0.001), request_s=(0.0065, 0.0055), input_s=0.0001,
+                  infer_s=0.004, output_s=0.0002)
+    serving.failure("bert", "1", 0.5)  # failures add no durations, as in Triton
+    serving.version("bert", "1", pending=3)
     text = generate_latest(registry).decode()
     lv = {"model": "bert", "version": "1"}
 
@@ -93,37 +93,41 @@ def test_triton_gpu_gauges_per_physical_gpu(triton):
 
 
 def test_off_by_default():
-    registry = CollectorRegistry()
-    m = ModelMetrics(registry)
-    m.observe_batch("bert", "1", 1)
+    registry, serving = CollectorRegistry(), FakeServing()
+    ModelMetrics(serving, registry)
+    serving.batch("bert", "1")
     assert "nv_" not in generate_latest(registry).decode()
 
 
 def test_instance_gauges(triton):
-    registry, m = triton
-    infos = [InstanceInfo("bert", "1", "0", "gpu0", 3 * 2**30, 2.5, True),
-             InstanceInfo("bert", "1", "1", "gpu1/mig1.0", 3 * 2**30, 4.0, False)]
-    m.set_sources(instance_info=lambda: infos)
+    registry, serving = triton
+    v = serving.version("bert", "1", instances=(instance(0, "gpu0", 3 * 2**30, load_seconds=2.5),
+                                                instance(1, "gpu1/mig1.0", 3 * 2**30, load_seconds=4.0,
+                                                         ready=False)))
     lv = {"model": "bert", "version": "1", "instance": "1", "device": "gpu1/mig1.0"}
     assert registry.get_sample_value("gpud_model_instance_memory_bytes", lv) == 3 * 2**30
     assert registry.get_sample_value("gpud_model_instance_load_duration_seconds", lv) == 4.0
     assert registry.get_sample_value("gpud_model_instance_ready", lv) == 0
-    m.set_sources(pending=lambda: {})  # setting one source leaves the others in place
+    v.pending = 0  # a change elsewhere in the version leaves the instance gauges as they were
     assert registry.get_sample_value("gpud_model_instance_ready", lv) == 0
+    # an instance without a measurement reports its estimate
+    serving.version("bert", "1", instances=(instance(0, "gpu0", None, estimate_bytes=2**30),))
+    assert registry.get_sample_value("gpud_model_instance_memory_bytes", {**lv, "instance": "0", "device": "gpu0"}) \
+        == 2**30
 
 
-def test_remove_model_drops_triton_series(triton):
-    registry, m = triton
-    m.observe_request("a", "1", True, 0.001, 0.001, 0.001, 0.001, 0.004)
-    m.observe_batch("a", "1", 2)
-    m.remove_model("a", "1")
+def test_unloaded_model_drops_triton_series(triton):
+    registry, serving = triton
+    serving.request("a", "1", 0.001, 0.001, 0.001, 0.001, 0.004)
+    serving.batch("a", "1", rows=2)
+    serving.remove("a", "1")
     assert 'model="a"' not in generate_latest(registry).decode()
 
 
 def test_promtool_accepts_gpud_names():
     # The gpud_* exposition is lint-clean; Triton's names are Triton's (untyped, no _total) and are not linted.
-    registry = CollectorRegistry()
-    m = ModelMetrics(registry)
-    m.observe_batch("a", "1", 2)
-    m.set_sources(instance_info=lambda: [InstanceInfo("a", "1", "0", "cpu", 2**20, 0.5, True)])
+    registry, serving = CollectorRegistry(), FakeServing()
+    ModelMetrics(serving, registry)
+    serving.batch("a", "1", rows=2)
+    serving.version("a", "1", instances=(instance(0, "cpu", 2**20, load_seconds=0.5),))
     promtool_check(generate_latest(registry))

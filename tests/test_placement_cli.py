@@ -7,7 +7,7 @@ import pytest
 
 from gpud.examples import write_example_repository
 
-from gpud.ctl_place import place_main
+from gpud.cli.place import place_main
 
 
 def _write(tmp_path, name, text):

@@ -193,6 +193,30 @@ class TestReplan:
             ("remove", "a", None), ("move", "b", "g0"), ("add", "a", "g1")]
         assert moves[0].make_before_break is False and moves[1].make_before_break is True
 
+    def test_move_current_off_places_only_into_the_room_left(self):
+        # a (30) on g0 and b (30) on g1, 40 GiB each, and g2 with 10 GiB: c (15) fits nowhere, moved or not.
+        devs = [gpu("g0", 40), gpu("g1", 40), gpu("g2", 10)]
+        cur = [Assignment("a", 0, "g0"), Assignment("b", 0, "g1")]
+        dem = [model("a", 30), model("b", 30), model("c", 15)]
+        p = plan(devs, dem, current=cur, config=PlannerConfig(time_limit_seconds=0, move_current=False))
+        # a and b keep their devices; c (15) fits nowhere: 40 - 30 = 10 free on g0 and g1, 10 on g2
+        assert {(a.model, a.device) for a in p.placements} == {("a", "g0"), ("b", "g1")}
+        assert [u.model for u in p.unplaced] == ["c"] and p.moves == ()
+        # allowed to move, it still cannot: every device has at most 40 and a + c = 45, b + c = 45
+        p2 = plan(devs, dem, current=cur, config=PlannerConfig(time_limit_seconds=0, move_current=True))
+        assert [u.model for u in p2.unplaced] == ["c"]
+
+    def test_move_current_on_moves_to_make_room(self):
+        # g0 (40) holds a (20); g1 (40) holds b (20): c (30) fits only on a device emptied by moving a next to b.
+        devs = [gpu("g0", 40), gpu("g1", 40)]
+        cur = [Assignment("a", 0, "g0"), Assignment("b", 0, "g1")]
+        dem = [model("a", 20), model("b", 20), model("c", 30)]
+        kept = plan(devs, dem, current=cur, config=PlannerConfig(time_limit_seconds=0, move_current=False))
+        assert [u.model for u in kept.unplaced] == ["c"] and kept.moves == ()  # 40 - 20 = 20 < 30 on both
+        moved = plan(devs, dem, current=cur, config=PlannerConfig(time_limit_seconds=0, move_current=True))
+        assert not moved.unplaced  # a and b share one device (20 + 20 = 40), c takes the other
+        assert len(moved.moves) == 2 and {m.kind for m in moved.moves} == {"add", "move"}
+
     def test_relabel_keeps_devices(self):
         cur = [Assignment("a", 0, "g0"), Assignment("a", 1, "g1")]
         new = [Assignment("a", 0, "g1"), Assignment("a", 1, "g0")]

@@ -70,10 +70,10 @@ def test_help_and_version(argv):
 
 
 def test_gpudctl_usage():
-    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "--help"], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([sys.executable, "-m", "gpud.cli", "--help"], capture_output=True, text=True, timeout=60,
                          cwd=ROOT)
     assert out.returncode == 0 and "inspect" in out.stdout and "place" in out.stdout
-    out = subprocess.run([sys.executable, "-m", "gpud.ctl", "frobnicate"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gpud.cli", "frobnicate"], capture_output=True, text=True,
                          timeout=60, cwd=ROOT)
     assert out.returncode == 2
 

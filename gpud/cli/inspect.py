@@ -1,29 +1,13 @@
-"""`gpudctl`: talk to a running gpud (`inspect`) and plan placements offline (`place`)."""
+"""`gpudctl inspect`: a running gpud's devices as a GPU -> MIG tree, the instances on each, per-model queues and
+latencies, its workers and its autoscaling hints."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def fetch_inspect(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """GET <url>/v2/gpud/inspect. Raises RuntimeError with a message a person can act on."""
-    target = url.rstrip("/") + "/v2/gpud/inspect"
-    if "://" not in target:
-        target = "http://" + target
-    try:
-        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise RuntimeError(f"{target}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:200]}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RuntimeError(f"cannot reach gpud at {url}: {reason} (is it running? see --url)") from None
+from gpud.cli.client import DEFAULT_URL, GpudUnreachable, fetch_inspect
 
 
 def _bar(used: float | None, total: float, width: int = 20) -> str:
@@ -135,34 +119,13 @@ def inspect_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="gpudctl inspect",
                                 description="Show a running gpud's devices (GPU -> MIG tree), placed instances, "
                                             "queues and latencies.")
-    p.add_argument("--url", default=DEFAULT_URL, help=f"gpud HTTP endpoint (default {DEFAULT_URL})")
+    p.add_argument("--url", help=f"gpud HTTP endpoint (default $GPUD_URL or {DEFAULT_URL})")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     args = p.parse_args(argv)
     try:
         data = fetch_inspect(args.url)
-    except RuntimeError as exc:
+    except GpudUnreachable as exc:
         print(f"gpudctl: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=2) if args.json else render_inspect(data))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"inspect": "show devices, placements, queues and latencies of a running gpud",
-                "place": "plan a placement of model instances on devices (offline or live)"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: gpudctl {inspect,place} [options]\n\ncommands:")
-        for name, text in commands.items():
-            print(f"  {name:<8} {text}")
-        print("\n'gpudctl COMMAND --help' for a command's options")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "inspect":
-        return inspect_main(argv[1:])
-    from gpud.ctl_place import place_main
-
-    return place_main(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from gpud.cli.main import main
+
+sys.exit(main())

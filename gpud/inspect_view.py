@@ -1,0 +1,68 @@
+"""gpud's own view of itself (`GET /v2/gpud/inspect`, what `gpudctl inspect` shows): devices with a fresh reading
+each, model versions and their instances from the core's snapshot, the device workers, the autoscaling hints, and
+the placement service's planning inputs (devices, demands and the current placement, in `placement.spec`'s file
+formats: what `gpudctl place --devices live --models live --current live` plans with, so an offline re-plan of a
+running gpud starts from exactly what the daemon would use).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from gpud.core_api import ServerMetadata
+from gpud.placing.service import PlacementService
+from placement import spec
+from telemetry.serving import ModelState, ServingSnapshot, VersionView
+
+
+class HintsView(Protocol):
+    def inspect(self) -> dict[str, Any]: ...
+
+
+def inspect_document(server: ServerMetadata, snapshot: ServingSnapshot, placement: PlacementService,
+                     workers: list[dict[str, Any]], hints: HintsView | None) -> dict[str, Any]:
+    backend = placement.devices
+    devices = []
+    for d in backend.devices():
+        r = backend.sample(d.id)
+        devices.append({
+            "id": d.id, "kind": d.kind, "index": d.index, "name": d.name, "uuid": d.uuid,
+            "parent_id": d.parent_id, "mig_profile": d.mig_profile, "mig_enabled": d.mig_enabled,
+            "leaf": d.is_leaf, "simulated": d.simulated, "compute_fraction": d.compute_fraction,
+            "memory_total_bytes": d.memory_total_bytes, "memory_used_bytes": r.memory_used_bytes,
+            "utilization_ratio": r.utilization_ratio, "power_w": r.power_w,
+            "temperature_c": r.temperature_c, "healthy": r.healthy, "labels": dict(d.labels),
+        })
+    models = []
+    for m in snapshot.models:
+        if not m.versions:
+            models.append({"name": m.name, "version": "", "state": ModelState.UNAVAILABLE.value,
+                           "reason": m.error or "unloaded", "instances": []})
+        models += [_version(v) for v in m.versions]
+    inputs = placement.inputs()
+    out = {"server": {"name": server.name, "version": server.version, "extensions": list(server.extensions)},
+           "device_source": backend.source, "time_unix_s": time.time(), "devices": devices,
+           "models": models, "workers": workers,
+           "placement": {**spec.devices_to_data(list(inputs.devices)), **spec.models_to_data(list(inputs.demands)),
+                         **spec.current_to_data(list(inputs.current)),
+                         "strategy": placement.config.strategy}}
+    if hints is not None:
+        out["hints"] = hints.inspect()
+    return out
+
+
+def _version(v: VersionView) -> dict[str, Any]:
+    st = v.stats
+    n = st.success.count
+    return {
+        "name": v.model, "version": v.version, "state": v.state.value, "reason": v.reason,
+        "max_batch_size": v.max_batch_size, "pending_requests": v.pending_requests,
+        "requests_success": n, "requests_failed": st.fail.count,
+        "executions": st.execution_count, "inferences": st.inference_count,
+        "queue_seconds_avg": st.queue.ns / n / 1e9 if n else None,
+        "compute_seconds_avg": (st.compute_input.ns + st.compute_infer.ns + st.compute_output.ns) / n / 1e9
+        if n else None,
+        "instances": [{"index": i.index, "device": i.device_id, "ready": i.ready, "memory_bytes": i.footprint_bytes,
+                       "measured_by": i.measured_by or "estimate", "provider": i.provider, "error": i.error}
+                      for i in v.instances],
+    }

@@ -1,0 +1,370 @@
+"""The placement service: the one way gpud decides where model instances go and makes it so.
+
+Every placement change goes through here: start-up and model loads (`place`), `POST /v2/gpud/placement`
+(`apply_requested`) and unloads (`stop_version`), and next the controller. Each builds its problem with
+`gpud.placing.inputs` from the registry's versions, the device inventory and the live instances, asks
+`placement.plan` (pure, off the event loop: it may search for its time limit), turns the result into steps with
+`placement.diff`, and applies them in order through the executor pool:
+- an add loads the new instance and routes to it once it is ready;
+- a move is make-before-break: the new instance loads and serves before the old one is drained and unloaded (the
+  scheduler finishes the batch it may be running);
+- memory promised to an instance being loaded counts as used (a reservation) until the load ends, so the free memory
+  the hints and inspect report never hands it out twice;
+- `atomic` changes (a requested placement, the controller's) roll back when a load fails: the steps done so far are
+  undone in reverse and the node is as it was. Start-up and model loads are not atomic: what loads serves, and each
+  instance that did not is recorded with its reason.
+One change at a time (`lock`): a plan is always made against the node as it is.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+
+from executor.pool import ExecutorPool, InstanceHandle
+from executor.types import ErrorKind, InferenceError
+from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
+                                 pin_errors, planning_devices, reserve_bytes_for)
+from gpud.registry import RegisteredVersion, Registry
+from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
+from placement.model import fmt_bytes
+from telemetry.devices import DeviceBackend, DeviceInfo
+from telemetry.serving import ModelState
+
+log = logging.getLogger("gpud")
+
+
+@dataclass(frozen=True)
+class DeviceRoom:
+    """Free memory of one leaf device as placement sees it (also what the hints' headroom reads)."""
+
+    device_id: str
+    kind: str  # "gpu" | "mig" | "cpu"
+    index: int  # GPU index (the parent's for MIG), -1 for the CPU
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class RequestedPlacement:
+    """One instance where a person (or `gpudctl place --apply`) wants it. `model` is a model name (its newest
+    version; `instance` is the index within the version) or a placement name (`model:version[:group]`, as
+    `gpudctl place` prints them; `instance` is the index within that demand)."""
+
+    model: str
+    instance: int
+    device: str
+
+
+@dataclass(frozen=True)
+class PlacedInstance:
+    model: str
+    version: str
+    index: int
+    device: str
+
+
+@dataclass(frozen=True)
+class Applied:
+    added: tuple[PlacedInstance, ...]
+    removed: tuple[PlacedInstance, ...]
+
+
+class PlacementService:
+    def __init__(self, devices: DeviceBackend, pool: ExecutorPool, registry: Registry, *,
+                 device_reserve_bytes: int = 0, strategy: str = "pack", time_limit_s: float = 2.0):
+        self.devices = devices
+        self.pool = pool
+        self.registry = registry
+        self.device_reserve_bytes = device_reserve_bytes
+        self.config = PlannerConfig(strategy=strategy, time_limit_seconds=time_limit_s)
+        self.lock = asyncio.Lock()
+        self._loading: dict[str, int] = {}  # bytes promised to instances being loaded, per device
+
+    # --- what placement sees ----------------------------------------------------------------------------------------
+    def _live(self) -> list[RegisteredVersion]:
+        return [v for v in self.registry.versions() if v.instances]
+
+    def _gpu_used_bytes(self, d: DeviceInfo) -> int | None:
+        """What the driver says is used on a real GPU (other processes too), sampled now; None elsewhere."""
+        if d.simulated or d.kind == "cpu":
+            return None
+        return self.devices.sample(d.id).memory_used_bytes or 0
+
+    def rooms(self) -> list[DeviceRoom]:
+        """Free memory per leaf device: total - reserve - used - promised to loads in flight."""
+        out = []
+        for d in self.devices.leaf_devices():
+            used = self._gpu_used_bytes(d)
+            if used is None:
+                used = self.pool.memory_used_bytes(d.id) or 0
+            free = (d.memory_total_bytes - reserve_bytes_for(d.kind, self.device_reserve_bytes) - used
+                    - self._loading.get(d.id, 0))
+            out.append(DeviceRoom(d.id, d.kind, d.index, max(0, free), d.memory_total_bytes))
+        return out
+
+    def inputs(self, versions: Sequence[RegisteredVersion] | None = None) -> PlacementInputs:
+        """The planning problem of the live versions (and `versions`, which ask their configured counts): devices
+        with what is not ours taken off, demands, and the live instances as the current placement."""
+        live = self._live()
+        new = [v for v in versions or () if v not in live]
+        # A live group asks for what it runs, holes included (an instance that failed to load keeps its number).
+        counts: dict[GroupKey, int] = {}
+        for v in live:
+            for i in v.instances:
+                g, k = locate(i.index, v.entry.config.instance_groups)
+                key = GroupKey(v.name, v.version, g)
+                counts[key] = max(counts.get(key, 0), k + 1)
+        ours: dict[str, int] = {}
+        for v in live:
+            for i in v.instances:
+                ours[i.device_id] = ours.get(i.device_id, 0) + i.footprint_bytes
+        other: dict[str, int] = {}
+        unhealthy = set()
+        for d in self.devices.leaf_devices():
+            used = self._gpu_used_bytes(d)
+            if used is not None:  # a real GPU: what others hold is what the driver sees beyond our instances
+                other[d.id] = max(0, used - ours.get(d.id, 0))
+                if not self.devices.sample(d.id).healthy:
+                    unhealthy.add(d.id)
+            other[d.id] = other.get(d.id, 0) + self._loading.get(d.id, 0)
+        devices = planning_devices(self.devices.leaf_devices(), device_reserve_bytes=self.device_reserve_bytes,
+                                   other_used_bytes=other, unhealthy=frozenset(unhealthy))
+        demands: list[VersionDemand] = [v.demand() for v in live + new]
+        current = [LiveInstance(v.name, v.version, i.index, i.device_id) for v in live for i in v.instances]
+        return build_inputs(devices, demands, current, counts={**_config_counts(new), **counts})
+
+    async def _plan(self, inputs: PlacementInputs, config: PlannerConfig) -> Plan:
+        # The engine is pure and may search for up to its time limit: off the event loop, so serving goes on.
+        return await asyncio.to_thread(plan, inputs.devices, inputs.demands, current=inputs.current, config=config)
+
+    # --- start-up and model loads ---------------------------------------------------------------------------------
+    async def place(self, new: Sequence[RegisteredVersion]) -> None:
+        """Plan every instance of `new` into the room the live instances leave (they stay where they are) and load
+        them. Each version ends READY with what loaded, or UNAVAILABLE with why each instance did not."""
+        async with self.lock:
+            new = self._refuse_bad_pins(new)
+            if not new:
+                return
+            inputs = self.inputs(new)
+            result = await self._plan(inputs, replace(self.config, move_current=False))
+            log.info("placement: %d instance(s) on %d device(s) (%s, lower bound %d%s), %d not placed",
+                     len(result.placements), result.devices_used, result.method, result.lower_bound,
+                     ", optimal" if result.optimal else "", len(result.unplaced))
+            reasons: dict[RegisteredVersion, list[str]] = {v: [] for v in new}
+            for u in result.unplaced:
+                key, index = inputs.instance(Assignment(u.model, u.instance, ""))
+                vs = self.registry.version(key.model, key.version)
+                why = f"instance {index} not placed: {u.reason}"
+                reasons.setdefault(vs, []).append(why)
+                log.error("model %s version %s %s", vs.name, vs.version, why)
+            # Only the new versions' steps: filling another version's holes or re-placing what sits on a lost
+            # device is the controller's to decide, not a side effect of loading a model.
+            placing = {inputs.names[GroupKey(v.name, v.version, k)] for v in new
+                       for k in range(len(v.entry.config.instance_groups))}
+            moves = [m for m in diff(inputs.current, result.placements, inputs.devices, inputs.demands)
+                     if m.model in placing]
+            failed = await self._apply(inputs, moves, atomic=False)
+            for vs, why in failed:
+                reasons.setdefault(vs, []).append(why)
+            for vs in new:
+                vs.state = ModelState.READY if vs.instances else ModelState.UNAVAILABLE
+                vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
+
+    def _refuse_bad_pins(self, versions: Sequence[RegisteredVersion]) -> list[RegisteredVersion]:
+        """Versions pinned to GPUs the node lacks are UNAVAILABLE with the reason, not placed anywhere."""
+        devices = planning_devices(self.devices.leaf_devices(), device_reserve_bytes=0)
+        ok = []
+        for vs in versions:
+            errors = pin_errors(vs.demand(), devices)
+            if errors:
+                vs.state, vs.reason = ModelState.UNAVAILABLE, "; ".join(errors)
+                log.error("model %s version %s: %s", vs.name, vs.version, vs.reason)
+            else:
+                ok.append(vs)
+        return ok
+
+    async def stop_version(self, vs: RegisteredVersion) -> None:
+        """Stop every instance of `vs` (an unload): no new batches go to them; each finishes the batch it runs."""
+        async with self.lock:
+            for inst in list(vs.instances):
+                await self._stop(vs, inst)
+
+    # --- requested placements -------------------------------------------------------------------------------------
+    async def apply_requested(self, requested: Sequence[RequestedPlacement]) -> Applied:
+        """Make the named model versions' instances exactly `requested` (versions not named are untouched), in the
+        order `placement.diff` gives, make-before-break. Refused before anything changes (InferenceError) when a
+        request is malformed or the placement does not fit; if a load fails, everything is rolled back."""
+        async with self.lock:
+            named = self._resolve_versions(requested)
+            inputs = self.inputs(list(named.values()))
+            desired = self._desired(inputs, requested, named)
+            self._check_fits(inputs, desired)
+            moves = diff(inputs.current, desired, inputs.devices, inputs.demands)
+            stuck = [m for m in moves if m.note == "needs room freed by other steps"]
+            if stuck:
+                m = stuck[0]
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"placement not applied: no order of steps keeps "
+                                     f"every model serving: '{m.model}' instance {m.instance} has no room on "
+                                     f"{m.to_device} until other instances it waits for have moved; nothing changed")
+            added, removed = [], []
+            await self._apply(inputs, moves, atomic=True, added=added, removed=removed)
+            for vs in set(named.values()):
+                vs.state = ModelState.READY if vs.instances else ModelState.UNAVAILABLE
+                if vs.instances:
+                    vs.reason = ""
+            return Applied(tuple(added), tuple(removed))
+
+    def _resolve_versions(self, requested: Sequence[RequestedPlacement]) -> dict[str, RegisteredVersion]:
+        """The version each requested model name means; errors before anything changes."""
+        leaves = {d.id for d in self.devices.leaf_devices()}
+        named: dict[str, RegisteredVersion] = {}
+        for k, p in enumerate(requested):
+            where = f"placements[{k}]"
+            if p.device not in leaves:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"{where}: unknown device '{p.device}' (devices: {', '.join(sorted(leaves))})")
+            if p.instance < 0:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"{where}: instance must be >= 0")
+            if p.model not in named:
+                model, _, version = p.model.partition(":")
+                if p.model in self.registry.models or not version:
+                    vs = self.registry.version(p.model)
+                else:
+                    vs = self.registry.version(model, version.partition(":")[0])
+                if vs.state not in (ModelState.READY, ModelState.UNAVAILABLE):
+                    raise InferenceError(ErrorKind.UNAVAILABLE,
+                                         f"{where}: model '{vs.name}' is {vs.state.value.lower()}")
+                named[p.model] = vs
+        return named
+
+    @staticmethod
+    def _desired(inputs: PlacementInputs, requested: Sequence[RequestedPlacement],
+                 named: dict[str, RegisteredVersion]) -> list[Assignment]:
+        """The whole node after the change: the requested instances, and every live instance of the others."""
+        wanted: list[Assignment] = []
+        seen: set[tuple[str, int]] = set()
+        for k, p in enumerate(requested):
+            vs = named[p.model]
+            groups = vs.entry.config.instance_groups
+            if p.model == vs.name:
+                a = inputs.assignment(vs.name, vs.version, p.instance, p.device, groups)
+            elif p.model not in inputs.groups:
+                names = sorted(n for n, key in inputs.groups.items() if key.model == vs.name)
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"placements[{k}]: '{p.model}' is neither a model nor a placement name "
+                                     f"(model '{vs.name}' is placed as {', '.join(names) or 'nothing yet'})")
+            else:  # a placement name (model:version[:group]): the index is within its demand
+                key = inputs.groups[p.model]
+                if key.group < len(groups) - 1 and p.instance >= groups[key.group].count:
+                    raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                         f"placements[{k}]: instance group {key.group} of '{vs.name}' holds "
+                                         f"{groups[key.group].count} instance(s), not instance {p.instance}")
+                a = Assignment(p.model, p.instance, p.device)
+            if (a.model, a.instance) in seen:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"placements[{k}]: instance {p.instance} of '{p.model}' placed twice")
+            seen.add((a.model, a.instance))
+            wanted.append(a)
+        touched = {(vs.name, vs.version) for vs in named.values()}
+        kept = [a for a in inputs.current if (inputs.groups[a.model].model, inputs.groups[a.model].version)
+                not in touched]
+        return sorted(kept + wanted)
+
+    @staticmethod
+    def _check_fits(inputs: PlacementInputs, desired: Sequence[Assignment]) -> None:
+        """Refuse a placement that puts more on a device than it holds: the end state must fit."""
+        memory = {d.name: d.memory_bytes for d in inputs.demands}
+        per_device: dict[str, int] = {}
+        for a in desired:
+            per_device[a.device] = per_device.get(a.device, 0) + memory[a.model]
+        for d in inputs.devices:
+            usable = max(0, d.memory_bytes - (d.memory_reserve_bytes or 0))
+            if per_device.get(d.id, 0) > usable:
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"placement not applied: it puts {fmt_bytes(per_device[d.id])} of model "
+                                     f"instances on {d.id}, which has {fmt_bytes(usable)} for them; nothing changed")
+
+    # --- applying steps -------------------------------------------------------------------------------------------
+    async def _apply(self, inputs: PlacementInputs, moves: Sequence[Move], *, atomic: bool,
+                     added: list[PlacedInstance] | None = None,
+                     removed: list[PlacedInstance] | None = None) -> list[tuple[RegisteredVersion, str]]:
+        """Carry out `moves` in order. Not atomic: a failed load is returned with its reason and the rest goes on.
+        Atomic: a failed load undoes every step done so far, in reverse, and raises."""
+        added = [] if added is None else added
+        removed = [] if removed is None else removed
+        undo: list[Callable[[], Awaitable[None]]] = []
+        failed: list[tuple[RegisteredVersion, str]] = []
+        for mv in moves:
+            key, index = inputs.instance(Assignment(mv.model, mv.instance, ""))
+            vs = self.registry.version(key.model, key.version)
+            if mv.kind == "remove":
+                await self._remove(vs, index, mv.from_device, undo, removed)
+                continue
+            log.info("model %s version %s instance %d -> device %s%s (%.1f MiB)", vs.name, vs.version, index,
+                     mv.to_device, f" (from {mv.from_device})" if mv.from_device else "",
+                     vs.footprint_bytes() / 2**20)
+            inst = await self._start(vs, index, mv.to_device)
+            if not inst.ready:
+                why = f"instance {index} on {mv.to_device}: {inst.error}"
+                if atomic:
+                    for step in reversed(undo):  # roll back: the node stays as it was
+                        await step()
+                    raise InferenceError(ErrorKind.UNAVAILABLE, f"placement not applied: instance {index} of "
+                                         f"'{vs.name}' could not load on {mv.to_device}: {inst.error}; "
+                                         "nothing changed")
+                failed.append((vs, why))
+                continue
+            added.append(PlacedInstance(vs.name, vs.version, index, mv.to_device))
+            undo.append(lambda vs=vs, inst=inst: self._stop(vs, inst))
+            if mv.kind == "move":  # make-before-break: the new one serves, now the old one goes
+                await self._remove(vs, index, mv.from_device, undo, removed)
+        return failed
+
+    async def _remove(self, vs: RegisteredVersion, index: int, device: str | None, undo: list,
+                      removed: list[PlacedInstance]) -> None:
+        old = next((i for i in vs.instances if i.index == index and i.device_id == device), None)
+        if old is None:
+            return
+        await self._stop(vs, old)
+        log.info("model %s version %s instance %d on %s stopped", vs.name, vs.version, index, device)
+        removed.append(PlacedInstance(vs.name, vs.version, index, old.device_id))
+
+        async def restore() -> None:
+            again = await self._start(vs, index, old.device_id)
+            if not again.ready:  # the node cannot be put back exactly: say so, loudly
+                log.error("rolling back: instance %d of model %s version %s could not be restarted on %s: %s",
+                          index, vs.name, vs.version, old.device_id, again.error)
+        undo.append(restore)
+
+    async def _start(self, vs: RegisteredVersion, index: int, device: str) -> InstanceHandle:
+        """Load one instance of `vs` on `device`; once it is ready it serves. `inst.error` says why it is not."""
+        footprint = vs.footprint_bytes()
+        key = f"{vs.name}:{vs.version}:{index}"
+        if any(i.key == key for i in vs.instances):  # its predecessor still serves (make-before-break)
+            key += f"@{device}"
+        inst = InstanceHandle(key=key, model=vs.name, version=vs.version, index=index, device_id=device,
+                              model_path=vs.model_path, config=vs.entry.config, estimate_bytes=footprint)
+        # Promised memory counts as used while the load runs, so nothing else is planned into it.
+        self._loading[device] = self._loading.get(device, 0) + footprint
+        try:
+            await self.pool.load_instance(inst)
+        finally:
+            self._loading[device] -= footprint
+        if inst.ready:
+            vs.instances.append(inst)
+            vs.scheduler.add_instance(inst)
+        return inst
+
+    async def _stop(self, vs: RegisteredVersion, inst: InstanceHandle) -> None:
+        """No new batches go to `inst`; its worker unloads it after the batch it may be running."""
+        vs.scheduler.remove_instance(inst)
+        if inst in vs.instances:
+            vs.instances.remove(inst)
+        await self.pool.unload_instance(inst)
+
+
+def _config_counts(versions: Sequence[RegisteredVersion]) -> dict[GroupKey, int]:
+    return {GroupKey(v.name, v.version, k): g.count for v in versions
+            for k, g in enumerate(v.entry.config.instance_groups)}

@@ -1,0 +1,141 @@
+"""The model registry: every model the repository holds, its served versions with their schedulers and instances,
+and why a version is not ready. The core routes requests over it, the placement service starts and stops its
+instances, and everyone else reads it through `snapshot()` (telemetry.serving).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from executor.pool import InstanceHandle
+from executor.scheduler import ModelScheduler
+from executor.types import ErrorKind, InferenceError
+from gpud.placing.inputs import VersionDemand, candidate_kinds
+from gpud.repository.config import ModelConfigError
+from gpud.repository.footprint import estimate_footprint_bytes
+from gpud.repository.layout import ModelEntry, ModelLoadError
+from telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
+
+log = logging.getLogger("gpud")
+
+
+@dataclass(eq=False)
+class RegisteredVersion:
+    """One served version of a model: its scheduler and instances, and why it is not ready when it is not."""
+
+    name: str
+    version: str
+    entry: ModelEntry
+    scheduler: ModelScheduler
+    estimate_bytes: int = 0  # one instance's footprint estimated from the model file
+    instances: list[InstanceHandle] = field(default_factory=list)
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.state is ModelState.READY and self.scheduler.has_ready_instance
+
+    @property
+    def model_path(self) -> str:
+        return self.entry.model_path(int(self.version))
+
+    def footprint_bytes(self) -> int:
+        """What one more instance needs: the largest measured footprint of its instances, else the estimate."""
+        measured = [i.memory_bytes for i in self.instances if i.memory_bytes]
+        return max(measured) if measured else self.estimate_bytes
+
+    def demand(self) -> VersionDemand:
+        return VersionDemand(self.name, self.version, self.entry.config.instance_groups, self.footprint_bytes())
+
+    def view(self, has_gpus: bool) -> VersionView:
+        if self.ready:
+            state, reason = ModelState.READY, ""
+        elif self.state is ModelState.READY:  # loaded, but no instance ready now
+            state, reason = ModelState.UNAVAILABLE, "no instance is ready (a worker is restarting)"
+        else:
+            state, reason = self.state, self.reason
+        kinds = frozenset(k for g in self.entry.config.instance_groups for k in candidate_kinds(g.kind, has_gpus))
+        instances = tuple(InstanceView(i.index, i.device_id, i.ready, i.memory_bytes, i.estimate_bytes,
+                                       i.measured_by, i.load_seconds, i.provider, i.error) for i in self.instances)
+        return VersionView(self.name, self.version, state, reason, self.entry.config.max_batch_size, kinds,
+                           self.scheduler.pending_requests, instances, self.scheduler.stats)
+
+
+@dataclass(eq=False)
+class RegisteredModel:
+    name: str
+    versions: dict[str, RegisteredVersion] = field(default_factory=dict)
+    error: str = ""  # the repository error when the model could not be read at all
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload of this model at a time
+
+
+class Registry:
+    def __init__(self, has_gpus: bool) -> None:
+        self.models: dict[str, RegisteredModel] = {}
+        self.has_gpus = has_gpus  # KIND_AUTO means GPUs on such a node
+
+    def register(self, name: str, result: ModelEntry | ModelLoadError) -> list[RegisteredVersion]:
+        """Register the model's versions (nothing loaded yet) and return those that can be placed; the others are
+        UNAVAILABLE with the reason."""
+        model = self.models.setdefault(name, RegisteredModel(name))
+        if isinstance(result, ModelLoadError):
+            model.error = result.reason
+            log.error("model %s: %s", name, result.reason)
+            return []
+        model.error = ""
+        entry = result
+        placeable: list[RegisteredVersion] = []
+        for version in entry.versions:
+            v = str(version)
+            try:
+                scheduler = ModelScheduler(entry.config, v)
+            except ValueError as exc:  # a batching policy the repository let through but the batcher refuses
+                model.error = f"{entry.config_path or entry.path}: {exc}"
+                log.error("model %s: %s", name, model.error)
+                return []
+            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler)
+            try:
+                vs.estimate_bytes = estimate_footprint_bytes(vs.model_path, entry.config)
+            except (ModelConfigError, OSError) as exc:
+                vs.state, vs.reason = ModelState.UNAVAILABLE, str(exc)
+                continue
+            placeable.append(vs)
+        return placeable
+
+    def versions(self) -> Iterator[RegisteredVersion]:
+        for m in self.models.values():
+            yield from m.versions.values()
+
+    # --- lookups: errors a client gets --------------------------------------------------------------------------
+    def model(self, name: str) -> RegisteredModel:
+        model = self.models.get(name)
+        if model is None:
+            raise InferenceError(ErrorKind.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
+        return model
+
+    def version(self, name: str, version: str = "") -> RegisteredVersion:
+        """`version` "" is the newest served version."""
+        model = self.model(name)
+        if not version:
+            if not model.versions:
+                raise InferenceError(ErrorKind.UNAVAILABLE,
+                                     f"Request for unknown model: '{name}' has no available versions"
+                                     + (f" ({model.error})" if model.error else ""))
+            return model.versions[max(model.versions, key=int)]
+        vs = model.versions.get(version)
+        if vs is None:
+            raise InferenceError(ErrorKind.NOT_FOUND,
+                                 f"Request for unknown model: '{name}' version {version} is not found")
+        return vs
+
+    # --- the read-only view -------------------------------------------------------------------------------------
+    def snapshot(self) -> ServingSnapshot:
+        """Typed and frozen (telemetry.serving): what the metrics collectors, the hints and inspect read. Cheap: no
+        device reads, so the collectors call it at every scrape."""
+        return ServingSnapshot(tuple(
+            ModelView(name, m.error, tuple(v.view(self.has_gpus)
+                                           for v in sorted(m.versions.values(), key=lambda x: int(x.version))))
+            for name, m in sorted(self.models.items())))

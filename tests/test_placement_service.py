@@ -1,0 +1,209 @@
+"""gpud.placing.service: plans applied in order, make-before-break, with reservations and rollback. The executor
+pool is a scripted double (loads succeed or fail as told, and can be held mid-load); everything else is real."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from executor.pool import InstanceHandle
+from executor.types import ErrorKind, InferenceError
+from gpud.core import _parse_placements
+from gpud.examples import write_example_repository
+from gpud.placing.service import PlacementService, RequestedPlacement
+from gpud.registry import Registry
+from gpud.repository.layout import ModelRepository
+from telemetry.serving import ModelState
+from telemetry.simulated import SimulatedBackend
+
+MIB = 2**20
+NODE = """
+gpus:
+  - model: NVIDIA A100-SXM4-40GB
+  - model: NVIDIA A100-SXM4-40GB
+"""
+
+
+class ScriptedPool:
+    """Loads succeed at once with a 10 MiB footprint, unless the device is in `fail_on`; `hold` makes loads on a
+    device wait for its event. `events` records ("load" | "unload", key, device) in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str]] = []
+        self.fail_on: set[str] = set()
+        self.hold: dict[str, asyncio.Event] = {}
+        self.loaded: dict[str, InstanceHandle] = {}
+        self.load_started: asyncio.Event | None = None  # set when a load begins
+
+    async def load_instance(self, inst: InstanceHandle) -> InstanceHandle:
+        self.events.append(("load", inst.key, inst.device_id))
+        if self.load_started is not None:
+            self.load_started.set()
+        if inst.device_id in self.hold:
+            await self.hold[inst.device_id].wait()
+        if inst.device_id in self.fail_on:
+            inst.error = "out of memory (scripted)"
+            return inst
+        inst.ready, inst.memory_bytes, inst.measured_by = True, 10 * MIB, "process_rss"
+        self.loaded[inst.key] = inst
+        return inst
+
+    async def unload_instance(self, inst: InstanceHandle) -> None:
+        self.events.append(("unload", inst.key, inst.device_id))
+        inst.ready = False
+        self.loaded.pop(inst.key, None)
+
+    def memory_used_bytes(self, device_id: str) -> int:
+        return sum(i.footprint_bytes for i in self.loaded.values() if i.device_id == device_id and i.ready)
+
+
+@pytest.fixture
+def node(tmp_path):
+    repo = tmp_path / "repo"
+    write_example_repository(repo, ["mlp", "cnn"])
+    (tmp_path / "node.yaml").write_text(NODE)
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
+    registry = Registry(has_gpus=True)
+    pool = ScriptedPool()
+    service = PlacementService(backend, pool, registry, device_reserve_bytes=512 * MIB, time_limit_s=0)
+    return ModelRepository(repo), registry, pool, service
+
+
+def register_all(repository, registry):
+    new = []
+    for name, entry in repository.scan().items():
+        new += registry.register(name, entry)
+    return new
+
+
+def where(registry) -> dict[str, list[tuple[int, str]]]:
+    return {m.name: sorted((i.index, i.device_id) for v in m.versions.values() for i in v.instances)
+            for m in registry.models.values()}
+
+
+def test_start_up_places_and_loads_everything(node):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    placed = where(registry)
+    assert set(placed) == {"mlp", "cnn"} and all(len(v) == 1 for v in placed.values())
+    assert all(v.state is ModelState.READY and v.ready for v in registry.versions())
+    assert [e[0] for e in pool.events] == ["load", "load"]
+
+
+def test_a_failed_load_at_start_up_is_recorded_and_the_rest_serves(node):
+    repository, registry, pool, service = node
+    pool.fail_on = {"gpu0"}  # pack puts both on gpu0 (the first device): both fail there
+    asyncio.run(service.place(register_all(repository, registry)))
+    for v in registry.versions():
+        assert v.state is ModelState.UNAVAILABLE and "out of memory (scripted)" in v.reason
+
+
+def test_a_model_loaded_later_goes_into_the_room_left_and_moves_nothing(node):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(registry.register("mlp", repository.load("mlp"))))
+    before = where(registry)["mlp"]
+    pool.events.clear()
+    asyncio.run(service.place(registry.register("cnn", repository.load("cnn"))))
+    assert where(registry)["mlp"] == before
+    assert [(e[0], e[1].split(":")[0]) for e in pool.events] == [("load", "cnn")]
+
+
+def test_requested_move_is_make_before_break(node):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    src = where(registry)["mlp"][0][1]
+    dst = "gpu1" if src == "gpu0" else "gpu0"
+    pool.events.clear()
+    applied = asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, dst)]))
+    # the new instance loads (key marks the device: its predecessor still serves), then the old one goes
+    assert pool.events == [("load", f"mlp:1:0@{dst}", dst), ("unload", "mlp:1:0", src)]
+    assert [(i.model, i.index, i.device) for i in applied.added] == [("mlp", 0, dst)]
+    assert [(i.model, i.index, i.device) for i in applied.removed] == [("mlp", 0, src)]
+    assert where(registry)["mlp"] == [(0, dst)]
+
+
+def test_a_failed_load_rolls_everything_back(node):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    before = where(registry)
+    src = before["mlp"][0][1]
+    dst = "gpu1" if src == "gpu0" else "gpu0"
+    pool.fail_on = {"cpu"}
+    with pytest.raises(InferenceError) as err:
+        # mlp moves to the other GPU (succeeds), then cnn to the CPU fails: mlp's move is undone
+        asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, dst), RequestedPlacement("cnn", 0, "cpu")]))
+    assert err.value.kind is ErrorKind.UNAVAILABLE and "nothing changed" in err.value.message
+    assert "could not load on cpu" in err.value.message
+    assert where(registry) == before
+    assert all(v.ready for v in registry.versions())
+
+
+def test_a_placement_that_does_not_fit_changes_nothing(node):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    before, events = where(registry), list(pool.events)
+    # 10 MiB measured each: 5000 instances are ~49 GiB on a 40 GiB GPU (minus the 512 MiB reserve)
+    with pytest.raises(InferenceError, match=r"puts 48\.83 GiB of model instances on gpu1, which has 39\.\d+ GiB"):
+        asyncio.run(service.apply_requested([RequestedPlacement("mlp", i, "gpu1") for i in range(5000)]))
+    assert where(registry) == before and pool.events == events
+
+
+@pytest.mark.parametrize("requested, kind, message", [
+    ([RequestedPlacement("mlp", 0, "gpu9")], ErrorKind.INVALID_ARGUMENT, "unknown device 'gpu9'"),
+    ([RequestedPlacement("nope", 0, "gpu0")], ErrorKind.NOT_FOUND, "unknown model"),
+    ([RequestedPlacement("mlp", -1, "gpu0")], ErrorKind.INVALID_ARGUMENT, "instance must be >= 0"),
+    ([RequestedPlacement("mlp", 0, "gpu0"), RequestedPlacement("mlp", 0, "cpu")], ErrorKind.INVALID_ARGUMENT,
+     "placed twice"),
+    ([RequestedPlacement("mlp:7", 0, "gpu0")], ErrorKind.NOT_FOUND, "version 7 is not found"),
+])
+def test_bad_requests_change_nothing(node, requested, kind, message):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    before, events = where(registry), list(pool.events)
+    with pytest.raises(InferenceError) as err:
+        asyncio.run(service.apply_requested(requested))
+    assert err.value.kind is kind and message in err.value.message
+    assert where(registry) == before and pool.events == events
+
+
+@pytest.mark.parametrize("doc, message", [
+    ("all of them", "must be a list"),
+    ([{"model": "mlp", "instance": True, "device": "gpu0"}], "expected"),  # a bool is not an instance index
+    ([{"model": "mlp", "instance": "0", "device": "gpu0"}], "expected"),
+])
+def test_malformed_placement_documents(doc, message):
+    with pytest.raises(InferenceError, match=message):
+        _parse_placements(doc)
+
+
+def test_memory_of_a_load_in_flight_is_reserved(node):
+    repository, registry, pool, service = node
+    new = registry.register("mlp", repository.load("mlp"))
+
+    async def scenario() -> tuple[int, int]:
+        gate = pool.hold["gpu0"] = asyncio.Event()
+        pool.load_started = asyncio.Event()
+        free_before = next(r.free_bytes for r in service.rooms() if r.device_id == "gpu0")
+        task = asyncio.create_task(service.place(new))
+        await pool.load_started.wait()  # the load has started and waits on the gate
+        during = next(r.free_bytes for r in service.rooms() if r.device_id == "gpu0")
+        gate.set()
+        await task
+        return free_before, during
+
+    free_before, during = asyncio.run(scenario())
+    assert free_before - during == new[0].estimate_bytes  # promised while loading, not handed out twice
+
+
+def test_a_model_pinned_to_a_missing_gpu_is_unavailable_with_the_reason(node):
+    repository, registry, pool, service = node
+    config = Path(repository.path) / "mlp" / "config.pbtxt"
+    text = config.read_text()
+    start = text.index("instance_group")
+    config.write_text(text[:start] + "instance_group [ { kind: KIND_GPU, gpus: [ 7 ] } ]"
+                      + text[text.index("]", start) + 1:])
+    new = registry.register("mlp", repository.load("mlp"))
+    asyncio.run(service.place(new))
+    assert new[0].state is ModelState.UNAVAILABLE and "the node has no GPU 7 (GPUs: 0, 1)" in new[0].reason
+    assert not pool.events  # not placed anywhere
