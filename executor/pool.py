@@ -13,7 +13,6 @@ import itertools
 import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -25,16 +24,18 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from executor.busy import BusyTracker
-from executor.model_config import ModelConfig, numpy_dtype
 from executor.onnxruntime_backend import WorkerDevice
-from executor.shm import Segment, align, new_segment_name
+from executor.model_config import ModelConfig
+from executor.protocol import (DEFAULT_SEGMENT_BYTES, Done, Exit, Failed, ForgetSegments, FromWorker, Hello, Infer,
+                               Load, Loaded, LoadFailed, ToWorker, Unload, Unloaded, dumps, loads,
+                               tensor_region_bytes)
+from executor.shm import Segment, new_segment_name
 from executor.types import ErrorKind, InferenceError
 
 log = logging.getLogger("gpud.executor")
 
 _READ_CHUNK = 1 << 18
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_SEGMENT_BYTES = 1 << 20
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 DEFAULT_WORKER_HANG_S = 300.0
 
@@ -45,20 +46,6 @@ def seconds_until_hung(now_s: float, oldest_sent_s: float, hang_s: float) -> flo
     previous one is answered, so batches do not queue inside a worker."""
     age_s = now_s - oldest_sent_s
     return None if age_s >= hang_s else hang_s - age_s
-
-
-def tensor_region_bytes(config: ModelConfig, tensors, default: int = DEFAULT_SEGMENT_BYTES) -> int:
-    """Shared-memory bytes for one full batch of `tensors`, or `default` when a dim is variable or BYTES."""
-    total = 0
-    rows = max(1, config.max_batch_size)
-    for spec in tensors:
-        if spec.datatype == "BYTES" or any(d < 0 for d in spec.dims):
-            return max(default, total)
-        count = rows
-        for d in spec.dims:
-            count *= d
-        total += align(count * numpy_dtype(spec.datatype).itemsize)
-    return max(total, 4096)
 
 
 @dataclass(eq=False)
@@ -89,10 +76,11 @@ class InstanceHandle:
     def footprint_bytes(self) -> int:
         return self.memory_bytes if self.memory_bytes is not None else self.estimate_bytes
 
-    def ensure_capacity(self, input_bytes: int) -> None:
-        """Grow the input region when a batch does not fit (variable-size inputs); the worker drops the old one."""
+    def ensure_capacity(self, input_bytes: int) -> Segment:
+        """The input region, grown first when a batch does not fit (variable-size inputs; the worker drops the old
+        one)."""
         if self.in_seg is not None and self.in_seg.size_bytes >= input_bytes:
-            return
+            return self.in_seg
         old = self.in_seg
         size = max(input_bytes, 2 * old.size_bytes if old else DEFAULT_SEGMENT_BYTES)
         self.in_seg = Segment.create(new_segment_name("in"), size)
@@ -100,6 +88,7 @@ class InstanceHandle:
             old.close()
             if self.worker is not None:
                 self.worker.forget_segments([old.name])
+        return self.in_seg
 
     def close_segments(self) -> None:
         for seg in (self.in_seg, self.out_seg):
@@ -126,7 +115,7 @@ class WorkerHandle:
         self.instances: dict[str, InstanceHandle] = {}
         self.busy = BusyTracker(pool.clock)
         self._seq = itertools.count()
-        self._inflight: dict[int, Callable[[dict | Exception], None]] = {}
+        self._inflight: dict[int, Callable[[Done | Failed | InferenceError], None]] = {}
         self._hello: asyncio.Future | None = None
         self._unloads: dict[str, asyncio.Future] = {}
         self._stopping = False
@@ -177,7 +166,7 @@ class WorkerHandle:
                                  f"{self.pool.worker_start_timeout_s:.0f} s") from None
         self.alive = True
         log.info("device %s: worker pid %d started (execution providers: %s)", self.device.id, self.pid,
-                 ", ".join(hello["providers"]) or "none")
+                 ", ".join(hello.providers) or "none")
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -240,12 +229,13 @@ class WorkerHandle:
             end = head + size
             if end > len(buf):
                 return
-            msg = pickle.loads(buf[head:end])
+            msg = loads(buf[head:end])
             del buf[:end]  # before handling: a handler that raises must not get its message again
             try:
                 self._handle(msg)
             except Exception:  # a callback's bug must not strand the replies behind it
-                log.exception("device %s: handling the worker's %r message failed", self.device.id, msg.get("op"))
+                log.exception("device %s: handling the worker's %s message failed", self.device.id,
+                              type(msg).__name__)
             if self.conn is not conn:  # the handler stopped or replaced the worker
                 return
 
@@ -256,23 +246,22 @@ class WorkerHandle:
         if self._inflight and self.conn is not None:
             self._on_readable()
 
-    def _handle(self, msg: dict) -> None:
-        op = msg["op"]
-        if op == "done" or op == "failed":
-            self._sent_s.pop(msg["seq"], None)
-            cb = self._inflight.pop(msg["seq"], None)
+    def _handle(self, msg: FromWorker) -> None:
+        if isinstance(msg, (Done, Failed)):
+            self._sent_s.pop(msg.seq, None)
+            cb = self._inflight.pop(msg.seq, None)
             self.busy.end()
             if cb is not None:
                 cb(msg)
-        elif op == "loaded" or op == "load_failed":
-            inst = self.instances.get(msg["key"])
+        elif isinstance(msg, (Loaded, LoadFailed)):
+            inst = self.instances.get(msg.key)
             if inst is not None and inst._load_future is not None and not inst._load_future.done():
                 inst._load_future.set_result(msg)
-        elif op == "unloaded":
-            fut = self._unloads.pop(msg["key"], None)
+        elif isinstance(msg, Unloaded):
+            fut = self._unloads.pop(msg.key, None)
             if fut is not None and not fut.done():
                 fut.set_result(None)
-        elif op == "hello":
+        elif isinstance(msg, Hello):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
 
@@ -294,7 +283,7 @@ class WorkerHandle:
         # hand the next queued batch to a dead worker. Queued requests wait for the restart instead.
         for inst in self.instances.values():
             if inst._load_future is not None and not inst._load_future.done():
-                inst._load_future.set_result({"op": "load_failed", "error": f"worker died ({how})"})
+                inst._load_future.set_result(LoadFailed(inst.key, f"worker died ({how})"))
             if inst.ready:
                 inst.ready = False
                 if inst.on_ready_change:
@@ -340,15 +329,14 @@ class WorkerHandle:
                 return
 
     # --- messages ----------------------------------------------------------------------------------------------
-    def send(self, msg: dict) -> None:
+    def send(self, msg: ToWorker) -> None:
         if self.conn is None:
             raise InferenceError(ErrorKind.UNAVAILABLE, f"the worker for device {self.device.id} is not running")
-        self.conn.send(msg)
+        self.conn.send_bytes(dumps(msg))
 
-    def submit(self, msg: dict, callback: Callable[[dict | Exception], None]) -> None:
+    def submit(self, msg: Infer, callback: Callable[[Done | Failed | InferenceError], None]) -> None:
         seq = next(self._seq)
-        msg["seq"] = seq
-        self.send(msg)
+        self.send(msg.numbered(seq))
         if self.pool.worker_hang_s > 0:
             self._sent_s[seq] = self.pool.clock()
             if self._hang_timer is None:
@@ -387,13 +375,13 @@ class WorkerHandle:
 
     def forget_segments(self, names: list[str]) -> None:
         if self.conn is not None:
-            self.send({"op": "forget_segments", "names": names})
+            self.send(ForgetSegments(tuple(names)))
 
     async def unload(self, key: str) -> None:
         loop = asyncio.get_running_loop()
         fut = self._unloads[key] = loop.create_future()
         try:
-            self.send({"op": "unload", "key": key})
+            self.send(Unload(key))
         except InferenceError:
             self._unloads.pop(key, None)
             return
@@ -405,7 +393,7 @@ class WorkerHandle:
             self._starting.cancel()
         if self.conn is not None:
             try:
-                self.conn.send({"op": "exit"})
+                self.conn.send_bytes(dumps(Exit()))
             except OSError:
                 pass
         if self.proc is not None:
@@ -485,20 +473,20 @@ class ExecutorPool:
     async def _load_on_worker(self, inst: InstanceHandle, worker: WorkerHandle) -> None:
         loop = asyncio.get_running_loop()
         inst._load_future = loop.create_future()
-        worker.send({"op": "load", "key": inst.key, "model_path": inst.model_path, "config": inst.config})
+        worker.send(Load(inst.key, inst.model_path, inst.config))
         reply = await inst._load_future
         inst._load_future = None
-        if reply["op"] == "loaded":
-            inst.memory_bytes = reply["memory_bytes"]
-            inst.measured_by = reply["measured_by"]
-            inst.load_seconds = reply["load_seconds"]
-            inst.provider = reply["provider"]
+        if isinstance(reply, Loaded):
+            inst.memory_bytes = reply.memory_bytes
+            inst.measured_by = reply.measured_by
+            inst.load_seconds = reply.load_seconds
+            inst.provider = reply.provider
             inst.error = ""
             inst.ready = True
             log.info("instance %s on %s: loaded in %.2f s with %s, footprint %.1f MiB (%s)", inst.key, inst.device_id,
                      inst.load_seconds, inst.provider, inst.footprint_bytes / 2**20, inst.measured_by)
         else:
-            inst.error = reply["error"]
+            inst.error = reply.error
             inst.ready = False
             log.error("instance %s on %s: load failed: %s", inst.key, inst.device_id, inst.error)
         if inst.on_ready_change:

@@ -6,7 +6,8 @@ import pytest
 
 from executor.model_config import ModelConfig, TensorSpec
 from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, WorkerDevice, choose_providers
-from executor.pool import ExecutorPool, WorkerHandle, tensor_region_bytes
+from executor.pool import ExecutorPool, WorkerHandle
+from executor.protocol import tensor_region_bytes
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.shm import Segment, new_segment_name
 

@@ -14,6 +14,7 @@ import pytest
 
 from executor.onnxruntime_backend import WorkerDevice
 from executor.pool import ExecutorPool, WorkerHandle, seconds_until_hung
+from executor.protocol import Done, Infer
 from executor.types import InferenceError
 
 
@@ -33,6 +34,10 @@ class Clock:
 ])
 def test_seconds_until_hung(now_s, sent_s, hang_s, left_s):
     assert seconds_until_hung(now_s, sent_s, hang_s) == left_s
+
+
+def _batch() -> Infer:
+    return Infer("m/1/0", "in", "out", (), ("y",), ("FP32",))
 
 
 def _handle(clock: Clock, hang_s: float) -> tuple[WorkerHandle, socket.socket, list[str]]:
@@ -62,9 +67,9 @@ def test_a_batch_unanswered_for_hang_s_kills_the_worker_and_its_requests_fail_sa
         handle._restart = restart  # no real worker here
         results = []
         try:
-            handle.submit({"op": "infer"}, results.append)
+            handle.submit(_batch(), results.append)
             clock.now_s += 2.0
-            handle.submit({"op": "infer"}, results.append)
+            handle.submit(_batch(), results.append)
             timer = handle._hang_timer
             assert timer is not None
             assert handle._hang_timer is timer, "one timer per worker, not one per batch"
@@ -150,18 +155,18 @@ def test_answered_batches_leave_the_worker_alone_and_the_age_is_the_oldest_unans
         clock = Clock()
         handle, theirs, kills = _handle(clock, hang_s=5.0)
         try:
-            handle.submit({"op": "infer"}, lambda r: None)  # seq 0
+            handle.submit(_batch(), lambda r: None)  # seq 0
             clock.now_s += 3.0
-            handle.submit({"op": "infer"}, lambda r: None)  # seq 1
-            handle._handle({"op": "done", "seq": 0})
+            handle.submit(_batch(), lambda r: None)  # seq 1
+            handle._handle(Done(0, (), "", 0, 0, 0))
             clock.now_s += 3.0  # 6 s after the first batch, 3 s after the second
             handle._check_hang()
             assert not kills and handle._hang_timer is not None
-            handle._handle({"op": "done", "seq": 1})
+            handle._handle(Done(1, (), "", 0, 0, 0))
             clock.now_s += 100.0
             handle._check_hang()  # nothing in flight: nothing to watch, and no timer left behind
             assert not kills and handle._hang_timer is None
-            handle.submit({"op": "infer"}, lambda r: None)  # the next batch arms it again
+            handle.submit(_batch(), lambda r: None)  # the next batch arms it again
             assert handle._hang_timer is not None
         finally:
             _close(handle, theirs)
@@ -172,7 +177,7 @@ def test_hang_watch_off_arms_no_timer():
     async def run():
         handle, theirs, kills = _handle(Clock(), hang_s=0.0)
         try:
-            handle.submit({"op": "infer"}, lambda r: None)
+            handle.submit(_batch(), lambda r: None)
             assert handle._hang_timer is None and not handle._sent_s
         finally:
             _close(handle, theirs)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import select
 import socket
 from multiprocessing.connection import Connection
@@ -13,20 +12,23 @@ import pytest
 from executor.onnxruntime_backend import WorkerDevice
 from executor.pool import _READ_CHUNK, ExecutorPool, InstanceHandle, WorkerHandle
 from executor.model_config import ModelConfig, TensorSpec
+from executor.protocol import Done, Failed, dumps
 from executor.types import InferenceError
 
 
 def _frame(obj) -> bytes:
-    payload = pickle.dumps(obj)
+    payload = dumps(obj)
     return len(payload).to_bytes(4, "big", signed=True) + payload
 
 
+def _done(seq: int) -> Done:
+    return Done(seq, (), "", 0, 0, 0)
+
+
 def _frame_of_exactly(size: int, seq: int) -> bytes:
-    msg = {"op": "done", "seq": seq, "pad": b""}
-    pad = size - len(_frame(msg))
+    pad = size - len(_frame(Failed(seq, "INTERNAL", "")))
     while True:
-        msg["pad"] = b"x" * pad
-        f = _frame(msg)
+        f = _frame(Failed(seq, "INTERNAL", "x" * pad))
         if len(f) == size:
             return f
         pad += size - len(f)
@@ -58,7 +60,7 @@ def _readable(sock: socket.socket) -> bool:
 def test_replies_received_before_end_of_file_are_handled_first(handle_and_peer):
     handle, theirs = handle_and_peer
     seen, deaths = [], []
-    handle._handle = lambda msg: seen.append(msg["seq"])
+    handle._handle = lambda msg: seen.append(msg.seq)
     handle._on_death = lambda: deaths.append(len(seen))
     theirs.sendall(_frame_of_exactly(_READ_CHUNK, seq=1))  # the worker's last reply, then it exits
     theirs.shutdown(socket.SHUT_WR)
@@ -76,9 +78,9 @@ def test_a_raising_handler_does_not_strand_the_next_reply(handle_and_peer):
         raise RuntimeError("a callback bug")
 
     handle._inflight = {1: boom, 2: answered.append}
-    theirs.sendall(_frame({"op": "done", "seq": 1}) + _frame({"op": "done", "seq": 2}))
+    theirs.sendall(_frame(_done(1)) + _frame(_done(2)))
     handle._on_readable()  # the callback's error is logged; the reader goes on
-    assert answered == [{"op": "done", "seq": 2}], "reply 2 was read off the socket but never handled"
+    assert answered == [_done(2)] and type(answered[0]) is Done, "reply 2 was read off the socket but never handled"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -89,13 +91,13 @@ def test_poll_from_inside_a_reply_callback_does_not_reenter(handle_and_peer):
     order = []
 
     def first(msg):
-        order.append(("start", msg["seq"]))
-        theirs.sendall(_frame({"op": "done", "seq": 3}))  # more arrives while we are handling
+        order.append(("start", msg.seq))
+        theirs.sendall(_frame(_done(3)))  # more arrives while we are handling
         handle.poll()  # e.g. a done callback submitting a request: must not handle 2 or 3 inside 1
-        order.append(("end", msg["seq"]))
+        order.append(("end", msg.seq))
 
     handle._inflight = {1: first, 2: lambda m: order.append(("cb", 2)), 3: lambda m: order.append(("cb", 3))}
-    theirs.sendall(_frame({"op": "done", "seq": 1}) + _frame({"op": "done", "seq": 2}))
+    theirs.sendall(_frame(_done(1)) + _frame(_done(2)))
     handle._on_readable()
     assert order == [("start", 1), ("end", 1), ("cb", 2)]
     assert _readable(handle._rsock)  # 3 is still on the socket: the loop's reader gets it
@@ -113,13 +115,13 @@ def test_end_of_file_fails_in_flight_batches_after_marking_instances_unready(han
     handle._stopping = True  # no restart in a unit test
     events = []
     inst.on_ready_change = lambda i: events.append(("ready", i.ready))
-    handle._inflight = {1: lambda r: events.append(("reply", r["seq"])),
+    handle._inflight = {1: lambda r: events.append(("reply", r.seq)),
                         2: lambda r: events.append(("failed", isinstance(r, InferenceError), inst.ready))}
     handle.busy.begin()
     handle.busy.begin()
 
     async def run():
-        theirs.sendall(_frame({"op": "done", "seq": 1}))
+        theirs.sendall(_frame(_done(1)))
         theirs.shutdown(socket.SHUT_WR)
         handle.poll()
         handle.poll()  # nothing more from poll (batch 2 is still in flight): the end of file
