@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from executor.busy import BusyTracker
-from executor.onnxruntime_backend import WorkerDevice
+from executor.device import WorkerDevice
 from executor.model_config import ModelConfig
 from executor.protocol import (DEFAULT_SEGMENT_BYTES, Done, Exit, Failed, ForgetSegments, FromWorker, Hello, Infer,
                                Load, Loaded, LoadFailed, ToWorker, Unload, Unloaded, dumps, loads,

@@ -1,9 +1,9 @@
 """The device worker process: one per device (a GPU, a MIG instance or the CPU).
 
-It loads model instances and runs batches that arrive as small control messages over a pipe; the tensors themselves
-live in shared memory that the front end owns. Each instance runs in its own thread (and, on a GPU, its own CUDA
-stream) so instances on one device overlap. The process imports onnxruntime only here: a crash in a CUDA context
-takes down this worker, never the daemon.
+It loads model instances and runs batches that arrive as small control messages over a pipe (executor.protocol); the
+tensors themselves live in shared memory that the front end owns. Each instance runs in its own thread (and, on a
+GPU, its own CUDA stream) so instances on one device overlap. A model's backend (executor.backend) is imported here
+only, never in the daemon: a crash in a CUDA context takes down this worker, never the daemon.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 
+from executor.backend import Backends, LoadOptions, ModelInstance
+from executor.device import WorkerDevice
 from executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
 from executor.shm import Segment
@@ -72,7 +73,7 @@ class _Instance:
         self.key = key
         self.worker = worker
         self.inbox: "queue.SimpleQueue[Load | Infer | None]" = queue.SimpleQueue()
-        self.model: Any = None
+        self.model: ModelInstance | None = None
         # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
         # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
         self.queued = 0
@@ -94,16 +95,15 @@ class _Instance:
                 self.queued -= 1
 
     def _load(self, msg: Load) -> None:
-        from executor.onnxruntime_backend import OnnxRuntimeInstance
-
         config = msg.config
         start_s = time.monotonic()
         try:
+            backend = self.worker.backends.for_config(config)  # an unsupported one fails the load, saying why
             with self.worker.load_lock:  # one load at a time, so memory deltas belong to this instance
                 before_dev = _device_memory_used_bytes() if self.worker.device.has_cuda else None
                 before_rss = _rss_bytes()
-                self.model = OnnxRuntimeInstance(msg.model_path, config, self.worker.device,
-                                                 intra_op_threads=msg.intra_op_threads)
+                self.model = backend.load(msg.model_path, config, self.worker.device,
+                                          LoadOptions(intra_op_threads=msg.intra_op_threads))
                 feed = self.model.warmup_feed()
                 if feed is not None:
                     # One warm-up run: the first request should not pay for allocator growth, and the footprint we
@@ -140,9 +140,10 @@ class _Instance:
 
 
 class Worker:
-    def __init__(self, conn, device) -> None:
+    def __init__(self, conn, device: WorkerDevice, backends: Backends | None = None) -> None:
         self.conn = conn
         self.device = device
+        self.backends = backends if backends is not None else Backends()
         self.segments = _SegmentCache()
         self.load_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -154,14 +155,7 @@ class Worker:
             self.conn.send_bytes(data)
 
     def serve(self) -> None:
-        try:
-            import onnxruntime as ort
-
-            providers = ort.get_available_providers()
-        except Exception as exc:
-            providers = []
-            log.error("onnxruntime is not importable: %s", exc)
-        self.send(Hello(os.getpid(), tuple(providers)))
+        self.send(Hello(os.getpid(), self.backends.providers()))
         while True:
             try:
                 msg = loads(self.conn.recv_bytes())
@@ -217,8 +211,6 @@ def _main(argv: list[str] | None = None) -> int:
     import argparse
     import json
     from multiprocessing.connection import Connection
-
-    from executor.onnxruntime_backend import WorkerDevice
 
     parser = argparse.ArgumentParser(prog="gpud-worker", description="gpud device worker (started by gpud)")
     parser.add_argument("--fd", type=int, required=True, help="socket to the daemon")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from executor.model_config import ModelConfig, TensorSpec
-from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, WorkerDevice, choose_providers
+from executor.device import WorkerDevice
+from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers
 from executor.pool import ExecutorPool, WorkerHandle
 from executor.protocol import tensor_region_bytes
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements

@@ -12,7 +12,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from executor.onnxruntime_backend import WorkerDevice
+from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, WorkerHandle, seconds_until_hung
 from executor.protocol import Done, Infer
 from executor.types import InferenceError

@@ -10,7 +10,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from executor.onnxruntime_backend import WorkerDevice
+from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, WorkerHandle
 from executor.protocol import Done, Failed, Hello, Unloaded, dumps
 

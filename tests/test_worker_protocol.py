@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from executor import protocol
-from executor.onnxruntime_backend import WorkerDevice
+from executor.device import WorkerDevice
 from executor.model_config import ModelConfig, TensorSpec
 from executor.pool import ExecutorPool, WorkerHandle
 from executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,

@@ -9,7 +9,7 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from executor.onnxruntime_backend import WorkerDevice
+from executor.device import WorkerDevice
 from executor.pool import _READ_CHUNK, ExecutorPool, InstanceHandle, WorkerHandle
 from executor.model_config import ModelConfig, TensorSpec
 from executor.protocol import Done, Failed, dumps
