@@ -2,8 +2,8 @@
 
 Three events move it: a request arrives, an instance finishes a batch (or becomes ready), a timer fires. After each
 it runs the batcher's step: fail expired requests, dispatch batches while instances are free, arm one timer.
-Completion is a callback from the pool's reader, not a task per batch. Putting a batch into shared memory and taking
-its outputs out is executor.protocol's; this module decides what runs where and when, and answers the requests.
+Completion is a callback from the worker channel's reader, not a task per batch. Putting a batch into shared memory and
+taking its outputs out is executor.protocol's; this module decides what runs where and when, and answers the requests.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import numpy as np
 
 from executor import protocol
 from executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
+from executor.instance import InstanceHandle
 from executor.model_config import ModelConfig
-from executor.pool import InstanceHandle
 from executor.stats import ModelStats
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from executor.validation import PreparedCache, PreparedRequest

@@ -207,7 +207,7 @@ def worker_main(conn, device, log_level: int = logging.INFO) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m executor.worker --fd N --device JSON`: how the pool starts a worker (see executor.pool)."""
+    """`python -m executor.worker --fd N --device JSON`: how a supervisor starts a worker (see executor.supervisor)."""
     import argparse
     import json
     from multiprocessing.connection import Connection

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.pool import InstanceHandle
+from executor.instance import InstanceHandle
 from executor.protocol import Done, Failed, Infer, TensorMeta
 from executor.scheduler import ModelScheduler
 from executor.shm import Segment, new_segment_name

@@ -12,7 +12,7 @@ import pytest
 
 from executor.bytes_tensor import encode_bytes_elements
 from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.pool import InstanceHandle
+from executor.instance import InstanceHandle
 from executor.protocol import Done, Infer, TensorMeta
 from executor.scheduler import ModelScheduler
 from executor.shm import Segment, align, new_segment_name
@@ -41,7 +41,7 @@ def _compute(name: str, x: np.ndarray) -> np.ndarray:
 
 class Worker:
     """Shared by any number of instances (of one or several models): batches are answered in order by `finish`,
-    or by `poll()` when `on_poll` says so (what the real WorkerHandle.poll does when replies are waiting)."""
+    or by `poll()` when `on_poll` says so (what the real WorkerSupervisor.poll does when replies are waiting)."""
 
     def __init__(self):
         self.pending: list[tuple[InstanceHandle, Infer, object]] = []
@@ -79,7 +79,7 @@ class Worker:
         callback(self.reply(inst, msg))
 
     def die(self, error: InferenceError) -> None:
-        """What WorkerHandle._on_death does: every instance unready first, then every in-flight batch failed."""
+        """What WorkerSupervisor._on_death does: every instance unready first, then every in-flight batch failed."""
         for inst in self.instances.values():
             if inst.ready:
                 inst.ready = False

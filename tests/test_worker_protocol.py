@@ -1,8 +1,9 @@
 """executor.protocol: typed worker messages through the real framing, and the shared-memory staging of a batch."""
 from __future__ import annotations
 
-import os
+import select
 import socket
+import time
 import typing
 from multiprocessing.connection import Connection
 
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 
 from executor import protocol
-from executor.device import WorkerDevice
+from executor.busy import BusyTracker
+from executor.channel import WorkerChannel
 from executor.model_config import ModelConfig, TensorSpec
-from executor.pool import ExecutorPool, WorkerHandle
 from executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                TensorMeta, Unload, Unloaded, dumps, loads, read_inputs, read_outputs,
                                write_inputs, write_outputs)
@@ -74,31 +75,56 @@ def test_numbering_a_batch_changes_only_its_seq():
 
 
 @pytest.fixture
-def handle_and_worker_end():
+def channel_and_worker_end():
     ours, theirs = socket.socketpair()
-    handle = WorkerHandle(WorkerDevice("cpu", "cpu", "", True), ExecutorPool([]))
-    handle.conn = Connection(ours.detach())
-    handle._rsock = socket.socket(fileno=os.dup(handle.conn.fileno()))
+    seen: list = []
+    channel = WorkerChannel(ours, name="cpu", on_message=seen.append, on_closed=lambda: None,
+                            busy=BusyTracker(time.monotonic))
     worker_end = Connection(theirs.detach())
-    yield handle, worker_end
-    handle._close_reader()
-    handle.conn.close()
+    yield channel, worker_end, seen
+    channel.close()
     worker_end.close()
 
 
-def test_messages_cross_the_real_framing_both_ways(handle_and_worker_end):
-    handle, worker_end = handle_and_worker_end
+def test_messages_cross_the_real_framing_both_ways(channel_and_worker_end):
+    channel, worker_end, seen = channel_and_worker_end
     for msg in TO_WORKER:  # the daemon's send, the worker's read (executor.worker.Worker.serve)
-        handle.send(msg)
+        channel.send(msg)
         _same(loads(worker_end.recv_bytes()), msg)
-    seen = []
-    handle._handle = seen.append
-    for msg in FROM_WORKER:  # the worker's send (Worker.send), the daemon's non-blocking reader
+    replies = {}
+    for seq in (7, 8):
+        channel._inflight[seq] = lambda reply, seq=seq: replies.setdefault(seq, []).append(reply)
+    end = Unloaded("the last one")
+    for msg in FROM_WORKER + [end]:  # the worker's send (Worker.send), the daemon's non-blocking reader
         worker_end.send_bytes(dumps(msg))
-    while len(seen) < len(FROM_WORKER):
-        handle._on_readable()
-    for got, want in zip(seen, FROM_WORKER):
+    while not seen or seen[-1] != end:
+        assert select.select([channel._rsock], [], [], 10)[0], "the messages did not arrive"
+        channel._on_readable()
+    # Replies go to their batch's callback, once (Failed 7 comes after Done 7 took it); the rest to on_message.
+    assert list(replies) == [7, 8] and len(replies[7]) == len(replies[8]) == 1
+    _same(replies[7][0], FROM_WORKER[3])
+    _same(replies[8][0], FROM_WORKER[4])
+    others = [m for m in FROM_WORKER if not isinstance(m, (Done, Failed))] + [end]
+    assert len(seen) == len(others)
+    for got, want in zip(seen, others):
         _same(got, want)
+
+
+def test_a_submitted_batch_is_numbered_and_its_reply_goes_to_its_callback(channel_and_worker_end):
+    channel, worker_end, _ = channel_and_worker_end
+    got = []
+    batch = Infer("m/1/0", "in", "out", ROWS, ("y",), ("FP32",))
+    seqs = [channel.submit(batch, got.append) for _ in range(2)]
+    sent = [loads(worker_end.recv_bytes()) for _ in seqs]
+    assert [m.seq for m in sent] == seqs == [0, 1] and all(m._replace(seq=-1) == batch for m in sent)
+    assert channel.inflight == 2 and channel.busy._running == 2
+    worker_end.send_bytes(dumps(Done(1, (), "", 0, 0, 0)))
+    while not got:
+        assert select.select([channel._rsock], [], [], 10)[0], "the reply did not arrive"
+        channel._on_readable()
+    assert got == [Done(1, (), "", 0, 0, 0)] and channel.inflight == 1 and channel.busy._running == 1
+    (left,) = channel.close()  # the caller fails what is left
+    assert left == got.append and channel.closed and channel.inflight == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
