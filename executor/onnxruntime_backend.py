@@ -1,37 +1,26 @@
-"""The onnxruntime backend: picks execution providers for a device and runs one model instance.
+"""The onnxruntime backend (executor.backend): picks execution providers for a device and runs one model instance.
 
-Imported inside worker processes only. onnxruntime-gpu and cuda-python are optional: without them (or on a simulated
-node) the CPU execution provider runs the model, which is real computation, just not on a GPU.
+Imported inside worker processes only (onnxruntime itself on first use). onnxruntime-gpu and cuda-python are
+optional: without them (or on a simulated node) the CPU execution provider runs the model, which is real
+computation, just not on a GPU.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from executor.model_config import ModelConfig
+from executor.backend import LoadOptions
+from executor.device import WorkerDevice
+from executor.model_config import ModelConfig, numpy_dtype
 
 log = logging.getLogger("gpud.worker")
 
 CPU_EP = "CPUExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 TRT_EP = "TensorrtExecutionProvider"
-
-
-@dataclass(frozen=True)
-class WorkerDevice:
-    """What a worker needs to know about its device. `simulated` devices execute on the CPU."""
-
-    id: str
-    kind: str  # "gpu" | "mig" | "cpu"
-    uuid: str = ""
-    simulated: bool = False
-
-    @property
-    def has_cuda(self) -> bool:
-        return self.kind in ("gpu", "mig") and not self.simulated
 
 
 def choose_providers(
@@ -97,7 +86,7 @@ class OnnxRuntimeInstance:
         self.config = config
         self._input_types = {i.name: i.type for i in self.session.get_inputs()}
 
-    def run(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> list[np.ndarray]:
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
         feed: dict[str, Any] = {}
         for name, arr in inputs.items():
             if arr.dtype == np.object_ and self._input_types.get(name) == "tensor(string)":
@@ -107,8 +96,6 @@ class OnnxRuntimeInstance:
 
     def warmup_feed(self) -> dict[str, np.ndarray] | None:
         """Zeros of batch 1 for every input, or None when a non-batch dim is variable (shape unknown)."""
-        from executor.model_config import numpy_dtype
-
         feed = {}
         for spec in self.config.inputs:
             if any(d < 0 for d in spec.dims) or spec.datatype == "BYTES":
@@ -119,3 +106,19 @@ class OnnxRuntimeInstance:
 
     def close(self) -> None:
         self.session = None
+
+
+class OnnxRuntimeBackend:
+    """executor.backend.Backend for onnxruntime."""
+
+    def providers(self) -> list[str]:
+        import onnxruntime as ort
+
+        return ort.get_available_providers()
+
+    def load(self, model_path: str, config: ModelConfig, device: WorkerDevice,
+             options: LoadOptions) -> OnnxRuntimeInstance:
+        return OnnxRuntimeInstance(model_path, config, device, intra_op_threads=options.intra_op_threads)
+
+
+BACKEND = OnnxRuntimeBackend()

@@ -2,24 +2,23 @@
 
 Three events move it: a request arrives, an instance finishes a batch (or becomes ready), a timer fires. After each
 it runs the batcher's step: fail expired requests, dispatch batches while instances are free, arm one timer.
-Completion is a callback from the pool's reader, not a task per batch.
+Completion is a callback from the worker channel's reader, not a task per batch. Putting a batch into shared memory and
+taking its outputs out is executor.protocol's; this module decides what runs where and when, and answers the requests.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from typing import Any, Callable
 
 import numpy as np
 
+from executor import protocol
 from executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
-from executor.model_config import ModelConfig, numpy_dtype
-from executor.pool import InstanceHandle
-from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from executor.shm import Segment, align, unlink
+from executor.instance import InstanceHandle
+from executor.model_config import ModelConfig
 from executor.stats import ModelStats
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from executor.validation import PreparedCache, PreparedRequest
@@ -219,15 +218,14 @@ class ModelScheduler:
     def _run(self, inst: InstanceHandle, batch: list[_Pending]) -> None:
         t0 = time.perf_counter_ns()
         try:
-            inputs_meta = self._write_inputs(inst, batch)
+            inputs = protocol.write_inputs(self.config, [p.prepared.inputs for p in batch], inst.ensure_capacity)
         except Exception as exc:  # e.g. /dev/shm full: this batch fails, the instance stays usable
             self._free.appendleft(inst)
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
             return
-        output_names = list(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
-        msg = {"op": "infer", "key": inst.key, "in_seg": inst.in_seg.name, "out_seg": inst.out_seg.name,
-               "inputs": inputs_meta, "outputs": output_names,
-               "output_types": [self._output_types[n] for n in output_names]}
+        output_names = tuple(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
+        msg = protocol.Infer(inst.key, inst.in_seg.name, inst.out_seg.name, inputs, output_names,
+                             tuple([self._output_types[n] for n in output_names]))
         stage_ns = time.perf_counter_ns() - t0
         for p in batch:
             p.dispatch_ns = t0
@@ -239,52 +237,16 @@ class ModelScheduler:
             self._fail(batch, exc if isinstance(exc, InferenceError) else
                        InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}"))
 
-    def _write_inputs(self, inst: InstanceHandle, batch: list[_Pending]) -> list[tuple]:
-        """Assemble the batch straight into the instance's shared-memory input region (one copy per tensor)."""
-        names = list(batch[0].prepared.inputs)
-        plans = []
-        total = 0
-        for name in names:
-            parts = [p.prepared.inputs[name] for p in batch]
-            spec = self.config.input(name)
-            if spec.datatype == "BYTES":
-                blob = b"".join(encode_bytes_elements(a) for a in parts)
-                shape = ((sum(a.shape[0] for a in parts),) + parts[0].shape[1:]) if self.config.batches \
-                    else parts[0].shape
-                plans.append((name, "BYTES", shape, blob, len(blob)))
-                total += align(len(blob))
-            else:
-                dtype = numpy_dtype(spec.datatype)
-                rows = sum(a.shape[0] for a in parts) if self.config.batches else None
-                shape = ((rows,) + parts[0].shape[1:]) if rows is not None else parts[0].shape
-                nbytes = math.prod(shape) * dtype.itemsize
-                plans.append((name, spec.datatype, shape, parts, nbytes))
-                total += align(nbytes)
-        inst.ensure_capacity(total)
-        seg = inst.in_seg
-        meta, offset = [], 0
-        for name, datatype, shape, payload, nbytes in plans:
-            if datatype == "BYTES":
-                seg.buf[offset:offset + nbytes] = payload
-            else:
-                out = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
-                if len(payload) == 1:
-                    out[...] = payload[0]
-                else:
-                    np.concatenate(payload, axis=0, out=out)
-            meta.append((name, datatype, tuple(int(d) for d in shape), offset, nbytes))
-            offset += align(nbytes)
-        return meta
-
-    def _on_reply(self, inst: InstanceHandle, batch: list[_Pending], reply, stage_ns: int) -> None:
+    def _on_reply(self, inst: InstanceHandle, batch: list[_Pending],
+                  reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
         self._running.pop(inst, None)
         error: InferenceError | None = None
         answers = None
         if isinstance(reply, Exception):
             error = reply
-        elif reply["op"] == "failed":
-            kind = ErrorKind[reply["kind"]] if reply["kind"] in ErrorKind.__members__ else ErrorKind.INTERNAL
-            error = InferenceError(kind, f"model '{self.config.name}' failed: {reply['error']}")
+        elif isinstance(reply, protocol.Failed):
+            kind = ErrorKind[reply.kind] if reply.kind in ErrorKind.__members__ else ErrorKind.INTERNAL
+            error = InferenceError(kind, f"model '{self.config.name}' failed: {reply.error}")
         else:
             try:
                 answers = self._collect(inst, batch, reply, stage_ns)
@@ -306,29 +268,14 @@ class ModelScheduler:
                 self._answer(batch, *answers)
             self._notify_if_idle()
 
-    def _collect(self, inst: InstanceHandle, batch: list[_Pending], reply: dict,
+    def _collect(self, inst: InstanceHandle, batch: list[_Pending], reply: protocol.Done,
                  stage_ns: int) -> tuple[list[list[InferTensor]], int, int, int, int]:
-        """The batch's outputs copied out of the instance's shared memory (reused by the next batch), split per
-        request, and its timings (input, infer, output ns; time read)."""
+        """The batch's outputs copied out of shared memory (the instance's output segment is reused by the next
+        batch), split per request, and its timings (input, infer, output ns; time read)."""
         t0 = time.perf_counter_ns()
-        ovf = reply["ovf_seg"]
-        seg = Segment.attach(ovf) if ovf else inst.out_seg
-        try:
-            outputs = []
-            for name, datatype, shape, offset, nbytes in reply["outputs"]:
-                if datatype == "BYTES":
-                    arr = decode_bytes_elements(seg.buf[offset:offset + nbytes], int(np.prod(shape))).reshape(shape)
-                else:
-                    arr = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype)).copy()
-                outputs.append((name, datatype, arr))
-            per_request = self._split(batch, outputs)
-        finally:
-            if ovf:
-                seg.close()
-                unlink(ovf)
+        per_request = self._split(batch, protocol.read_outputs(reply, inst.out_seg))
         now_ns = time.perf_counter_ns()
-        return (per_request, stage_ns + reply["input_ns"], reply["infer_ns"], reply["output_ns"] + (now_ns - t0),
-                now_ns)
+        return (per_request, stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + (now_ns - t0), now_ns)
 
     def _answer(self, batch: list[_Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
                 output_ns: int, now_ns: int) -> None:

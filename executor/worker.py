@@ -1,9 +1,9 @@
 """The device worker process: one per device (a GPU, a MIG instance or the CPU).
 
-It loads model instances and runs batches that arrive as small control messages over a pipe; the tensors themselves
-live in shared memory that the front end owns. Each instance runs in its own thread (and, on a GPU, its own CUDA
-stream) so instances on one device overlap. The process imports onnxruntime only here: a crash in a CUDA context
-takes down this worker, never the daemon.
+It loads model instances and runs batches that arrive as small control messages over a pipe (executor.protocol); the
+tensors themselves live in shared memory that the front end owns. Each instance runs in its own thread (and, on a
+GPU, its own CUDA stream) so instances on one device overlap. A model's backend (executor.backend) is imported here
+only, never in the daemon: a crash in a CUDA context takes down this worker, never the daemon.
 """
 from __future__ import annotations
 
@@ -14,13 +14,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 
-import numpy as np
-
-from executor.model_config import ModelConfig, numpy_dtype
-from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from executor.shm import Segment, align, new_segment_name
+from executor.backend import Backends, LoadOptions, ModelInstance
+from executor.device import WorkerDevice
+from executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
+                               FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
+from executor.shm import Segment
 
 log = logging.getLogger("gpud.worker")
 
@@ -73,8 +72,8 @@ class _Instance:
     def __init__(self, key: str, worker: "Worker"):
         self.key = key
         self.worker = worker
-        self.inbox: "queue.SimpleQueue[dict | None]" = queue.SimpleQueue()
-        self.model: Any = None
+        self.inbox: "queue.SimpleQueue[Load | Infer | None]" = queue.SimpleQueue()
+        self.model: ModelInstance | None = None
         # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
         # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
         self.queued = 0
@@ -87,25 +86,24 @@ class _Instance:
                 if self.model is not None:
                     self.model.close()
                 self.model = None
-                self.worker.send({"op": "unloaded", "key": self.key})
+                self.worker.send(Unloaded(self.key))
                 return
-            if msg["op"] == "load":
+            if isinstance(msg, Load):
                 self._load(msg)
             else:
                 self._infer(msg)
                 self.queued -= 1
 
-    def _load(self, msg: dict) -> None:
-        from executor.onnxruntime_backend import OnnxRuntimeInstance
-
-        config: ModelConfig = msg["config"]
+    def _load(self, msg: Load) -> None:
+        config = msg.config
         start_s = time.monotonic()
         try:
+            backend = self.worker.backends.for_config(config)  # an unsupported one fails the load, saying why
             with self.worker.load_lock:  # one load at a time, so memory deltas belong to this instance
                 before_dev = _device_memory_used_bytes() if self.worker.device.has_cuda else None
                 before_rss = _rss_bytes()
-                self.model = OnnxRuntimeInstance(msg["model_path"], config, self.worker.device,
-                                                 intra_op_threads=msg.get("intra_op_threads", 0))
+                self.model = backend.load(msg.model_path, config, self.worker.device,
+                                          LoadOptions(intra_op_threads=msg.intra_op_threads))
                 feed = self.model.warmup_feed()
                 if feed is not None:
                     # One warm-up run: the first request should not pay for allocator growth, and the footprint we
@@ -118,129 +116,84 @@ class _Instance:
                     memory_bytes, measured_by = max(0, _rss_bytes() - before_rss), "process_rss"
         except Exception as exc:  # a bad model must not take down the worker
             self.model = None
-            self.worker.send({"op": "load_failed", "key": self.key, "error": f"{type(exc).__name__}: {exc}"})
+            self.worker.send(LoadFailed(self.key, f"{type(exc).__name__}: {exc}"))
             return
-        self.worker.send({
-            "op": "loaded", "key": self.key, "memory_bytes": memory_bytes, "measured_by": measured_by,
-            "load_seconds": time.monotonic() - start_s, "provider": self.model.provider,
-        })
+        self.worker.send(Loaded(self.key, memory_bytes, measured_by, time.monotonic() - start_s,
+                                self.model.provider))
 
-    def _infer(self, msg: dict) -> None:
-        seq = msg["seq"]
+    def _infer(self, msg: Infer) -> None:
         try:
             t0 = time.perf_counter_ns()
-            in_seg = self.worker.segments.get(msg["in_seg"])
-            feed = {}
-            for name, datatype, shape, offset, nbytes in msg["inputs"]:
-                if datatype == "BYTES":
-                    feed[name] = decode_bytes_elements(in_seg.buf[offset:offset + nbytes],
-                                                     int(np.prod(shape))).reshape(shape)
-                else:
-                    feed[name] = in_seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
+            feed = read_inputs(self.worker.segments.get(msg.in_seg), msg.inputs)
             t1 = time.perf_counter_ns()
-            results = self.model.run(feed, msg["outputs"])
+            results = self.model.run(feed, msg.outputs)
             t2 = time.perf_counter_ns()
-            outputs, ovf_name = self._write_outputs(msg, results)
+            outputs, ovf_seg = write_outputs(self.worker.segments.get(msg.out_seg), msg.outputs, msg.output_types,
+                                             results)
             t3 = time.perf_counter_ns()
         except Exception as exc:
             kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
-            log.debug("instance %s: batch %s failed:\n%s", self.key, seq, traceback.format_exc())
-            self.worker.send({"op": "failed", "seq": seq, "kind": kind, "error": f"{type(exc).__name__}: {exc}"})
+            log.debug("instance %s: batch %s failed:\n%s", self.key, msg.seq, traceback.format_exc())
+            self.worker.send(Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}"))
             return
-        self.worker.send({"op": "done", "seq": seq, "outputs": outputs, "ovf_seg": ovf_name,
-                          "input_ns": t1 - t0, "infer_ns": t2 - t1, "output_ns": t3 - t2})
-
-    def _write_outputs(self, msg: dict, results: list[np.ndarray]) -> tuple[list[tuple], str | None]:
-        blobs: list[tuple[str, str, tuple[int, ...], np.ndarray | bytes]] = []
-        for name, spec_type, arr in zip(msg["outputs"], msg["output_types"], results):
-            arr = np.asarray(arr)
-            if spec_type == "BYTES" or arr.dtype.kind in ("O", "U", "S"):
-                blobs.append((name, "BYTES", arr.shape, encode_bytes_elements(arr)))
-            else:
-                blobs.append((name, spec_type, arr.shape, np.ascontiguousarray(arr)))
-        sizes = [align(b.nbytes if isinstance(b, np.ndarray) else len(b)) for *_, b in blobs]
-        seg, ovf_name = self.worker.segments.get(msg["out_seg"]), None
-        if sum(sizes) > seg.size_bytes:
-            # Outputs larger than the slot's region (variable-size outputs): a one-off segment the front end
-            # reads and removes.
-            ovf_name = new_segment_name("out")
-            seg = Segment.create(ovf_name, sum(sizes))
-            seg.owner = False
-        outputs, offset = [], 0
-        for (name, datatype, shape, blob), size in zip(blobs, sizes):
-            if isinstance(blob, np.ndarray):
-                seg.ndarray(offset, blob.shape, blob.dtype)[...] = blob
-                nbytes = blob.nbytes
-            else:
-                seg.buf[offset:offset + len(blob)] = blob
-                nbytes = len(blob)
-            outputs.append((name, datatype, tuple(shape), offset, nbytes))
-            offset += size
-        if ovf_name is not None:
-            seg.close()
-        return outputs, ovf_name
+        self.worker.send(Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2))
 
 
 class Worker:
-    def __init__(self, conn, device) -> None:
+    def __init__(self, conn, device: WorkerDevice, backends: Backends | None = None) -> None:
         self.conn = conn
         self.device = device
+        self.backends = backends if backends is not None else Backends()
         self.segments = _SegmentCache()
         self.load_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.instances: dict[str, _Instance] = {}
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: FromWorker) -> None:
+        data = dumps(msg)
         with self._send_lock:
-            self.conn.send(msg)
+            self.conn.send_bytes(data)
 
     def serve(self) -> None:
-        try:
-            import onnxruntime as ort
-
-            providers = ort.get_available_providers()
-        except Exception as exc:
-            providers = []
-            log.error("onnxruntime is not importable: %s", exc)
-        self.send({"op": "hello", "pid": os.getpid(), "providers": providers})
+        self.send(Hello(os.getpid(), self.backends.providers()))
         while True:
             try:
-                msg = self.conn.recv()
+                msg = loads(self.conn.recv_bytes())
             except (EOFError, OSError):
                 return  # the daemon is gone: nothing left to serve
-            op = msg["op"]
-            if op == "infer":
-                inst = self.instances.get(msg["key"])
-                if inst is None:
-                    self.send({"op": "failed", "seq": msg["seq"], "kind": "UNAVAILABLE",
-                               "error": f"instance {msg['key']} is not loaded on device {self.device.id}"})
-                elif len(self.instances) == 1 and inst.model is not None and inst.queued == 0:
-                    # The only instance here and idle: run it on this thread. A hand-off to the instance's thread
-                    # costs a wake-up per batch, which is most of the overhead for small models.
-                    inst._infer(msg)
-                else:
-                    inst.queued += 1
+            match msg:
+                case Infer(key=key):
+                    inst = self.instances.get(key)
+                    if inst is None:
+                        self.send(Failed(msg.seq, "UNAVAILABLE",
+                                         f"instance {key} is not loaded on device {self.device.id}"))
+                    elif len(self.instances) == 1 and inst.model is not None and inst.queued == 0:
+                        # The only instance here and idle: run it on this thread. A hand-off to the instance's
+                        # thread costs a wake-up per batch, which is most of the overhead for small models.
+                        inst._infer(msg)
+                    else:
+                        inst.queued += 1
+                        inst.inbox.put(msg)
+                case Load(key=key):
+                    inst = self.instances.get(key)
+                    if inst is None:
+                        inst = self.instances[key] = _Instance(key, self)
+                        inst.thread.start()
                     inst.inbox.put(msg)
-            elif op == "load":
-                inst = self.instances.get(msg["key"])
-                if inst is None:
-                    inst = self.instances[msg["key"]] = _Instance(msg["key"], self)
-                    inst.thread.start()
-                inst.inbox.put(msg)
-            elif op == "unload":
-                inst = self.instances.pop(msg["key"], None)
-                if inst is None:
-                    self.send({"op": "unloaded", "key": msg["key"]})
-                else:
-                    inst.inbox.put(None)
-            elif op == "forget_segments":
-                self.segments.forget(msg["names"])
-            elif op == "exit":
-                for inst in self.instances.values():
-                    inst.inbox.put(None)
-                for inst in self.instances.values():
-                    inst.thread.join(timeout=10)
-                return
+                case Unload(key=key):
+                    inst = self.instances.pop(key, None)
+                    if inst is None:
+                        self.send(Unloaded(key))
+                    else:
+                        inst.inbox.put(None)
+                case ForgetSegments(names=names):
+                    self.segments.forget(names)
+                case Exit():
+                    for inst in self.instances.values():
+                        inst.inbox.put(None)
+                    for inst in self.instances.values():
+                        inst.thread.join(timeout=10)
+                    return
 
 
 def worker_main(conn, device, log_level: int = logging.INFO) -> None:
@@ -254,12 +207,10 @@ def worker_main(conn, device, log_level: int = logging.INFO) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m executor.worker --fd N --device JSON`: how the pool starts a worker (see executor.pool)."""
+    """`python -m executor.worker --fd N --device JSON`: how a supervisor starts a worker (see executor.supervisor)."""
     import argparse
     import json
     from multiprocessing.connection import Connection
-
-    from executor.onnxruntime_backend import WorkerDevice
 
     parser = argparse.ArgumentParser(prog="gpud-worker", description="gpud device worker (started by gpud)")
     parser.add_argument("--fd", type=int, required=True, help="socket to the daemon")

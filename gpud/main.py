@@ -13,7 +13,7 @@ import sys
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector
 
-from executor.onnxruntime_backend import WorkerDevice
+from executor.device import WorkerDevice
 from executor.pool import ExecutorPool
 from gpud import __version__
 from gpud.api.http_server import HttpServer

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from executor.model_config import ModelConfig, TensorSpec
-from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, WorkerDevice, choose_providers
-from executor.pool import ExecutorPool, WorkerHandle, tensor_region_bytes
+from executor.device import WorkerDevice
+from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers
+from executor.supervisor import WorkerSupervisor
+from executor.protocol import tensor_region_bytes
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.shm import Segment, new_segment_name
 
@@ -38,13 +40,13 @@ def test_each_instance_gets_its_own_stream_on_device_0():
 
 @pytest.mark.parametrize("device, want", [(MIG, "MIG-abcd"), (GPU, "GPU-1234"), (CPU, "")])
 def test_worker_environment_pins_one_cuda_device(device, want):
-    env = WorkerHandle(device, ExecutorPool([device]))._env()
+    env = WorkerSupervisor(device)._env()
     assert env["CUDA_VISIBLE_DEVICES"] == want
 
 
 def test_simulated_gpu_worker_leaves_cuda_alone(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert "CUDA_VISIBLE_DEVICES" not in WorkerHandle(SIM, ExecutorPool([SIM]))._env()
+    assert "CUDA_VISIBLE_DEVICES" not in WorkerSupervisor(SIM)._env()
 
 
 def test_segment_views_are_shared_between_mappings():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.pool import InstanceHandle
+from executor.instance import InstanceHandle
+from executor.protocol import Done, Failed, Infer, TensorMeta
 from executor.scheduler import ModelScheduler
 from executor.shm import Segment, new_segment_name
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
@@ -22,11 +23,11 @@ class ScriptedWorker:
 
     def __init__(self, log: list):
         self.log = log
-        self.pending: list[tuple[dict, object]] = []
+        self.pending: list[tuple[Infer, object]] = []
         self.polls = 0
 
     def submit(self, msg, callback):
-        self.log.append(("dispatch", msg["inputs"][0][2][0]))
+        self.log.append(("dispatch", msg.inputs[0].shape[0]))
         self.pending.append((msg, callback))
 
     def poll(self):
@@ -34,11 +35,10 @@ class ScriptedWorker:
 
     def finish(self, inst: InstanceHandle) -> None:
         msg, callback = self.pending.pop(0)
-        name, _, shape, offset, _ = msg["inputs"][0]
+        name, _, shape, offset, _ = msg.inputs[0]
         x = inst.in_seg.ndarray(offset, shape, np.float32)
         inst.out_seg.ndarray(0, shape, np.float32)[...] = 2 * x
-        callback({"op": "done", "seq": 0, "ovf_seg": "", "input_ns": 1, "infer_ns": 2, "output_ns": 3,
-                  "outputs": [("y", "FP32", shape, 0, int(np.prod(shape)) * 4)]})
+        callback(Done(msg.seq, (TensorMeta("y", "FP32", shape, 0, int(np.prod(shape)) * 4),), "", 1, 2, 3))
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_a_failed_batch_fails_each_request_with_the_workers_error(setup):
         results = []
         scheduler.submit(_request(1.0), results.append)
         _, callback = worker.pending.pop(0)
-        callback({"op": "failed", "seq": 0, "kind": "INTERNAL", "error": "boom"})
+        callback(Failed(0, "INTERNAL", "boom"))
         assert isinstance(results[0], InferenceError) and "boom" in results[0].message
 
     asyncio.run(run())

@@ -12,7 +12,8 @@ import pytest
 
 from executor.bytes_tensor import encode_bytes_elements
 from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.pool import InstanceHandle
+from executor.instance import InstanceHandle
+from executor.protocol import Done, Infer, TensorMeta
 from executor.scheduler import ModelScheduler
 from executor.shm import Segment, align, new_segment_name
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
@@ -40,27 +41,27 @@ def _compute(name: str, x: np.ndarray) -> np.ndarray:
 
 class Worker:
     """Shared by any number of instances (of one or several models): batches are answered in order by `finish`,
-    or by `poll()` when `on_poll` says so (what the real WorkerHandle.poll does when replies are waiting)."""
+    or by `poll()` when `on_poll` says so (what the real WorkerSupervisor.poll does when replies are waiting)."""
 
     def __init__(self):
-        self.pending: list[tuple[InstanceHandle, dict, object]] = []
+        self.pending: list[tuple[InstanceHandle, Infer, object]] = []
         self.instances: dict[str, InstanceHandle] = {}
         self.on_poll = None
         self.polls = 0
 
     def submit(self, msg, callback):
-        self.pending.append((self.instances[msg["key"]], msg, callback))
+        self.pending.append((self.instances[msg.key], msg, callback))
 
     def poll(self):
         self.polls += 1
         if self.on_poll is not None:
             self.on_poll()
 
-    def reply(self, inst: InstanceHandle, msg: dict) -> dict:
-        name, _, shape, offset, _ = msg["inputs"][0]
+    def reply(self, inst: InstanceHandle, msg: Infer) -> Done:
+        name, _, shape, offset, _ = msg.inputs[0]
         x = inst.in_seg.ndarray(offset, shape, np.float32).copy()
         outputs, off = [], 0
-        for out_name, out_type in zip(msg["outputs"], msg["output_types"]):
+        for out_name, out_type in zip(msg.outputs, msg.output_types):
             arr = _compute(out_name, x)
             if out_type == "BYTES":
                 blob = encode_bytes_elements(arr)
@@ -69,17 +70,16 @@ class Worker:
             else:
                 inst.out_seg.ndarray(off, arr.shape, np.float32)[...] = arr
                 nbytes = arr.nbytes
-            outputs.append((out_name, out_type, tuple(arr.shape), off, nbytes))
+            outputs.append(TensorMeta(out_name, out_type, tuple(arr.shape), off, nbytes))
             off += align(nbytes)
-        return {"op": "done", "seq": 0, "ovf_seg": "", "input_ns": 1, "infer_ns": 2, "output_ns": 3,
-                "outputs": outputs}
+        return Done(msg.seq, tuple(outputs), "", 1, 2, 3)
 
     def finish(self, index: int = 0) -> None:
         inst, msg, callback = self.pending.pop(index)
         callback(self.reply(inst, msg))
 
     def die(self, error: InferenceError) -> None:
-        """What WorkerHandle._on_death does: every instance unready first, then every in-flight batch failed."""
+        """What WorkerSupervisor._on_death does: every instance unready first, then every in-flight batch failed."""
         for inst in self.instances.values():
             if inst.ready:
                 inst.ready = False
@@ -283,7 +283,7 @@ def test_two_models_on_one_worker_answered_from_the_other_models_submit(made):
         a.submit(_req("m", [2, 2]), lambda r: got.setdefault("a2", r))
         # Both finished batches were answered inside a's submit, and each freed instance got its next batch.
         assert set(got) == {"a1", "b1"}
-        assert [msg["key"] for _, msg, _ in worker.pending] == ["b/1/0", "m/1/0"]
+        assert [msg.key for _, msg, _ in worker.pending] == ["b/1/0", "m/1/0"]
         worker.on_poll = None
         worker.finish()
         worker.finish()

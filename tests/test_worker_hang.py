@@ -1,19 +1,18 @@
-"""The hang watch on device workers (executor.pool): a batch left unanswered for worker_hang_s kills its worker, so
+"""The hang watch on device workers (executor.supervisor): a batch left unanswered for hang_s kills its worker, so
 the requests in it fail with an error that says so instead of waiting forever. Driven with a fake clock over a
 socket pair; tests/test_e2e_lifecycle.py stops a real worker with SIGSTOP."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
-from multiprocessing.connection import Connection
 
 import pytest
 
-from executor.onnxruntime_backend import WorkerDevice
-from executor.pool import ExecutorPool, WorkerHandle, seconds_until_hung
+from executor.device import WorkerDevice
+from executor.protocol import Done, Infer
+from executor.supervisor import WorkerSupervisor, seconds_until_hung
 from executor.types import InferenceError
 
 
@@ -35,17 +34,20 @@ def test_seconds_until_hung(now_s, sent_s, hang_s, left_s):
     assert seconds_until_hung(now_s, sent_s, hang_s) == left_s
 
 
-def _handle(clock: Clock, hang_s: float) -> tuple[WorkerHandle, socket.socket, list[str]]:
+def _batch() -> Infer:
+    return Infer("m/1/0", "in", "out", (), ("y",), ("FP32",))
+
+
+def _handle(clock: Clock, hang_s: float) -> tuple[WorkerSupervisor, socket.socket, list[str]]:
     ours, theirs = socket.socketpair()
-    handle = WorkerHandle(WorkerDevice("cpu", "cpu", "", True), ExecutorPool([], clock=clock, worker_hang_s=hang_s))
-    handle.conn = Connection(ours.detach())
-    handle._rsock = socket.socket(fileno=os.dup(handle.conn.fileno()))
+    handle = WorkerSupervisor(WorkerDevice("cpu", "cpu", "", True), clock=clock, hang_s=hang_s)
+    handle._open_channel(ours)
     kills: list[str] = []
     handle._kill = lambda: kills.append("killed")  # no process here: record instead
     return handle, theirs, kills
 
 
-def _close(handle: WorkerHandle, theirs: socket.socket) -> None:
+def _close(handle: WorkerSupervisor, theirs: socket.socket) -> None:
     handle._disconnect()
     theirs.close()
 
@@ -60,11 +62,12 @@ def test_a_batch_unanswered_for_hang_s_kills_the_worker_and_its_requests_fail_sa
         async def restart():
             restarts.append("restart")
         handle._restart = restart  # no real worker here
+        channel = handle.channel
         results = []
         try:
-            handle.submit({"op": "infer"}, results.append)
+            handle.submit(_batch(), results.append)
             clock.now_s += 2.0
-            handle.submit({"op": "infer"}, results.append)
+            handle.submit(_batch(), results.append)
             timer = handle._hang_timer
             assert timer is not None
             assert handle._hang_timer is timer, "one timer per worker, not one per batch"
@@ -80,7 +83,7 @@ def test_a_batch_unanswered_for_hang_s_kills_the_worker_and_its_requests_fail_sa
             assert "hung: a batch unanswered for 5 s, so gpud killed it" in results[0].message
             assert "restarting" in results[0].message
             assert handle.failures == {"died": 0, "hung": 1}
-            assert handle.conn is None and handle._hang_timer is None and not handle._sent_s
+            assert handle.channel is None and handle._hang_timer is None and not channel.sent_s
             await handle._starting
             assert restarts == ["restart"]
         finally:
@@ -122,18 +125,17 @@ def test_a_death_while_starting_is_not_a_lost_worker():
 
 def test_a_start_that_times_out_is_neither_a_death_nor_a_second_restart():
     async def run():
-        pool = ExecutorPool([WorkerDevice("cpu", "cpu", "", True)], worker_start_timeout_s=0.001)
-        handle = WorkerHandle(pool.devices["cpu"], pool)
+        handle = WorkerSupervisor(WorkerDevice("cpu", "cpu", "", True), start_timeout_s=0.001)
         with pytest.raises(InferenceError, match="did not start within"):
             await handle.start()
-        assert handle.conn is None and handle.proc.poll() is not None  # killed, disconnected and reaped
+        assert handle.channel is None and handle.proc.poll() is not None  # killed, disconnected and reaped
         await asyncio.sleep(0)  # a stray end-of-file callback would run here
         assert handle._starting is None and handle.failures == {"died": 0, "hung": 0}
     asyncio.run(run())
 
 
 def test_exit_code_does_not_wait_for_a_process_that_outlives_its_kill():
-    handle = WorkerHandle(WorkerDevice("cpu", "cpu", "", True), ExecutorPool([]))
+    handle = WorkerSupervisor(WorkerDevice("cpu", "cpu", "", True))
     handle.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert handle._exit_code() is None  # still running: handed to a reaper thread, not waited for
@@ -150,18 +152,18 @@ def test_answered_batches_leave_the_worker_alone_and_the_age_is_the_oldest_unans
         clock = Clock()
         handle, theirs, kills = _handle(clock, hang_s=5.0)
         try:
-            handle.submit({"op": "infer"}, lambda r: None)  # seq 0
+            handle.submit(_batch(), lambda r: None)  # seq 0
             clock.now_s += 3.0
-            handle.submit({"op": "infer"}, lambda r: None)  # seq 1
-            handle._handle({"op": "done", "seq": 0})
+            handle.submit(_batch(), lambda r: None)  # seq 1
+            handle.channel._handle(Done(0, (), "", 0, 0, 0))
             clock.now_s += 3.0  # 6 s after the first batch, 3 s after the second
             handle._check_hang()
             assert not kills and handle._hang_timer is not None
-            handle._handle({"op": "done", "seq": 1})
+            handle.channel._handle(Done(1, (), "", 0, 0, 0))
             clock.now_s += 100.0
             handle._check_hang()  # nothing in flight: nothing to watch, and no timer left behind
             assert not kills and handle._hang_timer is None
-            handle.submit({"op": "infer"}, lambda r: None)  # the next batch arms it again
+            handle.submit(_batch(), lambda r: None)  # the next batch arms it again
             assert handle._hang_timer is not None
         finally:
             _close(handle, theirs)
@@ -172,8 +174,8 @@ def test_hang_watch_off_arms_no_timer():
     async def run():
         handle, theirs, kills = _handle(Clock(), hang_s=0.0)
         try:
-            handle.submit({"op": "infer"}, lambda r: None)
-            assert handle._hang_timer is None and not handle._sent_s
+            handle.submit(_batch(), lambda r: None)
+            assert handle._hang_timer is None and not handle.channel.sent_s
         finally:
             _close(handle, theirs)
     asyncio.run(run())

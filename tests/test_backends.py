@@ -1,0 +1,185 @@
+"""executor.backend: which backend runs a model, and a worker that runs every model through that protocol.
+
+The worker (executor.worker.Worker) runs in a thread of this process over a socket pair, with a fake backend
+registered: no onnxruntime, no subprocess."""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from multiprocessing.connection import Connection
+
+import numpy as np
+import pytest
+
+from executor import protocol
+from executor.backend import BACKENDS, BackendEntry, Backends, LoadOptions, UnsupportedBackend
+from executor.device import WorkerDevice
+from executor.model_config import ModelConfig, TensorSpec
+from executor.onnxruntime_backend import CPU_EP
+from executor.protocol import Done, Exit, Failed, Hello, Infer, Load, Loaded, LoadFailed, Unload, Unloaded
+from executor.shm import Segment, new_segment_name
+from executor.worker import Worker
+
+FAKE = ModelConfig(name="double", platform="", backend="fake", max_batch_size=4,
+                   inputs=(TensorSpec("x", "FP32", (2,)),), outputs=(TensorSpec("y", "FP32", (2,)),))
+ONNX = ModelConfig(name="o")  # platform onnxruntime_onnx, backend onnxruntime: the defaults
+
+
+class InvalidArgument(Exception):
+    """Named like onnxruntime's: the worker reports it as the client's error."""
+
+
+class FakeInstance:
+    provider = "FakeExecutionProvider"
+
+    def __init__(self, model_path: str, config: ModelConfig, device: WorkerDevice, options: LoadOptions):
+        self.loaded_with = (model_path, config.name, device.id, options)
+        self.runs: list[tuple[dict, tuple]] = []
+        self.closed = False
+
+    def run(self, inputs, output_names):
+        self.runs.append(({k: v.copy() for k, v in inputs.items()}, tuple(output_names)))
+        if (inputs["x"] < 0).any():
+            raise InvalidArgument("x must not be negative")
+        return [2 * inputs["x"]]
+
+    def warmup_feed(self):
+        return {"x": np.zeros((1, 2), np.float32)}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeBackend:
+    def __init__(self) -> None:
+        self.instances: list[FakeInstance] = []
+
+    def providers(self) -> list[str]:
+        return ["FakeExecutionProvider", CPU_EP]
+
+    def load(self, model_path, config, device, options) -> FakeInstance:
+        inst = FakeInstance(model_path, config, device, options)
+        self.instances.append(inst)
+        return inst
+
+
+class BrokenBackend:
+    def providers(self) -> list[str]:
+        raise ImportError("No module named 'tensorrt'")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The registry
+# ---------------------------------------------------------------------------------------------------------------------
+class TestRegistry:
+    def test_a_model_gets_the_backend_its_config_names_or_else_its_platforms(self):
+        loads = []
+        fake = FakeBackend()
+        backends = Backends([BackendEntry("onnxruntime", ("onnxruntime_onnx",), lambda: pytest.fail("imported")),
+                             BackendEntry("fake", ("fake_plan",), lambda: loads.append(1) or fake)])
+        assert backends.for_config(FAKE) is fake
+        assert backends.for_config(ModelConfig(name="p", platform="fake_plan", backend="")) is fake
+        assert loads == [1], "a backend is imported once, on first use"
+        assert backends.entry_for(ONNX).name == "onnxruntime"  # choosing imports nothing
+
+    @pytest.mark.parametrize("platform, backend, asked", [
+        ("", "tensorrt", "backend 'tensorrt'"),
+        ("tensorrt_plan", "", "platform 'tensorrt_plan'"),
+    ])
+    def test_an_unknown_backend_is_an_error_naming_what_is_supported(self, platform, backend, asked):
+        with pytest.raises(UnsupportedBackend) as e:
+            Backends().for_config(ModelConfig(name="m", platform=platform, backend=backend))
+        assert str(e.value) == (f"model 'm': {asked} is not supported; "
+                                "supported: onnxruntime (platform onnxruntime_onnx)")
+
+    def test_the_built_in_table_serves_triton_onnx_models_with_onnxruntime(self):
+        assert [(e.name, e.platforms) for e in BACKENDS] == [("onnxruntime", ("onnxruntime_onnx",))]
+        backend = Backends().for_config(ONNX)
+        assert type(backend).__name__ == "OnnxRuntimeBackend" and CPU_EP in backend.providers()
+
+    def test_providers_skip_a_backend_that_cannot_run_and_say_so(self, caplog):
+        backends = Backends([BackendEntry("tensorrt", ("tensorrt_plan",), BrokenBackend),
+                             BackendEntry("fake", (), FakeBackend), BackendEntry("again", (), FakeBackend)])
+        with caplog.at_level(logging.ERROR, logger="gpud.worker"):
+            assert backends.providers() == ("FakeExecutionProvider", CPU_EP)
+        assert "backend tensorrt is not usable: No module named 'tensorrt'" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A worker dispatching through the protocol
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture
+def worker():
+    """A Worker serving in a thread with the fake backend; yields the daemon's end and the backend."""
+    ours, theirs = socket.socketpair()
+    daemon_end, worker_end = Connection(ours.detach()), Connection(theirs.detach())
+    fake = FakeBackend()
+    backends = Backends([BackendEntry("fake", ("fake_plan",), lambda: fake)])
+    w = Worker(worker_end, WorkerDevice("cpu", "cpu", "", True), backends)
+    thread = threading.Thread(target=w.serve, daemon=True)
+    thread.start()
+    segs: list[Segment] = []
+    yield daemon_end, fake, segs
+    if thread.is_alive():
+        daemon_end.send_bytes(protocol.dumps(Exit()))
+        thread.join(30)
+    daemon_end.close()
+    worker_end.close()
+    for seg in segs:
+        seg.close()
+
+
+def _recv(conn: Connection):
+    assert conn.poll(30), "the worker did not answer"
+    return protocol.loads(conn.recv_bytes())
+
+
+def _batch(segs: list[Segment], key: str, x: np.ndarray) -> Infer:
+    in_seg = Segment.create(new_segment_name("in"), 4096)
+    out_seg = Segment.create(new_segment_name("out"), 4096)
+    segs += [in_seg, out_seg]
+    rows = protocol.write_inputs(FAKE, [{"x": x}], lambda n: in_seg)
+    return Infer(key, in_seg.name, out_seg.name, rows, ("y",), ("FP32",), seq=5)
+
+
+def test_the_worker_loads_and_runs_models_through_the_backend_protocol(worker):
+    conn, fake, segs = worker
+    hello = _recv(conn)
+    assert type(hello) is Hello and hello.providers == ("FakeExecutionProvider", CPU_EP)
+
+    conn.send_bytes(protocol.dumps(Load("double/1/0", "/models/double/1/model.plan", FAKE, intra_op_threads=3)))
+    loaded = _recv(conn)
+    assert type(loaded) is Loaded and loaded.key == "double/1/0" and loaded.provider == "FakeExecutionProvider"
+    (inst,) = fake.instances
+    assert inst.loaded_with == ("/models/double/1/model.plan", "double", "cpu", LoadOptions(intra_op_threads=3))
+    assert [names for _, names in inst.runs] == [("y",)]  # the warm-up run, from the instance's warmup_feed
+
+    batch = _batch(segs, "double/1/0", np.array([[1, 2], [3, 4]], np.float32))
+    conn.send_bytes(protocol.dumps(batch))
+    done = _recv(conn)
+    assert type(done) is Done and done.seq == 5
+    (name, datatype, y), = protocol.read_outputs(done, segs[-1])  # the output segment this batch named
+    assert (name, datatype) == ("y", "FP32")
+    np.testing.assert_array_equal(y, [[2, 4], [6, 8]])
+    np.testing.assert_array_equal(inst.runs[-1][0]["x"], [[1, 2], [3, 4]])
+
+    conn.send_bytes(protocol.dumps(_batch(segs, "double/1/0", np.array([[-1, 0]], np.float32))))
+    failed = _recv(conn)
+    assert type(failed) is Failed and failed.seq == 5
+    assert (failed.kind, failed.error) == ("INVALID_ARGUMENT", "InvalidArgument: x must not be negative")
+
+    conn.send_bytes(protocol.dumps(Unload("double/1/0")))
+    assert _recv(conn) == Unloaded("double/1/0") and inst.closed
+
+
+def test_a_model_for_a_backend_the_worker_lacks_fails_its_load_saying_what_is_supported(worker):
+    conn, fake, _ = worker
+    _recv(conn)  # hello
+    onnx = ModelConfig(name="o", platform="onnxruntime_onnx", backend="")
+    conn.send_bytes(protocol.dumps(Load("o/1/0", "/models/o/1/model.onnx", onnx)))
+    failed = _recv(conn)
+    assert type(failed) is LoadFailed and failed.key == "o/1/0"
+    assert failed.error == ("UnsupportedBackend: model 'o': platform 'onnxruntime_onnx' is not supported; "
+                            "supported: fake (platform fake_plan)")
+    assert not fake.instances
