@@ -18,12 +18,13 @@ from executor.types import InferenceError
 
 
 class ExecutorPool:
-    """All device workers and every model instance on them. Also the UsageSource of the simulated devices."""
+    """All device workers and every model instance on them. Also the UsageSource of the simulated devices and the
+    CPU (what the instances it loaded hold, how long its workers were busy). It needs no device list: a device is
+    described by the first load placed on it, so the device inventory can be built on the pool's usage."""
 
-    def __init__(self, devices: list[WorkerDevice], *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO,
                  worker_hang_s: float = DEFAULT_WORKER_HANG_S):
-        self.devices = {d.id: d for d in devices}
         self.clock = clock
         self.worker_start_timeout_s = worker_start_timeout_s
         self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
@@ -31,25 +32,25 @@ class ExecutorPool:
         self.workers: dict[str, WorkerSupervisor] = {}
         self._start_locks: dict[str, asyncio.Lock] = {}
 
-    async def _worker(self, device_id: str) -> WorkerSupervisor:
-        lock = self._start_locks.setdefault(device_id, asyncio.Lock())
+    async def _worker(self, device: WorkerDevice) -> WorkerSupervisor:
+        lock = self._start_locks.setdefault(device.id, asyncio.Lock())
         async with lock:
-            worker = self.workers.get(device_id)
+            worker = self.workers.get(device.id)
             if worker is None:
-                worker = WorkerSupervisor(self.devices[device_id], clock=self.clock,
+                worker = WorkerSupervisor(device, clock=self.clock,
                                           start_timeout_s=self.worker_start_timeout_s, hang_s=self.worker_hang_s,
                                           log_level=self.worker_log_level)
                 await worker.start()
-                self.workers[device_id] = worker
+                self.workers[device.id] = worker
             return worker
 
-    async def load_instance(self, inst: InstanceHandle) -> InstanceHandle:
-        """Start the device's worker if needed and load the instance there. On failure `inst.error` says why."""
-        if inst.device_id not in self.devices:
-            raise ValueError(f"unknown device {inst.device_id!r}")
+    async def load_instance(self, inst: InstanceHandle, device: WorkerDevice) -> InstanceHandle:
+        """Start `device`'s worker if needed and load the instance there. On failure `inst.error` says why."""
+        if inst.device_id != device.id:
+            raise ValueError(f"instance {inst.key} is for device {inst.device_id!r}, not {device.id!r}")
         inst.open_segments()
         try:
-            worker = await self._worker(inst.device_id)
+            worker = await self._worker(device)
         except InferenceError as exc:
             inst.error = exc.message
             inst.close_segments()
@@ -73,13 +74,13 @@ class ExecutorPool:
     def memory_used_bytes(self, device_id: str) -> int | None:
         worker = self.workers.get(device_id)
         if worker is None:
-            return 0 if device_id in self.devices else None
+            return 0  # nothing loaded there yet
         return sum(i.footprint_bytes for i in worker.instances.values() if i.ready)
 
     def utilization_ratio(self, device_id: str) -> float | None:
         worker = self.workers.get(device_id)
         if worker is None:
-            return 0.0 if device_id in self.devices else None
+            return 0.0
         return worker.busy.utilization_ratio()
 
     def worker_info(self) -> list[dict[str, Any]]:

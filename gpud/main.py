@@ -13,7 +13,6 @@ import sys
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector
 
-from executor.device import WorkerDevice
 from executor.pool import ExecutorPool
 from gpud import __version__
 from gpud.api.http_server import HttpServer
@@ -154,12 +153,11 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         log.error("model repository %s is not a directory", repo_path)
         return 2
 
-    usage = _LateUsage()
-    backend = discover(settings.node, usage)
+    # The pool reports what its instances hold and how busy its workers are: the simulated devices' and the CPU's
+    # readings. It is described each device by the first instance placed there, so it comes first.
+    pool = ExecutorPool(worker_log_level=logging.getLogger().level, worker_hang_s=settings.worker_hang_seconds)
+    backend = discover(settings.node, pool)
     leaves = backend.leaf_devices()
-    pool = ExecutorPool([WorkerDevice(d.id, d.kind, d.uuid, d.simulated) for d in leaves],
-                        worker_log_level=logging.getLogger().level, worker_hang_s=settings.worker_hang_seconds)
-    usage.target = pool
     registry = CollectorRegistry()
     ProcessCollector(registry=registry, namespace="gpud")
     DeviceCollector(backend, registry=registry)
@@ -240,18 +238,6 @@ async def _close(runners, grpc_server, grace_s: float) -> None:
             await runner.close(grace_s)
         else:
             await runner.cleanup()
-
-
-class _LateUsage:
-    """The device backend needs the pool's usage and the pool needs the backend's devices: this breaks the cycle."""
-
-    target = None
-
-    def memory_used_bytes(self, device_id: str):
-        return self.target.memory_used_bytes(device_id) if self.target else None
-
-    def utilization_ratio(self, device_id: str):
-        return self.target.utilization_ratio(device_id) if self.target else None
 
 
 def _run(coro) -> int:

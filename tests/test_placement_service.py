@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from executor.device import WorkerDevice
 from executor.pool import InstanceHandle
 from executor.types import ErrorKind, InferenceError
 from gpud.core import _parse_placements
@@ -36,7 +37,9 @@ class ScriptedPool:
         self.loaded: dict[str, InstanceHandle] = {}
         self.load_started: asyncio.Event | None = None  # set when a load begins
 
-    async def load_instance(self, inst: InstanceHandle) -> InstanceHandle:
+    async def load_instance(self, inst: InstanceHandle, device: WorkerDevice) -> InstanceHandle:
+        # described by the service, from the device inventory
+        assert (device.id, device.kind) == (inst.device_id, "cpu" if inst.device_id == "cpu" else "gpu")
         self.events.append(("load", inst.key, inst.device_id))
         if self.load_started is not None:
             self.load_started.set()

@@ -30,7 +30,7 @@ def test_up_and_restarts_by_cause():
 
 def test_the_pools_rows_feed_it_and_a_failing_source_leaves_no_series():
     registry = CollectorRegistry()
-    WorkerCollector(ExecutorPool([]).worker_info, registry=registry)  # no worker started yet: no series
+    WorkerCollector(ExecutorPool().worker_info, registry=registry)  # no worker started yet: no series
     assert not [k for k in _samples(registry) if k[0].startswith("gpud_worker")]
 
     def broken():

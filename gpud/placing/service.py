@@ -22,6 +22,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
+from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.types import ErrorKind, InferenceError
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
@@ -349,13 +350,17 @@ class PlacementService:
         # Promised memory counts as used while the load runs, so nothing else is planned into it.
         self._loading[device] = self._loading.get(device, 0) + footprint
         try:
-            await self.pool.load_instance(inst)
+            await self.pool.load_instance(inst, self._worker_device(device))
         finally:
             self._loading[device] -= footprint
         if inst.ready:
             vs.instances.append(inst)
             vs.scheduler.add_instance(inst)
         return inst
+
+    def _worker_device(self, device_id: str) -> WorkerDevice:
+        d = next(d for d in self.devices.leaf_devices() if d.id == device_id)
+        return WorkerDevice(d.id, d.kind, d.uuid, d.simulated)
 
     async def _stop(self, vs: RegisteredVersion, inst: InstanceHandle) -> None:
         """No new batches go to `inst`; its worker unloads it after the batch it may be running."""
