@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from executor.pool import ExecutorPool
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud import __version__
-from gpud.core_api import ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata
+from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
+                           ServedModelConfig, ServerMetadata)
 from gpud.inspect_view import HintsView, inspect_document
-from gpud.placing.service import PlacementService, RequestedPlacement
+from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
 from gpud.repository.config import ModelConfigError
 from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
@@ -108,10 +110,8 @@ class GpudCore:
             await self.placement.stop_version(vs)
         model.versions.clear()
 
-    async def apply_placement(self, placements: list[dict[str, Any]]) -> dict[str, Any]:
-        applied = await self.placement.apply_requested(_parse_placements(placements))
-        return {"added": [{"model": i.model, "instance": i.index, "device": i.device} for i in applied.added],
-                "removed": [{"model": i.model, "instance": i.index, "device": i.device} for i in applied.removed]}
+    async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
+        return await self.placement.apply_requested(requested)
 
     # --- lookups ---------------------------------------------------------------------------------------------
     def _model(self, name: str) -> RegisteredModel:
@@ -197,20 +197,6 @@ class GpudCore:
     def inspect(self) -> dict[str, Any]:
         return inspect_document(self.server_metadata(), self.snapshot(), self.placement, self.pool.worker_info(),
                                 self.hints)
-
-
-def _parse_placements(placements: Any) -> list[RequestedPlacement]:
-    """The shape of a placement document, checked before anything changes (bad input changes nothing)."""
-    if not isinstance(placements, list):
-        raise InferenceError(ErrorKind.INVALID_ARGUMENT, "'placements' must be a list")
-    out = []
-    for k, p in enumerate(placements):
-        if not isinstance(p, dict) or not isinstance(p.get("model"), str) or isinstance(p.get("instance"), bool) \
-                or not isinstance(p.get("instance"), int) or not isinstance(p.get("device"), str):
-            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                 f"placements[{k}]: expected {{\"model\": str, \"instance\": int, \"device\": str}}")
-        out.append(RequestedPlacement(p["model"], p["instance"], p["device"]))
-    return out
 
 
 def _exists(repository: ModelRepository, name: str) -> bool:

@@ -6,7 +6,7 @@ as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messages (
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,6 +80,32 @@ class RepositoryModel:
     reason: str = ""  # why it is not ready; "" when it is
 
 
+# --- placement (POST /v2/gpud/placement) ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestedPlacement:
+    """One instance where a person (or `gpudctl place --apply`) wants it. `model` is a model name (its newest
+    version; `instance` is the index within the version) or a placement name (`model:version[:group]`, as
+    `gpudctl place` prints them; `instance` is the index within that demand)."""
+
+    model: str
+    instance: int
+    device: str
+
+
+@dataclass(frozen=True)
+class PlacedInstance:
+    model: str
+    version: str
+    index: int
+    device: str
+
+
+@dataclass(frozen=True)
+class Applied:
+    added: tuple[PlacedInstance, ...]
+    removed: tuple[PlacedInstance, ...]
+
+
 class InferenceCore(Protocol):
     """Every method raises `executor.types.InferenceError` for errors a client should see."""
 
@@ -109,10 +135,10 @@ class InferenceCore(Protocol):
         """gpud's own view for `gpudctl inspect` (served at GET /v2/gpud/inspect): {"devices": [...], "models": [...]}"""
         ...
 
-    async def apply_placement(self, placements: list[dict[str, Any]]) -> dict[str, Any]:
-        """Make the named models' instances match `placements` ([{"model", "instance", "device"}], e.g. a plan from
-        `gpudctl place`): new instances load first, then the ones they replace stop (make-before-break). If any
-        load fails, what was added is removed again and nothing changes. Returns {"added": [...], "removed": [...]}."""
+    async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
+        """Make the named model versions' instances exactly `requested` (e.g. a plan from `gpudctl place`), step by
+        step, each move make-before-break (gpud.placing.service). A placement that does not fit is refused before
+        anything changes; if a load fails, every step is undone and nothing changes."""
         ...
 
     async def load_model(self, name: str) -> None: ...

@@ -10,9 +10,10 @@ import pytest
 from executor.device import WorkerDevice
 from executor.pool import InstanceHandle
 from executor.types import ErrorKind, InferenceError
-from gpud.core import _parse_placements
+from gpud.api.http_encode import placements_from_json
 from gpud.examples import write_example_repository
-from gpud.placing.service import PlacementService, RequestedPlacement
+from gpud.core_api import RequestedPlacement
+from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
 from telemetry.serving import ModelState
@@ -177,7 +178,7 @@ def test_bad_requests_change_nothing(node, requested, kind, message):
 ])
 def test_malformed_placement_documents(doc, message):
     with pytest.raises(InferenceError, match=message):
-        _parse_placements(doc)
+        placements_from_json(doc)
 
 
 def test_memory_of_a_load_in_flight_is_reserved(node):

@@ -32,8 +32,8 @@ from typing import Any
 import orjson
 
 from executor.types import ErrorKind, InferenceError, InferResponse
-from gpud.api.http_encode import (model_config_json, model_metadata_json, model_statistics_json,
-                                  repository_index_json, server_metadata_json)
+from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
+                                  placements_from_json, repository_index_json, server_metadata_json)
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 from gpud.core_api import InferenceCore
@@ -241,7 +241,8 @@ class HttpApi:
         doc = _optional_json_object(request.body, "placement")
 
         async def run() -> _Reply:
-            return 200, _json_body(await self.core.apply_placement(doc.get("placements")))
+            requested = placements_from_json(doc.get("placements"))  # bad shapes: refused before anything changes
+            return 200, _json_body(applied_json(await self.core.apply_placement(requested)))
         return run()
 
     def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 from executor.model_config import QueuePolicy, TensorSpec, triton_type
 from executor.stats import Duration, ModelStats
-from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
+from executor.types import ErrorKind, InferenceError
+from gpud.core_api import (Applied, ModelMetadata, RequestedPlacement, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
 from gpud.repository.config import VersionPolicy
 
@@ -164,3 +165,24 @@ def model_statistics_json(statistics: Iterable[ModelStatistics]) -> dict[str, An
 
 def repository_index_json(models: Iterable[RepositoryModel]) -> list[dict[str, Any]]:
     return [{"name": m.name, "version": m.version, "state": m.state.value, "reason": m.reason} for m in models]
+
+
+# --- gpud's placement route (POST /v2/gpud/placement) -------------------------------------------------------------
+def placements_from_json(placements: Any) -> list[RequestedPlacement]:
+    """The shape of a placement document, checked before anything changes (bad input changes nothing)."""
+    if not isinstance(placements, list):
+        raise InferenceError(ErrorKind.INVALID_ARGUMENT, "'placements' must be a list")
+    out = []
+    for k, p in enumerate(placements):
+        if not isinstance(p, dict) or not isinstance(p.get("model"), str) or isinstance(p.get("instance"), bool) \
+                or not isinstance(p.get("instance"), int) or not isinstance(p.get("device"), str):
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"placements[{k}]: expected {{\"model\": str, \"instance\": int, \"device\": str}}")
+        out.append(RequestedPlacement(p["model"], p["instance"], p["device"]))
+    return out
+
+
+def applied_json(applied: Applied) -> dict[str, Any]:
+    """{"added": [{"model", "instance", "device"}], "removed": [...]}: instance is the index within the version."""
+    return {"added": [{"model": i.model, "instance": i.index, "device": i.device} for i in applied.added],
+            "removed": [{"model": i.model, "instance": i.index, "device": i.device} for i in applied.removed]}

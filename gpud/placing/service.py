@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.types import ErrorKind, InferenceError
+from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.registry import RegisteredVersion, Registry
@@ -45,31 +46,6 @@ class DeviceRoom:
     index: int  # GPU index (the parent's for MIG), -1 for the CPU
     free_bytes: int
     total_bytes: int
-
-
-@dataclass(frozen=True)
-class RequestedPlacement:
-    """One instance where a person (or `gpudctl place --apply`) wants it. `model` is a model name (its newest
-    version; `instance` is the index within the version) or a placement name (`model:version[:group]`, as
-    `gpudctl place` prints them; `instance` is the index within that demand)."""
-
-    model: str
-    instance: int
-    device: str
-
-
-@dataclass(frozen=True)
-class PlacedInstance:
-    model: str
-    version: str
-    index: int
-    device: str
-
-
-@dataclass(frozen=True)
-class Applied:
-    added: tuple[PlacedInstance, ...]
-    removed: tuple[PlacedInstance, ...]
 
 
 class PlacementService:
