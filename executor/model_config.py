@@ -54,17 +54,6 @@ def kserve_datatype(triton_type_name: str) -> str:
         raise ValueError(f"unknown data_type {triton_type_name!r}; expected one of {sorted(_TRITON_TO_KSERVE)}") from None
 
 
-def datatype_of(dtype: np.dtype) -> str:
-    """KServe datatype of a numpy dtype (float32 -> "FP32"); object/str/bytes -> "BYTES"."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in ("O", "S", "U"):
-        return "BYTES"
-    for name, (_, np_type) in _DATATYPES.items():
-        if name != "BYTES" and np.dtype(np_type) == dtype:
-            return name
-    raise ValueError(f"no KServe datatype for numpy dtype {dtype}")
-
-
 @dataclass(frozen=True)
 class TensorSpec:
     """One model input or output. `dims` exclude the batch dimension when the model batches; -1 = variable."""

@@ -156,21 +156,13 @@ class GpudCore:
         return [ModelStatistics(v.name, v.version, v.scheduler.stats) for v in selected]
 
     def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        """Every model and served version with its state, read off the snapshot (one definition of both)."""
         index = []
-        for name in sorted(self.models):
-            model = self.models[name]
-            if not model.versions:
-                if not ready_only:
-                    index.append(RepositoryModel(name, "", ModelState.UNAVAILABLE, model.error or "unloaded"))
-                continue
-            for v in sorted(model.versions.values(), key=lambda x: int(x.version)):
-                state = "READY" if v.ready else ("UNAVAILABLE" if v.state == "READY" else v.state.value)
-                if ready_only and state != "READY":
-                    continue
-                reason = v.reason if state != "READY" else ""
-                if state == "UNAVAILABLE" and v.state == "READY":
-                    reason = "no instance is ready (a worker is restarting)"
-                index.append(RepositoryModel(name, v.version, ModelState(state), reason))
+        for m in self.snapshot().models:
+            if not m.versions and not ready_only:
+                index.append(RepositoryModel(m.name, "", ModelState.UNAVAILABLE, m.error or "unloaded"))
+            index += [RepositoryModel(m.name, v.version, v.state, v.reason) for v in m.versions
+                      if not ready_only or v.state is ModelState.READY]
         return index
 
     def _ready_scheduler(self, request: InferRequest) -> ModelScheduler:

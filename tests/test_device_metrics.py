@@ -1,8 +1,6 @@
 """DeviceCollector exposition: scrape-time sampling, DCGM-style labels, N/A omitted, lost devices."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import pytest
 
