@@ -37,11 +37,13 @@ def py_spy() -> str:
 
 
 AREAS = [  # (substring of a frame's file, area): the first match names the area
-    ("gpud/api/http_api", "gpud http_api"), ("gpud/api/http_infer", "gpud http_api"), ("gpud/api/grpc_api", "gpud grpc_api"),
-    ("gpud/core", "gpud core"),
+    ("gpud/api/http_server", "gpud http_server"), ("gpud/api/http_api", "gpud http_api"),
+    ("gpud/api/http_infer", "gpud http_api"), ("gpud/api/grpc_api", "gpud grpc_api"),
+    ("gpud/core", "gpud core"), ("gpud/registry", "gpud core"),
     ("executor/scheduler", "executor scheduler"), ("executor/batcher", "executor batcher"),
-    ("executor/validation", "executor validation"), ("executor/pool", "executor pool"),
-    ("executor/worker", "executor worker"), ("executor/", "executor other"),
+    ("executor/validation", "executor validation"), ("executor/protocol", "executor protocol + staging"),
+    ("executor/channel", "executor channel"), ("executor/supervisor", "executor supervisor"),
+    ("executor/pool", "executor pool"), ("executor/worker", "executor worker"), ("executor/", "executor other"),
     ("multiprocessing/connection", "multiprocessing Connection"), ("multiprocessing/", "multiprocessing other"),
     ("web_urldispatcher", "aiohttp routing"), ("web_protocol", "aiohttp protocol"), ("http_parser", "aiohttp parser"),
     ("web_response", "aiohttp response"), ("http_writer", "aiohttp writer"), ("aiohttp/", "aiohttp other"),
