@@ -275,15 +275,21 @@ def write_outputs(segment: Segment, names: Sequence[str], output_types: Sequence
         seg = Segment.create(ovf_name, sum(sizes))
         seg.owner = False  # the daemon removes it once read
     rows, offset = [], 0
-    for (name, datatype, shape, blob), size in zip(blobs, sizes):
-        if isinstance(blob, np.ndarray):
-            seg.ndarray(offset, blob.shape, blob.dtype)[...] = blob
-            nbytes = blob.nbytes
-        else:
-            seg.buf[offset:offset + len(blob)] = blob
-            nbytes = len(blob)
-        rows.append(TensorMeta(name, datatype, tuple(shape), offset, nbytes))
-        offset += size
+    try:
+        for (name, datatype, shape, blob), size in zip(blobs, sizes):
+            if isinstance(blob, np.ndarray):
+                seg.ndarray(offset, blob.shape, blob.dtype)[...] = blob
+                nbytes = blob.nbytes
+            else:
+                seg.buf[offset:offset + len(blob)] = blob
+                nbytes = len(blob)
+            rows.append(TensorMeta(name, datatype, tuple(shape), offset, nbytes))
+            offset += size
+    except BaseException:
+        if ovf_name:  # the daemon never hears of this segment: remove it here, or it stays in /dev/shm
+            seg.close()
+            unlink(ovf_name)
+        raise
     if ovf_name:
         seg.close()
     return tuple(rows), ovf_name

@@ -200,6 +200,28 @@ def test_outputs_too_big_for_the_segment_go_to_an_overflow_segment_that_reading_
         Segment.attach(ovf)
 
 
+def test_an_overflow_segment_whose_write_fails_is_removed(segments, monkeypatch):
+    # The daemon never hears of an overflow segment whose batch failed: the worker must remove it itself.
+    created: list[str] = []
+    real_create = Segment.create
+
+    def create(name: str, size_bytes: int) -> Segment:
+        created.append(name)
+        return real_create(name, size_bytes)
+
+    def broken_ndarray(self, *args, **kwargs):
+        raise MemoryError("scripted")
+
+    seg = segments(64)
+    monkeypatch.setattr(Segment, "create", staticmethod(create))
+    monkeypatch.setattr(Segment, "ndarray", broken_ndarray)
+    with pytest.raises(MemoryError):
+        write_outputs(seg, ("y",), ("FP32",), [np.ones((100,), np.float32)])  # 400 bytes > 64: overflow
+    assert len(created) == 1
+    with pytest.raises(FileNotFoundError):
+        Segment.attach(created[0])
+
+
 def test_region_size_is_aligned_per_tensor():
     cfg = ModelConfig("m", max_batch_size=4, inputs=(TensorSpec("a", "FP32", (5,)), TensorSpec("b", "INT8", (3,))))
     # a: 4 * 5 * 4 = 80 -> 128 aligned; b: 4 * 3 = 12 -> 64; 192 < the 4096-byte floor
