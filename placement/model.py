@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Literal, Mapping, get_args
 
 COMPUTE_UNITS = 1_000_000  # compute is counted in millionths of a full GPU, so capacity checks are exact integers
-DEVICE_KINDS = frozenset({"gpu", "mig", "cpu"})
+DeviceKind = Literal["gpu", "mig", "cpu"]  # a GPU with MIG off, a MIG instance, the host CPU
+DEVICE_KINDS: frozenset[str] = frozenset(get_args(DeviceKind))
+MoveKind = Literal["add", "remove", "move"]
 STRATEGIES = ("pack", "spread")
 
 _UNITS = {
@@ -66,7 +68,7 @@ class Device:
     id: str
     memory_bytes: int  # total memory of the device
     compute_fraction: float = 1.0  # of a full GPU: a 3g instance on a 7-slice GPU is 3/7
-    kind: str = "gpu"
+    kind: DeviceKind = "gpu"
     healthy: bool = True
     labels: tuple[tuple[str, str], ...] = ()  # e.g. (("gpu.model", "A100-SXM4-80GB"), ("mig.profile", "3g.40gb"))
     parent_id: str | None = None  # the physical GPU of a MIG instance
@@ -211,7 +213,7 @@ class Unplaced:
 class Move:
     """One step of a re-plan. `kind` is add, remove or move; a move starts the new instance before stopping the
     old one (make_before_break) unless the transition cannot be ordered that way."""
-    kind: str
+    kind: MoveKind
     model: str
     instance: int
     from_device: str | None = None

@@ -15,9 +15,9 @@ import os
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-DeviceKind = Literal["gpu", "mig", "cpu"]
+from placement.model import DeviceKind  # one definition of the kinds, in the lowest package
 
 CPU_DEVICE_ID = "cpu"
 

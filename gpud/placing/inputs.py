@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 from executor.model_config import InstanceGroup
 from placement import Assignment, Constraints, Device, ModelDemand
+from placement.model import DeviceKind
 from telemetry.devices import DeviceInfo
 
-GPU_KINDS = ("gpu", "mig")
+GPU_KINDS: tuple[DeviceKind, ...] = ("gpu", "mig")
 GPU_INDEX_LABEL = "gpu_index"  # the NVML index of a device's physical GPU: what instance_group.gpus pins
 
 
-def candidate_kinds(instance_kind: str, has_gpus: bool) -> tuple[str, ...]:
+def candidate_kinds(instance_kind: str, has_gpus: bool) -> tuple[DeviceKind, ...]:
     """Device kinds an instance group may use: Triton's KIND_GPU / KIND_CPU, and KIND_AUTO = GPUs when there are."""
     if instance_kind == "KIND_CPU":
         return ("cpu",)
@@ -38,7 +39,7 @@ def has_gpus(devices: Iterable[Device | DeviceInfo]) -> bool:
     return any(d.kind in GPU_KINDS for d in devices)
 
 
-def reserve_bytes_for(kind: str, device_reserve_bytes: int) -> int:
+def reserve_bytes_for(kind: DeviceKind, device_reserve_bytes: int) -> int:
     """Memory kept free for the CUDA context and workspace: on GPUs and MIG instances, not on the CPU."""
     return 0 if kind == "cpu" else device_reserve_bytes
 

@@ -30,7 +30,7 @@ from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, Versio
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.registry import RegisteredVersion, Registry
 from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
-from placement.model import fmt_bytes
+from placement.model import DeviceKind, fmt_bytes
 from telemetry.devices import DeviceBackend, DeviceInfo
 from telemetry.serving import ModelState
 
@@ -42,7 +42,7 @@ class DeviceRoom:
     """Free memory of one leaf device as placement sees it (also what the hints' headroom reads)."""
 
     device_id: str
-    kind: str  # "gpu" | "mig" | "cpu"
+    kind: DeviceKind
     index: int  # GPU index (the parent's for MIG), -1 for the CPU
     free_bytes: int
     total_bytes: int
