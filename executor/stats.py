@@ -93,18 +93,12 @@ class ModelStats:
         h = self.histograms
         h.batch_size[bisect_left(BATCH_SIZE_BUCKETS, rows)] += 1
         bounds = LATENCY_BUCKETS_NS
-        total = 0
-        buckets = h.queue
-        for v in queue_ns:
-            buckets[bisect_left(bounds, v)] += 1
-            total += v
-        self.queue.add(total, n)
-        total = 0
-        buckets = h.request
-        for v in request_ns:
-            buckets[bisect_left(bounds, v)] += 1
-            total += v
-        self.success.add(total, n)
+        for d, buckets, values in ((self.queue, h.queue, queue_ns), (self.success, h.request, request_ns)):
+            total = 0
+            for v in values:
+                buckets[bisect_left(bounds, v)] += 1
+                total += v
+            d.add(total, n)
         for d, buckets, v in ((self.compute_input, h.compute_input, input_ns),
                               (self.compute_infer, h.compute_infer, infer_ns),
                               (self.compute_output, h.compute_output, output_ns)):

@@ -34,15 +34,12 @@ import orjson
 from executor.types import ErrorKind, InferenceError, InferResponse
 from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
                                   placements_from_json, repository_index_json, server_metadata_json)
-from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
+from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response, invalid,
+                                 parameters_object)
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 from gpud.core_api import InferenceCore
 
 log = logging.getLogger(__name__)
-
-
-def _invalid(message: str) -> InferenceError:
-    return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
 
 
 def _json_body(obj: Any) -> bytes:
@@ -56,18 +53,10 @@ def _optional_json_object(body: bytes, what: str) -> dict[str, Any]:
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as e:
-        raise _invalid(f"malformed JSON in {what}: {e}") from None
+        raise invalid(f"malformed JSON in {what}: {e}") from None
     if not isinstance(doc, dict):
-        raise _invalid(f"{what} must be a JSON object")
+        raise invalid(f"{what} must be a JSON object")
     return doc
-
-
-def _parameters(value: Any, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise _invalid(f"{where} 'parameters' must be a JSON object")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,15 +201,15 @@ class HttpApi:
         doc = _optional_json_object(request.body, "repository index request")
         ready = doc.get("ready", False)
         if not isinstance(ready, bool):
-            raise _invalid(f"repository index 'ready' must be a boolean, got {ready!r}")
+            raise invalid(f"repository index 'ready' must be a boolean, got {ready!r}")
         return 200, _json_body(repository_index_json(self.core.repository_index(ready_only=ready)))
 
     def load(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
         doc = _optional_json_object(request.body, "model load request")
-        params = _parameters(doc.get("parameters"), "load request")
+        params = parameters_object(doc.get("parameters"), "load request")
         overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
         if overrides:  # Triton would load from the override; silently loading the repository copy would mislead
-            raise _invalid(f"loading with overrides {overrides} is not supported; load from the model repository")
+            raise invalid(f"loading with overrides {overrides} is not supported; load from the model repository")
 
         async def run() -> _Reply:
             await self.core.load_model(name)

@@ -36,7 +36,8 @@ _JSON_KINDS: dict[str, str] = {
 _KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers", "U": "strings", "O": "mixed values"}
 
 
-def _invalid(message: str) -> InferenceError:
+def invalid(message: str) -> InferenceError:
+    """A client's malformed request (HTTP 400)."""
     return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
 
 
@@ -44,7 +45,7 @@ def _loads(data: bytes | memoryview, what: str) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as e:
-        raise _invalid(f"malformed JSON in {what}: {e}") from None
+        raise invalid(f"malformed JSON in {what}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -115,10 +116,10 @@ def _decode_infer_request(body: bytes, header_length: str | None, model_name: st
     json_end = len(body) if header_length is None else _parse_header_length(header_length, len(body))
     doc = _loads(view[:json_end], "inference request")
     if not isinstance(doc, dict):
-        raise _invalid("inference request must be a JSON object")
+        raise invalid("inference request must be a JSON object")
     inputs_json = doc.get("inputs")
     if not isinstance(inputs_json, list) or not inputs_json:
-        raise _invalid("inference request needs a non-empty 'inputs' array")
+        raise invalid("inference request needs a non-empty 'inputs' array")
 
     inputs: list[InferTensor] = []
     offset = json_end  # binary tensor data follows the JSON, in input order
@@ -126,15 +127,15 @@ def _decode_infer_request(body: bytes, header_length: str | None, model_name: st
         tensor, offset = _decode_input(item, index, view, offset, header_length is not None)
         inputs.append(tensor)
     if offset != len(body):
-        raise _invalid(f"request has {len(body) - json_end} bytes of binary tensor data but the inputs' "
+        raise invalid(f"request has {len(body) - json_end} bytes of binary tensor data but the inputs' "
                        f"binary_data_size parameters add up to {offset - json_end}")
 
-    params = _parameters(doc.get("parameters"), "request")
+    params = parameters_object(doc.get("parameters"), "request")
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
-        raise _invalid("request 'id' must be a string")
+        raise invalid("request 'id' must be a string")
     if not isinstance(params.get("binary_data_output", False), bool):
-        raise _invalid("parameter 'binary_data_output' must be a boolean")
+        raise invalid("parameter 'binary_data_output' must be a boolean")
     return InferRequest(
         model_name=model_name, model_version=model_version, inputs=inputs, id=request_id,
         outputs=_requested_outputs(doc.get("outputs")),
@@ -148,23 +149,24 @@ def _parse_header_length(value: str, body_length: int) -> int:
     try:
         length = int(value)
     except ValueError:
-        raise _invalid(f"{INFER_HEADER_CONTENT_LENGTH} must be an integer, got {value!r}") from None
+        raise invalid(f"{INFER_HEADER_CONTENT_LENGTH} must be an integer, got {value!r}") from None
     if not 0 < length <= body_length:
-        raise _invalid(f"{INFER_HEADER_CONTENT_LENGTH} is {length} but the body has {body_length} bytes")
+        raise invalid(f"{INFER_HEADER_CONTENT_LENGTH} is {length} but the body has {body_length} bytes")
     return length
 
 
-def _parameters(value: Any, where: str) -> dict[str, Any]:
+def parameters_object(value: Any, where: str) -> dict[str, Any]:
+    """A request's optional `parameters`: a JSON object, or {} when absent."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _invalid(f"{where} 'parameters' must be a JSON object")
+        raise invalid(f"{where} 'parameters' must be a JSON object")
     return value
 
 
 def _non_negative_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _invalid(f"{what} must be a non-negative integer, got {value!r}")
+        raise invalid(f"{what} must be a non-negative integer, got {value!r}")
     return value
 
 
@@ -172,14 +174,14 @@ def _requested_outputs(value: Any) -> list[RequestedOutput] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise _invalid("'outputs' must be a JSON array")
+        raise invalid("'outputs' must be a JSON array")
     outputs = []
     for index, item in enumerate(value):
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise _invalid(f"outputs[{index}] must be an object with a string 'name'")
-        params = _parameters(item.get("parameters"), f"output '{item['name']}'")
+            raise invalid(f"outputs[{index}] must be an object with a string 'name'")
+        params = parameters_object(item.get("parameters"), f"output '{item['name']}'")
         if not isinstance(params.get("binary_data", False), bool):
-            raise _invalid(f"output '{item['name']}': parameter 'binary_data' must be a boolean")
+            raise invalid(f"output '{item['name']}': parameter 'binary_data' must be a boolean")
         outputs.append(RequestedOutput(item["name"], params))
     return outputs
 
@@ -188,36 +190,36 @@ def _decode_input(item: Any, index: int, view: memoryview, offset: int,
                   binary_section: bool) -> tuple[InferTensor, int]:
     """One request input; returns the tensor and the offset of the next input's binary data."""
     if not isinstance(item, dict):
-        raise _invalid(f"inputs[{index}] must be a JSON object")
+        raise invalid(f"inputs[{index}] must be a JSON object")
     name = item.get("name")
     if not isinstance(name, str) or not name:
-        raise _invalid(f"inputs[{index}] needs a string 'name'")
+        raise invalid(f"inputs[{index}] needs a string 'name'")
     datatype = item.get("datatype")
     if datatype not in KSERVE_DATATYPES:
-        raise _invalid(f"input '{name}': unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}")
+        raise invalid(f"input '{name}': unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}")
     shape = item.get("shape")
     if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-        raise _invalid(f"input '{name}': 'shape' must be an array of non-negative integers, got {shape!r}")
+        raise invalid(f"input '{name}': 'shape' must be an array of non-negative integers, got {shape!r}")
     count = math.prod(shape)
-    params = _parameters(item.get("parameters"), f"input '{name}'")
+    params = parameters_object(item.get("parameters"), f"input '{name}'")
     size = params.get("binary_data_size")
 
     if size is None:
         if "shared_memory_region" in params:
-            raise _invalid(f"input '{name}': shared memory inputs are not supported")
+            raise invalid(f"input '{name}': shared memory inputs are not supported")
         if "data" not in item:
-            raise _invalid(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
+            raise invalid(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
         return InferTensor(name, datatype, tuple(shape), _from_json(name, datatype, shape, count, item["data"])), offset
 
     size = _non_negative_int(size, f"input '{name}': parameter 'binary_data_size'")
     if offset == len(view) and size and not binary_section:
-        raise _invalid(f"input '{name}' has a binary_data_size parameter but the request has no "
+        raise invalid(f"input '{name}' has a binary_data_size parameter but the request has no "
                        f"{INFER_HEADER_CONTENT_LENGTH} header")
     if "data" in item:
-        raise _invalid(f"input '{name}' has both 'data' and a 'binary_data_size' parameter")
+        raise invalid(f"input '{name}' has both 'data' and a 'binary_data_size' parameter")
     end = offset + size
     if end > len(view):
-        raise _invalid(f"input '{name}': binary_data_size is {size} bytes but only {len(view) - offset} bytes "
+        raise invalid(f"input '{name}': binary_data_size is {size} bytes but only {len(view) - offset} bytes "
                        f"of binary data are left in the body")
     array = _from_binary(name, datatype, shape, count, view[offset:end])
     return InferTensor(name, datatype, tuple(shape), array), end
@@ -228,11 +230,11 @@ def _from_binary(name: str, datatype: str, shape: list[int], count: int, buf: me
         return _decode_bytes_elements(name, count, buf).reshape(shape)
     dtype = _WIRE_DTYPES[datatype]
     if len(buf) != count * dtype.itemsize:
-        raise _invalid(f"input '{name}': binary_data_size is {len(buf)} bytes but shape {shape} of {datatype} "
+        raise invalid(f"input '{name}': binary_data_size is {len(buf)} bytes but shape {shape} of {datatype} "
                        f"needs {count * dtype.itemsize}")
     array = np.frombuffer(buf, dtype=dtype)  # a view into the request body: no copy
     if datatype == "BOOL" and count and array.view(np.uint8).max() > 1:
-        raise _invalid(f"input '{name}': BOOL elements must be bytes 0 or 1")
+        raise invalid(f"input '{name}': BOOL elements must be bytes 0 or 1")
     return array.reshape(shape)
 
 
@@ -240,7 +242,7 @@ def _decode_bytes_elements(name: str, count: int, buf: memoryview) -> np.ndarray
     try:
         return decode_bytes_elements(buf, count)
     except ValueError as e:
-        raise _invalid(f"input '{name}': {e}") from None
+        raise invalid(f"input '{name}': {e}") from None
 
 
 def _object_array(items: list[Any]) -> np.ndarray:
@@ -252,13 +254,13 @@ def _object_array(items: list[Any]) -> np.ndarray:
 def _from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
     """`data` as a flat or nested JSON array in row-major order."""
     if not isinstance(data, list):
-        raise _invalid(f"input '{name}': 'data' must be a JSON array")
+        raise invalid(f"input '{name}': 'data' must be a JSON array")
     if datatype == "BYTES":
         array = _bytes_from_json(name, data)
     else:
         array = _numbers_from_json(name, datatype, data)
     if array.size != count:
-        raise _invalid(f"input '{name}': shape {shape} has {count} elements but 'data' holds {array.size}")
+        raise invalid(f"input '{name}': shape {shape} has {count} elements but 'data' holds {array.size}")
     return array.reshape(shape)
 
 
@@ -266,18 +268,18 @@ def _numbers_from_json(name: str, datatype: str, data: list) -> np.ndarray:
     try:
         parsed = np.array(data)  # let numpy infer the kind first, so "1.5" or 1.5 into INT64 is caught, not cast
     except ValueError:
-        raise _invalid(f"input '{name}': 'data' is a ragged nested array") from None
+        raise invalid(f"input '{name}': 'data' is a ragged nested array") from None
     dtype = _WIRE_DTYPES[datatype]
     if parsed.size == 0:
         return parsed.astype(dtype)
     if parsed.dtype.kind not in _JSON_KINDS[datatype]:
         got = _KIND_NAMES.get(parsed.dtype.kind, str(parsed.dtype))
-        raise _invalid(f"input '{name}': datatype {datatype} needs {_KIND_NAMES[_JSON_KINDS[datatype][-1]]} "
+        raise invalid(f"input '{name}': datatype {datatype} needs {_KIND_NAMES[_JSON_KINDS[datatype][-1]]} "
                        f"in 'data', got {got}")
     if dtype.kind in "iu" and parsed.dtype != dtype:
         info = np.iinfo(dtype)
         if parsed.min() < info.min or parsed.max() > info.max:
-            raise _invalid(f"input '{name}': 'data' has values outside the range of {datatype}")
+            raise invalid(f"input '{name}': 'data' has values outside the range of {datatype}")
     return parsed.astype(dtype, copy=False)
 
 
@@ -290,7 +292,7 @@ def _bytes_from_json(name: str, data: list) -> np.ndarray:
                 stack.append(iter(item))
                 break
             if not isinstance(item, str):
-                raise _invalid(f"input '{name}': BYTES elements in 'data' must be strings, got {item!r}")
+                raise invalid(f"input '{name}': BYTES elements in 'data' must be strings, got {item!r}")
             flat.append(item.encode())
         else:
             stack.pop()
@@ -386,5 +388,5 @@ def _json_output(tensor: InferTensor) -> Any:
         return [item.decode() if isinstance(item, (bytes, bytearray)) else str(item)
                 for item in np.asarray(tensor.data, dtype=object).reshape(-1)]
     except UnicodeDecodeError:
-        raise _invalid(f"output '{tensor.name}' holds bytes that are not UTF-8 text; "
+        raise invalid(f"output '{tensor.name}' holds bytes that are not UTF-8 text; "
                        f"request it with the 'binary_data' parameter") from None
