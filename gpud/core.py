@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from executor.pool import ExecutorPool
@@ -15,7 +15,7 @@ from executor.types import ErrorKind, InferenceError, InferRequest, InferRespons
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
-from gpud.inspect_view import HintsView, inspect_document
+from gpud.inspect_view import InspectView, inspect_document
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
 from gpud.repository.config import ModelConfigError
@@ -32,12 +32,13 @@ class GpudCore:
     """Implements gpud.core_api.InferenceCore."""
 
     def __init__(self, repository: ModelRepository, registry: Registry, placement: PlacementService,
-                 pool: ExecutorPool, *, hints: HintsView | None = None, server_name: str = "gpud"):
+                 pool: ExecutorPool, *, views: Mapping[str, InspectView] | None = None,
+                 server_name: str = "gpud"):
         self.repository = repository
         self.registry = registry
         self.placement = placement
         self.pool = pool
-        self.hints = hints  # the autoscaling hints (gpud.autoscale) shown by inspect(); None: none
+        self.views = dict(views or {})  # sections of inspect() from other parts: "hints", "controller"
         self.server_name = server_name
         self.started = False
         self.stopping = False
@@ -188,7 +189,7 @@ class GpudCore:
 
     def inspect(self) -> dict[str, Any]:
         return inspect_document(self.server_metadata(), self.snapshot(), self.placement, self.pool.worker_info(),
-                                self.hints)
+                                self.views)
 
 
 def _exists(repository: ModelRepository, name: str) -> bool:

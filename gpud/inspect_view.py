@@ -1,12 +1,13 @@
 """gpud's own view of itself (`GET /v2/gpud/inspect`, what `gpudctl inspect` shows): devices with a fresh reading
-each, model versions and their instances from the core's snapshot, the device workers, the autoscaling hints, and
-the placement service's planning inputs (devices, demands and the current placement, in `placement.spec`'s file
-formats: what `gpudctl place --devices live --models live --current live` plans with, so an offline re-plan of a
-running gpud starts from exactly what the daemon would use).
+each, model versions and their instances from the core's snapshot, the device workers, the sections other parts add
+(the autoscaling hints, the controller), and the placement service's planning inputs (devices, demands and the
+current placement, in `placement.spec`'s file formats: what `gpudctl place --devices live --models live --current
+live` plans with, so an offline re-plan of a running gpud starts from exactly what the daemon would use).
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from gpud.core_api import ServerMetadata
@@ -15,12 +16,14 @@ from placement import spec
 from telemetry.serving import ModelState, ServingSnapshot, VersionView
 
 
-class HintsView(Protocol):
+class InspectView(Protocol):
+    """A part of gpud that adds its own section to the document (the hints, the controller)."""
+
     def inspect(self) -> dict[str, Any]: ...
 
 
 def inspect_document(server: ServerMetadata, snapshot: ServingSnapshot, placement: PlacementService,
-                     workers: list[dict[str, Any]], hints: HintsView | None) -> dict[str, Any]:
+                     workers: list[dict[str, Any]], views: Mapping[str, InspectView]) -> dict[str, Any]:
     backend = placement.devices
     devices = []
     for d in backend.devices():
@@ -46,8 +49,8 @@ def inspect_document(server: ServerMetadata, snapshot: ServingSnapshot, placemen
            "placement": {**spec.devices_to_data(list(inputs.devices)), **spec.models_to_data(list(inputs.demands)),
                          **spec.current_to_data(list(inputs.current)),
                          "strategy": placement.config.strategy}}
-    if hints is not None:
-        out["hints"] = hints.inspect()
+    for name, view in views.items():
+        out[name] = view.inspect()
     return out
 
 

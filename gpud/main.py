@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector
@@ -18,6 +19,7 @@ from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.systemd_notify import notify
+from gpud.controller import CONTROL_MODES, ControlPolicy
 from telemetry.hints import DeviceFree, HintPolicy
 
 log = logging.getLogger("gpud")
@@ -81,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
     hints.add_argument("--hints-scale-down-stabilization-seconds", type=float, metavar="S", help="(default 300)")
     hints.add_argument("--hints-min-instances", type=int, metavar="N", help="(default 1)")
     hints.add_argument("--hints-max-instances", type=int, metavar="N", help="(default 8)")
+    control = p.add_argument_group("placement control (instances follow load; per model: config.pbtxt parameters "
+                                   "gpud_min_instances, gpud_max_instances)")
+    control.add_argument("--placement-control", choices=CONTROL_MODES,
+                         help="on: add, remove and move instances as the hints say (default); advise: log and "
+                              "export what it would do, change nothing; off: placements change only on request")
+    control.add_argument("--control-interval-seconds", type=float, metavar="S",
+                         help="how often the controller re-plans (default 10)")
+    control.add_argument("--control-max-steps-per-interval", type=int, metavar="N",
+                         help="instance loads, unloads and moves per interval; the rest waits (default 4)")
     return p
 
 
@@ -92,6 +103,19 @@ def hint_policy(settings: Settings) -> HintPolicy:
                       scale_up_stabilization_seconds=settings.hints_scale_up_stabilization_seconds,
                       scale_down_stabilization_seconds=settings.hints_scale_down_stabilization_seconds,
                       min_instances=settings.hints_min_instances, max_instances=settings.hints_max_instances)
+
+
+def control_policy(settings: Settings) -> ControlPolicy:
+    """The controller's policy from the settings; ValueError (exit 2) for values it refuses. No removal of a
+    version's instances within the hints' scale-down window of its last add: the controller cannot flap."""
+    if settings.placement_control not in CONTROL_MODES:
+        quote = " (YAML reads bare on/off as booleans: quote it, \"on\")" \
+            if settings.placement_control in ("True", "False") else ""
+        raise ValueError(f"placement_control must be one of {', '.join(CONTROL_MODES)}, "
+                         f"got {settings.placement_control!r}{quote}")
+    return ControlPolicy(interval_seconds=settings.control_interval_seconds,
+                         max_steps_per_interval=settings.control_max_steps_per_interval,
+                         scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds)
 
 
 def _bool(text: str) -> bool:
@@ -127,6 +151,7 @@ def _example_repository() -> str:
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from gpud.autoscale import HintsSampler
+    from gpud.control_loop import ControlLoop
     from gpud.core import GpudCore
     from gpud.api.metrics_server import start_metrics_server
     from gpud.placing.inputs import has_gpus
@@ -140,6 +165,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from telemetry.model_metrics import ModelMetrics
 
     policy = hint_policy(settings)  # refuse a bad policy before starting anything
+    control = control_policy(settings)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -176,8 +202,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                                                    for r in placement.rooms()],
                          policy, interval_s=settings.hints_interval_seconds,
                          rate_window_s=settings.hints_rate_window_seconds, registry=registry)
+    views: dict[str, Any] = {"hints": hints}
+    controller = None
+    if settings.placement_control != "off":
+        controller = ControlLoop(models.snapshot, hints.decisions, placement, control,
+                                 settings.placement_control, registry=registry)  # mode checked by control_policy
+        views["controller"] = controller
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), models,
-                    placement, pool, hints=hints)
+                    placement, pool, views=views)
     runners, ports, grpc_server = [], {}, None
     try:
         await core.start()
@@ -218,9 +250,12 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     log.info("gpud %s ready: serving", __version__)
 
     hints_task = asyncio.create_task(hints.run(), name="autoscaling-hints")
+    control_task = asyncio.create_task(controller.run(), name="placement-control") if controller else None
 
     await stop.wait()
     hints_task.cancel()
+    if control_task is not None:
+        control_task.cancel()
     log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)
     notify("STOPPING=1")
     await core.shutdown(settings.exit_timeout_seconds)

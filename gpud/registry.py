@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from executor.pool import InstanceHandle
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError
+from gpud.controller import InstanceBounds, instance_bounds
 from gpud.placing.inputs import VersionDemand, candidate_kinds
 from gpud.repository.config import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
@@ -30,6 +31,7 @@ class RegisteredVersion:
     entry: ModelEntry
     scheduler: ModelScheduler
     estimate_bytes: int = 0  # one instance's footprint estimated from the model file
+    bounds: InstanceBounds = InstanceBounds(1, None)  # how few and how many instances the controller may run
     instances: list[InstanceHandle] = field(default_factory=list)
     state: ModelState = ModelState.LOADING
     reason: str = ""
@@ -61,7 +63,8 @@ class RegisteredVersion:
         instances = tuple(InstanceView(i.index, i.device_id, i.ready, i.memory_bytes, i.estimate_bytes,
                                        i.measured_by, i.load_seconds, i.provider, i.error) for i in self.instances)
         return VersionView(self.name, self.version, state, reason, self.entry.config.max_batch_size, kinds,
-                           self.scheduler.pending_requests, instances, self.scheduler.stats)
+                           self.scheduler.pending_requests, instances, self.scheduler.stats,
+                           self.bounds.minimum, self.bounds.maximum)
 
 
 @dataclass(eq=False)
@@ -92,11 +95,12 @@ class Registry:
             v = str(version)
             try:
                 scheduler = ModelScheduler(entry.config, v)
-            except ValueError as exc:  # a batching policy the repository let through but the batcher refuses
+                bounds = instance_bounds(entry.config)
+            except ValueError as exc:  # a batching policy or instance bounds the repository let through
                 model.error = f"{entry.config_path or entry.path}: {exc}"
                 log.error("model %s: %s", name, model.error)
                 return []
-            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler)
+            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler, bounds=bounds)
             try:
                 vs.estimate_bytes = estimate_footprint_bytes(vs.model_path, entry.config)
             except (ModelConfigError, OSError) as exc:

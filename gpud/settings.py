@@ -41,6 +41,10 @@ class Settings:
     hints_scale_down_stabilization_seconds: float = 300.0
     hints_min_instances: int = 1
     hints_max_instances: int = 8
+    # --- the placement controller (README, "Placement that follows load") ---
+    placement_control: str = "on"  # "on": apply; "advise": log and export what it would do; "off": no controller
+    control_interval_seconds: float = 10.0  # how often the controller re-plans
+    control_max_steps_per_interval: int = 4  # adds, removals and moves applied per interval; the rest waits
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}

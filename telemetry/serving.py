@@ -51,6 +51,8 @@ class VersionView:
     pending_requests: int  # queued or running
     instances: tuple[InstanceView, ...]
     stats: ModelStats  # the executor's live record of this version: read it, never write it
+    min_instances: int = 1  # the controller's bounds (config.pbtxt gpud_min_instances / gpud_max_instances)
+    max_instances: int | None = None  # None: as many as the node has room for
 
     @property
     def ready_instances(self) -> int:

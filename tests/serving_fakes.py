@@ -24,6 +24,8 @@ class _Version:
     pending: int = 0
     instances: tuple[InstanceView, ...] = ()
     kinds: frozenset[str] = frozenset({"gpu", "mig"})
+    min_instances: int = 1
+    max_instances: int | None = None
 
 
 class FakeServing:
@@ -72,5 +74,6 @@ class FakeServing:
         models: dict[str, list[VersionView]] = {}
         for (model, version), v in sorted(self._versions.items()):
             models.setdefault(model, []).append(VersionView(
-                model, version, ModelState.READY, "", 8, v.kinds, v.pending, v.instances, v.stats))
+                model, version, ModelState.READY, "", 8, v.kinds, v.pending, v.instances, v.stats, v.min_instances,
+                v.max_instances))
         return ServingSnapshot(tuple(ModelView(name, "", tuple(vs)) for name, vs in models.items()))

@@ -211,3 +211,50 @@ def test_a_model_pinned_to_a_missing_gpu_is_unavailable_with_the_reason(node):
     asyncio.run(service.place(new))
     assert new[0].state is ModelState.UNAVAILABLE and "the node has no GPU 7 (GPUs: 0, 1)" in new[0].reason
     assert not pool.events  # not placed anywhere
+
+
+class TestControl:
+    """The controller's entry: re-plan with target counts, carry out at most max_steps steps."""
+
+    def started(self, node):
+        repository, registry, pool, service = node
+        asyncio.run(service.place(register_all(repository, registry)))
+        pool.events.clear()
+        return registry, pool, service
+
+    def test_scale_up_adds_instances_and_keeps_the_others_where_they_are(self, node):
+        registry, pool, service = self.started(node)
+        before = where(registry)
+        plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        assert [(s.kind, s.model, s.index, s.error) for s in plan.steps] == [("add", "mlp", 1, ""), ("add", "mlp", 2, "")]
+        assert [e[0] for e in pool.events] == ["load", "load"] and plan.deferred == 0
+        assert where(registry)["cnn"] == before["cnn"] and len(where(registry)["mlp"]) == 3
+
+    def test_the_cap_leaves_the_rest_for_later(self, node):
+        registry, pool, service = self.started(node)
+        plan = asyncio.run(service.control({("mlp", "1"): 5}, max_steps=2, apply=True))
+        assert len(plan.steps) == 2 and plan.deferred == 2  # 4 adds wanted, 2 done
+        plan = asyncio.run(service.control({("mlp", "1"): 5}, max_steps=2, apply=True))
+        assert len(plan.steps) == 2 and plan.deferred == 0 and len(where(registry)["mlp"]) == 5
+
+    def test_scale_down_removes_the_newest(self, node):
+        registry, pool, service = self.started(node)
+        asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        pool.events.clear()
+        plan = asyncio.run(service.control({("mlp", "1"): 1}, max_steps=4, apply=True))
+        assert sorted((s.kind, s.index) for s in plan.steps) == [("remove", 1), ("remove", 2)]
+        assert [i for i, _ in where(registry)["mlp"]] == [0] and [e[0] for e in pool.events] == ["unload", "unload"]
+
+    def test_advise_changes_nothing(self, node):
+        registry, pool, service = self.started(node)
+        before = where(registry)
+        plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=False))
+        assert [s.kind for s in plan.steps] == ["add", "add"]
+        assert where(registry) == before and pool.events == []
+
+    def test_a_failed_load_stops_the_interval(self, node):
+        registry, pool, service = self.started(node)
+        pool.fail_on = {"gpu0", "gpu1", "cpu"}
+        plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        assert len(plan.steps) == 1 and "out of memory (scripted)" in plan.steps[0].error
+        assert len(where(registry)["mlp"]) == 1  # the running one still serves

@@ -88,3 +88,21 @@ def test_worker_hang_seconds_from_flag_and_file_and_a_negative_one_is_refused(tm
     out = subprocess.run([sys.executable, "-m", "gpud.main", "--worker-hang-secs", "nan"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "worker_hang_seconds must be >= 0" in out.stderr
+
+
+def test_placement_control_settings_and_clear_refusals(tmp_path):
+    from gpud.main import control_policy
+
+    settings = resolve_settings(build_parser().parse_args(["--control-interval-seconds", "2"]))
+    assert settings.placement_control == "on"  # the default
+    policy = control_policy(settings)
+    assert (policy.interval_seconds, policy.max_steps_per_interval) == (2.0, 4)
+    assert policy.scale_down_cooldown_seconds == settings.hints_scale_down_stabilization_seconds  # no flapping
+    f = tmp_path / "gpud.yaml"
+    f.write_text("placement_control: on\n")  # YAML reads a bare `on` as true: refused, not taken as "on"
+    with pytest.raises(ValueError, match=r"placement_control must be one of off, advise, on, got 'True' \(YAML reads "
+                                         r"bare on/off as booleans: quote it"):
+        control_policy(resolve_settings(build_parser().parse_args(["--config", str(f)])))
+    out = subprocess.run([sys.executable, "-m", "gpud.main", "--control-interval-seconds", "0"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2 and "control interval must be > 0 seconds" in out.stderr

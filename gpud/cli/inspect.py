@@ -72,6 +72,7 @@ def render_inspect(data: dict[str, Any]) -> str:
             lines.append(f"      reason: {m['reason']}")
     lines += _render_workers(data.get("workers") or [])
     lines += _render_hints(data.get("hints"))
+    lines += _render_controller(data.get("controller"), data.get("time_unix_s"))
     return "\n".join(lines)
 
 
@@ -112,6 +113,33 @@ def _render_hints(hints: dict[str, Any] | None) -> list[str]:
         for model, per_device in headroom.items():
             cells = ", ".join(f"{dev} {n}" for dev, n in per_device.items()) or "no eligible device"
             lines.append(f"  {model:<20} {cells}")
+    return lines
+
+
+# --- the placement controller (gpud.control_loop) ---------------------------------------------------------------------
+def _render_controller(ctl: dict[str, Any] | None, now_unix_s: float | None, last: int = 10) -> list[str]:
+    """CONTROLLER: its mode, each version's target and why, and its last steps. Nothing when the daemon runs no
+    controller (--placement-control off, or an older gpud)."""
+    if not ctl:
+        return []
+    policy = ctl.get("policy") or {}
+    when = ctl.get("last_plan_unix_s")
+    ago = "never" if when is None or now_unix_s is None else f"{max(0.0, now_unix_s - when):.0f} s ago"
+    mode = ctl.get("mode", "?") + (" (plans are logged, not applied)" if ctl.get("mode") == "advise" else "")
+    lines = ["", f"CONTROLLER {mode}; every {policy.get('interval_seconds', 0):g} s, at most "
+                 f"{policy.get('max_steps_per_interval', 0)} steps; last plan {ago}",
+             f"  {'model':<20} {'ver':>3} {'now':>4} {'target':>6}  why"]
+    for t in ctl.get("targets", []):
+        lines.append(f"  {t['model']:<20} {t['version']:>3} {t['current']:>4} {t['target']:>6}  "
+                     f"{t['reason']}: {t['detail']}")
+    decisions = (ctl.get("decisions") or [])[-last:]
+    if decisions:
+        lines += ["", f"  last {len(decisions)} step(s):"]
+        for d in decisions:
+            where = f"{d.get('from_device') or '-'} -> {d.get('to_device') or '-'}"
+            state = "" if d.get("applied") else (f"  FAILED: {d['error']}" if d.get("error") else "  (not applied)")
+            lines.append(f"  {d['action']:<6} {d['model']}:{d['version']}#{d['instance']} {where}  "
+                         f"{d['reason']}: {d['detail']}{state}")
     return lines
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from executor.device import WorkerDevice
@@ -30,7 +30,7 @@ from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, Versio
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.registry import RegisteredVersion, Registry
 from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
-from placement.model import DeviceKind, fmt_bytes
+from placement.model import DeviceKind, MoveKind, fmt_bytes
 from telemetry.devices import DeviceBackend, DeviceInfo
 from telemetry.serving import ModelState
 
@@ -46,6 +46,36 @@ class DeviceRoom:
     index: int  # GPU index (the parent's for MIG), -1 for the CPU
     free_bytes: int
     total_bytes: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a plan as it was carried out, in the model's terms."""
+
+    kind: MoveKind  # add | remove | move
+    model: str
+    version: str
+    index: int  # the instance's index within its version
+    from_device: str | None
+    to_device: str | None
+    error: str = ""  # why the new instance did not load; "" when the step was done
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    model: str
+    version: str
+    index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ControlPlan:
+    steps: tuple[Step, ...]  # done (or, in advise mode, what would be done), in order
+    unplaced: tuple[Unplaced, ...]  # instances of the targets the node has no room for
+    deferred: int  # steps left for later intervals (the cap on steps, or no room until others move)
+    method: str  # how the planner made it
+    unhealthy_devices: frozenset[str] = frozenset()
 
 
 class PlacementService:
@@ -81,9 +111,11 @@ class PlacementService:
             out.append(DeviceRoom(d.id, d.kind, d.index, max(0, free), d.memory_total_bytes))
         return out
 
-    def inputs(self, versions: Sequence[RegisteredVersion] | None = None) -> PlacementInputs:
+    def inputs(self, versions: Sequence[RegisteredVersion] | None = None,
+               totals: Mapping[tuple[str, str], int] | None = None) -> PlacementInputs:
         """The planning problem of the live versions (and `versions`, which ask their configured counts): devices
-        with what is not ours taken off, demands, and the live instances as the current placement."""
+        with what is not ours taken off, demands, and the live instances as the current placement. `totals`
+        sets a version's instance count (the controller's target); the change goes to its last instance group."""
         live = self._live()
         new = [v for v in versions or () if v not in live]
         # A live group asks for what it runs, holes included (an instance that failed to load keeps its number).
@@ -110,7 +142,13 @@ class PlacementService:
                                    other_used_bytes=other, unhealthy=frozenset(unhealthy))
         demands: list[VersionDemand] = [v.demand() for v in live + new]
         current = [LiveInstance(v.name, v.version, i.index, i.device_id) for v in live for i in v.instances]
-        return build_inputs(devices, demands, current, counts={**_config_counts(new), **counts})
+        counts = {**_config_counts(new), **counts}
+        for (model, version), total in (totals or {}).items():
+            vs = self.registry.version(model, version)
+            last = len(vs.entry.config.instance_groups) - 1
+            others = sum(counts.get(GroupKey(model, version, g), 0) for g in range(last))
+            counts[GroupKey(model, version, last)] = max(0, total - others)
+        return build_inputs(devices, demands, current, counts=counts)
 
     async def _plan(self, inputs: PlacementInputs, config: PlannerConfig) -> Plan:
         # The engine is pure and may search for up to its time limit: off the event loop, so serving goes on.
@@ -142,9 +180,10 @@ class PlacementService:
                        for k in range(len(v.entry.config.instance_groups))}
             moves = [m for m in diff(inputs.current, result.placements, inputs.devices, inputs.demands)
                      if m.model in placing]
-            failed = await self._apply(inputs, moves, atomic=False)
-            for vs, why in failed:
-                reasons.setdefault(vs, []).append(why)
+            for step in await self._apply(inputs, moves, atomic=False):
+                if step.error:
+                    vs = self.registry.version(step.model, step.version)
+                    reasons.setdefault(vs, []).append(f"instance {step.index} on {step.to_device}: {step.error}")
             for vs in new:
                 vs.state = ModelState.READY if vs.instances else ModelState.UNAVAILABLE
                 vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
@@ -161,6 +200,42 @@ class PlacementService:
             else:
                 ok.append(vs)
         return ok
+
+    # --- the controller ----------------------------------------------------------------------------------------
+    async def control(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool) -> ControlPlan:
+        """Re-plan the node with these versions' instance counts (the others keep theirs), keeping moves few
+        (placement's incremental re-plan: what runs stays where it is unless moving it lets more fit; instances on
+        unhealthy devices are placed again elsewhere), and carry out the first `max_steps` steps in order, each
+        move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be)."""
+        async with self.lock:
+            wanted = [self.registry.version(m, v) for m, v in totals]
+            inputs = self.inputs([vs for vs in wanted if vs.state in (ModelState.READY, ModelState.UNAVAILABLE)],
+                                 totals)
+            result = await self._plan(inputs, replace(self.config, move_current=True))
+            moves = diff(inputs.current, result.placements, inputs.devices, inputs.demands)
+            # A step with no room until others have moved would overcommit the device: left for a later interval.
+            doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
+            todo = doable[:max_steps]
+            if apply:
+                steps = await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
+            else:
+                steps = []
+                for m in todo:
+                    key, index = inputs.instance(Assignment(m.model, m.instance, ""))
+                    steps.append(Step(m.kind, key.model, key.version, index, m.from_device, m.to_device))
+            unplaced = []
+            for u in result.unplaced:
+                key, index = inputs.instance(Assignment(u.model, u.instance, ""))
+                unplaced.append(Unplaced(key.model, key.version, index, u.reason))
+            unhealthy = {d.id for d in inputs.devices if not d.healthy}
+            return ControlPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
+                               frozenset(unhealthy))
+
+    def instances_on_unhealthy_devices(self) -> int:
+        """Live instances on devices the driver reports lost: the controller re-plans while there are any."""
+        lost = {d.id for d in self.devices.leaf_devices()
+                if self._gpu_used_bytes(d) is not None and not self.devices.sample(d.id).healthy}
+        return sum(1 for v in self._live() for i in v.instances if i.device_id in lost)
 
     async def stop_version(self, vs: RegisteredVersion) -> None:
         """Stop every instance of `vs` (an unload): no new batches go to them; each finishes the batch it runs."""
@@ -185,13 +260,15 @@ class PlacementService:
                 raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"placement not applied: no order of steps keeps "
                                      f"every model serving: '{m.model}' instance {m.instance} has no room on "
                                      f"{m.to_device} until other instances it waits for have moved; nothing changed")
-            added, removed = [], []
-            await self._apply(inputs, moves, atomic=True, added=added, removed=removed)
+            steps = await self._apply(inputs, moves, atomic=True)
             for vs in set(named.values()):
                 vs.state = ModelState.READY if vs.instances else ModelState.UNAVAILABLE
                 if vs.instances:
                     vs.reason = ""
-            return Applied(tuple(added), tuple(removed))
+            return Applied(tuple(PlacedInstance(s.model, s.version, s.index, s.to_device) for s in steps
+                                 if s.to_device is not None),
+                           tuple(PlacedInstance(s.model, s.version, s.index, s.from_device) for s in steps
+                                 if s.from_device is not None))
 
     def _resolve_versions(self, requested: Sequence[RequestedPlacement]) -> dict[str, RegisteredVersion]:
         """The version each requested model name means; errors before anything changes."""
@@ -265,48 +342,47 @@ class PlacementService:
 
     # --- applying steps -------------------------------------------------------------------------------------------
     async def _apply(self, inputs: PlacementInputs, moves: Sequence[Move], *, atomic: bool,
-                     added: list[PlacedInstance] | None = None,
-                     removed: list[PlacedInstance] | None = None) -> list[tuple[RegisteredVersion, str]]:
-        """Carry out `moves` in order. Not atomic: a failed load is returned with its reason and the rest goes on.
-        Atomic: a failed load undoes every step done so far, in reverse, and raises."""
-        added = [] if added is None else added
-        removed = [] if removed is None else removed
+                     stop_at_failure: bool = False) -> list[Step]:
+        """Carry out `moves` in order and say what each did. A failed load: atomic, every step done so far is undone
+        in reverse and InferenceError raised; else it is a Step with its error, and the rest goes on (or, with
+        `stop_at_failure`, stops: later steps may count on room this one was to free)."""
         undo: list[Callable[[], Awaitable[None]]] = []
-        failed: list[tuple[RegisteredVersion, str]] = []
+        steps: list[Step] = []
         for mv in moves:
             key, index = inputs.instance(Assignment(mv.model, mv.instance, ""))
             vs = self.registry.version(key.model, key.version)
+            step = Step(mv.kind, vs.name, vs.version, index, mv.from_device, mv.to_device)
             if mv.kind == "remove":
-                await self._remove(vs, index, mv.from_device, undo, removed)
+                await self._remove(vs, index, mv.from_device, undo)
+                steps.append(step)
                 continue
             log.info("model %s version %s instance %d -> device %s%s (%.1f MiB)", vs.name, vs.version, index,
                      mv.to_device, f" (from {mv.from_device})" if mv.from_device else "",
                      vs.footprint_bytes() / 2**20)
             inst = await self._start(vs, index, mv.to_device)
             if not inst.ready:
-                why = f"instance {index} on {mv.to_device}: {inst.error}"
                 if atomic:
-                    for step in reversed(undo):  # roll back: the node stays as it was
-                        await step()
+                    for done in reversed(undo):  # roll back: the node stays as it was
+                        await done()
                     raise InferenceError(ErrorKind.UNAVAILABLE, f"placement not applied: instance {index} of "
                                          f"'{vs.name}' could not load on {mv.to_device}: {inst.error}; "
                                          "nothing changed")
-                failed.append((vs, why))
+                steps.append(replace(step, error=inst.error or "not ready"))
+                if stop_at_failure:
+                    break
                 continue
-            added.append(PlacedInstance(vs.name, vs.version, index, mv.to_device))
             undo.append(lambda vs=vs, inst=inst: self._stop(vs, inst))
             if mv.kind == "move":  # make-before-break: the new one serves, now the old one goes
-                await self._remove(vs, index, mv.from_device, undo, removed)
-        return failed
+                await self._remove(vs, index, mv.from_device, undo)
+            steps.append(step)
+        return steps
 
-    async def _remove(self, vs: RegisteredVersion, index: int, device: str | None, undo: list,
-                      removed: list[PlacedInstance]) -> None:
+    async def _remove(self, vs: RegisteredVersion, index: int, device: str | None, undo: list) -> None:
         old = next((i for i in vs.instances if i.index == index and i.device_id == device), None)
         if old is None:
             return
         await self._stop(vs, old)
         log.info("model %s version %s instance %d on %s stopped", vs.name, vs.version, index, device)
-        removed.append(PlacedInstance(vs.name, vs.version, index, old.device_id))
 
         async def restore() -> None:
             again = await self._start(vs, index, old.device_id)

@@ -1,0 +1,192 @@
+"""The placement controller in the daemon: every interval it reads the core's snapshot and the autoscaling hints,
+turns them into a target count per model version (gpud.controller, pure), and has the placement service re-plan
+and carry out the difference, make-before-break, at most `max_steps_per_interval` steps at a time.
+
+Modes (`--placement-control`): `on` applies; `advise` plans the same steps, logs and exports them as not applied, and
+changes nothing; `off` runs no loop. Every step is logged with its reason, counted in
+`gpud_placement_actions_total{action,reason,applied}`, and kept with the last ones for `gpudctl inspect`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpud.controller import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
+                             VersionState, after_added, decide_target)
+from gpud.placing.service import ControlPlan, Step
+from telemetry.hints import HintDecision
+from telemetry.serving import SnapshotSource
+
+log = logging.getLogger("gpud.controller")
+
+Key = tuple[str, str]  # (model, version)
+HintsSource = Callable[[], Mapping[Key, HintDecision]]
+
+
+class Placer(Protocol):
+    """What the loop needs of the placement service."""
+
+    async def control(self, totals: Mapping[Key, int], *, max_steps: int, apply: bool) -> ControlPlan: ...
+
+    def instances_on_unhealthy_devices(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One step the controller took (or, in advise mode, would have taken), for inspect."""
+
+    time_unix_s: float
+    action: str  # add | remove | move
+    model: str
+    version: str
+    instance: int
+    from_device: str | None
+    to_device: str | None
+    reason: Reason
+    detail: str
+    applied: bool
+    error: str = ""
+
+
+class ControlLoop(Collector):
+    def __init__(self, snapshot: SnapshotSource, hints: HintsSource, placement: Placer, policy: ControlPolicy,
+                 mode: ControlMode, *, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, history: int = 50,
+                 registry: CollectorRegistry | None = None):
+        self.snapshot = snapshot
+        self.hints = hints
+        self.placement = placement
+        self.policy = policy
+        self.mode = mode
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._states: dict[Key, VersionState] = {}
+        self.targets: list[Target] = []
+        self.decisions: deque[Decision] = deque(maxlen=history)
+        self.actions: Counter[tuple[str, str, str]] = Counter()  # (action, reason, applied) -> steps
+        self.refused: Counter[str] = Counter()  # why a plan left something undone -> plans
+        self.plans = 0
+        self.last_plan_unix_s: float | None = None
+        self._last_unplaced: tuple = ()
+        if registry is not None:
+            registry.register(self)
+
+    async def run(self) -> None:
+        """Tick every interval (cancel to stop). A failing tick is logged and the next one runs."""
+        while True:
+            await asyncio.sleep(self.policy.interval_seconds)
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - the controller must not die of one bad interval
+                log.exception("placement control: the interval failed")
+
+    async def tick(self) -> None:
+        now = self.clock()
+        hints = self.hints()
+        targets = []
+        for v in self.snapshot().versions():
+            if not v.instances:
+                continue  # not loaded (or its load failed): nothing to scale
+            key = (v.model, v.version)
+            hint = hints.get(key)
+            obs = VersionObservation(v.model, v.version, len(v.instances),
+                                     InstanceBounds(v.min_instances, v.max_instances),
+                                     None if hint is None else hint.desired_instances,
+                                     "" if hint is None else hint.reason)
+            targets.append(decide_target(self.policy, self._states.get(key, VersionState()), obs, now))
+        self.targets = targets
+        self._states = {k: s for k, s in self._states.items() if any((t.model, t.version) == k for t in targets)}
+        changes = {(t.model, t.version): t.target for t in targets if t.target != t.current}
+        if not changes and not self.placement.instances_on_unhealthy_devices():
+            return
+        apply = self.mode == "on"
+        plan = await self.placement.control(changes, max_steps=self.policy.max_steps_per_interval, apply=apply)
+        self.plans += 1
+        self.last_plan_unix_s = self.wall_clock()
+        by_key = {(t.model, t.version): t for t in targets}
+        for step in plan.steps:
+            self._record(step, by_key.get((step.model, step.version)), plan, apply, now)
+        if any(s.error for s in plan.steps):
+            self.refused["load_failed"] += 1
+        unplaced = tuple((u.model, u.version, u.index) for u in plan.unplaced)
+        if unplaced:
+            self.refused["no_room"] += 1
+            if unplaced != self._last_unplaced:  # said once, not every interval
+                for u in plan.unplaced:
+                    log.warning("placement control: model %s version %s instance %d has no room: %s", u.model,
+                                u.version, u.index, u.reason)
+        self._last_unplaced = unplaced
+        if plan.deferred:
+            log.info("placement control: %d step(s) left for the next interval(s)", plan.deferred)
+
+    def _record(self, step: Step, target: Target | None, plan: ControlPlan, apply: bool, now_s: float) -> None:
+        if step.from_device in plan.unhealthy_devices:
+            reason: Reason = "device_lost"
+            detail = f"device {step.from_device} is unhealthy"
+        elif step.kind == "move":
+            reason, detail = "make_room", "moved so that more instances fit"
+        elif target is not None:
+            reason, detail = target.reason, target.detail
+        else:
+            reason, detail = "make_room", "part of the re-plan"
+        applied = apply and not step.error
+        self.decisions.append(Decision(self.wall_clock(), step.kind, step.model, step.version, step.index,
+                                       step.from_device, step.to_device, reason, detail, applied, step.error))
+        self.actions[(step.kind, reason, "true" if applied else "false")] += 1
+        if applied and step.kind in ("add", "move"):
+            key = (step.model, step.version)
+            self._states[key] = after_added(self._states.get(key, VersionState()), now_s)
+        where = (f"{step.from_device or '-'} -> {step.to_device or '-'}")
+        if step.error:
+            log.error("placement control: %s model %s version %s instance %d %s failed (%s: %s): %s", step.kind,
+                      step.model, step.version, step.index, where, reason, detail, step.error)
+        else:
+            log.info("placement control%s: %s model %s version %s instance %d %s (%s: %s)",
+                     "" if apply else " (advise: not applied)", step.kind, step.model, step.version, step.index,
+                     where, reason, detail)
+
+    # --- views ---------------------------------------------------------------------------------------------------
+    def inspect(self) -> dict[str, Any]:
+        return {"mode": self.mode, "policy": asdict(self.policy), "plans": self.plans,
+                "last_plan_unix_s": self.last_plan_unix_s,
+                "targets": [asdict(t) for t in self.targets],
+                "decisions": [asdict(d) for d in self.decisions],
+                "refused": dict(self.refused)}
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def _families(self) -> list[Metric]:
+        return [
+            CounterMetricFamily("gpud_placement_actions", "Steps of the placement controller, by action (add, remove, "
+                                "move), reason and whether they were applied (advise mode: false).",
+                                labels=("action", "reason", "applied")),
+            CounterMetricFamily("gpud_placement_plans", "Re-plans the placement controller made."),
+            CounterMetricFamily("gpud_placement_plans_refused", "Re-plans that left something undone, by why: "
+                                "no_room (a target does not fit), load_failed.", labels=("reason",)),
+            GaugeMetricFamily("gpud_placement_last_plan_timestamp_seconds", "When the controller last re-planned "
+                              "(Unix time)."),
+            GaugeMetricFamily("gpud_placement_target_instances", "The controller's target instance count.",
+                              labels=("model", "version")),
+        ]
+
+    def collect(self) -> Iterable[Metric]:
+        actions, plans, refused, last, targets = fams = self._families()
+        for (action, reason, applied), n in sorted(self.actions.items()):
+            actions.add_metric([action, reason, applied], n)
+        plans.add_metric([], self.plans)
+        for reason, n in sorted(self.refused.items()):
+            refused.add_metric([reason], n)
+        if self.last_plan_unix_s is not None:
+            last.add_metric([], self.last_plan_unix_s)
+        for t in self.targets:
+            targets.add_metric([t.model, t.version], float(t.target))
+        return fams

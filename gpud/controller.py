@@ -1,0 +1,130 @@
+"""The placement controller's decisions, as pure functions of (policy, state, observation, now): how many instances
+each model version should run, and why. `gpud.control_loop` feeds them and applies the result through the placement
+service; nothing here does I/O or reads a clock.
+
+Rules, per model version, each interval:
+1. The wanted count is the autoscaling hint's `desired_instances` (telemetry.hints: the HPA rule over queue time and
+   load, already stabilized: a need for more must last the scale-up window, a lull the scale-down window). Without a
+   hint yet (its first rate window), the wanted count is the current one: only the bounds are enforced.
+2. The target is the wanted count clamped to the version's bounds: `gpud_min_instances` (default: its instance_group
+   counts, so by default gpud never runs fewer instances than configured) and `gpud_max_instances` (default: none;
+   the node's room is the limit, found by the planner).
+3. No removal within `scale_down_cooldown_seconds` of this version's last added instance (by default the hints'
+   scale-down window): an instance is never added and removed within one stabilization window, so the controller
+   cannot flap. Adding is never held back: a load that returns is served.
+The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason), min_instances
+/ max_instances (the bounds), and for steps the planner adds, make_room (a move that lets more fit) and device_lost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from executor.model_config import ModelConfig
+
+ControlMode = Literal["off", "advise", "on"]
+CONTROL_MODES: tuple[ControlMode, ...] = ("off", "advise", "on")
+MIN_INSTANCES_PARAMETER = "gpud_min_instances"
+MAX_INSTANCES_PARAMETER = "gpud_max_instances"
+
+Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "make_room", "device_lost"]
+
+
+@dataclass(frozen=True)
+class InstanceBounds:
+    minimum: int
+    maximum: int | None  # None: as many as the node has room for
+
+
+def instance_bounds(config: ModelConfig) -> InstanceBounds:
+    """`gpud_min_instances` / `gpud_max_instances` from config.pbtxt `parameters`; ValueError names the problem."""
+    configured = sum(g.count for g in config.instance_groups)
+
+    def read(key: str) -> int | None:
+        text = config.parameters.get(key)
+        if text is None:
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"parameter {key} must be a whole number of instances, got {text!r}") from None
+        if value < 0:
+            raise ValueError(f"parameter {key} must be >= 0, got {value}")
+        return value
+
+    lo, hi = read(MIN_INSTANCES_PARAMETER), read(MAX_INSTANCES_PARAMETER)
+    lo = configured if lo is None else lo
+    if hi is not None and hi < lo:
+        raise ValueError(f"parameter {MAX_INSTANCES_PARAMETER} ({hi}) is below the minimum ({lo}"
+                         + (")" if MIN_INSTANCES_PARAMETER in config.parameters
+                            else f": the instance_group count; set {MIN_INSTANCES_PARAMETER} too)"))
+    return InstanceBounds(lo, hi)
+
+
+@dataclass(frozen=True)
+class ControlPolicy:
+    interval_seconds: float = 10.0
+    max_steps_per_interval: int = 4  # adds, removals and moves applied per interval (the rest waits)
+    scale_down_cooldown_seconds: float = 300.0  # after an add, no removal of the version's instances for this long
+
+    def __post_init__(self) -> None:
+        if not self.interval_seconds > 0:
+            raise ValueError(f"control interval must be > 0 seconds, got {self.interval_seconds}")
+        if self.max_steps_per_interval < 1:
+            raise ValueError(f"max steps per interval must be >= 1, got {self.max_steps_per_interval}")
+        if not self.scale_down_cooldown_seconds >= 0:
+            raise ValueError(f"scale-down cooldown must be >= 0 seconds, got {self.scale_down_cooldown_seconds}")
+
+
+@dataclass(frozen=True)
+class VersionObservation:
+    model: str
+    version: str
+    instances: int  # live instances now (ready or not)
+    bounds: InstanceBounds
+    desired: int | None  # the hint; None before its first window
+    hint_reason: str = ""
+
+
+@dataclass(frozen=True)
+class VersionState:
+    last_added_s: float | None = None  # when the controller last added an instance of this version
+
+
+@dataclass(frozen=True)
+class Target:
+    model: str
+    version: str
+    current: int
+    target: int
+    reason: Reason
+    detail: str  # for people: the rule and its numbers
+
+
+def decide_target(policy: ControlPolicy, state: VersionState, obs: VersionObservation, now_s: float) -> Target:
+    lo, hi = obs.bounds.minimum, obs.bounds.maximum
+    n = obs.instances
+    wanted = n if obs.desired is None else obs.desired
+
+    def out(target: int, reason: Reason, detail: str) -> Target:
+        return Target(obs.model, obs.version, n, target, reason, detail)
+
+    # The bounds first: they hold whatever the hint says, and a cooldown does not delay them.
+    if hi is not None and n > hi:
+        return out(hi, "max_instances", f"{n} running, {MAX_INSTANCES_PARAMETER} is {hi}")
+    if n < lo and wanted <= lo:
+        return out(lo, "min_instances", f"{n} running, {MIN_INSTANCES_PARAMETER} is {lo}")
+    target = max(lo, wanted if hi is None else min(wanted, hi))
+    if target > n:
+        return out(target, "scale_up", obs.hint_reason or f"hint {wanted}")
+    if target < n:
+        since = None if state.last_added_s is None else now_s - state.last_added_s
+        if since is not None and since < policy.scale_down_cooldown_seconds:
+            return out(n, "hold", f"hint {wanted}, but an instance was added {since:.0f} s ago "
+                                  f"(no removal within {policy.scale_down_cooldown_seconds:g} s of an add)")
+        return out(target, "scale_down", obs.hint_reason or f"hint {wanted}")
+    return out(n, "hold", "at target" if obs.desired is not None else "no hint yet (first rate window)")
+
+
+def after_added(state: VersionState, now_s: float) -> VersionState:
+    return VersionState(last_added_s=now_s)

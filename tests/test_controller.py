@@ -1,0 +1,103 @@
+"""gpud.controller: the pure per-version decision (target count and its reason) and the bounds from config.pbtxt."""
+from __future__ import annotations
+
+import pytest
+
+from executor.model_config import InstanceGroup, ModelConfig
+from gpud.controller import (ControlPolicy, InstanceBounds, VersionObservation, VersionState, after_added,
+                             decide_target, instance_bounds)
+
+POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
+NOW = 1000.0
+
+
+def obs(instances: int, desired: int | None, lo: int = 1, hi: int | None = None, why: str = "hint says so"):
+    return VersionObservation("m", "1", instances, InstanceBounds(lo, hi), desired, why)
+
+
+class TestDecideTarget:
+    @pytest.mark.parametrize("instances, desired, lo, hi, target, reason", [
+        (1, 3, 1, None, 3, "scale_up"),  # hint 3 > 1 running, no maximum
+        (1, 6, 1, 4, 4, "scale_up"),  # min(6, max 4) = 4
+        (4, 1, 1, None, 1, "scale_down"),  # no add in the cooldown: down to the hint
+        (3, 1, 2, None, 2, "scale_down"),  # max(min 2, hint 1) = 2
+        (2, 2, 1, None, 2, "hold"),  # at target
+        (1, None, 1, None, 1, "hold"),  # no hint yet: the current count stands
+        (0, None, 2, None, 2, "min_instances"),  # below the minimum with no hint: up to 2
+        (1, 1, 3, None, 3, "min_instances"),  # the hint wants 1, the minimum 3
+        (1, 5, 3, None, 5, "scale_up"),  # below the minimum, but the hint wants more: the hint's reason
+        (6, 6, 1, 4, 4, "max_instances"),  # above the maximum: down to it, whatever the hint
+        (6, None, 1, 4, 4, "max_instances"),
+    ])
+    def test_target_and_reason(self, instances, desired, lo, hi, target, reason):
+        t = decide_target(POLICY, VersionState(), obs(instances, desired, lo, hi), NOW)
+        assert (t.current, t.target, t.reason) == (instances, target, reason)
+
+    def test_scale_up_carries_the_hints_reason(self):
+        t = decide_target(POLICY, VersionState(), obs(1, 2, why="queue 30.0 ms > target 10.0 ms"), NOW)
+        assert t.detail == "queue 30.0 ms > target 10.0 ms"
+
+    @pytest.mark.parametrize("added_ago_s, target, reason", [
+        (0.0, 4, "hold"),  # just added: 0 < 300 s, no removal
+        (299.0, 4, "hold"),  # 299 < 300
+        (300.0, 1, "scale_down"),  # 300 >= 300: the window has passed
+    ])
+    def test_no_removal_within_the_cooldown_of_an_add(self, added_ago_s, target, reason):
+        state = after_added(VersionState(), NOW - added_ago_s)
+        t = decide_target(POLICY, state, obs(4, 1), NOW)
+        assert (t.target, t.reason) == (target, reason)
+
+    def test_adding_is_never_held_back(self):
+        state = after_added(VersionState(), NOW)  # an add this very second
+        assert decide_target(POLICY, state, obs(2, 5), NOW).target == 5
+
+    def test_the_maximum_is_not_delayed_by_the_cooldown(self):
+        state = after_added(VersionState(), NOW)
+        t = decide_target(POLICY, state, obs(6, 6, hi=4), NOW)
+        assert (t.target, t.reason) == (4, "max_instances")
+
+    def test_no_flapping_under_an_oscillating_hint(self):
+        # The hint alternates 4, 1, 4, 1 every interval: instances go up at once and never come down within the
+        # cooldown; no instance is added and removed within one window.
+        state, n, history = VersionState(), 1, []
+        for k in range(30):  # 30 intervals of 10 s = 300 s
+            now = NOW + 10 * k
+            t = decide_target(POLICY, state, obs(n, 4 if k % 2 == 0 else 1), now)
+            if t.target > n:
+                state = after_added(state, now)
+            n = t.target
+            history.append(n)
+        assert history == [4] * 30  # up at the first interval, held for the rest of the 300 s window
+
+
+class TestBounds:
+    def config(self, counts=(1,), **parameters) -> ModelConfig:
+        return ModelConfig(name="m", max_batch_size=8, inputs=(), outputs=(),
+                           instance_groups=tuple(InstanceGroup(count=c) for c in counts),
+                           parameters={k: str(v) for k, v in parameters.items()})
+
+    def test_defaults_are_the_configured_count_and_no_maximum(self):
+        assert instance_bounds(self.config((2, 1))) == InstanceBounds(3, None)  # 2 + 1 configured
+
+    def test_parameters(self):
+        assert instance_bounds(self.config(gpud_min_instances=0, gpud_max_instances=6)) == InstanceBounds(0, 6)
+
+    @pytest.mark.parametrize("parameters, message", [
+        ({"gpud_min_instances": "two"}, "gpud_min_instances must be a whole number of instances, got 'two'"),
+        ({"gpud_max_instances": -1}, "gpud_max_instances must be >= 0, got -1"),
+        ({"gpud_min_instances": 3, "gpud_max_instances": 2}, r"gpud_max_instances \(2\) is below the minimum \(3\)"),
+        ({"gpud_max_instances": 1}, "the instance_group count; set gpud_min_instances too"),
+    ])
+    def test_bad_parameters_name_the_problem(self, parameters, message):
+        with pytest.raises(ValueError, match=message):
+            instance_bounds(self.config((2,), **parameters))
+
+
+class TestPolicy:
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"interval_seconds": 0}, "interval"), ({"max_steps_per_interval": 0}, "max steps"),
+        ({"scale_down_cooldown_seconds": -1}, "cooldown"),
+    ])
+    def test_refused(self, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            ControlPolicy(**kwargs)

@@ -1,0 +1,136 @@
+"""End to end, the placement controller on a simulated multi-device node with real requests: a load step on one model
+scales it up, the end of the load scales it back down, and the clients (HTTP and gRPC) see zero failed requests
+throughout; in advise mode the same load changes nothing."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.daemon_harness import save, slow_model, start_daemon, wait_for
+
+pytestmark = pytest.mark.slow
+WIDTH = 256
+CONFIG = """
+max_batch_size: 8
+dynamic_batching { }
+instance_group [ { count: 1 } ]
+parameters { key: "gpud_max_instances" value: { string_value: "3" } }
+"""
+# Short windows so that a test sees whole cycles: hints every 0.5 s over 2 s, a need for more must last 1 s, a lull
+# 4 s (also the controller's no-removal-after-add cooldown); the controller re-plans every second.
+FAST = ("--hints-interval-seconds", "0.5", "--hints-rate-window-seconds", "2", "--hints-target-queue-seconds", "0.005",
+        "--hints-scale-up-stabilization-seconds", "1", "--hints-scale-down-stabilization-seconds", "4",
+        "--hints-max-instances", "3", "--control-interval-seconds", "1")
+
+
+class Load:
+    """Client threads sending one-row requests as fast as they are answered, counting answers and failures."""
+
+    def __init__(self, daemon, http_clients: int = 3, grpc_clients: int = 3):
+        self.daemon = daemon
+        self.stop = threading.Event()
+        self.ok = {"http": 0, "grpc": 0}
+        self.failures: list[str] = []
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._http, daemon=True) for _ in range(http_clients)]
+        self.threads += [threading.Thread(target=self._grpc, daemon=True) for _ in range(grpc_clients)]
+
+    def _count(self, protocol: str, error: Exception | None) -> None:
+        with self._lock:
+            if error is None:
+                self.ok[protocol] += 1
+            else:
+                self.failures.append(f"{protocol}: {error}")
+
+    def _http(self) -> None:
+        client = httpclient.InferenceServerClient(self.daemon.http_url, network_timeout=60)
+        x = httpclient.InferInput("x", [1, WIDTH], "FP32")
+        x.set_data_from_numpy(np.full((1, WIDTH), 0.01, np.float32), binary_data=True)
+        while not self.stop.is_set():
+            try:
+                assert client.infer("slow", [x]).as_numpy("y").shape == (1, WIDTH)
+                self._count("http", None)
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
+                self._count("http", exc)
+
+    def _grpc(self) -> None:
+        client = grpcclient.InferenceServerClient(self.daemon.grpc_url)
+        x = grpcclient.InferInput("x", [1, WIDTH], "FP32")
+        x.set_data_from_numpy(np.full((1, WIDTH), 0.01, np.float32))
+        while not self.stop.is_set():
+            try:
+                assert client.infer("slow", [x], client_timeout=60).as_numpy("y").shape == (1, WIDTH)
+                self._count("grpc", None)
+            except Exception as exc:  # noqa: BLE001
+                self._count("grpc", exc)
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def _instances(daemon) -> int:
+    return next(len(m["instances"]) for m in daemon.inspect()["models"] if m["name"] == "slow")
+
+
+@pytest.fixture
+def repo(tmp_path):
+    repo = tmp_path / "repo"
+    save(slow_model(width=WIDTH, layers=400), repo, "slow", CONFIG)  # a batch computes for tens of ms
+    return repo
+
+
+def test_a_load_step_scales_up_then_down_with_zero_failed_requests(repo, tmp_path):
+    daemon = start_daemon(repo, tmp_path, *FAST)
+    try:
+        assert _instances(daemon) == 1
+        with Load(daemon) as load:
+            started = time.monotonic()
+            wait_for(lambda: _instances(daemon) >= 2, 60, "the controller to add an instance under load")
+            scaled_up_after_s = time.monotonic() - started
+            served = dict(load.ok)
+            wait_for(lambda: load.ok["http"] > served["http"] + 200 and load.ok["grpc"] > served["grpc"] + 200, 60,
+                     "requests served while scaled up")
+            peak = _instances(daemon)
+        # The load has ended: after the 4 s lull (and the cooldown since the last add) it comes back down.
+        wait_for(lambda: _instances(daemon) == 1, 90, "the controller to remove the instances the load needed")
+        assert load.failures == [], load.failures[:5]
+        ctl = daemon.inspect()["controller"]
+        reasons = [(d["action"], d["reason"], d["applied"]) for d in ctl["decisions"]]
+        adds = reasons.count(("add", "scale_up", True))
+        assert adds >= peak - 1 >= 1 and reasons.count(("remove", "scale_down", True)) == adds, reasons
+        assert max(t["target"] for t in ctl["targets"]) <= 3  # gpud_max_instances
+        # a first rate window (2 s) + the up window (1 s) + at most 2 intervals (1 s each), with room for this machine
+        assert scaled_up_after_s < 20, f"took {scaled_up_after_s:.1f} s to scale up"
+        # no instance was added and removed within one stabilization window (4 s): no flapping
+        adds = [d["time_unix_s"] for d in ctl["decisions"] if d["action"] == "add"]
+        removes = [d["time_unix_s"] for d in ctl["decisions"] if d["action"] == "remove"]
+        assert min(removes) - max(adds) >= 4
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert "placement control: add model slow" in daemon.log()
+
+
+def test_advise_mode_changes_nothing(repo, tmp_path):
+    daemon = start_daemon(repo, tmp_path, *FAST, "--placement-control", "advise")
+    try:
+        with Load(daemon, http_clients=3, grpc_clients=0):
+            wait_for(lambda: any(d["action"] == "add" for d in daemon.inspect()["controller"]["decisions"]), 60,
+                     "the controller to advise an add")
+        ctl = daemon.inspect()["controller"]
+        assert ctl["mode"] == "advise" and not any(d["applied"] for d in ctl["decisions"])
+        assert _instances(daemon) == 1
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert "(advise: not applied)" in daemon.log()
