@@ -56,6 +56,9 @@ class Usage:
     def utilization_ratio(self, device_id: str) -> float | None:
         return 0.5 if "/mig" in device_id else None
 
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        return None
+
 
 def populate_models(registry: CollectorRegistry | None = None) -> ModelMetrics:
     """100 model versions, each with a few batches recorded (so every histogram has buckets filled), a failure, a

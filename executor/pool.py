@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from executor.device import WorkerDevice
 from executor.instance import InstanceHandle
-from executor.supervisor import DEFAULT_WORKER_HANG_S, WorkerSupervisor
+from executor.supervisor import DEFAULT_WORKER_HANG_S, CrashLoop, WorkerSupervisor
 from executor.types import InferenceError
 
 
@@ -24,7 +24,8 @@ class ExecutorPool:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO,
-                 worker_hang_s: float = DEFAULT_WORKER_HANG_S):
+                 worker_hang_s: float = DEFAULT_WORKER_HANG_S, crash_loop: CrashLoop = CrashLoop()):
+        self.crash_loop = crash_loop  # deaths within a window after which a device's worker is given up on
         self.clock = clock
         self.worker_start_timeout_s = worker_start_timeout_s
         self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
@@ -39,7 +40,7 @@ class ExecutorPool:
             if worker is None:
                 worker = WorkerSupervisor(device, clock=self.clock,
                                           start_timeout_s=self.worker_start_timeout_s, hang_s=self.worker_hang_s,
-                                          log_level=self.worker_log_level)
+                                          log_level=self.worker_log_level, crash_loop=self.crash_loop)
                 await worker.start()
                 self.workers[device.id] = worker
             return worker
@@ -83,9 +84,15 @@ class ExecutorPool:
             return 0.0
         return worker.busy.utilization_ratio()
 
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        """Why gpud gave up on the device's worker (a crash loop), or None."""
+        worker = self.workers.get(device_id)
+        return None if worker is None else worker.unhealthy_reason
+
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"device": w.device.id, "pid": w.pid, "alive": w.alive, "restarts": w.restarts,
-                 "failures": dict(w.failures)} for w in self.workers.values()]
+                 "failures": dict(w.failures), "unhealthy_reason": w.unhealthy_reason}
+                for w in self.workers.values()]
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(w.stop() for w in self.workers.values()), return_exceptions=True)

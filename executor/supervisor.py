@@ -4,7 +4,10 @@ A worker is started with a socket pair (`python -m executor.worker`, one CUDA de
 hello. A worker that dies (its pipe ends) fails the batches it held at once with a clear error, its instances go
 unready, and it is restarted with back-off (RESTART_BACKOFF_S) and its instances reloaded; requests still queued
 wait for that. A worker that hangs (a batch unanswered for hang_s) is killed and is then a worker that died.
-Deaths while it serves are counted by cause. Talking to the process is the channel's (executor.channel).
+Deaths while it serves are counted by cause. A worker that dies `crash_loop.deaths` times within
+`crash_loop.window_s` is in a crash loop: it is not restarted again, and its device reports unhealthy with the reason
+(`unhealthy_reason`), so the placement controller moves its instances to other devices. Talking to the process is the
+channel's (executor.channel).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from executor.busy import BusyTracker
 from executor.channel import Reply, WorkerChannel
@@ -36,6 +40,25 @@ RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 DEFAULT_WORKER_HANG_S = 300.0
 
 
+@dataclass(frozen=True)
+class CrashLoop:
+    """How many deaths within how long make a crash loop (a broken device or driver: restarting cannot help)."""
+
+    deaths: int = 3
+    window_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.deaths < 1 or not self.window_s > 0:
+            raise ValueError(f"a crash loop needs deaths >= 1 and a window > 0 s, got {self.deaths} deaths "
+                             f"in {self.window_s} s")
+
+
+def in_crash_loop(death_times_s: list[float], now_s: float, policy: CrashLoop) -> bool:
+    """Whether `policy.deaths` of the deaths happened within the last `policy.window_s` seconds (pure)."""
+    recent = [t for t in death_times_s if now_s - t < policy.window_s]
+    return len(recent) >= policy.deaths
+
+
 def seconds_until_hung(now_s: float, oldest_sent_s: float, hang_s: float) -> float | None:
     """Seconds left before a worker whose oldest unanswered batch was sent at `oldest_sent_s` counts as hung, or
     None when it already does. A batch's age is its run time: an instance is sent its next batch only once the
@@ -48,7 +71,8 @@ class WorkerSupervisor:
     """The daemon's side of one device worker process: what schedulers submit batches to."""
 
     def __init__(self, device: WorkerDevice, *, clock: Callable[[], float] = time.monotonic,
-                 start_timeout_s: float = 60.0, hang_s: float = DEFAULT_WORKER_HANG_S, log_level: int = logging.INFO):
+                 start_timeout_s: float = 60.0, hang_s: float = DEFAULT_WORKER_HANG_S, log_level: int = logging.INFO,
+                 crash_loop: CrashLoop = CrashLoop()):
         self.device = device
         self.clock = clock
         self.start_timeout_s = start_timeout_s
@@ -60,6 +84,9 @@ class WorkerSupervisor:
         self.alive = False
         self.restarts = 0  # restart attempts
         self.failures = {"died": 0, "hung": 0}  # times the worker was lost while serving, by cause
+        self.crash_loop = crash_loop
+        self._deaths_s: list[float] = []  # when it was lost while serving (the crash-loop window's)
+        self.unhealthy_reason: str | None = None  # set when gpud gives up on the device (a crash loop)
         self.instances: dict[str, InstanceHandle] = {}
         self.busy = BusyTracker(clock)
         self._hello: asyncio.Future | None = None
@@ -179,6 +206,17 @@ class WorkerSupervisor:
         if self._stopping or not was_up:
             return
         self.failures["hung" if self._hung_after_s is not None else "died"] += 1
+        now_s = self.clock()
+        self._deaths_s = [t for t in self._deaths_s if now_s - t < self.crash_loop.window_s] + [now_s]
+        if in_crash_loop(self._deaths_s, now_s, self.crash_loop):
+            self.unhealthy_reason = (f"crash loop: its worker died {len(self._deaths_s)} times within "
+                                     f"{self.crash_loop.window_s:g} s (last: {how})")
+            log.error("device %s: worker pid %s died (%s); %d batch(es) failed; %s: not restarted again, the device "
+                      "is unhealthy and its instances go elsewhere", self.device.id, self.pid, how, len(inflight),
+                      self.unhealthy_reason)
+            if self._starting is not None and not self._starting.done():
+                self._starting.cancel()
+            return
         log.error("device %s: worker pid %s died (%s); %d batch(es) failed; restarting", self.device.id, self.pid,
                   how, len(inflight))
         if self._starting is not None and not self._starting.done():
@@ -186,7 +224,7 @@ class WorkerSupervisor:
         self._starting = loop.create_task(self._restart())
 
     async def _restart(self) -> None:
-        while not self._stopping:
+        while not self._stopping and self.unhealthy_reason is None:
             delay_s = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
             self.restarts += 1
             if delay_s:

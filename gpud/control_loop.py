@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpud.controller import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
-                             VersionState, after_added, decide_target)
+                             VersionState, after_added, after_failed_load, decide_target)
 from gpud.placing.service import ControlPlan, Step
 from telemetry.hints import HintDecision
 from telemetry.serving import SnapshotSource
@@ -141,9 +141,11 @@ class ControlLoop(Collector):
         self.decisions.append(Decision(self.wall_clock(), step.kind, step.model, step.version, step.index,
                                        step.from_device, step.to_device, reason, detail, applied, step.error))
         self.actions[(step.kind, reason, "true" if applied else "false")] += 1
+        key = (step.model, step.version)
         if applied and step.kind in ("add", "move"):
-            key = (step.model, step.version)
             self._states[key] = after_added(self._states.get(key, VersionState()), now_s)
+        elif step.error:
+            self._states[key] = after_failed_load(self.policy, self._states.get(key, VersionState()), now_s)
         where = (f"{step.from_device or '-'} -> {step.to_device or '-'}")
         if step.error:
             log.error("placement control: %s model %s version %s instance %d %s failed (%s: %s): %s", step.kind,

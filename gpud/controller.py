@@ -11,7 +11,8 @@ Rules, per model version, each interval:
    the node's room is the limit, found by the planner).
 3. No removal within `scale_down_cooldown_seconds` of this version's last added instance (by default the hints'
    scale-down window): an instance is never added and removed within one stabilization window, so the controller
-   cannot flap. Adding is never held back: a load that returns is served.
+   cannot flap. Adding is held back only after a failed load: the next try waits interval x 2^(failures - 1),
+   at most `max_retry_seconds` (the failed step itself was rolled back by the service: the old instance serves on).
 The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason), min_instances
 / max_instances (the bounds), and for steps the planner adds, make_room (a move that lets more fit) and device_lost.
 """
@@ -66,6 +67,7 @@ class ControlPolicy:
     interval_seconds: float = 10.0
     max_steps_per_interval: int = 4  # adds, removals and moves applied per interval (the rest waits)
     scale_down_cooldown_seconds: float = 300.0  # after an add, no removal of the version's instances for this long
+    max_retry_seconds: float = 300.0  # the longest wait before trying again to add after failed loads
 
     def __post_init__(self) -> None:
         if not self.interval_seconds > 0:
@@ -89,6 +91,8 @@ class VersionObservation:
 @dataclass(frozen=True)
 class VersionState:
     last_added_s: float | None = None  # when the controller last added an instance of this version
+    failed_loads: int = 0  # loads that failed in a row
+    retry_after_s: float | None = None  # no add before this time (back-off after a failed load)
 
 
 @dataclass(frozen=True)
@@ -112,9 +116,12 @@ def decide_target(policy: ControlPolicy, state: VersionState, obs: VersionObserv
     # The bounds first: they hold whatever the hint says, and a cooldown does not delay them.
     if hi is not None and n > hi:
         return out(hi, "max_instances", f"{n} running, {MAX_INSTANCES_PARAMETER} is {hi}")
-    if n < lo and wanted <= lo:
+    if n < lo and wanted <= lo and (state.retry_after_s is None or now_s >= state.retry_after_s):
         return out(lo, "min_instances", f"{n} running, {MIN_INSTANCES_PARAMETER} is {lo}")
     target = max(lo, wanted if hi is None else min(wanted, hi))
+    if target > n and state.retry_after_s is not None and now_s < state.retry_after_s:
+        return out(n, "hold", f"wants {target}, but {state.failed_loads} load(s) failed in a row; next try in "
+                              f"{state.retry_after_s - now_s:.0f} s")
     if target > n:
         return out(target, "scale_up", obs.hint_reason or f"hint {wanted}")
     if target < n:
@@ -128,3 +135,10 @@ def decide_target(policy: ControlPolicy, state: VersionState, obs: VersionObserv
 
 def after_added(state: VersionState, now_s: float) -> VersionState:
     return VersionState(last_added_s=now_s)
+
+
+def after_failed_load(policy: ControlPolicy, state: VersionState, now_s: float) -> VersionState:
+    """Back off: the k-th failure in a row waits interval x 2^(k-1) seconds, at most max_retry_seconds."""
+    failures = state.failed_loads + 1
+    wait_s = min(policy.max_retry_seconds, policy.interval_seconds * 2 ** (failures - 1))
+    return VersionState(state.last_added_s, failures, now_s + wait_s)

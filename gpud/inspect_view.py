@@ -35,6 +35,8 @@ def inspect_document(server: ServerMetadata, snapshot: ServingSnapshot, placemen
             "memory_total_bytes": d.memory_total_bytes, "memory_used_bytes": r.memory_used_bytes,
             "utilization_ratio": r.utilization_ratio, "power_w": r.power_w,
             "temperature_c": r.temperature_c, "healthy": r.healthy, "labels": dict(d.labels),
+            "unhealthy_reason": None if r.healthy else (placement.pool.unhealthy_reason(d.id)
+                                                        or "the driver reports it lost"),
         })
     models = []
     for m in snapshot.models:

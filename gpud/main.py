@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector
 
 from executor.pool import ExecutorPool
+from executor.supervisor import CrashLoop
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
@@ -61,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "the worker is killed, its batches fail with an error saying so, and it is restarted "
                         "(default 300; 0 = never; raise it where TensorRT builds engines for new shapes at run "
                         "time, which can take minutes)")
+    p.add_argument("--worker-crash-loop-deaths", type=int, metavar="N",
+                   help="a device whose worker dies N times within --worker-crash-loop-seconds is in a crash loop: "
+                        "its worker is not restarted again, the device reads unhealthy and the placement controller "
+                        "moves its instances to other devices (default 3)")
+    p.add_argument("--worker-crash-loop-seconds", type=float, metavar="S", help="(default 120)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -166,6 +172,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
 
     policy = hint_policy(settings)  # refuse a bad policy before starting anything
     control = control_policy(settings)
+    crash_loop = CrashLoop(settings.worker_crash_loop_deaths, settings.worker_crash_loop_seconds)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -181,7 +188,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
 
     # The pool reports what its instances hold and how busy its workers are: the simulated devices' and the CPU's
     # readings. It is described each device by the first instance placed there, so it comes first.
-    pool = ExecutorPool(worker_log_level=logging.getLogger().level, worker_hang_s=settings.worker_hang_seconds)
+    pool = ExecutorPool(worker_log_level=logging.getLogger().level, worker_hang_s=settings.worker_hang_seconds,
+                        crash_loop=crash_loop)
     backend = discover(settings.node, pool)
     leaves = backend.leaf_devices()
     registry = CollectorRegistry()

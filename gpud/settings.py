@@ -27,6 +27,8 @@ class Settings:
     placement_time_limit_seconds: float = 2.0  # how long the placement engine may search for a better plan
     exit_timeout_seconds: float = 30.0  # how long SIGTERM waits for accepted requests
     worker_hang_seconds: float = 300.0  # a batch unanswered this long means its worker is hung: kill, restart; 0: off
+    worker_crash_loop_deaths: int = 3  # a device's worker lost this many times ...
+    worker_crash_loop_seconds: float = 120.0  # ... within this long: not restarted; its instances go elsewhere
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving

@@ -98,6 +98,11 @@ class UsageSource(Protocol):
 
     def utilization_ratio(self, device_id: str) -> float | None: ...
 
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        """Why gpud itself gave up on the device (its worker crash-loops), or None: the device then reads
+        healthy=False whatever the driver says."""
+        ...
+
 
 class NoUsage:
     """A UsageSource that knows nothing: every reading is N/A. The default until the executor is wired in."""
@@ -106,6 +111,9 @@ class NoUsage:
         return None
 
     def utilization_ratio(self, device_id: str) -> float | None:
+        return None
+
+    def unhealthy_reason(self, device_id: str) -> str | None:
         return None
 
 

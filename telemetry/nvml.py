@@ -432,6 +432,12 @@ class NvmlBackend:
             return {d.id: self._read(d, pcie) for d in devices}
 
     def _read(self, info: DeviceInfo, pcie: dict[str, tuple[Future, Future]]) -> DeviceReading:
+        reading = self._read_driver(info, pcie)
+        if reading.healthy and self._usage.unhealthy_reason(info.id) is not None:  # gpud gave up on it (crash loop)
+            reading = replace(reading, healthy=False)
+        return reading
+
+    def _read_driver(self, info: DeviceInfo, pcie: dict[str, tuple[Future, Future]]) -> DeviceReading:
         if info.kind == "cpu":
             return DeviceReading(
                 utilization_ratio=self._usage.utilization_ratio(CPU_DEVICE_ID),

@@ -212,6 +212,7 @@ class SimulatedBackend:
         return DeviceReading(
             utilization_ratio=self._usage.utilization_ratio(device_id),
             memory_used_bytes=self._usage.memory_used_bytes(device_id),
+            healthy=self._usage.unhealthy_reason(device_id) is None,
         )
 
     def close(self) -> None:

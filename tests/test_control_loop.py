@@ -158,3 +158,16 @@ def test_gpudctl_inspect_renders_the_controller():
     assert "mlp" in text and "scale_up: queue 30.0 ms > target 10.0 ms" in text
     assert "add    mlp:1#1 - -> cpu  scale_up: queue 30.0 ms > target 10.0 ms  (not applied)" in text
     assert "CONTROLLER" not in render_inspect({k: v for k, v in data.items() if k != "controller"})
+
+
+def test_a_failed_load_backs_off_before_trying_again():
+    _, placer, clock, _, loop, hints = setup()
+    hints[("mlp", "1")] = hint(2)
+    placer.plan = ControlPlan((Step("add", "mlp", "1", 1, None, "cpu", error="out of memory"),), (), 0, "x")
+    asyncio.run(loop.tick())
+    clock.now += 5  # within the first wait (one interval, 10 s)
+    asyncio.run(loop.tick())
+    assert len(placer.calls) == 1 and "next try in 5 s" in loop.targets[0].detail
+    clock.now += 5
+    asyncio.run(loop.tick())
+    assert len(placer.calls) == 2  # 10 s after the failure: tried again

@@ -5,7 +5,7 @@ import pytest
 
 from executor.model_config import InstanceGroup, ModelConfig
 from gpud.controller import (ControlPolicy, InstanceBounds, VersionObservation, VersionState, after_added,
-                             decide_target, instance_bounds)
+                             after_failed_load, decide_target, instance_bounds)
 
 POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
 NOW = 1000.0
@@ -101,3 +101,31 @@ class TestPolicy:
     def test_refused(self, kwargs, message):
         with pytest.raises(ValueError, match=message):
             ControlPolicy(**kwargs)
+
+
+class TestBackOff:
+    def test_a_failed_load_holds_adds_back_then_retries(self):
+        # interval 10 s: the 1st failure waits 10 s, the 2nd 20 s, the 3rd 40 s
+        state = after_failed_load(POLICY, VersionState(), NOW)
+        assert (state.failed_loads, state.retry_after_s) == (1, NOW + 10)
+        held = decide_target(POLICY, state, obs(1, 3), NOW + 5)
+        assert (held.target, held.reason) == (1, "hold") and "next try in 5 s" in held.detail
+        assert decide_target(POLICY, state, obs(1, 3), NOW + 10).target == 3  # 10 s later: try again
+        state = after_failed_load(POLICY, state, NOW + 10)
+        assert state.retry_after_s == NOW + 10 + 20
+        state = after_failed_load(POLICY, state, NOW + 30)
+        assert state.retry_after_s == NOW + 30 + 40
+
+    def test_the_wait_is_capped(self):
+        state = VersionState()
+        for _ in range(20):
+            state = after_failed_load(POLICY, state, NOW)
+        assert state.retry_after_s == NOW + 300  # 10 * 2**19 s capped at max_retry_seconds
+
+    def test_a_success_clears_the_back_off(self):
+        state = after_added(after_failed_load(POLICY, VersionState(), NOW), NOW + 10)
+        assert (state.failed_loads, state.retry_after_s) == (0, None)
+
+    def test_removals_are_not_held_by_the_back_off(self):
+        state = after_failed_load(POLICY, VersionState(), NOW)
+        assert decide_target(POLICY, state, obs(4, 1), NOW + 1).target == 1

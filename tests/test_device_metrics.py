@@ -39,6 +39,9 @@ class Usage:
     def utilization_ratio(self, device_id: str) -> float | None:
         return None
 
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        return None
+
 
 def test_nvml_exposition():
     registry = CollectorRegistry()

@@ -134,3 +134,54 @@ def test_advise_mode_changes_nothing(repo, tmp_path):
     finally:
         assert daemon.stop() == 0, daemon.log()
     assert "(advise: not applied)" in daemon.log()
+
+
+def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_path):
+    import os
+    import signal
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpud.examples import write_example_repository
+
+    repo = tmp_path / "repo"
+    write_example_repository(repo, ["mlp"])
+    daemon = start_daemon(repo, tmp_path, "--control-interval-seconds", "1", "--worker-crash-loop-deaths", "3",
+                          "--worker-crash-loop-seconds", "60")
+
+    def mlp() -> dict:
+        return next(m for m in daemon.inspect()["models"] if m["name"] == "mlp")
+
+    def worker(device: str) -> dict:
+        return next(w for w in daemon.inspect()["workers"] if w["device"] == device)
+
+    client = httpclient.InferenceServerClient(daemon.http_url)
+    x = httpclient.InferInput("input", [1, 256], "FP32")
+    x.set_data_from_numpy(np.ones((1, 256), np.float32))
+    try:
+        reference = client.infer("mlp", [x]).as_numpy("output")
+        first = mlp()["instances"][0]["device"]
+        for k in range(3):  # 3 deaths within 60 s: a crash loop
+            pid = worker(first)["pid"]
+            os.kill(pid, signal.SIGKILL)
+            if k < 2:
+                wait_for(lambda: worker(first)["alive"] and worker(first)["pid"] != pid, 60,
+                         f"the worker on {first} to be restarted after death {k + 1}")
+        wait_for(lambda: any(i["device"] != first and i["ready"] for i in mlp()["instances"]), 60,
+                 "the controller to place mlp on another device")
+        dev = next(d for d in daemon.inspect()["devices"] if d["id"] == first)
+        assert not dev["healthy"] and "crash loop: its worker died 3 times within 60 s" in dev["unhealthy_reason"]
+        assert not worker(first)["alive"] and worker(first)["unhealthy_reason"]  # not restarted a 4th time
+        assert [i["device"] for i in mlp()["instances"]] != [first]
+        np.testing.assert_allclose(client.infer("mlp", [x]).as_numpy("output"), reference, rtol=1e-6)
+        steps = [(d["action"], d["reason"], d["applied"]) for d in daemon.inspect()["controller"]["decisions"]]
+        assert ("remove", "device_lost", True) in steps and any(s[0] == "add" and s[2] for s in steps), steps
+        with urllib.request.urlopen(daemon.metrics_url, timeout=10) as r:
+            metrics = r.read().decode()
+        healthy = {s.labels["device"]: s.value for fam in text_string_to_metric_families(metrics)
+                   if fam.name == "gpud_device_healthy" for s in fam.samples}
+        assert healthy[first] == 0.0 and healthy["cpu"] == 1.0
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert "crash loop" in daemon.log() and "not restarted again" in daemon.log()

@@ -20,6 +20,9 @@ class FixedUsage:
     def utilization_ratio(self, device_id: str) -> float | None:
         return {"cpu": 0.25}.get(device_id)
 
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        return None
+
 
 class TestEnumeration:
     def test_mig_tree(self):

@@ -28,6 +28,9 @@ class RecordedUsage:
     def utilization_ratio(self, device_id: str) -> float | None:
         return self.busy.get(device_id)
 
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        return None
+
 
 def write(tmp_path: Path, text: str) -> str:
     p = tmp_path / "node.yaml"

@@ -12,7 +12,7 @@ import pytest
 
 from executor.device import WorkerDevice
 from executor.protocol import Done, Infer
-from executor.supervisor import WorkerSupervisor, seconds_until_hung
+from executor.supervisor import CrashLoop, WorkerSupervisor, in_crash_loop, seconds_until_hung
 from executor.types import InferenceError
 
 
@@ -179,3 +179,24 @@ def test_hang_watch_off_arms_no_timer():
         finally:
             _close(handle, theirs)
     asyncio.run(run())
+
+
+class TestCrashLoop:
+    """in_crash_loop: N deaths within the window (pure; the supervisor keeps the times)."""
+
+    @pytest.mark.parametrize("deaths_ago_s, looping", [
+        ([], False),
+        ([5.0, 3.0], False),  # 2 < 3 deaths
+        ([100.0, 50.0, 1.0], True),  # 3 within 120 s
+        ([130.0, 50.0, 1.0], False),  # the first is 130 s ago: outside the 120 s window, 2 left
+        ([119.9, 0.1, 0.0], True),
+    ])
+    def test_deaths_in_the_window(self, deaths_ago_s, looping):
+        now = 1000.0
+        assert in_crash_loop([now - a for a in deaths_ago_s], now, CrashLoop(3, 120.0)) is looping
+
+    def test_refused_policies(self):
+        with pytest.raises(ValueError, match="crash loop needs deaths >= 1"):
+            CrashLoop(0, 10)
+        with pytest.raises(ValueError, match="window > 0"):
+            CrashLoop(3, 0)

@@ -46,7 +46,7 @@ def render_inspect(data: dict[str, Any]) -> str:
         label = d["mig_profile"] and f"MIG {d['mig_profile']}" or d["name"]
         out = [f"{prefix}{d['id']:<14} {label:<28} mem {_bar(d['memory_used_bytes'], d['memory_total_bytes'])} "
                f"{_gib(d['memory_used_bytes'])}/{_gib(d['memory_total_bytes'])} GiB  util {util_s}"
-               + ("" if d.get("healthy", True) else "  UNHEALTHY")]
+               + ("" if d.get("healthy", True) else f"  UNHEALTHY: {d.get('unhealthy_reason') or 'lost'}")]
         indent = " " * len(prefix)  # instances hang under their device, without repeating the tree mark
         for inst in by_device.get(d["id"], []):
             out.append(f"{indent}    - {inst}")

@@ -130,14 +130,12 @@ class PlacementService:
             for i in v.instances:
                 ours[i.device_id] = ours.get(i.device_id, 0) + i.footprint_bytes
         other: dict[str, int] = {}
-        unhealthy = set()
         for d in self.devices.leaf_devices():
             used = self._gpu_used_bytes(d)
             if used is not None:  # a real GPU: what others hold is what the driver sees beyond our instances
                 other[d.id] = max(0, used - ours.get(d.id, 0))
-                if not self.devices.sample(d.id).healthy:
-                    unhealthy.add(d.id)
             other[d.id] = other.get(d.id, 0) + self._loading.get(d.id, 0)
+        unhealthy = self.unhealthy_devices()
         devices = planning_devices(self.devices.leaf_devices(), device_reserve_bytes=self.device_reserve_bytes,
                                    other_used_bytes=other, unhealthy=frozenset(unhealthy))
         demands: list[VersionDemand] = [v.demand() for v in live + new]
@@ -231,10 +229,13 @@ class PlacementService:
             return ControlPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
                                frozenset(unhealthy))
 
+    def unhealthy_devices(self) -> set[str]:
+        """Leaf devices that read unhealthy: lost to the driver, or given up on by gpud (a crash-looping worker)."""
+        return {d.id for d in self.devices.leaf_devices() if not self.devices.sample(d.id).healthy}
+
     def instances_on_unhealthy_devices(self) -> int:
-        """Live instances on devices the driver reports lost: the controller re-plans while there are any."""
-        lost = {d.id for d in self.devices.leaf_devices()
-                if self._gpu_used_bytes(d) is not None and not self.devices.sample(d.id).healthy}
+        """Live instances on unhealthy devices: the controller re-plans while there are any."""
+        lost = self.unhealthy_devices()
         return sum(1 for v in self._live() for i in v.instances if i.device_id in lost)
 
     async def stop_version(self, vs: RegisteredVersion) -> None:
