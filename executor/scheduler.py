@@ -72,10 +72,15 @@ class _Pending:
 class ModelScheduler:
     """Queues, batches and runs the requests of one model version on its instances."""
 
-    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
+                 unready_wait_s: float = 30.0):
         self.config = config
         self.version = version
         self.clock = clock
+        # With no instance ready (its worker restarting, or being placed elsewhere), requests wait in the queue at
+        # most this long; then the queued ones fail with UNAVAILABLE and the reason.
+        self.unready_wait_s = unready_wait_s
+        self._unready_timer: asyncio.TimerHandle | None = None
         self.stats = ModelStats()  # the one record of this version's requests (executor.stats): others read it
         adaptive = batching_mode(config) == "adaptive"
         self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
@@ -97,6 +102,7 @@ class ModelScheduler:
         self.instances.append(inst)
         if inst.ready:
             self._free.append(inst)
+            self._cancel_unready_deadline()
             self._step()
 
     def remove_instance(self, inst: InstanceHandle) -> None:
@@ -109,6 +115,7 @@ class ModelScheduler:
     def _on_ready_change(self, inst: InstanceHandle) -> None:
         if inst.ready and inst not in self._free and inst not in self._running:
             self._free.append(inst)
+            self._cancel_unready_deadline()
             self._step()
         elif not inst.ready and inst in self._free:
             self._free.remove(inst)
@@ -141,6 +148,8 @@ class ModelScheduler:
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
         self._step()
+        if not self._free and self._unready_timer is None and not self.has_ready_instance:
+            self._unready_timer = asyncio.get_running_loop().call_later(self.unready_wait_s, self._on_unready_deadline)
         if self._running:
             now_s = time.perf_counter()
             if now_s - self._polled_s >= _POLL_INTERVAL_S:
@@ -314,6 +323,20 @@ class ModelScheduler:
         for p in batch:
             self.stats.record_failure(now_ns - p.arrival_ns)
             p.finish(exc)
+
+    def _cancel_unready_deadline(self) -> None:
+        if self._unready_timer is not None:
+            self._unready_timer.cancel()
+            self._unready_timer = None
+
+    def _on_unready_deadline(self) -> None:
+        """No instance became ready within unready_wait_s of a request waiting for one: fail what waits."""
+        self._unready_timer = None
+        if self.has_ready_instance or not len(self.queue):
+            return
+        self.fail_all_queued(f"no instance of model '{self.config.name}' version {self.version} became ready within "
+                             f"{self.unready_wait_s:g} s (its worker is restarting, or the model is being placed "
+                             "on another device)")
 
     # --- shutdown / unload -----------------------------------------------------------------------------------
     async def wait_idle(self) -> None:

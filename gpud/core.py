@@ -170,7 +170,9 @@ class GpudCore:
         if self.stopping:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         vs = self.registry.version(request.model_name, request.model_version)
-        if not vs.ready:
+        # A loaded version whose instances are down for now (a worker restarting, a device given up on and its
+        # instances being placed elsewhere) queues the request: the scheduler bounds the wait (unready_wait_s).
+        if not vs.ready and not (vs.state is ModelState.READY and vs.instances):
             why = vs.reason or "no instance is ready"
             raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "

@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "its worker is not restarted again, the device reads unhealthy and the placement controller "
                         "moves its instances to other devices (default 3)")
     p.add_argument("--worker-crash-loop-seconds", type=float, metavar="S", help="(default 120)")
+    p.add_argument("--unready-wait-seconds", type=float, metavar="S",
+                   help="while no instance of a model is ready (its worker restarting, or its instances being "
+                        "placed on another device), requests wait in its queue this long, then fail with the reason "
+                        "(default 30)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -141,6 +145,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if args.log_verbose:
         flags["log_level"] = "DEBUG"
     settings = Settings(**(overrides | flags))
+    if not settings.unready_wait_seconds > 0:  # also refuses NaN
+        raise ValueError(f"unready_wait_seconds must be > 0, got {settings.unready_wait_seconds}")
     if not settings.worker_hang_seconds >= 0:  # also refuses NaN
         raise ValueError(f"worker_hang_seconds must be >= 0 (0 = never), got {settings.worker_hang_seconds}")
     return settings
@@ -200,7 +206,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     WorkerCollector(pool.worker_info, registry=registry)
     # Built one way, each from what exists before it: the registry and the placement service, the readers of the
     # registry's snapshot (model metrics at scrape time, the hints on their tick), then the core that routes over it.
-    models = Registry(has_gpus=has_gpus(leaves))
+    models = Registry(has_gpus=has_gpus(leaves), unready_wait_s=settings.unready_wait_seconds)
     placement = PlacementService(backend, pool, models, device_reserve_bytes=settings.device_reserve_bytes,
                                  strategy=settings.placement_strategy,
                                  time_limit_s=settings.placement_time_limit_seconds)

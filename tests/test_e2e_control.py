@@ -147,7 +147,7 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
 
     repo = tmp_path / "repo"
     write_example_repository(repo, ["mlp"])
-    daemon = start_daemon(repo, tmp_path, "--control-interval-seconds", "1", "--worker-crash-loop-deaths", "3",
+    daemon = start_daemon(repo, tmp_path, "--control-interval-seconds", "3", "--worker-crash-loop-deaths", "3",
                           "--worker-crash-loop-seconds", "60")
 
     def mlp() -> dict:
@@ -168,6 +168,11 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
             if k < 2:
                 wait_for(lambda: worker(first)["alive"] and worker(first)["pid"] != pid, 60,
                          f"the worker on {first} to be restarted after death {k + 1}")
+        wait_for(lambda: not next(d for d in daemon.inspect()["devices"] if d["id"] == first)["healthy"], 30,
+                 f"{first} to read unhealthy")
+        # Its only instance is down and not yet placed elsewhere (the controller re-plans every 3 s): a request
+        # waits in the queue for the new instance instead of failing.
+        np.testing.assert_allclose(client.infer("mlp", [x]).as_numpy("output"), reference, rtol=1e-6)
         wait_for(lambda: any(i["device"] != first and i["ready"] for i in mlp()["instances"]), 60,
                  "the controller to place mlp on another device")
         dev = next(d for d in daemon.inspect()["devices"] if d["id"] == first)

@@ -179,3 +179,41 @@ def test_an_answer_callback_that_raises_does_not_stop_the_others(setup, caplog):
 
     asyncio.run(run())
     assert any("answering request" in r.message for r in caplog.records)
+
+
+class TestNoReadyInstance:
+    """While no instance is ready (a worker restarting), requests wait in the queue, at most unready_wait_s."""
+
+    def test_a_request_waits_for_the_instance_to_come_back(self, setup):
+        scheduler, inst, worker, log = setup
+
+        async def run():
+            inst.ready = False
+            inst.on_ready_change(inst)  # the worker died: its instance is unready
+            got = []
+            scheduler.submit(_request(1.0), got.append)
+            assert log == [] and scheduler.pending_requests == 1  # queued, not refused, not dispatched
+            inst.ready = True
+            inst.on_ready_change(inst)  # restarted and reloaded: the queued request goes
+            assert log == [("dispatch", 1)]
+            worker.finish(inst)
+            assert isinstance(got[0], InferResponse)
+            assert scheduler._unready_timer is None  # the deadline went with the unready spell
+
+        asyncio.run(run())
+
+    def test_the_wait_is_bounded(self, setup):
+        scheduler, inst, _, log = setup
+        scheduler.unready_wait_s = 0.01
+
+        async def run():
+            inst.ready = False
+            inst.on_ready_change(inst)
+            answered = asyncio.get_running_loop().create_future()
+            scheduler.submit(_request(1.0), answered.set_result)
+            return await asyncio.wait_for(answered, 10)  # the deadline answers it: no sleep in the test
+
+        error = asyncio.run(run())
+        assert isinstance(error, InferenceError) and error.kind is ErrorKind.UNAVAILABLE
+        assert "no instance of model 'm' version 1 became ready within 0.01 s" in error.message
+        assert log == [] and scheduler.stats.fail.count == 1
