@@ -4,10 +4,10 @@ A worker is started with a socket pair (`python -m executor.worker`, one CUDA de
 hello. A worker that dies (its pipe ends) fails the batches it held at once with a clear error, its instances go
 unready, and it is restarted with back-off (RESTART_BACKOFF_S) and its instances reloaded; requests still queued
 wait for that. A worker that hangs (a batch unanswered for hang_s) is killed and is then a worker that died.
-Deaths while it serves are counted by cause. A worker that dies `crash_loop.deaths` times within
-`crash_loop.window_s` is in a crash loop: it is not restarted again, and its device reports unhealthy with the reason
-(`unhealthy_reason`), so the placement controller moves its instances to other devices. Talking to the process is the
-channel's (executor.channel).
+Deaths are counted by cause. A worker that dies `crash_loop.deaths` times within `crash_loop.window_s` (a restart
+that cannot start it counts as a death) is in a crash loop: it is not restarted again, and its device reports
+unhealthy with the reason (`unhealthy_reason`), so the placement controller moves its instances to other devices.
+Talking to the process is the channel's (executor.channel).
 """
 from __future__ import annotations
 
@@ -205,12 +205,7 @@ class WorkerSupervisor:
             self._hello.set_exception(err)
         if self._stopping or not was_up:
             return
-        self.failures["hung" if self._hung_after_s is not None else "died"] += 1
-        now_s = self.clock()
-        self._deaths_s = [t for t in self._deaths_s if now_s - t < self.crash_loop.window_s] + [now_s]
-        if in_crash_loop(self._deaths_s, now_s, self.crash_loop):
-            self.unhealthy_reason = (f"crash loop: its worker died {len(self._deaths_s)} times within "
-                                     f"{self.crash_loop.window_s:g} s (last: {how})")
+        if self._count_death("hung" if self._hung_after_s is not None else "died", how):
             log.error("device %s: worker pid %s died (%s); %d batch(es) failed; %s: not restarted again, the device "
                       "is unhealthy and its instances go elsewhere", self.device.id, self.pid, how, len(inflight),
                       self.unhealthy_reason)
@@ -223,6 +218,17 @@ class WorkerSupervisor:
             return  # it died while a restart was reloading its models: that restart sees it and goes round again
         self._starting = loop.create_task(self._restart())
 
+    def _count_death(self, cause: str, how: str) -> bool:
+        """Count a lost worker; True when that makes a crash loop (and the device is then given up on)."""
+        self.failures[cause] += 1
+        now_s = self.clock()
+        self._deaths_s = [t for t in self._deaths_s if now_s - t < self.crash_loop.window_s] + [now_s]
+        if not in_crash_loop(self._deaths_s, now_s, self.crash_loop):
+            return False
+        self.unhealthy_reason = (f"crash loop: its worker died {len(self._deaths_s)} times within "
+                                 f"{self.crash_loop.window_s:g} s (last: {how})")
+        return True
+
     async def _restart(self) -> None:
         while not self._stopping and self.unhealthy_reason is None:
             delay_s = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
@@ -232,7 +238,16 @@ class WorkerSupervisor:
             try:
                 await self.start()
             except Exception as exc:
-                log.error("device %s: restarting the worker failed: %s", self.device.id, exc)
+                # A worker that cannot even start (dies at CUDA init on a broken device, or never says hello) is
+                # lost like one that dies serving: it counts towards the crash loop.
+                how = getattr(exc, "message", None) or str(exc)
+                if self._stopping:
+                    return
+                if self._count_death("died", f"restart failed: {how}"):
+                    log.error("device %s: restarting the worker failed: %s; %s: not restarted again, the device is "
+                              "unhealthy and its instances go elsewhere", self.device.id, how, self.unhealthy_reason)
+                    return
+                log.error("device %s: restarting the worker failed: %s", self.device.id, how)
                 continue
             try:
                 for inst in list(self.instances.values()):

@@ -166,7 +166,8 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
             pid = worker(first)["pid"]
             os.kill(pid, signal.SIGKILL)
             if k < 2:
-                wait_for(lambda: worker(first)["alive"] and worker(first)["pid"] != pid, 60,
+                # One reading: alive and the new pid (two could see the old worker alive, then the new pid)
+                wait_for(lambda: (lambda w: w["alive"] and w["pid"] != pid)(worker(first)), 60,
                          f"the worker on {first} to be restarted after death {k + 1}")
         wait_for(lambda: not next(d for d in daemon.inspect()["devices"] if d["id"] == first)["healthy"], 30,
                  f"{first} to read unhealthy")
@@ -187,6 +188,8 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
         healthy = {s.labels["device"]: s.value for fam in text_string_to_metric_families(metrics)
                    if fam.name == "gpud_device_healthy" for s in fam.samples}
         assert healthy[first] == 0.0 and healthy["cpu"] == 1.0
+    except AssertionError as exc:  # what the daemon did is the diagnosis
+        raise AssertionError(f"{exc}\n--- daemon log (tail) ---\n{daemon.log()[-8000:]}") from None
     finally:
         assert daemon.stop() == 0, daemon.log()
     assert "crash loop" in daemon.log() and "not restarted again" in daemon.log()

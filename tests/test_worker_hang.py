@@ -13,7 +13,7 @@ import pytest
 from executor.device import WorkerDevice
 from executor.protocol import Done, Infer
 from executor.supervisor import CrashLoop, WorkerSupervisor, in_crash_loop, seconds_until_hung
-from executor.types import InferenceError
+from executor.types import ErrorKind, InferenceError
 
 
 class Clock:
@@ -120,6 +120,34 @@ def test_a_death_while_starting_is_not_a_lost_worker():
             assert handle._starting is None and handle.failures == {"died": 0, "hung": 0}
         finally:
             _close(handle, theirs)
+    asyncio.run(run())
+
+
+def test_restarts_that_cannot_start_the_worker_count_towards_the_crash_loop(monkeypatch):
+    """A broken device often kills its worker at CUDA init, before hello: those failed restarts are deaths too, so
+    the device is given up on instead of being restarted forever."""
+    monkeypatch.setattr("executor.supervisor.RESTART_BACKOFF_S", (0.0,))
+
+    async def run():
+        ours, theirs = socket.socketpair()
+        handle = WorkerSupervisor(WorkerDevice("cpu", "cpu", "", True), clock=Clock(), crash_loop=CrashLoop(3, 60.0))
+        handle._open_channel(ours)
+        handle._kill = lambda: None
+        handle.alive = True
+        starts = []
+
+        async def failing_start() -> None:
+            starts.append(1)
+            raise InferenceError(ErrorKind.UNAVAILABLE, "the worker died before it said hello")
+        handle.start = failing_start
+        try:
+            handle._on_death()  # the serving worker is lost: death 1, a restart begins
+            await handle._starting
+            assert len(starts) == 2 and handle.failures == {"died": 3, "hung": 0}  # deaths 2 and 3: the restarts
+            assert handle.unhealthy_reason == ("crash loop: its worker died 3 times within 60 s (last: restart "
+                                               "failed: the worker died before it said hello)")
+        finally:
+            theirs.close()
     asyncio.run(run())
 
 
