@@ -64,6 +64,11 @@ class ExecutorPool:
             inst.close_segments()
         return inst
 
+    def instance_keys(self, device_id: str) -> set[str]:
+        """The keys of the instances on the device's worker (a key names one instance there)."""
+        worker = self.workers.get(device_id)
+        return set(worker.instances) if worker is not None else set()
+
     async def unload_instance(self, inst: InstanceHandle) -> None:
         inst.ready = False
         worker = inst.worker

@@ -85,31 +85,53 @@ class GpudCore:
             result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
         model = self.models.setdefault(name, RegisteredModel(name))
         async with model.lock:
-            await self._unload_versions(model)  # a load of a loaded model is a reload, as in Triton
-            await self.placement.place(self.registry.register(name, result))
+            await self._reload(model, result)
         if isinstance(result, ModelLoadError):
             raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"failed to load '{name}': {result.reason}")
         if not any(v.ready for v in model.versions.values()):
             reasons = "; ".join(v.reason for v in model.versions.values())
             raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{name}': {reasons}")
 
+    async def _reload(self, model: RegisteredModel, result: ModelEntry | ModelLoadError) -> None:
+        """Load `result` as `model` with no gap in service (as Triton): its new versions load beside the ones that
+        serve, requests go to them once they are ready, and then the old ones finish what they accepted and unload.
+        A new model that does not load (a bad config, failed loads) leaves the old one serving, and says why."""
+        serving = [v for v in model.versions.values() if v.instances]
+        keep = f"version(s) {', '.join(v.version for v in serving)} of '{model.name}' keep serving"
+        if isinstance(result, ModelLoadError) and serving:
+            log.error("model %s: reload refused: %s; %s", model.name, result.reason, keep)
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"failed to load '{model.name}': {result.reason}; {keep}")
+        staged, placeable = self.registry.stage(model.name, result)
+        no_room = await self.placement.place(placeable, beside=serving)
+        if serving and not no_room and not any(v.instances for v in placeable):
+            reasons = "; ".join(f"version {v.version}: {v.reason}" for v in staged.versions.values()) \
+                or staged.error or "no version to serve"
+            log.error("model %s: reload failed (%s); %s", model.name, reasons, keep)
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{model.name}': {reasons}; {keep}")
+        old = list(model.versions.values())
+        self.registry.install(staged)
+        if old:
+            log.info("model %s: version(s) %s now serve; the previous version(s) %s finish their requests and "
+                     "unload", model.name, ", ".join(v.version for v in placeable if v.instances) or "none",
+                     ", ".join(v.version for v in old))
+            await self.placement.retire(old)
+        if no_room and serving:  # no room beside the old ones: these load now that those are gone (a gap)
+            log.warning("model %s: no room to load version(s) %s beside the serving ones: loaded after them",
+                        model.name, ", ".join(v.version for v in no_room))
+            await self.placement.place(no_room)
+
     async def unload_model(self, name: str) -> None:
         model = self.models.get(name)
         if model is None:
             raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
         async with model.lock:
-            await self._unload_versions(model)
+            versions = list(model.versions.values())
+            for vs in versions:
+                vs.state = ModelState.UNLOADING  # refused from now on; what was accepted finishes
+            await self.placement.retire(versions)
+            model.versions.clear()
         log.info("model %s unloaded", name)
-
-    async def _unload_versions(self, model: RegisteredModel) -> None:
-        for vs in list(model.versions.values()):
-            vs.state = ModelState.UNLOADING
-            try:
-                await asyncio.wait_for(vs.scheduler.wait_idle(), 30.0)
-            except asyncio.TimeoutError:
-                vs.scheduler.fail_all_queued(f"model '{model.name}' is being unloaded")
-            await self.placement.stop_version(vs)
-        model.versions.clear()
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
         return await self.placement.apply_requested(requested)

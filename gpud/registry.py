@@ -84,12 +84,18 @@ class Registry:
     def register(self, name: str, result: ModelEntry | ModelLoadError) -> list[RegisteredVersion]:
         """Register the model's versions (nothing loaded yet) and return those that can be placed; the others are
         UNAVAILABLE with the reason."""
-        model = self.models.setdefault(name, RegisteredModel(name))
+        staged, placeable = self.stage(name, result)
+        self.install(staged)
+        return placeable
+
+    def stage(self, name: str, result: ModelEntry | ModelLoadError) -> tuple[RegisteredModel, list[RegisteredVersion]]:
+        """The model's versions as `register` would make them, outside the registry: a reload places them beside
+        the versions that serve, and `install`s them once they are ready (no gap in service)."""
+        model = RegisteredModel(name)
         if isinstance(result, ModelLoadError):
             model.error = result.reason
             log.error("model %s: %s", name, result.reason)
-            return []
-        model.error = ""
+            return model, []
         entry = result
         placeable: list[RegisteredVersion] = []
         for version in entry.versions:
@@ -100,7 +106,8 @@ class Registry:
             except ValueError as exc:  # a batching policy or instance bounds the repository let through
                 model.error = f"{entry.config_path or entry.path}: {exc}"
                 log.error("model %s: %s", name, model.error)
-                return []
+                model.versions.clear()
+                return model, []
             vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler, bounds=bounds)
             try:
                 vs.estimate_bytes = estimate_footprint_bytes(vs.model_path, entry.config)
@@ -108,7 +115,15 @@ class Registry:
                 vs.state, vs.reason = ModelState.UNAVAILABLE, str(exc)
                 continue
             placeable.append(vs)
-        return placeable
+        return model, placeable
+
+    def install(self, staged: RegisteredModel) -> RegisteredModel:
+        """Make the staged versions the ones served (and routed to) under the model's name; returns the model.
+        The model object (and its lock) stays the same; versions it held and `staged` lacks are no longer routed."""
+        model = self.models.setdefault(staged.name, RegisteredModel(staged.name))
+        model.versions = dict(staged.versions)
+        model.error = staged.error
+        return model
 
     def versions(self) -> Iterator[RegisteredVersion]:
         for m in self.models.values():

@@ -193,3 +193,41 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
     finally:
         assert daemon.stop() == 0, daemon.log()
     assert "crash loop" in daemon.log() and "not restarted again" in daemon.log()
+
+
+def test_a_new_version_and_a_new_config_load_under_load_with_zero_failed_requests(repo, tmp_path):
+    """No gap on reload (as Triton): the new version loads beside the serving one, requests go to it once it is
+    ready, and the old one finishes what it accepted before it unloads."""
+    daemon = start_daemon(repo, tmp_path, "--placement-control", "off")
+
+    def served() -> list[tuple[str, bool]]:
+        return [(m["version"], m["state"] == "READY") for m in daemon.inspect()["models"] if m["name"] == "slow"]
+
+    admin = httpclient.InferenceServerClient(daemon.http_url, network_timeout=120)
+    try:
+        with Load(daemon, http_clients=2, grpc_clients=2) as load:
+            wait_for(lambda: load.ok["http"] > 20 and load.ok["grpc"] > 20, 60, "requests served before the reload")
+            save(slow_model(width=WIDTH, layers=400, seed=1), repo, "slow", version=2)
+            admin.load_model("slow")  # returns once version 2 serves
+            assert served() == [("2", True)]
+            before = dict(load.ok)
+            wait_for(lambda: load.ok["http"] > before["http"] + 20 and load.ok["grpc"] > before["grpc"] + 20, 60,
+                     "requests served by version 2")
+            # The same version with a new config: both instances sit on the CPU under the same name meanwhile.
+            (repo / "slow" / "config.pbtxt").write_text(CONFIG.replace("max_batch_size: 8", "max_batch_size: 4"))
+            admin.load_model("slow")
+            assert served() == [("2", True)]
+            assert admin.get_model_config("slow")["max_batch_size"] == 4
+            before = dict(load.ok)
+            wait_for(lambda: load.ok["http"] > before["http"] + 20 and load.ok["grpc"] > before["grpc"] + 20, 60,
+                     "requests served with the new config")
+        assert load.failures == [], load.failures[:5]
+        # A reload that fails (a config that does not parse) leaves what serves as it is, and says so.
+        (repo / "slow" / "config.pbtxt").write_text("max_batch_size: [")
+        with pytest.raises(Exception, match="keep serving"):
+            admin.load_model("slow")
+        assert served() == [("2", True)]
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    log = daemon.log()
+    assert "the previous version(s) 1 finish their requests and unload" in log, log[-3000:]

@@ -53,6 +53,9 @@ class ScriptedPool:
         self.loaded[inst.key] = inst
         return inst
 
+    def instance_keys(self, device_id: str) -> set[str]:
+        return {k for k, i in self.loaded.items() if i.device_id == device_id}
+
     async def unload_instance(self, inst: InstanceHandle) -> None:
         self.events.append(("unload", inst.key, inst.device_id))
         inst.ready = False

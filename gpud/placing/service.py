@@ -1,7 +1,7 @@
 """The placement service: the one way gpud decides where model instances go and makes it so.
 
 Every placement change goes through here: start-up and model loads (`place`), `POST /v2/gpud/placement`
-(`apply_requested`) and unloads (`stop_version`), and next the controller. Each builds its problem with
+(`apply_requested`), unloads and reloads (`retire`), and next the controller. Each builds its problem with
 `gpud.placing.inputs` from the registry's versions, the device inventory and the live instances, asks
 `placement.plan` (pure, off the event loop: it may search for its time limit), turns the result into steps with
 `placement.diff`, and applies them in order through the executor pool:
@@ -88,6 +88,9 @@ class PlacementService:
         self.config = PlannerConfig(strategy=strategy, time_limit_seconds=time_limit_s)
         self.lock = asyncio.Lock()
         self._loading: dict[str, int] = {}  # bytes promised to instances being loaded, per device
+        # Versions no longer routed to that finish their accepted requests (an unload, a reload's old versions):
+        # their instances still hold memory until they stop.
+        self._retiring: list[RegisteredVersion] = []
 
     # --- what placement sees ----------------------------------------------------------------------------------------
     def _live(self) -> list[RegisteredVersion]:
@@ -112,11 +115,14 @@ class PlacementService:
         return out
 
     def inputs(self, versions: Sequence[RegisteredVersion] | None = None,
-               totals: Mapping[tuple[str, str], int] | None = None) -> PlacementInputs:
+               totals: Mapping[tuple[str, str], int] | None = None,
+               beside: Sequence[RegisteredVersion] = ()) -> PlacementInputs:
         """The planning problem of the live versions (and `versions`, which ask their configured counts): devices
         with what is not ours taken off, demands, and the live instances as the current placement. `totals`
-        sets a version's instance count (the controller's target); the change goes to its last instance group."""
-        live = self._live()
+        sets a version's instance count (the controller's target); the change goes to its last instance group.
+        `beside`: versions being replaced (a reload): their instances hold memory but are not planned."""
+        beside = [*beside, *self._retiring]
+        live = [v for v in self._live() if v not in beside]
         new = [v for v in versions or () if v not in live]
         # A live group asks for what it runs, holes included (an instance that failed to load keeps its number).
         counts: dict[GroupKey, int] = {}
@@ -129,12 +135,18 @@ class PlacementService:
         for v in live:
             for i in v.instances:
                 ours[i.device_id] = ours.get(i.device_id, 0) + i.footprint_bytes
+        replaced: dict[str, int] = {}
+        for v in beside:
+            for i in v.instances:
+                replaced[i.device_id] = replaced.get(i.device_id, 0) + i.footprint_bytes
         other: dict[str, int] = {}
         for d in self.devices.leaf_devices():
             used = self._gpu_used_bytes(d)
             if used is not None:  # a real GPU: what others hold is what the driver sees beyond our instances
                 other[d.id] = max(0, used - ours.get(d.id, 0))
-            other[d.id] = other.get(d.id, 0) + self._loading.get(d.id, 0)
+            else:  # elsewhere the replaced instances' memory is known only from them
+                other[d.id] = replaced.get(d.id, 0)
+            other[d.id] += self._loading.get(d.id, 0)
         unhealthy = self.unhealthy_devices()
         devices = planning_devices(self.devices.leaf_devices(), device_reserve_bytes=self.device_reserve_bytes,
                                    other_used_bytes=other, unhealthy=frozenset(unhealthy))
@@ -153,22 +165,26 @@ class PlacementService:
         return await asyncio.to_thread(plan, inputs.devices, inputs.demands, current=inputs.current, config=config)
 
     # --- start-up and model loads ---------------------------------------------------------------------------------
-    async def place(self, new: Sequence[RegisteredVersion]) -> None:
+    async def place(self, new: Sequence[RegisteredVersion], *,
+                    beside: Sequence[RegisteredVersion] = ()) -> list[RegisteredVersion]:
         """Plan every instance of `new` into the room the live instances leave (they stay where they are) and load
-        them. Each version ends READY with what loaded, or UNAVAILABLE with why each instance did not."""
+        them. Each version ends READY with what loaded, or UNAVAILABLE with why each instance did not. `beside`:
+        the versions `new` replaces (a reload), which serve on until it is ready: they only take room. Returns the
+        versions of `new` left with no instance for want of room (not for a failed load)."""
         async with self.lock:
             new = self._refuse_bad_pins(new)
             if not new:
-                return
-            inputs = self.inputs(new)
+                return []
+            inputs = self.inputs(new, beside=beside)
             result = await self._plan(inputs, replace(self.config, move_current=False))
             log.info("placement: %d instance(s) on %d device(s) (%s, lower bound %d%s), %d not placed",
                      len(result.placements), result.devices_used, result.method, result.lower_bound,
                      ", optimal" if result.optimal else "", len(result.unplaced))
             reasons: dict[RegisteredVersion, list[str]] = {v: [] for v in new}
+            by_key = {(v.name, v.version): v for v in new}  # not the registry's: a reload's are not installed yet
             for u in result.unplaced:
                 key, index = inputs.instance(Assignment(u.model, u.instance, ""))
-                vs = self.registry.version(key.model, key.version)
+                vs = by_key.get((key.model, key.version)) or self.registry.version(key.model, key.version)
                 why = f"instance {index} not placed: {u.reason}"
                 reasons.setdefault(vs, []).append(why)
                 log.error("model %s version %s %s", vs.name, vs.version, why)
@@ -178,13 +194,16 @@ class PlacementService:
                        for k in range(len(v.entry.config.instance_groups))}
             moves = [m for m in diff(inputs.current, result.placements, inputs.devices, inputs.demands)
                      if m.model in placing]
-            for step in await self._apply(inputs, moves, atomic=False):
+            for step in await self._apply(inputs, moves, atomic=False, staged=new):
                 if step.error:
-                    vs = self.registry.version(step.model, step.version)
+                    vs = by_key[(step.model, step.version)]
                     reasons.setdefault(vs, []).append(f"instance {step.index} on {step.to_device}: {step.error}")
             for vs in new:
                 vs.state = ModelState.READY if vs.instances else ModelState.UNAVAILABLE
                 vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
+            no_room = {by_key.get((k.model, k.version)) for k, _ in
+                       (inputs.instance(Assignment(u.model, u.instance, "")) for u in result.unplaced)}
+            return [vs for vs in new if not vs.instances and vs in no_room]
 
     def _refuse_bad_pins(self, versions: Sequence[RegisteredVersion]) -> list[RegisteredVersion]:
         """Versions pinned to GPUs the node lacks are UNAVAILABLE with the reason, not placed anywhere."""
@@ -238,11 +257,23 @@ class PlacementService:
         lost = self.unhealthy_devices()
         return sum(1 for v in self._live() for i in v.instances if i.device_id in lost)
 
-    async def stop_version(self, vs: RegisteredVersion) -> None:
-        """Stop every instance of `vs` (an unload): no new batches go to them; each finishes the batch it runs."""
-        async with self.lock:
-            for inst in list(vs.instances):
-                await self._stop(vs, inst)
+    async def retire(self, versions: Sequence[RegisteredVersion], *, drain_timeout_s: float = 30.0) -> None:
+        """Unload `versions`, which requests no longer reach (an unload, or a reload's old versions): each
+        finishes what it accepted (queued requests failed after `drain_timeout_s`), then its instances stop. Their
+        memory counts as used until then."""
+        self._retiring += versions
+        try:
+            for vs in versions:
+                vs.state = ModelState.UNLOADING
+                try:
+                    await asyncio.wait_for(vs.scheduler.wait_idle(), drain_timeout_s)
+                except asyncio.TimeoutError:
+                    vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} is being unloaded")
+                async with self.lock:
+                    for inst in list(vs.instances):
+                        await self._stop(vs, inst)
+        finally:
+            self._retiring = [v for v in self._retiring if v not in versions]
 
     # --- requested placements -------------------------------------------------------------------------------------
     async def apply_requested(self, requested: Sequence[RequestedPlacement]) -> Applied:
@@ -343,15 +374,17 @@ class PlacementService:
 
     # --- applying steps -------------------------------------------------------------------------------------------
     async def _apply(self, inputs: PlacementInputs, moves: Sequence[Move], *, atomic: bool,
-                     stop_at_failure: bool = False) -> list[Step]:
+                     stop_at_failure: bool = False, staged: Sequence[RegisteredVersion] = ()) -> list[Step]:
         """Carry out `moves` in order and say what each did. A failed load: atomic, every step done so far is undone
         in reverse and InferenceError raised; else it is a Step with its error, and the rest goes on (or, with
-        `stop_at_failure`, stops: later steps may count on room this one was to free)."""
+        `stop_at_failure`, stops: later steps may count on room this one was to free). `staged`: versions not in
+        the registry yet (a reload's), which the moves of their model and version are for."""
         undo: list[Callable[[], Awaitable[None]]] = []
         steps: list[Step] = []
+        by_key = {(v.name, v.version): v for v in staged}
         for mv in moves:
             key, index = inputs.instance(Assignment(mv.model, mv.instance, ""))
-            vs = self.registry.version(key.model, key.version)
+            vs = by_key.get((key.model, key.version)) or self.registry.version(key.model, key.version)
             step = Step(mv.kind, vs.name, vs.version, index, mv.from_device, mv.to_device)
             if mv.kind == "remove":
                 await self._remove(vs, index, mv.from_device, undo)
@@ -398,6 +431,7 @@ class PlacementService:
         key = f"{vs.name}:{vs.version}:{index}"
         if any(i.key == key for i in vs.instances):  # its predecessor still serves (make-before-break)
             key += f"@{device}"
+        key = self._free_key(key, device)
         inst = InstanceHandle(key=key, model=vs.name, version=vs.version, index=index, device_id=device,
                               model_path=vs.model_path, config=vs.entry.config, estimate_bytes=footprint)
         # Promised memory counts as used while the load runs, so nothing else is planned into it.
@@ -410,6 +444,16 @@ class PlacementService:
             vs.instances.append(inst)
             vs.scheduler.add_instance(inst)
         return inst
+
+    def _free_key(self, key: str, device: str) -> str:
+        """`key`, or key#2, #3...: one not in use on the device's worker (the same version of a model being
+        reloaded: its predecessor serves there until this one is ready)."""
+        taken = self.pool.instance_keys(device)
+        n, free = 1, key
+        while free in taken:
+            n += 1
+            free = f"{key}#{n}"
+        return free
 
     def _worker_device(self, device_id: str) -> WorkerDevice:
         d = next(d for d in self.devices.leaf_devices() if d.id == device_id)
