@@ -71,6 +71,9 @@ class ModelStats:
     inference_count: int = 0  # rows inferred (Triton counts batch rows)
     execution_count: int = 0  # batches executed
     last_inference_ms: int = 0  # wall clock (ms since the epoch) of the last batch
+    cold_starts: int = 0  # loads from zero instances because a request came (scale to zero, load on demand)
+    cold_start_seconds: float = 0.0  # their total time, from the first waiting request to an instance serving
+    evictions: int = 0  # instances unloaded (least recently used first) to make room for another model's load
     batches: dict[int, BatchStats] = field(default_factory=dict)
     histograms: LatencyHistograms = field(default_factory=LatencyHistograms)
 
@@ -104,6 +107,10 @@ class ModelStats:
                               (self.compute_output, h.compute_output, output_ns)):
             d.add(v * n, n)
             buckets[bisect_left(bounds, v)] += n
+
+    def record_cold_start(self, seconds: float) -> None:
+        self.cold_starts += 1
+        self.cold_start_seconds += seconds
 
     def record_failure(self, request_ns: int) -> None:
         """One failed request, `request_ns` after it arrived. Failures add no latencies (as in Triton): a failure's

@@ -90,17 +90,19 @@ class ControlLoop(Collector):
 
     async def tick(self) -> None:
         now = self.clock()
+        wall_now = self.wall_clock()
         hints = self.hints()
         targets = []
         for v in self.snapshot().versions():
             if not v.instances:
-                continue  # not loaded (or its load failed): nothing to scale
+                continue  # not loaded, its load failed, or scaled to zero (its next request loads it)
             key = (v.model, v.version)
             hint = hints.get(key)
+            idle_s = None if v.pending_requests or not v.last_used_unix_s else max(0.0, wall_now - v.last_used_unix_s)
             obs = VersionObservation(v.model, v.version, len(v.instances),
                                      InstanceBounds(v.min_instances, v.max_instances),
                                      None if hint is None else hint.desired_instances,
-                                     "" if hint is None else hint.reason)
+                                     "" if hint is None else hint.reason, idle_s)
             targets.append(decide_target(self.policy, self._states.get(key, VersionState()), obs, now))
         self.targets = targets
         self._states = {k: s for k, s in self._states.items() if any((t.model, t.version) == k for t in targets)}

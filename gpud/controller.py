@@ -13,8 +13,15 @@ Rules, per model version, each interval:
    scale-down window): an instance is never added and removed within one stabilization window, so the controller
    cannot flap. Adding is held back only after a failed load: the next try waits interval x 2^(failures - 1),
    at most `max_retry_seconds` (the failed step itself was rolled back by the service: the old instance serves on).
+4. Scale to zero: a version whose minimum is 0 (`gpud_min_instances: 0`) and that has had no request for
+   `idle_unload_seconds` goes to 0 instances (reason idle); its next request loads it again (a cold start, the
+   placement service's). Otherwise such a version keeps at least one instance: a hint never takes it to zero.
 The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason), min_instances
-/ max_instances (the bounds), and for steps the planner adds, make_room (a move that lets more fit) and device_lost.
+/ max_instances (the bounds), idle, and for steps the planner adds, make_room (a move that lets more fit) and
+device_lost.
+
+Eviction (`eviction_order`) is a pure rule too: when a load needs room that idle instances hold, the least recently
+used go first, never below their version's minimum and never one with requests waiting or running.
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ CONTROL_MODES: tuple[ControlMode, ...] = ("off", "advise", "on")
 MIN_INSTANCES_PARAMETER = "gpud_min_instances"
 MAX_INSTANCES_PARAMETER = "gpud_max_instances"
 
-Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "make_room", "device_lost"]
+Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "idle", "make_room",
+                 "device_lost"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class ControlPolicy:
     max_steps_per_interval: int = 4  # adds, removals and moves applied per interval (the rest waits)
     scale_down_cooldown_seconds: float = 300.0  # after an add, no removal of the version's instances for this long
     max_retry_seconds: float = 300.0  # the longest wait before trying again to add after failed loads
+    idle_unload_seconds: float = 300.0  # a version with minimum 0 and no request for this long goes to 0 instances
 
     def __post_init__(self) -> None:
         if not self.interval_seconds > 0:
@@ -76,6 +85,8 @@ class ControlPolicy:
             raise ValueError(f"max steps per interval must be >= 1, got {self.max_steps_per_interval}")
         if not self.scale_down_cooldown_seconds >= 0:
             raise ValueError(f"scale-down cooldown must be >= 0 seconds, got {self.scale_down_cooldown_seconds}")
+        if not self.idle_unload_seconds > 0:
+            raise ValueError(f"idle unload must be > 0 seconds, got {self.idle_unload_seconds}")
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,7 @@ class VersionObservation:
     bounds: InstanceBounds
     desired: int | None  # the hint; None before its first window
     hint_reason: str = ""
+    idle_s: float | None = None  # seconds without a request (nothing queued or running); None: in use now
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,11 @@ def decide_target(policy: ControlPolicy, state: VersionState, obs: VersionObserv
         return out(hi, "max_instances", f"{n} running, {MAX_INSTANCES_PARAMETER} is {hi}")
     if n < lo and wanted <= lo and (state.retry_after_s is None or now_s >= state.retry_after_s):
         return out(lo, "min_instances", f"{n} running, {MIN_INSTANCES_PARAMETER} is {lo}")
-    target = max(lo, wanted if hi is None else min(wanted, hi))
+    if lo == 0 and n > 0 and obs.idle_s is not None and obs.idle_s >= policy.idle_unload_seconds:
+        return out(0, "idle", f"no request for {obs.idle_s:.0f} s (>= {policy.idle_unload_seconds:g} s, "
+                              f"{MIN_INSTANCES_PARAMETER} is 0): unloaded until its next request")
+    floor = lo if lo > 0 or n == 0 else 1  # to zero only when idle (above), never on a hint
+    target = max(floor, wanted if hi is None else min(wanted, hi))
     if target > n and state.retry_after_s is not None and now_s < state.retry_after_s:
         return out(n, "hold", f"wants {target}, but {state.failed_loads} load(s) failed in a row; next try in "
                               f"{state.retry_after_s - now_s:.0f} s")
@@ -142,3 +158,32 @@ def after_failed_load(policy: ControlPolicy, state: VersionState, now_s: float) 
     failures = state.failed_loads + 1
     wait_s = min(policy.max_retry_seconds, policy.interval_seconds * 2 ** (failures - 1))
     return VersionState(state.last_added_s, failures, now_s + wait_s)
+
+
+@dataclass(frozen=True)
+class EvictionCandidate:
+    """A live instance another model's load might unload."""
+
+    model: str
+    version: str
+    index: int
+    device_id: str
+    footprint_bytes: int
+    last_used_s: float  # when its version last served a request (or was loaded); any clock, the same for all
+    busy: bool  # requests of its version are queued or running
+    version_instances: int  # instances its version runs now
+    version_minimum: int  # its version's gpud_min_instances
+
+
+def eviction_order(candidates: list[EvictionCandidate]) -> list[EvictionCandidate]:
+    """The instances that may be evicted, least recently used first (the largest first among equals, so fewer go):
+    never one of a busy version, and never one that would take its version below its minimum."""
+    left = {(c.model, c.version): c.version_instances - c.version_minimum for c in candidates}
+    out = []
+    for c in sorted(candidates, key=lambda c: (c.last_used_s, -c.footprint_bytes, c.model, c.version, -c.index)):
+        key = (c.model, c.version)
+        if c.busy or left[key] <= 0:
+            continue
+        left[key] -= 1
+        out.append(c)
+    return out

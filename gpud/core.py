@@ -158,9 +158,10 @@ class GpudCore:
         if version and version not in model.versions:
             return False
         try:
-            return self._version(name, version).ready
+            vs = self._version(name, version)
         except InferenceError:
             return False
+        return vs.ready or vs.scaled_to_zero  # scaled to zero serves: its next request loads it
 
     def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
         vs = self._version(name, version)
@@ -191,7 +192,10 @@ class GpudCore:
     def _ready_scheduler(self, request: InferRequest) -> ModelScheduler:
         if self.stopping:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        vs = self.registry.version(request.model_name, request.model_version)
+        vs = self._served_version(request.model_name, request.model_version)
+        if vs.scaled_to_zero:  # the request waits in its queue while an instance loads (bounded: unready_wait_s)
+            self.placement.demand(vs)
+            return vs.scheduler
         # A loaded version whose instances are down for now (a worker restarting, a device given up on and its
         # instances being placed elsewhere) queues the request: the scheduler bounds the wait (unready_wait_s).
         if not vs.ready and not (vs.state is ModelState.READY and vs.instances):
@@ -200,6 +204,21 @@ class GpudCore:
                                  f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "
                                  f"state: {why}")
         return vs.scheduler
+
+    def _served_version(self, name: str, version: str) -> RegisteredVersion:
+        """The version a request is for. A model new in the repository since start-up is registered now, with no
+        instance: its first request loads it (load on demand). One unloaded by request stays unloaded."""
+        if name not in self.registry.models and _exists(self.repository, name):
+            try:
+                result: ModelEntry | ModelLoadError = self.repository.load(name)
+            except ModelConfigError as exc:
+                result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
+            staged, placeable = self.registry.stage(name, result)
+            for vs in placeable:
+                vs.state = ModelState.READY  # scaled to zero: the request loads it
+            self.registry.install(staged)
+            log.info("model %s: new in the repository; registered, and loaded on its first request", name)
+        return self.registry.version(name, version)
 
     def submit(self, request: InferRequest, done) -> None:
         self._ready_scheduler(request).submit(request, done)

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="how often the controller re-plans (default 10)")
     control.add_argument("--control-max-steps-per-interval", type=int, metavar="N",
                          help="instance loads, unloads and moves per interval; the rest waits (default 4)")
+    control.add_argument("--idle-unload-seconds", type=float, metavar="S",
+                         help="a model with gpud_min_instances 0 that has had no request this long is unloaded; "
+                              "its next request loads it again (a cold start; default 300)")
     return p
 
 
@@ -125,7 +128,8 @@ def control_policy(settings: Settings) -> ControlPolicy:
                          f"got {settings.placement_control!r}{quote}")
     return ControlPolicy(interval_seconds=settings.control_interval_seconds,
                          max_steps_per_interval=settings.control_max_steps_per_interval,
-                         scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds)
+                         scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds,
+                         idle_unload_seconds=settings.idle_unload_seconds)
 
 
 def _bool(text: str) -> bool:

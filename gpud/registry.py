@@ -35,10 +35,20 @@ class RegisteredVersion:
     instances: list[InstanceHandle] = field(default_factory=list)
     state: ModelState = ModelState.LOADING
     reason: str = ""
+    loaded_unix_s: float = 0.0  # when an instance last loaded (a version never used counts as used then)
 
     @property
     def ready(self) -> bool:
         return self.state is ModelState.READY and self.scheduler.has_ready_instance
+
+    @property
+    def scaled_to_zero(self) -> bool:
+        """Served, with no instance now: its next request loads one (a cold start)."""
+        return self.state is ModelState.READY and not self.instances
+
+    @property
+    def last_used_unix_s(self) -> float:
+        return max(self.scheduler.stats.last_inference_ms / 1000, self.loaded_unix_s)
 
     @property
     def model_path(self) -> str:
@@ -55,6 +65,8 @@ class RegisteredVersion:
     def view(self, has_gpus: bool) -> VersionView:
         if self.ready:
             state, reason = ModelState.READY, ""
+        elif self.scaled_to_zero:
+            state, reason = ModelState.READY, "scaled to zero: its next request loads it"
         elif self.state is ModelState.READY:  # loaded, but no instance ready now
             state, reason = ModelState.UNAVAILABLE, "no instance is ready (a worker is restarting)"
         else:
@@ -64,7 +76,7 @@ class RegisteredVersion:
                                        i.measured_by, i.load_seconds, i.provider, i.error) for i in self.instances)
         return VersionView(self.name, self.version, state, reason, self.entry.config.max_batch_size, kinds,
                            self.scheduler.pending_requests, instances, self.scheduler.stats,
-                           self.bounds.minimum, self.bounds.maximum)
+                           self.bounds.minimum, self.bounds.maximum, self.last_used_unix_s)
 
 
 @dataclass(eq=False)

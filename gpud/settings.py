@@ -29,6 +29,7 @@ class Settings:
     worker_hang_seconds: float = 300.0  # a batch unanswered this long means its worker is hung: kill, restart; 0: off
     worker_crash_loop_deaths: int = 3  # a device's worker lost this many times ...
     worker_crash_loop_seconds: float = 120.0  # ... within this long: not restarted; its instances go elsewhere
+    idle_unload_seconds: float = 300.0  # a model with gpud_min_instances 0 and no request this long is unloaded
     unready_wait_seconds: float = 30.0  # requests wait this long for an instance while none is ready (restarts)
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"

@@ -66,10 +66,16 @@ _HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...], Callable[[ModelStats], lis
      lambda st: st.histograms.batch_size, lambda st: float(st.inference_count)),
 )
 # Plain counters: (name without _total, help, the record's value).
-_COUNTERS: tuple[tuple[str, str, Callable[[ModelStats], int]], ...] = (
+_COUNTERS: tuple[tuple[str, str, Callable[[ModelStats], int | float]], ...] = (
     ("gpud_model_executions", "Batches executed (model executions).", lambda st: st.execution_count),
     ("gpud_model_inferences", "Inferences performed: batch rows executed (a request of 8 rows counts 8).",
      lambda st: st.inference_count),
+    ("gpud_model_cold_starts", "Loads of the version from zero instances because a request came (scale to zero, "
+     "load on demand).", lambda st: st.cold_starts),
+    ("gpud_model_cold_start_seconds", "Time of those cold starts, from the request that triggered one to an "
+     "instance serving, seconds.", lambda st: st.cold_start_seconds),
+    ("gpud_model_evictions", "Instances of the version unloaded while idle (least recently used first) to make "
+     "room for another model's load.", lambda st: st.evictions),
 )
 # `le` label values, as prometheus_client writes them (0.00025, 1.0, +Inf).
 _LES = tuple(tuple(floatToGoString(b) for b in bounds) + ("+Inf",) for _, _, bounds, _, _ in _HISTOGRAMS)
@@ -126,6 +132,10 @@ _SMALL_COUNT = "%d.0\n"  # _count_text of 0 <= n < 10**6
 
 def _value_text(v: float) -> str:
     return floatToGoString(v) + "\n"
+
+
+def _number_text(x: int | float) -> str:
+    return _count_text(x) if isinstance(x, int) else _value_text(x)
 
 
 def _family_text(metric: Metric) -> str:
@@ -342,7 +352,7 @@ class ModelMetrics(Collector):
                 out += (sum_prefix, _value_text(total(v.stats)))
         for name, doc, value in _COUNTERS:
             out.append(_header(name + "_total", doc, "counter"))
-            out += [f"{name}_total{lb.labels}{_count_text(value(v.stats))}" for v, lb in zip(versions, labels)]
+            out += [f"{name}_total{lb.labels}{_number_text(value(v.stats))}" for v, lb in zip(versions, labels)]
         out += map(_family_text, _collect_gauges(versions))
         if self._triton is not None:
             out += self._triton.counters_text(versions, labels)

@@ -53,6 +53,7 @@ class VersionView:
     stats: ModelStats  # the executor's live record of this version: read it, never write it
     min_instances: int = 1  # the controller's bounds (config.pbtxt gpud_min_instances / gpud_max_instances)
     max_instances: int | None = None  # None: as many as the node has room for
+    last_used_unix_s: float = 0.0  # the later of its last executed batch and its last load; 0: never
 
     @property
     def ready_instances(self) -> int:

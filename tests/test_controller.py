@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from executor.model_config import InstanceGroup, ModelConfig
-from gpud.controller import (ControlPolicy, InstanceBounds, VersionObservation, VersionState, after_added,
-                             after_failed_load, decide_target, instance_bounds)
+from gpud.controller import (ControlPolicy, EvictionCandidate, InstanceBounds, VersionObservation, VersionState,
+                             after_added, after_failed_load, decide_target, eviction_order, instance_bounds)
 
 POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
 NOW = 1000.0
@@ -129,3 +129,55 @@ class TestBackOff:
     def test_removals_are_not_held_by_the_back_off(self):
         state = after_failed_load(POLICY, VersionState(), NOW)
         assert decide_target(POLICY, state, obs(4, 1), NOW + 1).target == 1
+
+
+class TestScaleToZero:
+    """gpud_min_instances 0: to zero after idle_unload_seconds without a request, never on a hint alone."""
+
+    IDLE = ControlPolicy(interval_seconds=10, scale_down_cooldown_seconds=300, idle_unload_seconds=60)
+
+    @pytest.mark.parametrize("instances, desired, lo, idle_s, target, reason", [
+        (1, 1, 0, 60.0, 0, "idle"),  # 60 s without a request >= 60 s: unloaded
+        (2, 1, 0, 600.0, 0, "idle"),  # every instance goes, whatever the hint
+        (1, 1, 0, 59.0, 1, "hold"),  # 59 < 60: stays
+        (1, 0, 0, 30.0, 1, "hold"),  # a hint of 0 does not take it to zero: only idleness does
+        (1, 1, 0, None, 1, "hold"),  # requests queued or running: not idle
+        (1, 1, 1, 600.0, 1, "hold"),  # minimum 1: never unloaded for idleness
+        (3, 1, 0, 10.0, 1, "scale_down"),  # in use: down to the hint, floor 1
+    ])
+    def test_idle_unload(self, instances, desired, lo, idle_s, target, reason):
+        o = VersionObservation("m", "1", instances, InstanceBounds(lo, None), desired, "hint", idle_s)
+        t = decide_target(self.IDLE, VersionState(), o, NOW)
+        assert (t.target, t.reason) == (target, reason)
+
+    def test_idle_unload_ignores_the_cooldown_of_an_add(self):
+        # an instance added (a cold start) and then unused for the idle time: idleness is the longer window here
+        o = VersionObservation("m", "1", 1, InstanceBounds(0, None), 1, "", 60.0)
+        assert decide_target(self.IDLE, after_added(VersionState(), NOW - 60), o, NOW).target == 0
+
+    def test_a_non_positive_idle_time_is_refused(self):
+        with pytest.raises(ValueError, match="idle unload must be > 0"):
+            ControlPolicy(idle_unload_seconds=0)
+
+
+def cand(model: str, last_used_s: float, *, index: int = 0, busy: bool = False, n: int = 1, lo: int = 0,
+         footprint: int = 100) -> EvictionCandidate:
+    return EvictionCandidate(model, "1", index, "gpu0", footprint, last_used_s, busy, n, lo)
+
+
+class TestEvictionOrder:
+    def test_least_recently_used_first(self):
+        order = eviction_order([cand("b", 20.0), cand("a", 10.0), cand("c", 30.0)])
+        assert [c.model for c in order] == ["a", "b", "c"]
+
+    def test_busy_versions_and_minimums_are_kept(self):
+        order = eviction_order([cand("busy", 1.0, busy=True),  # requests waiting: never
+                                cand("min1", 2.0, lo=1),  # 1 instance, minimum 1: never
+                                cand("two", 3.0, index=0, n=2, lo=1), cand("two", 3.0, index=1, n=2, lo=1),
+                                cand("idle", 4.0)])
+        # of "two" (2 running, minimum 1) one may go: the highest index
+        assert [(c.model, c.index) for c in order] == [("two", 1), ("idle", 0)]
+
+    def test_the_larger_goes_first_among_equally_old(self):
+        order = eviction_order([cand("small", 5.0, footprint=10), cand("large", 5.0, footprint=1000)])
+        assert [c.model for c in order] == ["large", "small"]

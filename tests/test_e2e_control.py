@@ -231,3 +231,43 @@ def test_a_new_version_and_a_new_config_load_under_load_with_zero_failed_request
         assert daemon.stop() == 0, daemon.log()
     log = daemon.log()
     assert "the previous version(s) 1 finish their requests and unload" in log, log[-3000:]
+
+
+def test_a_model_with_minimum_zero_is_unloaded_when_idle_and_served_again_on_its_next_request(tmp_path):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpud.examples import write_example_repository
+
+    repo = tmp_path / "repo"
+    write_example_repository(repo, ["mlp"])
+    config = repo / "mlp" / "config.pbtxt"
+    config.write_text(config.read_text() + '\nparameters { key: "gpud_min_instances" value: { string_value: "0" } }\n')
+    daemon = start_daemon(repo, tmp_path, "--idle-unload-seconds", "2", "--control-interval-seconds", "0.5")
+
+    def mlp() -> dict:
+        return next(m for m in daemon.inspect()["models"] if m["name"] == "mlp")
+
+    client = httpclient.InferenceServerClient(daemon.http_url)
+    x = httpclient.InferInput("input", [1, 256], "FP32")
+    x.set_data_from_numpy(np.ones((1, 256), np.float32))
+    try:
+        reference = client.infer("mlp", [x]).as_numpy("output")
+        wait_for(lambda: not mlp()["instances"], 60, "mlp to be unloaded after 2 s without a request")
+        assert (mlp()["state"], mlp()["reason"]) == ("READY", "scaled to zero: its next request loads it")
+        assert client.is_model_ready("mlp")  # it serves: the next request loads it
+        np.testing.assert_allclose(client.infer("mlp", [x]).as_numpy("output"), reference, rtol=1e-6)  # cold start
+        assert len(mlp()["instances"]) == 1
+        with urllib.request.urlopen(daemon.metrics_url, timeout=10) as r:
+            families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+        cold = {s.name: s.value for s in families["gpud_model_cold_starts"].samples}
+        assert cold["gpud_model_cold_starts_total"] == 1.0
+        assert next(s.value for s in families["gpud_model_cold_start_seconds"].samples) > 0
+        steps = [(d["action"], d["reason"], d["applied"]) for d in daemon.inspect()["controller"]["decisions"]]
+        assert ("remove", "idle", True) in steps, steps
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- daemon log (tail) ---\n{daemon.log()[-6000:]}") from None
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert "cold start in" in daemon.log()

@@ -37,6 +37,7 @@ class ScriptedPool:
         self.hold: dict[str, asyncio.Event] = {}
         self.loaded: dict[str, InstanceHandle] = {}
         self.load_started: asyncio.Event | None = None  # set when a load begins
+        self.footprint_bytes = 10 * MIB  # what a loaded instance measures
 
     async def load_instance(self, inst: InstanceHandle, device: WorkerDevice) -> InstanceHandle:
         # described by the service, from the device inventory
@@ -49,7 +50,7 @@ class ScriptedPool:
         if inst.device_id in self.fail_on:
             inst.error = "out of memory (scripted)"
             return inst
-        inst.ready, inst.memory_bytes, inst.measured_by = True, 10 * MIB, "process_rss"
+        inst.ready, inst.memory_bytes, inst.measured_by = True, self.footprint_bytes, "process_rss"
         self.loaded[inst.key] = inst
         return inst
 

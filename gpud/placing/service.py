@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.types import ErrorKind, InferenceError
+from gpud.controller import EvictionCandidate, eviction_order
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
-from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
-                                 pin_errors, planning_devices, reserve_bytes_for)
+from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs,
+                                 candidate_kinds, locate, pin_errors, planning_devices, reserve_bytes_for)
 from gpud.registry import RegisteredVersion, Registry
 from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
 from placement.model import DeviceKind, MoveKind, fmt_bytes
@@ -80,8 +82,12 @@ class ControlPlan:
 
 class PlacementService:
     def __init__(self, devices: DeviceBackend, pool: ExecutorPool, registry: Registry, *,
-                 device_reserve_bytes: int = 0, strategy: str = "pack", time_limit_s: float = 2.0):
+                 device_reserve_bytes: int = 0, strategy: str = "pack", time_limit_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
         self.devices = devices
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._cold: dict[RegisteredVersion, asyncio.Task] = {}  # cold starts under way
         self.pool = pool
         self.registry = registry
         self.device_reserve_bytes = device_reserve_bytes
@@ -203,7 +209,13 @@ class PlacementService:
                 vs.reason = "; ".join(reasons.get(vs, [])) or ("" if vs.instances else "no instance could be loaded")
             no_room = {by_key.get((k.model, k.version)) for k, _ in
                        (inputs.instance(Assignment(u.model, u.instance, "")) for u in result.unplaced)}
-            return [vs for vs in new if not vs.instances and vs in no_room]
+            no_room_now = [vs for vs in new if not vs.instances and vs in no_room]
+            for vs in no_room_now:
+                if vs.bounds.minimum == 0:  # it may wait for room: its first request loads it, evicting idle ones
+                    vs.state, vs.reason = ModelState.READY, ""
+                    log.info("model %s version %s: no room now; scaled to zero, its first request loads it",
+                             vs.name, vs.version)
+            return no_room_now
 
     def _refuse_bad_pins(self, versions: Sequence[RegisteredVersion]) -> list[RegisteredVersion]:
         """Versions pinned to GPUs the node lacks are UNAVAILABLE with the reason, not placed anywhere."""
@@ -245,8 +257,11 @@ class PlacementService:
                 key, index = inputs.instance(Assignment(u.model, u.instance, ""))
                 unplaced.append(Unplaced(key.model, key.version, index, u.reason))
             unhealthy = {d.id for d in inputs.devices if not d.healthy}
-            return ControlPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
-                               frozenset(unhealthy))
+        for vs in wanted:  # requests came while its last instance was being unloaded (idle): load it again
+            if vs.scaled_to_zero and vs.scheduler.pending_requests:
+                self.demand(vs)
+        return ControlPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
+                           frozenset(unhealthy))
 
     def unhealthy_devices(self) -> set[str]:
         """Leaf devices that read unhealthy: lost to the driver, or given up on by gpud (a crash-looping worker)."""
@@ -274,6 +289,88 @@ class PlacementService:
                         await self._stop(vs, inst)
         finally:
             self._retiring = [v for v in self._retiring if v not in versions]
+
+    # --- scale to zero: cold starts and eviction -------------------------------------------------------------------
+    def demand(self, vs: RegisteredVersion) -> None:
+        """A request waits for `vs`, which has no instance: load one (once, however many requests wait). If that
+        cannot be done, the waiting requests fail with the reason."""
+        if vs in self._cold or vs.instances:
+            return
+        self._cold[vs] = asyncio.get_running_loop().create_task(self._cold_start(vs))
+
+    async def _cold_start(self, vs: RegisteredVersion) -> None:
+        started_s = self.clock()
+        try:
+            error = await self.cold_start(vs)
+        except Exception as exc:  # noqa: BLE001 - the waiting requests must hear why, whatever failed
+            log.exception("model %s version %s: cold start failed", vs.name, vs.version)
+            error = str(exc)
+        finally:
+            self._cold.pop(vs, None)
+        if error:
+            log.error("model %s version %s: cannot load on demand: %s", vs.name, vs.version, error)
+            vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
+                                         f"{error}")
+            return
+        seconds = self.clock() - started_s
+        vs.scheduler.stats.record_cold_start(seconds)
+        log.info("model %s version %s: cold start in %.2f s (loaded on demand)", vs.name, vs.version, seconds)
+
+    async def cold_start(self, vs: RegisteredVersion) -> str:
+        """Load one instance of `vs` (which has none) where there is room, evicting the least recently used idle
+        instances of other versions while there is not. Returns "" once it serves, else why not."""
+        async with self.lock:
+            evicted: list[str] = []
+            while not vs.instances:
+                if vs.state is not ModelState.READY:
+                    return f"it is {vs.state.value.lower()}"
+                inputs = self.inputs([vs], {(vs.name, vs.version): 1})
+                result = await self._plan(inputs, replace(self.config, move_current=False))
+                mine = {inputs.names[GroupKey(vs.name, vs.version, k)]
+                        for k in range(len(vs.entry.config.instance_groups))}
+                moves = [m for m in diff(inputs.current, result.placements, inputs.devices, inputs.demands)
+                         if m.model in mine and m.kind == "add" and m.make_before_break]  # room now
+                if moves:
+                    steps = await self._apply(inputs, moves[:1], atomic=False)
+                    if steps and steps[0].error:
+                        return f"instance {steps[0].index} on {steps[0].to_device}: {steps[0].error}"
+                    continue
+                victim = self._eviction_victim(vs)
+                if victim is None:
+                    why = next((u.reason for u in result.unplaced), "no room")
+                    return (f"{why}; no idle instance of another model to evict"
+                            + (f" (evicted {', '.join(evicted)})" if evicted else ""))
+                owner, inst = victim
+                log.info("model %s version %s: evicting idle instance %d of model %s version %s on %s (least "
+                         "recently used) to make room", vs.name, vs.version, inst.index, owner.name, owner.version,
+                         inst.device_id)
+                await self._stop(owner, inst)
+                owner.scheduler.stats.evictions += 1
+                evicted.append(f"{owner.name}:{owner.version}:{inst.index}")
+            return ""
+
+    def _eviction_victim(self, vs: RegisteredVersion) -> tuple[RegisteredVersion, InstanceHandle] | None:
+        """The least recently used idle instance on a device kind `vs` can use (controller.eviction_order)."""
+        kinds = {k for g in vs.entry.config.instance_groups for k in candidate_kinds(g.kind, self.registry.has_gpus)}
+        device_kind = {d.id: d.kind for d in self.devices.leaf_devices()}
+        handles: dict[tuple[str, str, int, str], tuple[RegisteredVersion, InstanceHandle]] = {}
+        candidates = []
+        for other in self._live():
+            if other is vs:
+                continue
+            for inst in other.instances:
+                if device_kind.get(inst.device_id) not in kinds:
+                    continue
+                handles[(other.name, other.version, inst.index, inst.device_id)] = (other, inst)
+                candidates.append(EvictionCandidate(
+                    other.name, other.version, inst.index, inst.device_id, inst.footprint_bytes,
+                    other.last_used_unix_s, other.scheduler.pending_requests > 0, len(other.instances),
+                    other.bounds.minimum))
+        order = eviction_order(candidates)
+        if not order:
+            return None
+        c = order[0]
+        return handles[(c.model, c.version, c.index, c.device_id)]
 
     # --- requested placements -------------------------------------------------------------------------------------
     async def apply_requested(self, requested: Sequence[RequestedPlacement]) -> Applied:
@@ -441,6 +538,7 @@ class PlacementService:
         finally:
             self._loading[device] -= footprint
         if inst.ready:
+            vs.loaded_unix_s = self.wall_clock()
             vs.instances.append(inst)
             vs.scheduler.add_instance(inst)
         return inst

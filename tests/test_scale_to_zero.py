@@ -1,0 +1,109 @@
+"""Scale to zero and load on demand (gpud.placing.service cold starts, GpudCore routing): a model with
+gpud_min_instances 0 that has no room, or was unloaded for idleness, is loaded by its next request, evicting the
+least recently used idle instances of other models when the node is full. The executor pool is the scripted double
+of test_placement_service (instances of 6.8 MiB); everything else is real."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gpud.core import GpudCore
+from gpud.examples import write_example_repository
+from gpud.placing.service import PlacementService
+from gpud.registry import Registry
+from gpud.repository.layout import ModelRepository
+from telemetry.serving import ModelState
+from telemetry.simulated import SimulatedBackend
+from tests.test_placement_service import MIB, ScriptedPool
+
+ONE_GPU = """
+gpus:
+  - model: NVIDIA A100-SXM4-40GB
+"""
+MIN_0 = '\nparameters { key: "gpud_min_instances" value: { string_value: "0" } }\n'
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 5000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def node(tmp_path: Path, models: dict[str, int], *, room_bytes: int) -> tuple[GpudCore, ScriptedPool, Clock]:
+    """One GPU with `room_bytes` for instances; `models`: name -> gpud_min_instances."""
+    repo = tmp_path / "repo"
+    write_example_repository(repo, list(models))
+    for name, minimum in models.items():
+        config = repo / name / "config.pbtxt"
+        text = config.read_text() if config.exists() else ""  # no config: completed from the model, as in Triton
+        config.write_text(text + MIN_0.replace('"0"', f'"{minimum}"'))
+    (tmp_path / "node.yaml").write_text(ONE_GPU)
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
+    total = backend.leaf_devices()[0].memory_total_bytes
+    registry, pool, wall = Registry(has_gpus=True), ScriptedPool(), Clock()
+    pool.footprint_bytes = int(6.8 * MIB)  # measured once loaded: one fits in 7 MiB, not two
+    service = PlacementService(backend, pool, registry, device_reserve_bytes=total - room_bytes, time_limit_s=0,
+                               wall_clock=wall)
+    return GpudCore(ModelRepository(repo), registry, service, pool), pool, wall
+
+
+async def cold_start(core: GpudCore, name: str) -> None:
+    vs = core.registry.version(name)
+    core.placement.demand(vs)
+    await core.placement._cold[vs]
+
+
+def test_a_model_without_room_at_start_is_scaled_to_zero_and_loads_on_demand_evicting_the_lru(tmp_path):
+    core, pool, wall = node(tmp_path, {"mlp": 0, "cnn": 0}, room_bytes=7 * MIB)  # one instance (estimates 6.6 and 0.5 MiB)
+
+    async def scenario() -> None:
+        await core.start()
+        loaded = [v for v in core.registry.versions() if v.instances]
+        waiting = [v for v in core.registry.versions() if not v.instances]
+        assert len(loaded) == 1 and len(waiting) == 1
+        first, second = loaded[0], waiting[0]
+        assert second.scaled_to_zero and core.model_ready(second.name)  # it serves: its next request loads it
+        view = next(v for v in core.snapshot().versions() if v.model == second.name)
+        assert (view.state, view.reason) == (ModelState.READY, "scaled to zero: its next request loads it")
+        pool.events.clear()
+        wall.now_s += 60
+        await cold_start(core, second.name)
+        assert [(e[0], e[1].split(":")[0]) for e in pool.events] == [("unload", first.name), ("load", second.name)]
+        assert second.ready and first.scaled_to_zero
+        assert (second.scheduler.stats.cold_starts, first.scheduler.stats.evictions) == (1, 1)
+        # and back: the least recently used is now `second` (loaded at +60 s; `first` was never used since start)
+        wall.now_s += 60
+        await cold_start(core, first.name)
+        assert first.ready and second.scaled_to_zero and second.scheduler.stats.evictions == 1
+
+    asyncio.run(scenario())
+
+
+def test_with_nothing_to_evict_the_waiting_requests_hear_why(tmp_path):
+    core, pool, _ = node(tmp_path, {"mlp": 1, "cnn": 0}, room_bytes=7 * MIB)
+
+    async def scenario() -> str:
+        await core.start()
+        cnn = core.registry.version("cnn")
+        assert core.registry.version("mlp").ready and cnn.scaled_to_zero  # mlp has its minimum: not evictable
+        failed: list[str] = []
+        cnn.scheduler.fail_all_queued = failed.append  # what the queued requests would be told
+        await cold_start(core, "cnn")
+        assert not cnn.instances and cnn.scheduler.stats.cold_starts == 0
+        return failed[0]
+
+    message = asyncio.run(scenario())
+    assert message.startswith("model 'cnn' version 1 could not be loaded on demand: ")
+    assert "no idle instance of another model to evict" in message
+
+
+def test_a_model_new_in_the_repository_is_registered_by_its_first_request(tmp_path):
+    core, pool, _ = node(tmp_path, {"mlp": 1}, room_bytes=1024 * MIB)
+    asyncio.run(core.start())
+    write_example_repository(Path(core.repository.path), ["cnn"])  # added while gpud runs
+    vs = core._served_version("cnn", "")
+    assert vs.scaled_to_zero and vs.state is ModelState.READY
+    asyncio.run(cold_start(core, "cnn"))
+    assert vs.ready and [e[0] for e in pool.events][-1] == "load"
