@@ -34,7 +34,8 @@ HintsSource = Callable[[], Mapping[Key, HintDecision]]
 class Placer(Protocol):
     """What the loop needs of the placement service."""
 
-    async def control(self, totals: Mapping[Key, int], *, max_steps: int, apply: bool) -> ControlPlan: ...
+    async def control(self, totals: Mapping[Key, int], *, max_steps: int, apply: bool,
+                      evict_idle_s: float | None = None) -> ControlPlan: ...
 
     def instances_on_unhealthy_devices(self) -> int: ...
 
@@ -110,7 +111,9 @@ class ControlLoop(Collector):
         if not changes and not self.placement.instances_on_unhealthy_devices():
             return
         apply = self.mode == "on"
-        plan = await self.placement.control(changes, max_steps=self.policy.max_steps_per_interval, apply=apply)
+        # A scale-up with no room may evict instances idle for the scale-down window (least recently used first).
+        plan = await self.placement.control(changes, max_steps=self.policy.max_steps_per_interval, apply=apply,
+                                            evict_idle_s=self.policy.scale_down_cooldown_seconds)
         self.plans += 1
         self.last_plan_unix_s = self.wall_clock()
         by_key = {(t.model, t.version): t for t in targets}
@@ -130,8 +133,11 @@ class ControlLoop(Collector):
             log.info("placement control: %d step(s) left for the next interval(s)", plan.deferred)
 
     def _record(self, step: Step, target: Target | None, plan: ControlPlan, apply: bool, now_s: float) -> None:
-        if step.from_device in plan.unhealthy_devices:
-            reason: Reason = "device_lost"
+        if step.evicted_for:
+            reason: Reason = "evicted"
+            detail = f"idle, least recently used: room for model {step.evicted_for}"
+        elif step.from_device in plan.unhealthy_devices:
+            reason = "device_lost"
             detail = f"device {step.from_device} is unhealthy"
         elif step.kind == "move":
             reason, detail = "make_room", "moved so that more instances fit"

@@ -17,11 +17,12 @@ Rules, per model version, each interval:
    `idle_unload_seconds` goes to 0 instances (reason idle); its next request loads it again (a cold start, the
    placement service's). Otherwise such a version keeps at least one instance: a hint never takes it to zero.
 The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason), min_instances
-/ max_instances (the bounds), idle, and for steps the planner adds, make_room (a move that lets more fit) and
-device_lost.
+/ max_instances (the bounds), idle, and for steps the planner adds, make_room (a move that lets more fit),
+device_lost and evicted (an idle instance unloaded to make room for a scale-up).
 
 Eviction (`eviction_order`) is a pure rule too: when a load needs room that idle instances hold, the least recently
-used go first, never below their version's minimum and never one with requests waiting or running.
+used go first, never below their version's minimum and never one with requests waiting or running. A cold start (a
+request waits) may evict any idle instance; a scale-up only those idle for the scale-down window.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ MIN_INSTANCES_PARAMETER = "gpud_min_instances"
 MAX_INSTANCES_PARAMETER = "gpud_max_instances"
 
 Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "idle", "make_room",
-                 "device_lost"]
+                 "device_lost", "evicted"]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ class ScriptedPlacer:
         self.unhealthy = 0
         self.plan: ControlPlan | None = None
 
-    async def control(self, totals, *, max_steps, apply):
+    async def control(self, totals, *, max_steps, apply, evict_idle_s=None):
         self.calls.append((dict(totals), apply))
         if self.plan is not None:
             return self.plan

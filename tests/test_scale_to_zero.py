@@ -107,3 +107,19 @@ def test_a_model_new_in_the_repository_is_registered_by_its_first_request(tmp_pa
     assert vs.scaled_to_zero and vs.state is ModelState.READY
     asyncio.run(cold_start(core, "cnn"))
     assert vs.ready and [e[0] for e in pool.events][-1] == "load"
+
+
+def test_a_scale_up_with_no_room_evicts_only_instances_idle_for_the_window(tmp_path):
+    core, pool, wall = node(tmp_path, {"mlp": 0, "cnn": 0}, room_bytes=14 * MIB)  # both fit; a third does not
+
+    async def scenario(idle_s: float) -> list[tuple[str, str, str]]:
+        await core.start()
+        assert all(v.ready for v in core.registry.versions())
+        wall.now_s += idle_s  # neither has served a request since it loaded
+        plan = await core.placement.control({("cnn", "1"): 2}, max_steps=4, apply=True, evict_idle_s=60.0)
+        return [(s.kind, s.model, s.evicted_for) for s in plan.steps]
+
+    assert asyncio.run(scenario(30.0)) == []  # idle 30 s < 60 s: nothing evicted, the add has no room
+    core, pool, wall = node(tmp_path / "again", {"mlp": 0, "cnn": 0}, room_bytes=14 * MIB)
+    assert asyncio.run(scenario(90.0)) == [("remove", "mlp", "cnn"), ("add", "cnn", "")]
+    assert core.registry.version("mlp").scheduler.stats.evictions == 1

@@ -61,6 +61,7 @@ class Step:
     from_device: str | None
     to_device: str | None
     error: str = ""  # why the new instance did not load; "" when the step was done
+    evicted_for: str = ""  # a removal to make room for this model's load (least recently used, idle)
 
 
 @dataclass(frozen=True)
@@ -231,22 +232,37 @@ class PlacementService:
         return ok
 
     # --- the controller ----------------------------------------------------------------------------------------
-    async def control(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool) -> ControlPlan:
+    async def control(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool,
+                      evict_idle_s: float | None = None) -> ControlPlan:
         """Re-plan the node with these versions' instance counts (the others keep theirs), keeping moves few
         (placement's incremental re-plan: what runs stays where it is unless moving it lets more fit; instances on
         unhealthy devices are placed again elsewhere), and carry out the first `max_steps` steps in order, each
-        move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be)."""
+        move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be).
+        `evict_idle_s`: an added instance with no room may evict instances of other versions idle this long
+        (least recently used first, never below their minimum); None: never."""
         async with self.lock:
             wanted = [self.registry.version(m, v) for m, v in totals]
-            inputs = self.inputs([vs for vs in wanted if vs.state in (ModelState.READY, ModelState.UNAVAILABLE)],
-                                 totals)
-            result = await self._plan(inputs, replace(self.config, move_current=True))
+            placeable = [vs for vs in wanted if vs.state in (ModelState.READY, ModelState.UNAVAILABLE)]
+            evicted: list[Step] = []
+            while True:
+                inputs = self.inputs(placeable, totals)
+                result = await self._plan(inputs, replace(self.config, move_current=True))
+                if not apply or evict_idle_s is None or len(evicted) >= max_steps:
+                    break
+                growing = {vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)}
+                unplaced_keys = {inputs.instance(Assignment(u.model, u.instance, ""))[0] for u in result.unplaced}
+                short = [vs for vs in growing
+                         if any((k.model, k.version) == (vs.name, vs.version) for k in unplaced_keys)]
+                victim = self._eviction_victim(short[0], exclude=growing, min_idle_s=evict_idle_s) if short else None
+                if victim is None:
+                    break
+                evicted.append(await self._evict(victim, short[0]))
             moves = diff(inputs.current, result.placements, inputs.devices, inputs.demands)
             # A step with no room until others have moved would overcommit the device: left for a later interval.
             doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
-            todo = doable[:max_steps]
+            todo = doable[:max_steps - len(evicted)]
             if apply:
-                steps = await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
+                steps = evicted + await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
             else:
                 steps = []
                 for m in todo:
@@ -340,23 +356,31 @@ class PlacementService:
                     why = next((u.reason for u in result.unplaced), "no room")
                     return (f"{why}; no idle instance of another model to evict"
                             + (f" (evicted {', '.join(evicted)})" if evicted else ""))
-                owner, inst = victim
-                log.info("model %s version %s: evicting idle instance %d of model %s version %s on %s (least "
-                         "recently used) to make room", vs.name, vs.version, inst.index, owner.name, owner.version,
-                         inst.device_id)
-                await self._stop(owner, inst)
-                owner.scheduler.stats.evictions += 1
-                evicted.append(f"{owner.name}:{owner.version}:{inst.index}")
+                step = await self._evict(victim, vs)
+                evicted.append(f"{step.model}:{step.version}:{step.index}")
             return ""
 
-    def _eviction_victim(self, vs: RegisteredVersion) -> tuple[RegisteredVersion, InstanceHandle] | None:
-        """The least recently used idle instance on a device kind `vs` can use (controller.eviction_order)."""
+    async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion) -> Step:
+        owner, inst = victim
+        log.info("model %s version %s: evicting idle instance %d of model %s version %s on %s (least recently "
+                 "used) to make room", beneficiary.name, beneficiary.version, inst.index, owner.name, owner.version,
+                 inst.device_id)
+        await self._stop(owner, inst)
+        owner.scheduler.stats.evictions += 1
+        return Step("remove", owner.name, owner.version, inst.index, inst.device_id, None,
+                    evicted_for=beneficiary.name)
+
+    def _eviction_victim(self, vs: RegisteredVersion, *, exclude: set[RegisteredVersion] = frozenset(),
+                         min_idle_s: float = 0.0) -> tuple[RegisteredVersion, InstanceHandle] | None:
+        """The least recently used idle instance on a device kind `vs` can use (controller.eviction_order), of a
+        version not in `exclude` that has had no request for `min_idle_s`."""
         kinds = {k for g in vs.entry.config.instance_groups for k in candidate_kinds(g.kind, self.registry.has_gpus)}
         device_kind = {d.id: d.kind for d in self.devices.leaf_devices()}
         handles: dict[tuple[str, str, int, str], tuple[RegisteredVersion, InstanceHandle]] = {}
         candidates = []
+        now_s = self.wall_clock()
         for other in self._live():
-            if other is vs:
+            if other is vs or other in exclude or now_s - other.last_used_unix_s < min_idle_s:
                 continue
             for inst in other.instances:
                 if device_kind.get(inst.device_id) not in kinds:
