@@ -19,7 +19,7 @@ from executor.supervisor import CrashLoop
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
-from gpud.systemd_notify import notify
+from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
 from telemetry.hints import DeviceFree, HintPolicy
 
@@ -230,6 +230,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                     placement, pool, views=views)
     runners, ports, grpc_server = [], {}, None
     try:
+        notify("STATUS=loading the model repository")
         await core.start()
         if settings.allow_http:
             from gpud.api.http_api import start_http_server
@@ -264,18 +265,23 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     # cyclic collector's scans, so collections triggered by per-request garbage stay cheap.
     gc.collect()
     gc.freeze()
-    notify("READY=1\nSTATUS=serving")
+    ready = sum(1 for v in models.versions() if v.ready)
+    notify(f"READY=1\nSTATUS=serving {ready} model version(s)")
     log.info("gpud %s ready: serving", __version__)
 
+    watchdog_s = watchdog_interval_s(os.environ, os.getpid())
+    watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None
     hints_task = asyncio.create_task(hints.run(), name="autoscaling-hints")
     control_task = asyncio.create_task(controller.run(), name="placement-control") if controller else None
 
     await stop.wait()
     hints_task.cancel()
+    if watchdog_task is not None:
+        watchdog_task.cancel()
     if control_task is not None:
         control_task.cancel()
     log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)
-    notify("STOPPING=1")
+    notify("STOPPING=1\nSTATUS=draining: finishing the accepted requests")
     await core.shutdown(settings.exit_timeout_seconds)
     await _close(runners, grpc_server, settings.exit_timeout_seconds)
     backend.close()
