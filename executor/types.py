@@ -16,6 +16,8 @@ class ErrorKind(enum.Enum):
     NOT_FOUND = enum.auto()  # unknown model or version
     UNAVAILABLE = enum.auto()  # model not ready, queue full, worker lost, shutting down, timed out in queue
     INTERNAL = enum.auto()  # a bug or a backend failure
+    PERMISSION_DENIED = enum.auto()  # an action the server's settings do not allow (model control off)
+    UNAUTHENTICATED = enum.auto()  # an admin action without the admin token
 
 
 class InferenceError(Exception):

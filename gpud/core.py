@@ -16,6 +16,7 @@ from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
 from gpud.inspect_view import InspectView, inspect_document
+from gpud.model_control import ModelControl, check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
 from gpud.repository.config import ModelConfigError
@@ -33,8 +34,9 @@ class GpudCore:
 
     def __init__(self, repository: ModelRepository, registry: Registry, placement: PlacementService,
                  pool: ExecutorPool, *, views: Mapping[str, InspectView] | None = None,
-                 server_name: str = "gpud"):
+                 server_name: str = "gpud", control: ModelControl = ModelControl()):
         self.repository = repository
+        self.control = control  # who may load and unload models (--model-control-mode)
         self.registry = registry
         self.placement = placement
         self.pool = pool
@@ -53,7 +55,8 @@ class GpudCore:
         All instances are planned together, so the engine packs the whole node at once."""
         new: list[RegisteredVersion] = []
         for name, result in self.repository.scan().items():
-            new += self.registry.register(name, result)
+            if self.control.loads_at_start(name):
+                new += self.registry.register(name, result)
         await self.placement.place(new)
         self.started = True
         ready = sum(1 for v in self.registry.versions() if v.ready)
@@ -74,6 +77,8 @@ class GpudCore:
 
     # --- model control ---------------------------------------------------------------------------------------
     async def load_model(self, name: str) -> None:
+        check_model_name(name)
+        self.control.check_api("load", name)
         if self.stopping:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         try:
@@ -122,6 +127,8 @@ class GpudCore:
             await self.placement.place(no_room)
 
     async def unload_model(self, name: str) -> None:
+        check_model_name(name)
+        self.control.check_api("unload", name)
         model = self.models.get(name)
         if model is None:
             raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
@@ -182,11 +189,17 @@ class GpudCore:
     def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
         """Every model and served version with its state, read off the snapshot (one definition of both)."""
         index = []
-        for m in self.snapshot().models:
+        models = self.snapshot().models
+        if not ready_only:  # in the repository, never loaded (explicit mode): as Triton lists them
+            known = {m.name for m in models}
+            index += [RepositoryModel(name, "", ModelState.UNAVAILABLE, "unloaded")
+                      for name in _names(self.repository) if name not in known]
+        for m in models:
             if not m.versions and not ready_only:
                 index.append(RepositoryModel(m.name, "", ModelState.UNAVAILABLE, m.error or "unloaded"))
             index += [RepositoryModel(m.name, v.version, v.state, v.reason) for v in m.versions
                       if not ready_only or v.state is ModelState.READY]
+        index.sort(key=lambda r: r.name)  # stable: a model's versions keep their order
         return index
 
     def _ready_scheduler(self, request: InferRequest) -> ModelScheduler:
@@ -206,9 +219,10 @@ class GpudCore:
         return vs.scheduler
 
     def _served_version(self, name: str, version: str) -> RegisteredVersion:
-        """The version a request is for. A model new in the repository since start-up is registered now, with no
-        instance: its first request loads it (load on demand). One unloaded by request stays unloaded."""
-        if name not in self.registry.models and _exists(self.repository, name):
+        """The version a request is for. In poll mode a model new in the repository since the last poll is
+        registered now, with no instance: its first request loads it (load on demand). One unloaded stays so."""
+        if name not in self.registry.models and self.control.loads_new_on_demand and _valid_name(name) \
+                and _exists(self.repository, name):
             try:
                 result: ModelEntry | ModelLoadError = self.repository.load(name)
             except ModelConfigError as exc:
@@ -235,8 +249,20 @@ class GpudCore:
                                 self.views)
 
 
-def _exists(repository: ModelRepository, name: str) -> bool:
+def _names(repository: ModelRepository) -> list[str]:
     try:
-        return name in repository.model_names()
+        return repository.model_names()
     except OSError:
+        return []
+
+
+def _exists(repository: ModelRepository, name: str) -> bool:
+    return name in _names(repository)
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_model_name(name)
+    except InferenceError:
         return False
+    return True

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,8 @@ from executor.supervisor import CrashLoop
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
+from gpud.api.admin import AdminAuth, read_token_file
+from gpud.model_control import ModelControl, RepositoryPoller, poll_models
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
 from telemetry.hints import DeviceFree, HintPolicy
@@ -71,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="while no instance of a model is ready (its worker restarting, or its instances being "
                         "placed on another device), requests wait in its queue this long, then fail with the reason "
                         "(default 30)")
+    p.add_argument("--model-control-mode", choices=["none", "explicit", "poll"],
+                   help="none (default): every model in the repository is loaded at start and the load/unload API "
+                        "answers 403; explicit: --load-model names the models loaded at start, the API loads and "
+                        "unloads; poll: as none, then changes in the repository are applied every "
+                        "--repository-poll-secs (as Triton)")
+    p.add_argument("--load-model", action="append", metavar="NAME",
+                   help="explicit mode: a model to load at start-up (repeat it; '*' loads all)")
+    p.add_argument("--repository-poll-secs", dest="repository_poll_seconds", type=float, metavar="S",
+                   help="poll mode: how often the repository is read again (default 15)")
+    p.add_argument("--admin-token-file", metavar="FILE",
+                   help="a file holding a token (16+ characters); loading, unloading and POST /v2/gpud/placement "
+                        "then need 'Authorization: Bearer <token>' (gpudctl: --token-file)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -149,6 +164,10 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if args.log_verbose:
         flags["log_level"] = "DEBUG"
     settings = Settings(**(overrides | flags))
+    if args.load_model:
+        settings = replace(settings, load_model=tuple(args.load_model))
+    if not settings.repository_poll_seconds > 0:  # also refuses NaN
+        raise ValueError(f"repository_poll_seconds must be > 0, got {settings.repository_poll_seconds}")
     if not settings.unready_wait_seconds > 0:  # also refuses NaN
         raise ValueError(f"unready_wait_seconds must be > 0, got {settings.unready_wait_seconds}")
     if not settings.worker_hang_seconds >= 0:  # also refuses NaN
@@ -183,6 +202,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     policy = hint_policy(settings)  # refuse a bad policy before starting anything
     control = control_policy(settings)
     crash_loop = CrashLoop(settings.worker_crash_loop_deaths, settings.worker_crash_loop_seconds)
+    model_control = ModelControl(settings.model_control_mode, tuple(settings.load_model))
+    admin = AdminAuth(read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -227,7 +248,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                                  settings.placement_control, registry=registry)  # mode checked by control_policy
         views["controller"] = controller
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), models,
-                    placement, pool, views=views)
+                    placement, pool, views=views, control=model_control)
     runners, ports, grpc_server = [], {}, None
     try:
         notify("STATUS=loading the model repository")
@@ -236,14 +257,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             from gpud.api.http_api import start_http_server
 
             runner, ports["http"] = await start_http_server(core, settings.http_address, settings.http_port,
-                                                            max_body_bytes=settings.max_request_bytes)
+                                                            max_body_bytes=settings.max_request_bytes, admin=admin)
             runners.append(runner)
             log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
         if settings.allow_grpc:
             from gpud.api.grpc_api import start_grpc_server
 
             grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
-                                                  max_message_bytes=settings.max_request_bytes)
+                                                  max_message_bytes=settings.max_request_bytes, admin=admin)
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
@@ -271,13 +292,22 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
 
     watchdog_s = watchdog_interval_s(os.environ, os.getpid())
     watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None
+    poll_task = None
+    if model_control.mode == "poll":
+        read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
+        poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
+        poller.start()
+        poll_task = asyncio.create_task(poller.run(), name="repository-poll")
+    log.info("model control: %s%s", model_control.mode,
+             "; load, unload and placement need the admin token" if admin.enabled else "")
     hints_task = asyncio.create_task(hints.run(), name="autoscaling-hints")
     control_task = asyncio.create_task(controller.run(), name="placement-control") if controller else None
 
     await stop.wait()
     hints_task.cancel()
-    if watchdog_task is not None:
-        watchdog_task.cancel()
+    for task in (watchdog_task, poll_task):
+        if task is not None:
+            task.cancel()
     if control_task is not None:
         control_task.cancel()
     log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)

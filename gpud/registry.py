@@ -13,6 +13,7 @@ from executor.pool import InstanceHandle
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError
 from gpud.controller import InstanceBounds, instance_bounds
+from gpud.model_control import check_model_name
 from gpud.placing.inputs import VersionDemand, candidate_kinds
 from gpud.repository.config import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
@@ -145,6 +146,7 @@ class Registry:
     def model(self, name: str) -> RegisteredModel:
         model = self.models.get(name)
         if model is None:
+            check_model_name(name)  # a name that could reach outside the repository: 400, not 404
             raise InferenceError(ErrorKind.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
         return model
 

@@ -31,6 +31,10 @@ class Settings:
     worker_crash_loop_seconds: float = 120.0  # ... within this long: not restarted; its instances go elsewhere
     idle_unload_seconds: float = 300.0  # a model with gpud_min_instances 0 and no request this long is unloaded
     unready_wait_seconds: float = 30.0  # requests wait this long for an instance while none is ready (restarts)
+    model_control_mode: str = "none"  # none | explicit | poll (gpud.model_control), as Triton's
+    load_model: tuple[str, ...] = ()  # explicit mode: the models loaded at start-up ("*": all)
+    repository_poll_seconds: float = 15.0  # poll mode: how often the repository is read again
+    admin_token_file: str | None = None  # load/unload/placement need "Authorization: Bearer <the token>"
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving
@@ -88,6 +92,11 @@ def _coerce(path: str, key: str, type_name: Any, value: Any) -> Any:
             return int(value)
         if t.startswith("float"):
             return float(value)
+        if t.startswith("tuple"):  # a list of names (load_model): one name alone is a list of one
+            items = [value] if isinstance(value, str) else value
+            if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+                raise TypeError
+            return tuple(items)
         if t.startswith("bool"):
             if not isinstance(value, bool):
                 raise TypeError

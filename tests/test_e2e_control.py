@@ -198,7 +198,8 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
 def test_a_new_version_and_a_new_config_load_under_load_with_zero_failed_requests(repo, tmp_path):
     """No gap on reload (as Triton): the new version loads beside the serving one, requests go to it once it is
     ready, and the old one finishes what it accepted before it unloads."""
-    daemon = start_daemon(repo, tmp_path, "--placement-control", "off")
+    daemon = start_daemon(repo, tmp_path, "--placement-control", "off", "--model-control-mode", "explicit",
+                          "--load-model", "*")
 
     def served() -> list[tuple[str, bool]]:
         return [(m["version"], m["state"] == "READY") for m in daemon.inspect()["models"] if m["name"] == "slow"]

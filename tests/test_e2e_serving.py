@@ -40,7 +40,8 @@ def repo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemon(repo, tmp_path_factory):
-    d = start_daemon(repo, tmp_path_factory.mktemp("run"), "--max-request-bytes", str(MAX_REQUEST_BYTES))
+    d = start_daemon(repo, tmp_path_factory.mktemp("run"), "--max-request-bytes", str(MAX_REQUEST_BYTES),
+                     "--model-control-mode", "explicit", "--load-model", "*")
     yield d
     assert d.stop() == 0, d.log()
 

@@ -212,7 +212,9 @@ class TestInfer:
 ERROR_CODES = [(ErrorKind.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
                (ErrorKind.NOT_FOUND, grpc.StatusCode.NOT_FOUND),
                (ErrorKind.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
-               (ErrorKind.INTERNAL, grpc.StatusCode.INTERNAL)]
+               (ErrorKind.INTERNAL, grpc.StatusCode.INTERNAL),
+               (ErrorKind.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED),
+               (ErrorKind.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED)]
 
 
 def test_error_codes_cover_every_kind():

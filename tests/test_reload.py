@@ -11,6 +11,7 @@ import pytest
 from executor.types import ErrorKind, InferenceError
 from gpud.core import GpudCore
 from gpud.examples import write_example_repository
+from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
@@ -34,7 +35,7 @@ def core_on(tmp_path: Path, *, room_bytes: int | None = None) -> tuple[GpudCore,
     reserve = 512 * MIB if room_bytes is None else total - room_bytes
     registry, pool = Registry(has_gpus=True), ScriptedPool()
     service = PlacementService(backend, pool, registry, device_reserve_bytes=reserve, time_limit_s=0)
-    return GpudCore(ModelRepository(repo), registry, service, pool), pool
+    return GpudCore(ModelRepository(repo), registry, service, pool, control=ModelControl("explicit", ("*",))), pool
 
 
 def test_a_reload_loads_the_new_instance_before_the_old_one_unloads(tmp_path):

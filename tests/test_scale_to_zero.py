@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpud.core import GpudCore
 from gpud.examples import write_example_repository
+from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
@@ -46,7 +47,8 @@ def node(tmp_path: Path, models: dict[str, int], *, room_bytes: int) -> tuple[Gp
     pool.footprint_bytes = int(6.8 * MIB)  # measured once loaded: one fits in 7 MiB, not two
     service = PlacementService(backend, pool, registry, device_reserve_bytes=total - room_bytes, time_limit_s=0,
                                wall_clock=wall)
-    return GpudCore(ModelRepository(repo), registry, service, pool), pool, wall
+    core = GpudCore(ModelRepository(repo), registry, service, pool, control=ModelControl("poll"))
+    return core, pool, wall
 
 
 async def cold_start(core: GpudCore, name: str) -> None:
@@ -99,7 +101,7 @@ def test_with_nothing_to_evict_the_waiting_requests_hear_why(tmp_path):
     assert "no idle instance of another model to evict" in message
 
 
-def test_a_model_new_in_the_repository_is_registered_by_its_first_request(tmp_path):
+def test_in_poll_mode_a_model_new_in_the_repository_is_registered_by_its_first_request(tmp_path):
     core, pool, _ = node(tmp_path, {"mlp": 1}, room_bytes=1024 * MIB)
     asyncio.run(core.start())
     write_example_repository(Path(core.repository.path), ["cnn"])  # added while gpud runs

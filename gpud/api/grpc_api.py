@@ -28,6 +28,7 @@ import numpy as np
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.api.admin import AdminAuth
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
                                   repository_index_message, server_metadata_message)
 from gpud.core_api import InferenceCore
@@ -42,6 +43,8 @@ GRPC_STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
 }
 
 # Which InferTensorContents field carries each datatype. FP16 (and BF16) have none: Triton requires raw contents.
@@ -281,8 +284,13 @@ class _StreamEnd:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """GRPCInferenceService over an InferenceCore."""
 
-    def __init__(self, core: InferenceCore):
+    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None):
         self._core = core
+        self._admin = admin or AdminAuth()
+
+    def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self._admin.check(metadata.get("authorization"), action)
 
     @_unary
     async def ServerLive(self, request, context):
@@ -327,6 +335,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryModelLoad(self, request, context):
         # Triton's load parameters ("config" override, "file:" contents) have no counterpart in the core yet;
         # refusing them is better than loading something other than what the client asked for.
+        self._check_admin(context, f"loading model '{request.model_name}'")
         if request.parameters:
             raise _invalid(f"load parameters {sorted(request.parameters)} are not supported by gpud")
         await self._core.load_model(request.model_name)
@@ -335,6 +344,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @_unary
     async def RepositoryModelUnload(self, request, context):
         # "unload_dependents" only matters for ensembles, which gpud does not serve: accepted and ignored.
+        self._check_admin(context, f"unloading model '{request.model_name}'")
         await self._core.unload_model(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
@@ -403,8 +413,8 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def start_grpc_server(core: InferenceCore, host: str, port: int, *,
-                            max_message_bytes: int = 2**31 - 1) -> grpc.aio.Server:
+async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_message_bytes: int = 2**31 - 1,
+                            admin: AdminAuth | None = None) -> grpc.aio.Server:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
@@ -419,7 +429,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *,
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, admin), server)
     address = _address(host, port)
     try:
         bound_port = server.add_insecure_port(address)

@@ -37,6 +37,7 @@ from gpud.api.http_encode import (applied_json, model_config_json, model_metadat
 from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response, invalid,
                                  parameters_object)
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
+from gpud.api.admin import AdminAuth
 from gpud.core_api import InferenceCore
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ HTTP_STATUS: dict[ErrorKind, int] = {
     ErrorKind.NOT_FOUND: 404,
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.INTERNAL: 500,
+    ErrorKind.PERMISSION_DENIED: 403,
+    ErrorKind.UNAUTHENTICATED: 401,
 }
 _Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
 _Route = tuple[dict[str, Callable[..., Any]], tuple[str, ...]]  # handlers by method, path arguments
@@ -78,8 +81,9 @@ class HttpApi:
     """The routes above over one core, as an `http_server.Handler`. Sync handlers return a reply; the repository and
     placement ones are coroutines (one task each); infer answers from the core's completion callback."""
 
-    def __init__(self, core: InferenceCore):
+    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None):
         self.core = core
+        self.admin = admin or AdminAuth()
         self._tasks: set[asyncio.Task] = set()
         self._static: dict[str, dict[str, Callable[..., Any]]] = {
             "/v2/health/live": {"GET": self.live},
@@ -205,6 +209,7 @@ class HttpApi:
         return 200, _json_body(repository_index_json(self.core.repository_index(ready_only=ready)))
 
     def load(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
+        self.admin.check(request.headers.get("authorization"), f"loading model '{name}'")
         doc = _optional_json_object(request.body, "model load request")
         params = parameters_object(doc.get("parameters"), "load request")
         overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
@@ -218,6 +223,8 @@ class HttpApi:
 
     def unload(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
         # The body ({"parameters": {"unload_dependents": ...}}) is read and ignored: gpud has no ensembles.
+        self.admin.check(request.headers.get("authorization"), f"unloading model '{name}'")
+
         async def run() -> _Reply:
             await self.core.unload_model(name)
             return 200, b""
@@ -227,6 +234,7 @@ class HttpApi:
         return 200, _json_body(self.core.inspect())
 
     def apply_placement(self, request: HttpRequest, respond: Respond) -> Awaitable[_Reply]:
+        self.admin.check(request.headers.get("authorization"), "applying a placement")
         doc = _optional_json_object(request.body, "placement")
 
         async def run() -> _Reply:
@@ -256,8 +264,9 @@ _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
 
 
 async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,
-                            keepalive_timeout_s: float = 75.0) -> tuple[HttpServer, int]:
+                            keepalive_timeout_s: float = 75.0,
+                            admin: AdminAuth | None = None) -> tuple[HttpServer, int]:
     """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
     it) and the bound port."""
-    server = HttpServer(HttpApi(core), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s)
+    server = HttpServer(HttpApi(core, admin), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s)
     return server, await server.start(host, port)

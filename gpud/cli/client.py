@@ -35,11 +35,26 @@ def fetch_inspect(url: str | None = None, timeout_s: float = 10.0) -> dict[str, 
             from None
 
 
-def post_json(url: str | None, path: str, body: Any, timeout_s: float = 300.0) -> dict[str, Any]:
-    """POST a JSON body; gpud's refusal comes back as GpudUnreachable with its status and error message."""
+def admin_headers(token_file: str | None = None) -> dict[str, str]:
+    """The Authorization header for gpud's admin actions (gpud --admin-token-file): the token in `token_file`, else
+    in $GPUD_ADMIN_TOKEN_FILE; none when neither is set."""
+    path = token_file or os.environ.get("GPUD_ADMIN_TOKEN_FILE")
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            return {"Authorization": f"Bearer {f.read().strip()}"}
+    except OSError as exc:
+        raise GpudUnreachable(f"cannot read the admin token file {path}: {exc.strerror or exc}") from None
+
+
+def post_json(url: str | None, path: str, body: Any, timeout_s: float = 300.0,
+              token_file: str | None = None) -> dict[str, Any]:
+    """POST a JSON body (with the admin token, if one is configured); gpud's refusal comes back as GpudUnreachable
+    with its status and error message."""
     target = base_url(url) + path
     req = urllib.request.Request(target, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **admin_headers(token_file)})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return json.loads(resp.read())

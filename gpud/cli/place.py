@@ -51,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--apply", action="store_true", help="apply the plan to a running gpud (needs --url)")
     p.add_argument("--url", default=None,
                    help=f"the running gpud for 'live' and --apply (default $GPUD_URL or {DEFAULT_URL})")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="the admin token for --apply when gpud has --admin-token-file (default "
+                        "$GPUD_ADMIN_TOKEN_FILE)")
     return p
 
 
@@ -159,12 +162,12 @@ def load_current(arg: str | None, live: _Live) -> list[Assignment]:
     return spec.current_from_data(_load_file(arg), arg)
 
 
-def apply_plan(result: Plan, url: str | None) -> dict:
+def apply_plan(result: Plan, url: str | None, token_file: str | None = None) -> dict:
     """POST the plan's placements to gpud, which applies the steps between its placement and this one in order,
     make-before-break, and undoes them all if a load fails."""
     body = {"placements": [{"model": a.model, "instance": a.instance, "device": a.device} for a in result.placements]}
     try:
-        return post_json(url, "/v2/gpud/placement", body)
+        return post_json(url, "/v2/gpud/placement", body, token_file=token_file)
     except GpudUnreachable as e:
         raise ValueError(f"placement not applied: {e}") from None
 
@@ -248,7 +251,7 @@ def place_main(argv: list[str]) -> int:
         return EXIT_UNPLACED
     if args.apply:
         try:
-            applied = apply_plan(result, args.url)
+            applied = apply_plan(result, args.url, args.token_file)
         except ValueError as e:
             print(f"gpudctl place: error: {e}", file=sys.stderr)
             return EXIT_APPLY
