@@ -49,7 +49,8 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
   8. Otherwise `Wait(until_s = min(oldest enqueue + max_queue_delay, quiet time, earliest deadline))`.
 
 Queue policy (Triton's ModelQueuePolicy, per priority level, `core/src/scheduler_utils.cc`):
-  - max_queue_size counts the level's queued requests, delayed ones included; 0 = unbounded. A request over it is
+  - max_queue_size counts the level's queued requests, delayed ones included; 0 = the daemon's default bound
+    (`default_max_queue_size`; itself 0 = unbounded, Triton's behaviour). A request over it is
     refused at once with UNAVAILABLE "Exceeds maximum queue size" and leaves the queue unchanged.
   - deadline = enqueue + default_timeout_us; with allow_timeout_override a request's own nonzero timeout_us applies
     when it is shorter (it may shorten the timeout, never lengthen it). 0 = no timeout.
@@ -245,6 +246,7 @@ class _Config:
     max_batch_size: int
     dynamic_batching: DynamicBatching | None
     dispatch_lone_request: bool
+    default_max_queue_size: int = 0  # the bound where the model's queue policy sets none (0: none either)
 
     @property
     def batches_dynamically(self) -> bool:
@@ -328,13 +330,16 @@ class BatchQueue:
         clock: Callable[[], float],
         dispatch_lone_request: bool = True,
         quiet_dispatch: bool = False,
+        default_max_queue_size: int = 0,
         quiet_factor: float = 4.0,
         min_quiet_s: float = 50e-6,
         gap_smoothing: float = 0.2,
     ):
         """dispatch_lone_request: gpud's rule 6; quiet_dispatch: rule 7. Both False give Triton's behaviour."""
         _validate(max_batch_size, dynamic_batching)
-        self._config = _Config(max_batch_size, dynamic_batching, dispatch_lone_request)
+        if default_max_queue_size < 0:
+            raise ValueError(f"default_max_queue_size must be >= 0, got {default_max_queue_size}")
+        self._config = _Config(max_batch_size, dynamic_batching, dispatch_lone_request, default_max_queue_size)
         self._clock = clock
         self._quiet_dispatch = quiet_dispatch
         self._quiet_factor = quiet_factor
@@ -409,11 +414,12 @@ class BatchQueue:
         timeout_us = effective_timeout_us(req.timeout_us, policy)
         queue = self._levels.get(level)
         queued_at_level = len(queue) if queue else 0
-        if policy.max_queue_size and queued_at_level >= policy.max_queue_size:
+        limit = policy.max_queue_size or cfg.default_max_queue_size
+        if limit and queued_at_level >= limit:
             raise InferenceError(
                 ErrorKind.UNAVAILABLE,
-                f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {policy.max_queue_size} requests "
-                f"at priority level {level})",
+                f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level {level}"
+                + ("" if policy.max_queue_size else "; the daemon's --default-max-queue-size") + ")",
             )
 
         now_s = self._clock()

@@ -73,7 +73,7 @@ class ModelScheduler:
     """Queues, batches and runs the requests of one model version on its instances."""
 
     def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 unready_wait_s: float = 30.0):
+                 unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
         self.config = config
         self.version = version
         self.clock = clock
@@ -84,7 +84,8 @@ class ModelScheduler:
         self.stats = ModelStats()  # the one record of this version's requests (executor.stats): others read it
         adaptive = batching_mode(config) == "adaptive"
         self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
-                                clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive)
+                                clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive,
+                                default_max_queue_size=default_max_queue_size)
         self.instances: list[InstanceHandle] = []
         self._free: deque[InstanceHandle] = deque()
         self._running: dict[InstanceHandle, list[_Pending]] = {}

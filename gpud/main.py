@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token-file", metavar="FILE",
                    help="a file holding a token (16+ characters); loading, unloading and POST /v2/gpud/placement "
                         "then need 'Authorization: Bearer <token>' (gpudctl: --token-file)")
+    p.add_argument("--default-max-queue-size", type=int, metavar="N",
+                   help="requests queued per model (and priority level) when its config.pbtxt sets no "
+                        "max_queue_size; more are refused at once with 503 / UNAVAILABLE, so overload does not grow "
+                        "the queue and memory without bound (default 512; 0 = unbounded, as Triton)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -166,6 +170,8 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     settings = Settings(**(overrides | flags))
     if args.load_model:
         settings = replace(settings, load_model=tuple(args.load_model))
+    if settings.default_max_queue_size < 0:
+        raise ValueError(f"default_max_queue_size must be >= 0 (0 = unbounded), got {settings.default_max_queue_size}")
     if not settings.repository_poll_seconds > 0:  # also refuses NaN
         raise ValueError(f"repository_poll_seconds must be > 0, got {settings.repository_poll_seconds}")
     if not settings.unready_wait_seconds > 0:  # also refuses NaN
@@ -231,7 +237,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     WorkerCollector(pool.worker_info, registry=registry)
     # Built one way, each from what exists before it: the registry and the placement service, the readers of the
     # registry's snapshot (model metrics at scrape time, the hints on their tick), then the core that routes over it.
-    models = Registry(has_gpus=has_gpus(leaves), unready_wait_s=settings.unready_wait_seconds)
+    models = Registry(has_gpus=has_gpus(leaves), unready_wait_s=settings.unready_wait_seconds,
+                      default_max_queue_size=settings.default_max_queue_size)
     placement = PlacementService(backend, pool, models, device_reserve_bytes=settings.device_reserve_bytes,
                                  strategy=settings.placement_strategy,
                                  time_limit_s=settings.placement_time_limit_seconds)

@@ -89,10 +89,11 @@ class RegisteredModel:
 
 
 class Registry:
-    def __init__(self, has_gpus: bool, *, unready_wait_s: float = 30.0) -> None:
+    def __init__(self, has_gpus: bool, *, unready_wait_s: float = 30.0, default_max_queue_size: int = 0) -> None:
         self.models: dict[str, RegisteredModel] = {}
         self.has_gpus = has_gpus  # KIND_AUTO means GPUs on such a node
         self.unready_wait_s = unready_wait_s  # how long requests wait while no instance of their version is ready
+        self.default_max_queue_size = default_max_queue_size  # queue bound where a model's config sets none
 
     def register(self, name: str, result: ModelEntry | ModelLoadError) -> list[RegisteredVersion]:
         """Register the model's versions (nothing loaded yet) and return those that can be placed; the others are
@@ -114,7 +115,8 @@ class Registry:
         for version in entry.versions:
             v = str(version)
             try:
-                scheduler = ModelScheduler(entry.config, v, unready_wait_s=self.unready_wait_s)
+                scheduler = ModelScheduler(entry.config, v, unready_wait_s=self.unready_wait_s,
+                                           default_max_queue_size=self.default_max_queue_size)
                 bounds = instance_bounds(entry.config)
             except ValueError as exc:  # a batching policy or instance bounds the repository let through
                 model.error = f"{entry.config_path or entry.path}: {exc}"

@@ -35,6 +35,8 @@ class Settings:
     load_model: tuple[str, ...] = ()  # explicit mode: the models loaded at start-up ("*": all)
     repository_poll_seconds: float = 15.0  # poll mode: how often the repository is read again
     admin_token_file: str | None = None  # load/unload/placement need "Authorization: Bearer <the token>"
+    default_max_queue_size: int = 512  # requests queued per model and priority level where its config sets no
+    # max_queue_size; over it a request gets UNAVAILABLE at once (0: unbounded, as Triton)
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving

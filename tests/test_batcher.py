@@ -241,6 +241,22 @@ class TestMaxQueueSize:
         # Decisions are those of a queue that never saw c: 2 rows, delay 10 ms from t=0 -> wait until 0.010
         assert q.decide(1) == Wait(until_s=0.010)
 
+    @pytest.mark.parametrize("dynamic_batching", [None, DynamicBatching()], ids=["no-batching", "no-limit-set"])
+    def test_the_daemons_default_bounds_a_queue_whose_config_sets_none(self, clock, dynamic_batching):
+        q = BatchQueue(max_batch_size=8, dynamic_batching=dynamic_batching, clock=clock, default_max_queue_size=2)
+        enqueue_all(q, req("a"), req("b"))
+        with pytest.raises(InferenceError) as e:
+            q.enqueue(req("c"))
+        assert e.value.kind is ErrorKind.UNAVAILABLE and QUEUE_FULL_MESSAGE in e.value.message
+        assert "--default-max-queue-size" in e.value.message and len(q) == 2
+
+    def test_the_models_own_limit_wins_over_the_default(self, clock):
+        db = DynamicBatching(default_queue_policy=QueuePolicy(max_queue_size=3))
+        q = BatchQueue(max_batch_size=8, dynamic_batching=db, clock=clock, default_max_queue_size=1)
+        enqueue_all(q, req("a"), req("b"), req("c"))  # 3 fit: the config's 3, not the default 1
+        with pytest.raises(InferenceError, match="of 3 requests"):
+            q.enqueue(req("d"))
+
     def test_limit_is_per_level(self, clock):
         db = DynamicBatching(
             priority_levels=2,
