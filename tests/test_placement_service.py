@@ -34,6 +34,7 @@ class ScriptedPool:
     def __init__(self) -> None:
         self.events: list[tuple[str, str, str]] = []
         self.fail_on: set[str] = set()
+        self.fail_models: set[str] = set()  # loads of these models fail wherever they go
         self.hold: dict[str, asyncio.Event] = {}
         self.loaded: dict[str, InstanceHandle] = {}
         self.load_started: asyncio.Event | None = None  # set when a load begins
@@ -47,7 +48,7 @@ class ScriptedPool:
             self.load_started.set()
         if inst.device_id in self.hold:
             await self.hold[inst.device_id].wait()
-        if inst.device_id in self.fail_on:
+        if inst.device_id in self.fail_on or inst.model in self.fail_models:
             inst.error = "out of memory (scripted)"
             return inst
         inst.ready, inst.memory_bytes, inst.measured_by = True, self.footprint_bytes, "process_rss"
@@ -137,12 +138,12 @@ def test_a_failed_load_rolls_everything_back(node):
     before = where(registry)
     src = before["mlp"][0][1]
     dst = "gpu1" if src == "gpu0" else "gpu0"
-    pool.fail_on = {"cpu"}
+    pool.fail_models = {"cnn"}
     with pytest.raises(InferenceError) as err:
-        # mlp moves to the other GPU (succeeds), then cnn to the CPU fails: mlp's move is undone
-        asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, dst), RequestedPlacement("cnn", 0, "cpu")]))
+        # mlp moves to the other GPU (succeeds), then cnn's move there fails: mlp's move is undone
+        asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, dst), RequestedPlacement("cnn", 0, dst)]))
     assert err.value.kind is ErrorKind.UNAVAILABLE and "nothing changed" in err.value.message
-    assert "could not load on cpu" in err.value.message
+    assert f"could not load on {dst}" in err.value.message
     assert where(registry) == before
     assert all(v.ready for v in registry.versions())
 
@@ -262,3 +263,15 @@ class TestControl:
         plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
         assert len(plan.steps) == 1 and "out of memory (scripted)" in plan.steps[0].error
         assert len(where(registry)["mlp"]) == 1  # the running one still serves
+
+
+def test_a_requested_placement_on_a_device_the_model_may_not_use_is_refused_whole(node):
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))  # KIND_AUTO on a GPU node: GPUs only
+    before, events = where(registry), list(pool.events)
+    with pytest.raises(InferenceError) as exc:
+        asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, "gpu1"),
+                                             RequestedPlacement("mlp", 1, "cpu")]))
+    assert exc.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert "model 'mlp' instance 1 may not run on cpu: kind: device kind 'cpu' not in allowed" in exc.value.message
+    assert where(registry) == before and pool.events == events  # nothing changed

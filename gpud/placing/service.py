@@ -32,6 +32,7 @@ from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, Versio
                                  candidate_kinds, locate, pin_errors, planning_devices, reserve_bytes_for)
 from gpud.registry import RegisteredVersion, Registry
 from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
+from placement.framework import static_reasons
 from placement.model import DeviceKind, MoveKind, fmt_bytes
 from telemetry.devices import DeviceBackend, DeviceInfo
 from telemetry.serving import ModelState
@@ -405,6 +406,7 @@ class PlacementService:
             named = self._resolve_versions(requested)
             inputs = self.inputs(list(named.values()))
             desired = self._desired(inputs, requested, named)
+            self._check_allowed(inputs, desired, {(v.name, v.version) for v in named.values()})
             self._check_fits(inputs, desired)
             moves = diff(inputs.current, desired, inputs.devices, inputs.demands)
             stuck = [m for m in moves if m.note == "needs room freed by other steps"]
@@ -478,6 +480,23 @@ class PlacementService:
         kept = [a for a in inputs.current if (inputs.groups[a.model].model, inputs.groups[a.model].version)
                 not in touched]
         return sorted(kept + wanted)
+
+    @staticmethod
+    def _check_allowed(inputs: PlacementInputs, desired: Sequence[Assignment], touched: set[tuple[str, str]]) -> None:
+        """Refuse an instance of the requested versions on a device its model may not use (the placement engine's
+        static filters: kind, pinned GPUs, labels, health), with the reasons."""
+        demands = {d.name: d for d in inputs.demands}
+        devices = {d.id: d for d in inputs.devices}
+        for a in desired:
+            key = inputs.groups[a.model]
+            if (key.model, key.version) not in touched:
+                continue
+            reasons = static_reasons(demands[a.model], devices[a.device])
+            if reasons:
+                why = "; ".join(r.message() for r in reasons)
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"placement not applied: model '{key.model}' instance {a.instance} may not run "
+                                     f"on {a.device}: {why}; nothing changed")
 
     @staticmethod
     def _check_fits(inputs: PlacementInputs, desired: Sequence[Assignment]) -> None:
