@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests queued per model (and priority level) when its config.pbtxt sets no "
                         "max_queue_size; more are refused at once with 503 / UNAVAILABLE, so overload does not grow "
                         "the queue and memory without bound (default 512; 0 = unbounded, as Triton)")
+    p.add_argument("--http-request-timeout-secs", dest="http_request_timeout_seconds", type=float, metavar="S",
+                   help="an HTTP request's head and body must arrive within S seconds, else 408 and the connection "
+                        "is closed (slow clients, slowloris; default 30)")
+    p.add_argument("--http-max-connections", type=int, metavar="N",
+                   help="HTTP connections beyond N are answered 503 and closed (default 10000)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
                    help="largest request body / gRPC message accepted (default 64 MiB)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -170,6 +175,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     settings = Settings(**(overrides | flags))
     if args.load_model:
         settings = replace(settings, load_model=tuple(args.load_model))
+    if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
+        raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
+                         f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
     if settings.default_max_queue_size < 0:
         raise ValueError(f"default_max_queue_size must be >= 0 (0 = unbounded), got {settings.default_max_queue_size}")
     if not settings.repository_poll_seconds > 0:  # also refuses NaN
@@ -264,7 +272,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             from gpud.api.http_api import start_http_server
 
             runner, ports["http"] = await start_http_server(core, settings.http_address, settings.http_port,
-                                                            max_body_bytes=settings.max_request_bytes, admin=admin)
+                                                            max_body_bytes=settings.max_request_bytes,
+                                                            request_timeout_s=settings.http_request_timeout_seconds,
+                                                            max_connections=settings.http_max_connections,
+                                                            admin=admin)
             runners.append(runner)
             log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
         if settings.allow_grpc:

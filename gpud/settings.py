@@ -37,6 +37,8 @@ class Settings:
     admin_token_file: str | None = None  # load/unload/placement need "Authorization: Bearer <the token>"
     default_max_queue_size: int = 512  # requests queued per model and priority level where its config sets no
     # max_queue_size; over it a request gets UNAVAILABLE at once (0: unbounded, as Triton)
+    http_request_timeout_seconds: float = 30.0  # a request's head and body must arrive within this, else 408
+    http_max_connections: int = 10000  # more HTTP connections are answered 503 and closed
     max_request_bytes: int = 64 * 2**20
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving

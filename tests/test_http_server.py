@@ -824,7 +824,7 @@ def test_header_names_are_lower_cased_and_a_repeated_header_keeps_its_last_value
 
 # --- idle keep-alive connections ----------------------------------------------------------------------------------
 def test_idle_keep_alive_connection_is_closed_by_the_sweeper(make_server):
-    # Real time: the sweeper runs every max(1.0, keepalive_timeout_s / 4) seconds, so this takes about a second.
+    # Real time: the sweeper runs every max(0.05, keepalive_timeout_s / 4) seconds, so this takes well under a second.
     s = make_server(keepalive_timeout_s=0.05)
     used = s.connect()
     used.send(req("GET", "/once"))
@@ -883,6 +883,37 @@ def test_idle_time_counts_from_the_last_answer(make_server):
     s.wait_sweeps(2)
     c.send(req("GET", "/next"))
     assert c.read_response().body == b"/next"
+
+
+# --- slow clients and connection floods ---------------------------------------------------------------------------
+def test_a_request_trickling_in_gets_408_and_its_connection_closed(make_server):
+    s = make_server(keepalive_timeout_s=10.0, request_timeout_s=5.0)
+    c = s.connect()
+    c.send(b"GET /slow HTTP/1.1\r\nHost: test\r\n")  # a head that never ends (slowloris)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not any(conn.request_started_s is not None for conn in list(s.http.connections)):
+        assert time.monotonic() < deadline, "the partial request never reached the server"
+        time.sleep(0.01)
+    c.send(b"X-Trickle: 1\r\n")  # still sending: activity does not extend the request's time
+    s.advance_clock(6.0)  # the request began 6 s ago: over its 5 s
+    s.wait_sweeps(1)
+    response = c.read_response()
+    assert response.status == 408 and b"request not received within 5 s" in response.body
+    c.read_eof()
+    assert s.requests == []  # the handler never saw it
+
+
+def test_connections_over_the_cap_are_answered_503_and_closed(make_server):
+    s = make_server(max_connections=1)
+    first = s.connect()
+    first.send(req("GET", "/one"))
+    assert first.read_response().status == 200
+    second = s.connect()
+    response = second.read_response()
+    assert response.status == 503 and b"too many connections" in response.body
+    second.read_eof()
+    first.send(req("GET", "/still"))  # the first is untouched
+    assert first.read_response().body == b"/still"
 
 
 # --- graceful close -----------------------------------------------------------------------------------------------

@@ -106,3 +106,15 @@ def test_placement_control_settings_and_clear_refusals(tmp_path):
     out = subprocess.run([sys.executable, "-m", "gpud.main", "--control-interval-seconds", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "control interval must be > 0 seconds" in out.stderr
+
+
+def test_http_request_timeout_and_connection_cap_from_flags_and_bad_values_refused(tmp_path):
+    default = resolve_settings(build_parser().parse_args([]))
+    assert (default.http_request_timeout_seconds, default.http_max_connections) == (30.0, 10000)
+    flags = resolve_settings(build_parser().parse_args(["--http-request-timeout-secs", "5",
+                                                        "--http-max-connections", "64"]))
+    assert (flags.http_request_timeout_seconds, flags.http_max_connections) == (5.0, 64)
+    for bad in (["--http-request-timeout-secs", "0"], ["--http-request-timeout-secs", "nan"],
+                ["--http-max-connections", "0"]):
+        with pytest.raises(ValueError, match="http_request_timeout_seconds must be > 0 and http_max_connections"):
+            resolve_settings(build_parser().parse_args(bad))

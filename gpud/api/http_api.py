@@ -264,9 +264,11 @@ _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
 
 
 async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,
-                            keepalive_timeout_s: float = 75.0,
+                            keepalive_timeout_s: float = 75.0, request_timeout_s: float = 30.0,
+                            max_connections: int = 10000,
                             admin: AdminAuth | None = None) -> tuple[HttpServer, int]:
     """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
     it) and the bound port."""
-    server = HttpServer(HttpApi(core, admin), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s)
+    server = HttpServer(HttpApi(core, admin), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s,
+                        request_timeout_s=request_timeout_s, max_connections=max_connections)
     return server, await server.start(host, port)

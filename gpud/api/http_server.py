@@ -9,7 +9,8 @@ no task, no future, no stream object per request.
 What it does, as a production HTTP/1.1 server must: keep-alive and HTTP/1.0 close, pipelined requests answered in
 order, `Expect: 100-continue`, chunked request bodies, gzip/deflate request bodies (inflated under the same size
 limit as plain ones: 413, not a memory blow-up), HEAD, malformed requests answered 400 and closed, idle keep-alive
-connections closed after `keepalive_timeout_s`, reading paused while too many pipelined answers are outstanding or
+connections closed after `keepalive_timeout_s`, a request not received within `request_timeout_s` answered 408 and
+closed (slowloris), connections over `max_connections` answered 503 and closed, reading paused while too many pipelined answers are outstanding or
 the client does not read, and a graceful close that lets accepted requests finish.
 """
 from __future__ import annotations
@@ -154,6 +155,7 @@ class _Connection(asyncio.Protocol):
         self.reading = True
         self.writable = True
         self.last_activity_s = 0.0
+        self.request_started_s: float | None = None  # a request's first byte came, its last has not yet
         self._reset()
 
     def _reset(self) -> None:
@@ -174,6 +176,12 @@ class _Connection(asyncio.Protocol):
             except OSError:
                 pass
         self.last_activity_s = self.server.loop.time()
+        if len(self.server.connections) >= self.server.max_connections:
+            # Over the cap: answered and closed at once, so a flood of connections cannot exhaust descriptors.
+            self.server.connections.add(self)
+            self._answer_and_close(503, f"too many connections (more than {self.server.max_connections}); "
+                                        "try again later")
+            return
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -212,6 +220,7 @@ class _Connection(asyncio.Protocol):
     # --- parser callbacks ------------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset()
+        self.request_started_s = self.server.loop.time()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -260,6 +269,7 @@ class _Connection(asyncio.Protocol):
         self.body_parts.append(body)
 
     def on_message_complete(self) -> None:
+        self.request_started_s = None
         if self.refusing:
             if self.draining:  # the refused body has been read: close once the answers before it are out
                 self.draining = False
@@ -393,6 +403,14 @@ class _Connection(asyncio.Protocol):
             self.reading = True
             self.transport.resume_reading()
 
+    def request_timed_out(self) -> None:
+        """The request began more than request_timeout_s ago and is not complete (a client trickling its head or
+        body, slowloris): 408 and close, so it cannot hold the connection."""
+        self.request_started_s = None
+        if not self.closing and self.transport is not None:
+            self._answer_and_close(408, f"request not received within {self.server.request_timeout_s:g} s")
+            self.refusing = True  # whatever else arrives on it is dropped
+
     def close_if_idle(self) -> bool:
         if not self.slots and self.transport is not None:
             self.closing = True
@@ -409,6 +427,8 @@ class HttpServer:
     handler: Handler
     max_body_bytes: int = 64 * 2**20
     keepalive_timeout_s: float = 75.0
+    request_timeout_s: float = 30.0  # a request's head and body must arrive within this, else 408
+    max_connections: int = 10000  # more are answered 503 and closed at once
     backlog: int = 1024
     connections: set[_Connection] = field(default_factory=set)
     closing: bool = False
@@ -429,13 +449,18 @@ class HttpServer:
         return self.port
 
     def _arm_sweeper(self) -> None:
-        self._sweeper = self.loop.call_later(max(1.0, self.keepalive_timeout_s / 4), self._sweep)
+        period_s = max(0.05, min(self.keepalive_timeout_s, self.request_timeout_s) / 4)
+        self._sweeper = self.loop.call_later(period_s, self._sweep)
 
     def _sweep(self) -> None:
-        """Close keep-alive connections idle for longer than keepalive_timeout_s (one timer for all of them)."""
-        deadline = self.loop.time() - self.keepalive_timeout_s
+        """Close keep-alive connections idle for longer than keepalive_timeout_s and answer 408 to requests not
+        received within request_timeout_s (one timer for all connections)."""
+        now_s = self.loop.time()
+        deadline = now_s - self.keepalive_timeout_s
         for conn in list(self.connections):
-            if conn.last_activity_s < deadline:
+            if conn.request_started_s is not None and now_s - conn.request_started_s > self.request_timeout_s:
+                conn.request_timed_out()
+            elif conn.last_activity_s < deadline:
                 conn.close_if_idle()
         if not self.closing:
             self._arm_sweeper()
