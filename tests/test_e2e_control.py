@@ -22,8 +22,10 @@ instance_group [ { count: 1 } ]
 parameters { key: "gpud_max_instances" value: { string_value: "3" } }
 """
 # Short windows so that a test sees whole cycles: hints every 0.5 s over 2 s, a need for more must last 1 s, a lull
-# 4 s (also the controller's no-removal-after-add cooldown); the controller re-plans every second.
-FAST = ("--hints-interval-seconds", "0.5", "--hints-rate-window-seconds", "2", "--hints-target-queue-seconds", "0.005",
+# 4 s (also the controller's no-removal-after-add cooldown); the controller re-plans every second. The queue target is
+# 1 ms: a batch of `slow` computes for several ms, so the clients' requests queue longer than that however fast the
+# machine is (at 5 ms, a CPU shared with other work gave too little load to ask for more: 3 ms queues, 60% busy).
+FAST = ("--hints-interval-seconds", "0.5", "--hints-rate-window-seconds", "2", "--hints-target-queue-seconds", "0.001",
         "--hints-scale-up-stabilization-seconds", "1", "--hints-scale-down-stabilization-seconds", "4",
         "--hints-max-instances", "3", "--control-interval-seconds", "1")
 
