@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpud.controller import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
                              VersionState, after_added, after_failed_load, decide_target)
-from gpud.placing.service import ControlPlan, Step
+from gpud.placing.results import ControlPlan, Step
 from telemetry.hints import HintDecision
 from telemetry.serving import SnapshotSource
 

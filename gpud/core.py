@@ -1,6 +1,7 @@
 """gpud's inference core: the model registry and the routing of requests to each version's scheduler; the one
 implementation of InferenceCore that the HTTP and gRPC front ends adapt. Where instances go is the placement
-service's (gpud.placing.service); what the core looks like to others is its snapshot (telemetry.serving).
+service's (gpud.placing.service), loading and unloading models gpud.lifecycle's; what the core looks like to others
+is its snapshot (telemetry.serving).
 """
 from __future__ import annotations
 
@@ -16,11 +17,11 @@ from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
 from gpud.inspect_view import InspectView, inspect_document
+from gpud.lifecycle import ModelLifecycle, names_in
 from gpud.model_control import ModelControl, check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
-from gpud.repository.config import ModelConfigError
-from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
+from gpud.repository.layout import ModelRepository
 from telemetry.serving import ModelState, ServingSnapshot
 
 log = logging.getLogger("gpud")
@@ -40,6 +41,7 @@ class GpudCore:
         self.registry = registry
         self.placement = placement
         self.pool = pool
+        self.lifecycle = ModelLifecycle(repository, registry, placement)
         self.views = dict(views or {})  # sections of inspect() from other parts: "hints", "controller"
         self.server_name = server_name
         self.started = False
@@ -81,64 +83,12 @@ class GpudCore:
         self.control.check_api("load", name)
         if self.stopping:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        try:
-            result: ModelEntry | ModelLoadError = self.repository.load(name)
-        except ModelConfigError as exc:
-            if name not in self.models and not _exists(self.repository, name):
-                raise InferenceError(ErrorKind.NOT_FOUND, f"failed to load '{name}', no version is available") \
-                    from None
-            result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
-        model = self.models.setdefault(name, RegisteredModel(name))
-        async with model.lock:
-            await self._reload(model, result)
-        if isinstance(result, ModelLoadError):
-            raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"failed to load '{name}': {result.reason}")
-        if not any(v.ready for v in model.versions.values()):
-            reasons = "; ".join(v.reason for v in model.versions.values())
-            raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{name}': {reasons}")
-
-    async def _reload(self, model: RegisteredModel, result: ModelEntry | ModelLoadError) -> None:
-        """Load `result` as `model` with no gap in service (as Triton): its new versions load beside the ones that
-        serve, requests go to them once they are ready, and then the old ones finish what they accepted and unload.
-        A new model that does not load (a bad config, failed loads) leaves the old one serving, and says why."""
-        serving = [v for v in model.versions.values() if v.instances]
-        keep = f"version(s) {', '.join(v.version for v in serving)} of '{model.name}' keep serving"
-        if isinstance(result, ModelLoadError) and serving:
-            log.error("model %s: reload refused: %s; %s", model.name, result.reason, keep)
-            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                 f"failed to load '{model.name}': {result.reason}; {keep}")
-        staged, placeable = self.registry.stage(model.name, result)
-        no_room = await self.placement.place(placeable, beside=serving)
-        if serving and not no_room and not any(v.instances for v in placeable):
-            reasons = "; ".join(f"version {v.version}: {v.reason}" for v in staged.versions.values()) \
-                or staged.error or "no version to serve"
-            log.error("model %s: reload failed (%s); %s", model.name, reasons, keep)
-            raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{model.name}': {reasons}; {keep}")
-        old = list(model.versions.values())
-        self.registry.install(staged)
-        if old:
-            log.info("model %s: version(s) %s now serve; the previous version(s) %s finish their requests and "
-                     "unload", model.name, ", ".join(v.version for v in placeable if v.instances) or "none",
-                     ", ".join(v.version for v in old))
-            await self.placement.retire(old)
-        if no_room and serving:  # no room beside the old ones: these load now that those are gone (a gap)
-            log.warning("model %s: no room to load version(s) %s beside the serving ones: loaded after them",
-                        model.name, ", ".join(v.version for v in no_room))
-            await self.placement.place(no_room)
+        await self.lifecycle.load(name)
 
     async def unload_model(self, name: str) -> None:
         check_model_name(name)
         self.control.check_api("unload", name)
-        model = self.models.get(name)
-        if model is None:
-            raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
-        async with model.lock:
-            versions = list(model.versions.values())
-            for vs in versions:
-                vs.state = ModelState.UNLOADING  # refused from now on; what was accepted finishes
-            await self.placement.retire(versions)
-            model.versions.clear()
-        log.info("model %s unloaded", name)
+        await self.lifecycle.unload(name)
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
         return await self.placement.apply_requested(requested)
@@ -193,7 +143,7 @@ class GpudCore:
         if not ready_only:  # in the repository, never loaded (explicit mode): as Triton lists them
             known = {m.name for m in models}
             index += [RepositoryModel(name, "", ModelState.UNAVAILABLE, "unloaded")
-                      for name in _names(self.repository) if name not in known]
+                      for name in names_in(self.repository) if name not in known]
         for m in models:
             if not m.versions and not ready_only:
                 index.append(RepositoryModel(m.name, "", ModelState.UNAVAILABLE, m.error or "unloaded"))
@@ -221,17 +171,8 @@ class GpudCore:
     def _served_version(self, name: str, version: str) -> RegisteredVersion:
         """The version a request is for. In poll mode a model new in the repository since the last poll is
         registered now, with no instance: its first request loads it (load on demand). One unloaded stays so."""
-        if name not in self.registry.models and self.control.loads_new_on_demand and _valid_name(name) \
-                and _exists(self.repository, name):
-            try:
-                result: ModelEntry | ModelLoadError = self.repository.load(name)
-            except ModelConfigError as exc:
-                result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
-            staged, placeable = self.registry.stage(name, result)
-            for vs in placeable:
-                vs.state = ModelState.READY  # scaled to zero: the request loads it
-            self.registry.install(staged)
-            log.info("model %s: new in the repository; registered, and loaded on its first request", name)
+        if name not in self.registry.models and self.control.loads_new_on_demand:
+            self.lifecycle.register_new(name)
         return self.registry.version(name, version)
 
     def submit(self, request: InferRequest, done) -> None:
@@ -248,21 +189,3 @@ class GpudCore:
         return inspect_document(self.server_metadata(), self.snapshot(), self.placement, self.pool.worker_info(),
                                 self.views)
 
-
-def _names(repository: ModelRepository) -> list[str]:
-    try:
-        return repository.model_names()
-    except OSError:
-        return []
-
-
-def _exists(repository: ModelRepository, name: str) -> bool:
-    return name in _names(repository)
-
-
-def _valid_name(name: str) -> bool:
-    try:
-        check_model_name(name)
-    except InferenceError:
-        return False
-    return True

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 from dataclasses import replace
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import ProcessCollector
@@ -24,6 +23,7 @@ from gpud.api.admin import AdminAuth, read_token_file
 from gpud.model_control import ModelControl, RepositoryPoller, poll_models
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
+from gpud.inspect_view import InspectView
 from telemetry.hints import DeviceFree, HintPolicy
 
 log = logging.getLogger("gpud")
@@ -256,7 +256,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                                                    for r in placement.rooms()],
                          policy, interval_s=settings.hints_interval_seconds,
                          rate_window_s=settings.hints_rate_window_seconds, registry=registry)
-    views: dict[str, Any] = {"hints": hints}
+    views: dict[str, InspectView] = {"hints": hints}
     controller = None
     if settings.placement_control != "off":
         controller = ControlLoop(models.snapshot, hints.decisions, placement, control,

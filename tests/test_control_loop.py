@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpud.control_loop import ControlLoop
 from gpud.controller import ControlPolicy
-from gpud.placing.service import ControlPlan, Step, Unplaced
+from gpud.placing.results import ControlPlan, Step, Unplaced
 from telemetry.hints import HintDecision
 from tests.fakes import FakeClock
 from tests.promtool_check import promtool_check

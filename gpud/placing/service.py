@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, InstanceHandle
@@ -30,56 +30,14 @@ from gpud.controller import EvictionCandidate, eviction_order
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs,
                                  candidate_kinds, locate, pin_errors, planning_devices, reserve_bytes_for)
+from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
+from gpud.placing.results import ControlPlan, DeviceRoom, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
 from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
-from placement.framework import static_reasons
-from placement.model import DeviceKind, MoveKind, fmt_bytes
 from telemetry.devices import DeviceBackend, DeviceInfo
 from telemetry.serving import ModelState
 
 log = logging.getLogger("gpud")
-
-
-@dataclass(frozen=True)
-class DeviceRoom:
-    """Free memory of one leaf device as placement sees it (also what the hints' headroom reads)."""
-
-    device_id: str
-    kind: DeviceKind
-    index: int  # GPU index (the parent's for MIG), -1 for the CPU
-    free_bytes: int
-    total_bytes: int
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a plan as it was carried out, in the model's terms."""
-
-    kind: MoveKind  # add | remove | move
-    model: str
-    version: str
-    index: int  # the instance's index within its version
-    from_device: str | None
-    to_device: str | None
-    error: str = ""  # why the new instance did not load; "" when the step was done
-    evicted_for: str = ""  # a removal to make room for this model's load (least recently used, idle)
-
-
-@dataclass(frozen=True)
-class Unplaced:
-    model: str
-    version: str
-    index: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class ControlPlan:
-    steps: tuple[Step, ...]  # done (or, in advise mode, what would be done), in order
-    unplaced: tuple[Unplaced, ...]  # instances of the targets the node has no room for
-    deferred: int  # steps left for later intervals (the cap on steps, or no room until others move)
-    method: str  # how the planner made it
-    unhealthy_devices: frozenset[str] = frozenset()
 
 
 class PlacementService:
@@ -403,11 +361,11 @@ class PlacementService:
         order `placement.diff` gives, make-before-break. Refused before anything changes (InferenceError) when a
         request is malformed or the placement does not fit; if a load fails, everything is rolled back."""
         async with self.lock:
-            named = self._resolve_versions(requested)
+            named = resolve_versions(requested, self.registry, {d.id for d in self.devices.leaf_devices()})
             inputs = self.inputs(list(named.values()))
-            desired = self._desired(inputs, requested, named)
-            self._check_allowed(inputs, desired, {(v.name, v.version) for v in named.values()})
-            self._check_fits(inputs, desired)
+            desired = desired_assignments(inputs, requested, named)
+            check_allowed(inputs, desired, {(v.name, v.version) for v in named.values()})
+            check_fits(inputs, desired)
             moves = diff(inputs.current, desired, inputs.devices, inputs.demands)
             stuck = [m for m in moves if m.note == "needs room freed by other steps"]
             if stuck:
@@ -424,93 +382,6 @@ class PlacementService:
                                  if s.to_device is not None),
                            tuple(PlacedInstance(s.model, s.version, s.index, s.from_device) for s in steps
                                  if s.from_device is not None))
-
-    def _resolve_versions(self, requested: Sequence[RequestedPlacement]) -> dict[str, RegisteredVersion]:
-        """The version each requested model name means; errors before anything changes."""
-        leaves = {d.id for d in self.devices.leaf_devices()}
-        named: dict[str, RegisteredVersion] = {}
-        for k, p in enumerate(requested):
-            where = f"placements[{k}]"
-            if p.device not in leaves:
-                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                     f"{where}: unknown device '{p.device}' (devices: {', '.join(sorted(leaves))})")
-            if p.instance < 0:
-                raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"{where}: instance must be >= 0")
-            if p.model not in named:
-                model, _, version = p.model.partition(":")
-                if p.model in self.registry.models or not version:
-                    vs = self.registry.version(p.model)
-                else:
-                    vs = self.registry.version(model, version.partition(":")[0])
-                if vs.state not in (ModelState.READY, ModelState.UNAVAILABLE):
-                    raise InferenceError(ErrorKind.UNAVAILABLE,
-                                         f"{where}: model '{vs.name}' is {vs.state.value.lower()}")
-                named[p.model] = vs
-        return named
-
-    @staticmethod
-    def _desired(inputs: PlacementInputs, requested: Sequence[RequestedPlacement],
-                 named: dict[str, RegisteredVersion]) -> list[Assignment]:
-        """The whole node after the change: the requested instances, and every live instance of the others."""
-        wanted: list[Assignment] = []
-        seen: set[tuple[str, int]] = set()
-        for k, p in enumerate(requested):
-            vs = named[p.model]
-            groups = vs.entry.config.instance_groups
-            if p.model == vs.name:
-                a = inputs.assignment(vs.name, vs.version, p.instance, p.device, groups)
-            elif p.model not in inputs.groups:
-                names = sorted(n for n, key in inputs.groups.items() if key.model == vs.name)
-                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                     f"placements[{k}]: '{p.model}' is neither a model nor a placement name "
-                                     f"(model '{vs.name}' is placed as {', '.join(names) or 'nothing yet'})")
-            else:  # a placement name (model:version[:group]): the index is within its demand
-                key = inputs.groups[p.model]
-                if key.group < len(groups) - 1 and p.instance >= groups[key.group].count:
-                    raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                         f"placements[{k}]: instance group {key.group} of '{vs.name}' holds "
-                                         f"{groups[key.group].count} instance(s), not instance {p.instance}")
-                a = Assignment(p.model, p.instance, p.device)
-            if (a.model, a.instance) in seen:
-                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                     f"placements[{k}]: instance {p.instance} of '{p.model}' placed twice")
-            seen.add((a.model, a.instance))
-            wanted.append(a)
-        touched = {(vs.name, vs.version) for vs in named.values()}
-        kept = [a for a in inputs.current if (inputs.groups[a.model].model, inputs.groups[a.model].version)
-                not in touched]
-        return sorted(kept + wanted)
-
-    @staticmethod
-    def _check_allowed(inputs: PlacementInputs, desired: Sequence[Assignment], touched: set[tuple[str, str]]) -> None:
-        """Refuse an instance of the requested versions on a device its model may not use (the placement engine's
-        static filters: kind, pinned GPUs, labels, health), with the reasons."""
-        demands = {d.name: d for d in inputs.demands}
-        devices = {d.id: d for d in inputs.devices}
-        for a in desired:
-            key = inputs.groups[a.model]
-            if (key.model, key.version) not in touched:
-                continue
-            reasons = static_reasons(demands[a.model], devices[a.device])
-            if reasons:
-                why = "; ".join(r.message() for r in reasons)
-                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                     f"placement not applied: model '{key.model}' instance {a.instance} may not run "
-                                     f"on {a.device}: {why}; nothing changed")
-
-    @staticmethod
-    def _check_fits(inputs: PlacementInputs, desired: Sequence[Assignment]) -> None:
-        """Refuse a placement that puts more on a device than it holds: the end state must fit."""
-        memory = {d.name: d.memory_bytes for d in inputs.demands}
-        per_device: dict[str, int] = {}
-        for a in desired:
-            per_device[a.device] = per_device.get(a.device, 0) + memory[a.model]
-        for d in inputs.devices:
-            usable = max(0, d.memory_bytes - (d.memory_reserve_bytes or 0))
-            if per_device.get(d.id, 0) > usable:
-                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                                     f"placement not applied: it puts {fmt_bytes(per_device[d.id])} of model "
-                                     f"instances on {d.id}, which has {fmt_bytes(usable)} for them; nothing changed")
 
     # --- applying steps -------------------------------------------------------------------------------------------
     async def _apply(self, inputs: PlacementInputs, moves: Sequence[Move], *, atomic: bool,

@@ -1,0 +1,117 @@
+"""Loading and unloading whole models from the repository (the repository API, poll mode, a model new in the
+repository that is loaded on its first request), with no gap in service on a reload. The core checks who may do it
+(gpud.model_control) and routes requests; this module changes what is registered, through the placement service."""
+from __future__ import annotations
+
+import logging
+
+from executor.types import ErrorKind, InferenceError
+from gpud.model_control import check_model_name
+from gpud.placing.service import PlacementService
+from gpud.registry import RegisteredModel, Registry
+from gpud.repository.config import ModelConfigError
+from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
+from telemetry.serving import ModelState
+
+log = logging.getLogger("gpud")
+
+
+class ModelLifecycle:
+    def __init__(self, repository: ModelRepository, registry: Registry, placement: PlacementService):
+        self.repository = repository
+        self.registry = registry
+        self.placement = placement
+
+    async def load(self, name: str) -> None:
+        """Load (or reload) model `name` from the repository; InferenceError says why it does not serve."""
+        try:
+            result: ModelEntry | ModelLoadError = self.repository.load(name)
+        except ModelConfigError as exc:
+            if name not in self.registry.models and not _exists(self.repository, name):
+                raise InferenceError(ErrorKind.NOT_FOUND, f"failed to load '{name}', no version is available") \
+                    from None
+            result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
+        model = self.registry.models.setdefault(name, RegisteredModel(name))
+        async with model.lock:
+            await self._reload(model, result)
+        if isinstance(result, ModelLoadError):
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"failed to load '{name}': {result.reason}")
+        if not any(v.ready for v in model.versions.values()):
+            reasons = "; ".join(v.reason for v in model.versions.values())
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{name}': {reasons}")
+
+    async def _reload(self, model: RegisteredModel, result: ModelEntry | ModelLoadError) -> None:
+        """Load `result` as `model` with no gap in service (as Triton): its new versions load beside the ones that
+        serve, requests go to them once they are ready, and then the old ones finish what they accepted and unload.
+        A new model that does not load (a bad config, failed loads) leaves the old one serving, and says why."""
+        serving = [v for v in model.versions.values() if v.instances]
+        keep = f"version(s) {', '.join(v.version for v in serving)} of '{model.name}' keep serving"
+        if isinstance(result, ModelLoadError) and serving:
+            log.error("model %s: reload refused: %s; %s", model.name, result.reason, keep)
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                 f"failed to load '{model.name}': {result.reason}; {keep}")
+        staged, placeable = self.registry.stage(model.name, result)
+        no_room = await self.placement.place(placeable, beside=serving)
+        if serving and not no_room and not any(v.instances for v in placeable):
+            reasons = "; ".join(f"version {v.version}: {v.reason}" for v in staged.versions.values()) \
+                or staged.error or "no version to serve"
+            log.error("model %s: reload failed (%s); %s", model.name, reasons, keep)
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"failed to load '{model.name}': {reasons}; {keep}")
+        old = list(model.versions.values())
+        self.registry.install(staged)
+        if old:
+            log.info("model %s: version(s) %s now serve; the previous version(s) %s finish their requests and "
+                     "unload", model.name, ", ".join(v.version for v in placeable if v.instances) or "none",
+                     ", ".join(v.version for v in old))
+            await self.placement.retire(old)
+        if no_room and serving:  # no room beside the old ones: these load now that those are gone (a gap)
+            log.warning("model %s: no room to load version(s) %s beside the serving ones: loaded after them",
+                        model.name, ", ".join(v.version for v in no_room))
+            await self.placement.place(no_room)
+
+    async def unload(self, name: str) -> None:
+        """Stop routing to every version of `name`; each finishes what it accepted, then its instances stop."""
+        model = self.registry.models.get(name)
+        if model is None:
+            raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
+        async with model.lock:
+            versions = list(model.versions.values())
+            for vs in versions:
+                vs.state = ModelState.UNLOADING  # refused from now on; what was accepted finishes
+            await self.placement.retire(versions)
+            model.versions.clear()
+        log.info("model %s unloaded", name)
+
+    def register_new(self, name: str) -> None:
+        """A model in the repository that gpud has not registered (new since the last poll): register it with no
+        instance, so that its first request loads it (load on demand). Nothing happens for an unknown name."""
+        if name in self.registry.models or not _valid_name(name) or not _exists(self.repository, name):
+            return
+        try:
+            result: ModelEntry | ModelLoadError = self.repository.load(name)
+        except ModelConfigError as exc:
+            result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
+        staged, placeable = self.registry.stage(name, result)
+        for vs in placeable:
+            vs.state = ModelState.READY  # scaled to zero: the request loads it
+        self.registry.install(staged)
+        log.info("model %s: new in the repository; registered, and loaded on its first request", name)
+
+
+def names_in(repository: ModelRepository) -> list[str]:
+    try:
+        return repository.model_names()
+    except OSError:
+        return []
+
+
+def _exists(repository: ModelRepository, name: str) -> bool:
+    return name in names_in(repository)
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        check_model_name(name)
+    except InferenceError:
+        return False
+    return True
