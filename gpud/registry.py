@@ -14,7 +14,7 @@ from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError
 from gpud.controller import InstanceBounds, instance_bounds
 from gpud.model_control import check_model_name
-from gpud.placing.inputs import VersionDemand, candidate_kinds
+from gpud.placing.inputs import VersionDemand, candidate_kinds, compute_fraction
 from gpud.repository.config import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import ModelEntry, ModelLoadError
@@ -33,6 +33,7 @@ class RegisteredVersion:
     scheduler: ModelScheduler
     estimate_bytes: int = 0  # one instance's footprint estimated from the model file
     bounds: InstanceBounds = InstanceBounds(1, None)  # how few and how many instances the controller may run
+    compute_fraction: float = 0.0  # of a device's compute, per instance (gpud_compute_fraction); 0: not limited
     instances: list[InstanceHandle] = field(default_factory=list)
     state: ModelState = ModelState.LOADING
     reason: str = ""
@@ -61,7 +62,8 @@ class RegisteredVersion:
         return max(measured) if measured else self.estimate_bytes
 
     def demand(self) -> VersionDemand:
-        return VersionDemand(self.name, self.version, self.entry.config.instance_groups, self.footprint_bytes())
+        return VersionDemand(self.name, self.version, self.entry.config.instance_groups, self.footprint_bytes(),
+                             self.compute_fraction)
 
     def view(self, has_gpus: bool) -> VersionView:
         if self.ready:
@@ -118,12 +120,14 @@ class Registry:
                 scheduler = ModelScheduler(entry.config, v, unready_wait_s=self.unready_wait_s,
                                            default_max_queue_size=self.default_max_queue_size)
                 bounds = instance_bounds(entry.config)
-            except ValueError as exc:  # a batching policy or instance bounds the repository let through
+                compute = compute_fraction(entry.config)
+            except ValueError as exc:  # a batching policy, bounds or compute share the repository let through
                 model.error = f"{entry.config_path or entry.path}: {exc}"
                 log.error("model %s: %s", name, model.error)
                 model.versions.clear()
                 return model, []
-            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler, bounds=bounds)
+            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler, bounds=bounds,
+                                                       compute_fraction=compute)
             try:
                 vs.estimate_bytes = estimate_footprint_bytes(vs.model_path, entry.config)
             except (ModelConfigError, OSError) as exc:

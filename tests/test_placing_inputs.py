@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from executor.model_config import InstanceGroup
-from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds, demand_names,
-                                 locate, pin_errors, planning_devices)
-from placement import Assignment
+from executor.model_config import InstanceGroup, ModelConfig
+from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds, compute_fraction,
+                                 demand_names, locate, pin_errors, planning_devices)
+from placement import Assignment, PlannerConfig, plan
 from telemetry.devices import DeviceInfo
 
 GIB = 2**30
@@ -92,6 +92,34 @@ class TestDemands:
         assert inputs.demands[0].constraints.kinds == frozenset({"cpu"})
 
 
+class TestComputeFraction:
+    @staticmethod
+    def config(**parameters) -> ModelConfig:
+        return ModelConfig(name="m", max_batch_size=8, inputs=(), outputs=(), instance_groups=(InstanceGroup(),),
+                           parameters={k: str(v) for k, v in parameters.items()})
+
+    def test_absent_is_zero_and_a_share_is_read(self):
+        assert compute_fraction(self.config()) == 0.0
+        assert compute_fraction(self.config(gpud_compute_fraction="0.25")) == 0.25
+
+    @pytest.mark.parametrize("text", ["0", "-0.1", "1.5", "half", "nan"])
+    def test_a_bad_share_is_refused_with_the_parameter_named(self, text):
+        with pytest.raises(ValueError, match="gpud_compute_fraction must be"):
+            compute_fraction(self.config(gpud_compute_fraction=text))
+
+    def test_the_planner_puts_no_more_on_a_device_than_its_compute_holds(self):
+        # 0.3 of a GPU per instance: a whole GPU holds 3 (0.9), a 3g MIG instance (3/7 = 0.43) holds 1, a 2g (0.29)
+        # none, although memory (100 MiB each) would take them all on one device.
+        demand = VersionDemand("m", "1", (InstanceGroup(count=4, kind="KIND_GPU"),), 100 * MIB, compute_fraction=0.3)
+        inputs = build_inputs(planning_devices(NODE, device_reserve_bytes=0), [demand])
+        assert inputs.demands[0].compute_fraction == 0.3
+        result = plan(inputs.devices, inputs.demands, config=PlannerConfig(time_limit_seconds=0))
+        per_device = {}
+        for a in result.placements:
+            per_device[a.device] = per_device.get(a.device, 0) + 1
+        assert per_device == {"gpu0": 3, "gpu1/mig1.0": 1} and not result.unplaced
+
+
 class TestInstances:
     @pytest.mark.parametrize("index, want", [
         (0, (0, 0)), (1, (0, 1)), (2, (1, 0)), (4, (1, 2)),
@@ -123,3 +151,21 @@ class TestPins:
             "instance_group[1] gpus [1, 5]: the node has no GPU 5 (GPUs: 0, 1)"]
         assert pin_errors(version("m", InstanceGroup(gpus=(0,))), planning_devices([CPU], device_reserve_bytes=0)) \
             == ["instance_group[0] gpus [0]: the node has no GPU 0 (GPUs: none)"]
+
+
+def test_the_registry_carries_the_compute_share_into_demands_and_refuses_a_bad_one(tmp_path):
+    from gpud.examples import write_example_repository
+    from gpud.registry import Registry
+    from gpud.repository.layout import ModelRepository
+
+    write_example_repository(tmp_path, ["mlp", "cnn"])
+    (tmp_path / "cnn" / "config.pbtxt").write_text(
+        'max_batch_size: 4\nparameters { key: "gpud_compute_fraction" value: { string_value: "0.4" } }\n')
+    with open(tmp_path / "mlp" / "config.pbtxt", "a") as f:
+        f.write('parameters { key: "gpud_compute_fraction" value: { string_value: "2" } }\n')
+    registry = Registry(has_gpus=True)
+    for name, entry in ModelRepository(tmp_path).scan().items():
+        registry.register(name, entry)
+    assert registry.version("cnn").demand().compute_fraction == 0.4
+    assert not registry.models["mlp"].versions  # not served: the error says why
+    assert "gpud_compute_fraction must be in (0, 1]" in registry.models["mlp"].error

@@ -17,13 +17,33 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from executor.model_config import InstanceGroup
+from executor.model_config import InstanceGroup, ModelConfig
 from placement import Assignment, Constraints, Device, ModelDemand
 from placement.model import DeviceKind
 from telemetry.devices import DeviceInfo
 
 GPU_KINDS: tuple[DeviceKind, ...] = ("gpu", "mig")
 GPU_INDEX_LABEL = "gpu_index"  # the NVML index of a device's physical GPU: what instance_group.gpus pins
+COMPUTE_FRACTION_PARAMETER = "gpud_compute_fraction"
+
+
+def compute_fraction(config: ModelConfig) -> float:
+    """config.pbtxt parameter `gpud_compute_fraction`: the share of a device's compute (a whole GPU; a MIG instance
+    offers slices / 7) one instance of the model uses at the load it is planned for. The planner then puts no more
+    instances on a device than its compute holds, so that added instances add throughput instead of sharing one
+    GPU's SMs. Absent: 0, memory alone decides (as Triton, which knows no compute share). ValueError names the
+    problem."""
+    text = config.parameters.get(COMPUTE_FRACTION_PARAMETER)
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"parameter {COMPUTE_FRACTION_PARAMETER} must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"parameter {COMPUTE_FRACTION_PARAMETER} must be in (0, 1] (a share of one device's "
+                         f"compute), got {text!r}")
+    return value
 
 
 def candidate_kinds(instance_kind: str, has_gpus: bool) -> tuple[DeviceKind, ...]:
@@ -66,6 +86,7 @@ class VersionDemand:
     version: str
     groups: tuple[InstanceGroup, ...]
     footprint_bytes: int  # per instance: measured at load when an instance was, else estimated from the model file
+    compute_fraction: float = 0.0  # per instance, of a device's compute (gpud_compute_fraction); 0: not limited
 
 
 @dataclass(frozen=True, order=True)
@@ -178,6 +199,7 @@ def build_inputs(devices: Sequence[Device], versions: Sequence[VersionDemand], l
                 if group.gpus else frozenset()
             count = counts.get(key, group.count) if counts is not None else group.count
             demands.append(ModelDemand(name=names[key], memory_bytes=max(1, v.footprint_bytes), instances=count,
+                                       compute_fraction=v.compute_fraction,
                                        constraints=Constraints(kinds=frozenset(candidate_kinds(group.kind, gpus)),
                                                                devices=pins)))
     inputs = PlacementInputs(tuple(devices), tuple(demands), (), groups, firsts, names)

@@ -192,20 +192,23 @@ class PlacementService:
 
     # --- the controller ----------------------------------------------------------------------------------------
     async def control(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool,
-                      evict_idle_s: float | None = None) -> ControlPlan:
+                      evict_idle_s: float | None = None, incremental: bool = True) -> ControlPlan:
         """Re-plan the node with these versions' instance counts (the others keep theirs), keeping moves few
         (placement's incremental re-plan: what runs stays where it is unless moving it lets more fit; instances on
         unhealthy devices are placed again elsewhere), and carry out the first `max_steps` steps in order, each
         move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be).
         `evict_idle_s`: an added instance with no room may evict instances of other versions idle this long
-        (least recently used first, never below their minimum); None: never."""
+        (least recently used first, never below their minimum); None: never. `incremental` False plans the node
+        from scratch, blind to where instances run, and moves them to that plan (what a re-plan that ignores the
+        current placement does: the replay benchmark's comparison, bench/replay)."""
         async with self.lock:
             wanted = [self.registry.version(m, v) for m, v in totals]
             placeable = [vs for vs in wanted if vs.state in (ModelState.READY, ModelState.UNAVAILABLE)]
             evicted: list[Step] = []
             while True:
                 inputs = self.inputs(placeable, totals)
-                result = await self._plan(inputs, replace(self.config, move_current=True))
+                result = await self._plan(inputs if incremental else replace(inputs, current=()),
+                                          replace(self.config, move_current=True))
                 if not apply or evict_idle_s is None or len(evicted) >= max_steps:
                     break
                 growing = {vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)}
