@@ -21,13 +21,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from placement.mig import GpuModel, MigProfile, gpu_model, place_layout
+from telemetry.power_model import POWER_SPECS
 
 # The models the ready-made machines use; their data (NVML names, memory, MIG profiles) is placement.mig's table.
 A100_SXM4_40GB = gpu_model("A100-SXM4-40GB")
 A100_SXM4_80GB = gpu_model("A100-SXM4-80GB")
 H100_SXM5_80GB = gpu_model("H100-80GB")
-# Default enforced power limits (W) that nvidia-smi shows for these SXM boards: not placement data, only the fake's.
-POWER_LIMIT_W = {A100_SXM4_40GB.nvml_name: 400.0, A100_SXM4_80GB.nvml_name: 400.0, H100_SXM5_80GB.nvml_name: 700.0}
+# Default enforced power limits (W) that nvidia-smi shows: gpud's power table (the simulated node's too).
+POWER_LIMIT_W = {name: spec.limit_w for name, spec in POWER_SPECS.items()}
 DEFAULT_POWER_LIMIT_W = 300.0
 
 NVML_SUCCESS = 0
