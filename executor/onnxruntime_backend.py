@@ -23,16 +23,22 @@ CUDA_EP = "CUDAExecutionProvider"
 TRT_EP = "TensorrtExecutionProvider"
 
 
+TF32_PARAMETER = "gpud_cuda_tf32"  # config.pbtxt parameter: "true" lets FP32 MatMul/Conv run in TF32 on the CUDA EP
+
+
 def choose_providers(
     device: WorkerDevice,
     available: list[str],
     accelerators: tuple[str, ...],
     stream_handle: int | None,
+    tf32: bool = False,
 ) -> list[tuple[str, dict[str, str]]]:
     """Execution providers in priority order for a model instance on `device` (pure).
 
     The worker process sees exactly one CUDA device (CUDA_VISIBLE_DEVICES names its GPU or MIG UUID), so the device
-    id is always 0. Each instance gets its own CUDA stream so instances on one device overlap.
+    id is always 0. Each instance gets its own CUDA stream so instances on one device overlap. The CUDA EP computes
+    FP32 in FP32 unless `tf32`: onnxruntime's default (use_tf32=1) rounds FP32 MatMul and Conv inputs to TF32's 10-bit
+    mantissa on Ampere and newer, so an FP32 model's outputs would differ from the CPU's by about 1e-3.
     """
     if not device.has_cuda or CUDA_EP not in available:
         return [(CPU_EP, {})]
@@ -42,9 +48,41 @@ def choose_providers(
     providers: list[tuple[str, dict[str, str]]] = []
     if "tensorrt" in accelerators and TRT_EP in available:
         providers.append((TRT_EP, dict(stream_opts)))
-    providers.append((CUDA_EP, dict(stream_opts)))
+    providers.append((CUDA_EP, stream_opts | {"use_tf32": "1" if tf32 else "0"}))
     providers.append((CPU_EP, {}))
     return providers
+
+
+def tf32_allowed(config: ModelConfig) -> bool:
+    """Whether the model's config allows TF32 (parameter gpud_cuda_tf32: true/1); anything else means FP32."""
+    value = str(config.parameters.get(TF32_PARAMETER, "false")).strip().lower()
+    if value not in ("true", "1", "false", "0"):
+        raise ValueError(f"parameter {TF32_PARAMETER} must be true or false, got {value!r}")
+    return value in ("true", "1")
+
+
+_preloaded = False
+
+
+def preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries of the nvidia-* wheels (the gpu extra) before the first CUDA session:
+    without a system CUDA install, onnxruntime-gpu's CUDA EP cannot find libcudart / libcudnn and onnxruntime then
+    runs the model on the CPU instead. Once per process; a failure is logged, and the CUDA EP then finds the
+    system's libraries or fails over to the CPU, which the load reports as its provider."""
+    global _preloaded
+    if _preloaded:
+        return
+    _preloaded = True
+    import onnxruntime as ort
+
+    preload = getattr(ort, "preload_dlls", None)  # onnxruntime-gpu >= 1.21
+    if preload is None or CUDA_EP not in ort.get_available_providers():
+        return
+    try:
+        preload(directory="")  # "": the nvidia site packages first, then the default search path
+    except Exception as exc:  # noqa: BLE001 - the session that follows says what is missing
+        log.warning("onnxruntime.preload_dlls failed (%s); the CUDA EP needs the CUDA and cuDNN libraries on "
+                    "the library path", exc)
 
 
 def _create_stream() -> int | None:
@@ -78,9 +116,11 @@ class OnnxRuntimeInstance:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if device.has_cuda:
+            preload_cuda_libraries()
         self.stream_handle = _create_stream() if device.has_cuda else None
         providers = choose_providers(device, ort.get_available_providers(), config.gpu_execution_accelerators,
-                                     self.stream_handle)
+                                     self.stream_handle, tf32=tf32_allowed(config))
         self.session = ort.InferenceSession(model_path, sess_options=opts, providers=providers)
         self.provider = self.session.get_providers()[0]
         self.config = config

@@ -45,6 +45,10 @@ class ExecutorPool:
                 self.workers[device.id] = worker
             return worker
 
+    async def start_worker(self, device: WorkerDevice) -> WorkerSupervisor:
+        """`device`'s worker, started first if it is not running (InferenceError when it cannot start)."""
+        return await self._worker(device)
+
     async def load_instance(self, inst: InstanceHandle, device: WorkerDevice) -> InstanceHandle:
         """Start `device`'s worker if needed and load the instance there. On failure `inst.error` says why."""
         if inst.device_id != device.id:

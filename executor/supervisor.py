@@ -67,6 +67,20 @@ def seconds_until_hung(now_s: float, oldest_sent_s: float, hang_s: float) -> flo
     return None if age_s >= hang_s else hang_s - age_s
 
 
+def worker_env(device: WorkerDevice, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a process that computes on `device` as its worker does (the worker, and `gpudctl check`'s
+    raw onnxruntime baseline): exactly that one CUDA device visible, none for the CPU, the project importable."""
+    env = dict(os.environ if base is None else base)
+    if device.kind in ("gpu", "mig") and not device.simulated:
+        # One CUDA device per process: a CUDA process can use only one MIG instance, and the worker for a
+        # MIG instance must see exactly that instance.
+        env["CUDA_VISIBLE_DEVICES"] = device.uuid
+    elif device.kind == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 class WorkerSupervisor:
     """The daemon's side of one device worker process: what schedulers submit batches to."""
 
@@ -81,6 +95,7 @@ class WorkerSupervisor:
         self.proc: subprocess.Popen | None = None
         self.channel: WorkerChannel | None = None  # None while no worker process is connected
         self.pid: int | None = None
+        self.providers: tuple[str, ...] = ()  # the execution providers the worker's backends offer (its hello)
         self.alive = False
         self.restarts = 0  # restart attempts
         self.failures = {"died": 0, "hung": 0}  # times the worker was lost while serving, by cause
@@ -100,15 +115,7 @@ class WorkerSupervisor:
 
     # --- process lifecycle -------------------------------------------------------------------------------------
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        if self.device.kind in ("gpu", "mig") and not self.device.simulated:
-            # One CUDA device per process: a CUDA process can use only one MIG instance, and the worker for a
-            # MIG instance must see exactly that instance.
-            env["CUDA_VISIBLE_DEVICES"] = self.device.uuid
-        elif self.device.kind == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
-        return env
+        return worker_env(self.device)
 
     def _open_channel(self, sock: socket.socket) -> WorkerChannel:
         self.channel = WorkerChannel(sock, name=self.device.id, on_message=self._on_message,
@@ -139,6 +146,7 @@ class WorkerSupervisor:
                                  f"worker for device {self.device.id} did not start within "
                                  f"{self.start_timeout_s:.0f} s") from None
         self.alive = True
+        self.providers = tuple(hello.providers)
         log.info("device %s: worker pid %d started (execution providers: %s)", self.device.id, self.pid,
                  ", ".join(hello.providers) or "none")
 

@@ -24,6 +24,16 @@ CPU_DEVICE_ID = "cpu"
 # A GPU with MIG on is cut into 7 compute slices (A100, A30 has 4, H100, H200); compute_fraction is slices / 7.
 MIG_COMPUTE_SLICES = 7
 
+# XIDs that report trouble with a GPU or its memory (NVIDIA's XID catalog): 13 graphics engine exception, 31 memory
+# page fault, 43 GPU stopped processing, 45 preemptive cleanup, 48 double-bit ECC error, 63/64 row remapping event /
+# failure, 74 NVLink error, 79 fallen off the bus, 94/95 contained / uncontained ECC error, 119 GSP timeout. Every GPU
+# whose XID events are watched exports these at 0 from the start, so a first event is a counter going 0 -> 1 that
+# increase() sees, not a series that appears at 1; other codes appear when they happen.
+WATCHED_XIDS = (13, 31, 43, 45, 48, 63, 64, 74, 79, 94, 95, 119)
+# (error_type, counter_type) of the ECC counters a GPU with ECC on reports (NVML's volatile and aggregate counts)
+ECC_COUNTER_KEYS = (("corrected", "volatile"), ("uncorrected", "volatile"), ("corrected", "aggregate"),
+                    ("uncorrected", "aggregate"))
+
 
 def gpu_device_id(index: int) -> str:
     return f"gpu{index}"

@@ -27,6 +27,7 @@ from typing import Any
 from telemetry.devices import (
     CPU_DEVICE_ID,
     MIG_COMPUTE_SLICES,
+    WATCHED_XIDS,
     DeviceInfo,
     DeviceReading,
     NoUsage,
@@ -290,6 +291,7 @@ class NvmlBackend:
         self._gpm_supported: dict[str, bool] = {}  # gpu id -> GPM support (static per GPU)
         self._gpm: dict[str, _GpmTracker] = {}  # device id -> previous GPM sample
         self._supported_reasons: dict[str, Any] = {}  # gpu id -> supported clock event reasons bitmask (static)
+        self._memory_v2: bool | None = None  # whether nvmlDeviceGetMemoryInfo_v2 answers (None: not asked yet)
         self._pcie_pool: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()  # one sampling pass at a time: GPM and event state are shared
 
@@ -337,7 +339,7 @@ class NvmlBackend:
             uuid = _text(q("nvmlDeviceGetUUID", handle, device_id=gid))
             pci = q("nvmlDeviceGetPciInfo", handle, device_id=gid)
             pci_bus_id = _text(getattr(pci, "busId", "")) if pci is not NA else ""
-            mem = q("nvmlDeviceGetMemoryInfo", handle, device_id=gid)
+            mem = self._memory_info(handle, gid)
             total = int(mem.total) if mem is not NA else 0
             mode = q("nvmlDeviceGetMigMode", handle, device_id=gid)  # [current, pending]; NA on non-MIG GPUs
             mig_on = mode is not NA and int(mode[0]) == NVML_DEVICE_MIG_ENABLE
@@ -365,7 +367,7 @@ class NvmlBackend:
             mid = mig_device_id(gid, int(gi), int(ci))
             uuid = _text(q("nvmlDeviceGetUUID", mh, device_id=gid))
             profile, fraction, profile_bytes = self._mig_profile(handle, mh, int(gi), gid)
-            mem = q("nvmlDeviceGetMemoryInfo", mh, device_id=gid)
+            mem = self._memory_info(mh, gid)
             # What the MIG device reports is what a CUDA context there can use; the profile size is the fallback.
             total = int(mem.total) if mem is not NA else (profile_bytes or 0)
             self._handles[mid] = mh
@@ -444,6 +446,8 @@ class NvmlBackend:
                 memory_used_bytes=self._usage.memory_used_bytes(CPU_DEVICE_ID),
             )
         xids = dict(self._xid_counts.get(info.id, {}))  # counters survive a lost GPU: XID 79 is why it is lost
+        if info.kind == "gpu" and self._event_sets.get(info.id, NA) is not NA:
+            xids = {xid: 0 for xid in WATCHED_XIDS} | xids  # watched: the known codes read 0 until they happen
         if self._is_lost(info):
             return DeviceReading(healthy=False, xid_errors=xids)
         reading = self._read_mig(info) if info.kind == "mig" else self._read_gpu(info, pcie.get(info.id))
@@ -455,7 +459,7 @@ class NvmlBackend:
         q = self._session.query
         gid = info.id
         h = self._handles[gid]
-        mem = q("nvmlDeviceGetMemoryInfo", h, device_id=gid)
+        mem = self._memory_info(h, gid)
         util = q("nvmlDeviceGetUtilizationRates", h, device_id=gid)  # NotSupported on MIG-on GPUs
         power_mw = q("nvmlDeviceGetPowerUsage", h, device_id=gid)  # milliwatts
         limit_mw = q("nvmlDeviceGetEnforcedPowerLimit", h, device_id=gid)  # milliwatts
@@ -505,7 +509,7 @@ class NvmlBackend:
         q = self._session.query
         gid = info.parent_id
         assert gid is not None
-        mem = q("nvmlDeviceGetMemoryInfo", self._handles[info.id], device_id=gid)
+        mem = self._memory_info(self._handles[info.id], gid)
         gpm: dict[int, float] = {}
         if self._gpm_support(gid) and info.gpu_instance_id is not None:
             parent, gi = self._handles[gid], info.gpu_instance_id
@@ -520,6 +524,30 @@ class NvmlBackend:
             gr_engine_active_ratio=active,
             sm_active_ratio=_percent(gpm.get(NVML_GPM_METRIC_SM_UTIL)),
         )
+
+    def _memory_info(self, handle: Any, gid: str) -> Any:
+        """Memory info as nvidia-smi reports it: the v2 struct, whose `used` leaves out what the driver reserves
+        for itself (the v1 struct counts it as used: hundreds of MiB on an idle GPU). v1 where the driver or the
+        bindings have no v2; that is remembered, so it is asked once."""
+        q = self._session.query
+        version = getattr(self._session.module, "nvmlMemory_v2", None)
+        if version is not None and self._memory_v2 is not False:
+            get = self._session.module.nvmlDeviceGetMemoryInfo
+
+            def nvmlDeviceGetMemoryInfo_v2(h: Any) -> Any:  # named as NVML's function, for the choke point's logs
+                return get(h, version)
+
+            mem = q(nvmlDeviceGetMemoryInfo_v2, handle, device_id=gid)
+            if mem is not NA:
+                self._memory_v2 = True
+                return mem
+            if gid in self._session.lost_device_ids:
+                return NA
+            if self._memory_v2 is None:
+                self._memory_v2 = False
+                self._log.info("NVML: no nvmlDeviceGetMemoryInfo_v2; using nvmlDeviceGetMemoryInfo, whose memory "
+                               "used includes the driver's reserved memory (nvidia-smi leaves it out)")
+        return q("nvmlDeviceGetMemoryInfo", handle, device_id=gid)
 
     def _reasons_fn(self, which: str) -> str:
         # NVML 12.x renamed ...ClocksThrottleReasons to ...ClocksEventReasons; old bindings have only the former.

@@ -1,8 +1,9 @@
 """A simulated node: real GPU models and MIG layouts read from a YAML description, for machines without a driver.
 
-Only the inventory is simulated. Readings are never invented: memory used and utilization come from the
-injected UsageSource (what gpud's executor really loaded and how long its workers were really busy); power and
-temperature have no source, so they are None (N/A) and their series are absent.
+Only the inventory is simulated. Memory used and utilization come from the injected UsageSource (what gpud's
+executor really loaded and how long its workers were really busy). A GPU's power draw and temperature follow that
+utilization through its model's power table (telemetry.power_model; N/A for a model the table lacks), and its ECC and
+watched XID counters read 0: the simulated node tells the story a healthy GPU would, so every dashboard panel moves.
 
 Node file format (config/nodes/*.yaml):
 
@@ -21,12 +22,15 @@ from __future__ import annotations
 
 import os
 import uuid as uuidlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from telemetry.devices import (
+    ECC_COUNTER_KEYS,
+    WATCHED_XIDS,
     DeviceInfo,
     DeviceReading,
     NoUsage,
@@ -36,6 +40,7 @@ from telemetry.devices import (
     leaf_devices,
     mig_device_id,
 )
+from telemetry.power_model import power_spec, power_w, temperature_c
 from placement.mig import NVML_NAMES, GpuModel, MigProfile, gpu_model_by_nvml_name, validate_layout
 
 _PACKAGE_NODES = Path(__file__).resolve().parent / "nodes"
@@ -203,16 +208,36 @@ class SimulatedBackend:
 
     def sample(self, device_id: str) -> DeviceReading:
         info = self._by_id[device_id]  # KeyError for an unknown id
+        healthy = self._usage.unhealthy_reason(device_id) is None
         if info.kind == "gpu" and info.mig_enabled:
             # Nothing runs on a MIG-on GPU itself: its memory in use is its instances' sum. Utilization is N/A,
-            # as NVML reports it for a GPU with MIG on.
-            used = [self._usage.memory_used_bytes(c) for c in self._children.get(device_id, [])]
+            # as NVML reports it for a GPU with MIG on; its board draws for all its instances (by compute share).
+            children = [self._by_id[c] for c in self._children.get(device_id, [])]
+            used = [self._usage.memory_used_bytes(c.id) for c in children]
             known = [u for u in used if u is not None]
-            return DeviceReading(memory_used_bytes=sum(known) if known else None)
-        return DeviceReading(
+            busy = sum((self._usage.utilization_ratio(c.id) or 0.0) * c.compute_fraction for c in children)
+            return self._board(info, DeviceReading(memory_used_bytes=sum(known) if known else None,
+                                                   healthy=healthy), busy)
+        reading = DeviceReading(
             utilization_ratio=self._usage.utilization_ratio(device_id),
             memory_used_bytes=self._usage.memory_used_bytes(device_id),
-            healthy=self._usage.unhealthy_reason(device_id) is None,
+            healthy=healthy,
+        )
+        return self._board(info, reading, reading.utilization_ratio) if info.kind == "gpu" else reading
+
+    @staticmethod
+    def _board(info: DeviceInfo, reading: DeviceReading, utilization_ratio: float | None) -> DeviceReading:
+        """What the board of a whole GPU reports besides its use: power and temperature from the power model,
+        ECC and watched XID counters at 0 (a simulated GPU has no errors)."""
+        spec = power_spec(info.name)
+        draw_w = power_w(spec, utilization_ratio) if spec is not None else None
+        return replace(
+            reading,
+            power_w=draw_w,
+            power_limit_w=spec.limit_w if spec is not None else None,
+            temperature_c=temperature_c(spec, draw_w) if spec is not None and draw_w is not None else None,
+            ecc_errors={key: 0 for key in ECC_COUNTER_KEYS},
+            xid_errors={xid: 0 for xid in WATCHED_XIDS},
         )
 
     def close(self) -> None:

@@ -21,13 +21,14 @@ from types import SimpleNamespace
 from typing import Any
 
 from placement.mig import GpuModel, MigProfile, gpu_model, place_layout
+from telemetry.power_model import POWER_SPECS
 
 # The models the ready-made machines use; their data (NVML names, memory, MIG profiles) is placement.mig's table.
 A100_SXM4_40GB = gpu_model("A100-SXM4-40GB")
 A100_SXM4_80GB = gpu_model("A100-SXM4-80GB")
 H100_SXM5_80GB = gpu_model("H100-80GB")
-# Default enforced power limits (W) that nvidia-smi shows for these SXM boards: not placement data, only the fake's.
-POWER_LIMIT_W = {A100_SXM4_40GB.nvml_name: 400.0, A100_SXM4_80GB.nvml_name: 400.0, H100_SXM5_80GB.nvml_name: 700.0}
+# Default enforced power limits (W) that nvidia-smi shows: gpud's power table (the simulated node's too).
+POWER_LIMIT_W = {name: spec.limit_w for name, spec in POWER_SPECS.items()}
 DEFAULT_POWER_LIMIT_W = 300.0
 
 NVML_SUCCESS = 0
@@ -40,6 +41,8 @@ NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
 NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
+nvmlMemory_v2 = 0x02000028  # pynvml's version constant of c_nvmlMemory_v2_t
 NVML_DEVICE_MIG_DISABLE = 0
 NVML_DEVICE_MIG_ENABLE = 1
 NVML_TEMPERATURE_GPU = 0
@@ -99,6 +102,7 @@ class FakeGpu:
     model: GpuModel
     mig: list[FakeMig] | None = None  # None = MIG mode off
     memory_used_bytes: int = 0
+    memory_reserved_bytes: int = 0  # what the driver keeps for itself: in v1's `used`, apart in v2
     utilization_percent: int = 0
     power_mw: int = 0
     temperature_c: int = 30
@@ -206,6 +210,7 @@ class FakeNvml:
     NVML_SUCCESS = NVML_SUCCESS
     NVML_GPM_METRICS_GET_VERSION = NVML_GPM_METRICS_GET_VERSION
     c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
+    nvmlMemory_v2 = nvmlMemory_v2
 
     # MIG slots per GPU (nvmlDeviceGetMaxMigDeviceCount on A100/H100 is 7)
     MAX_MIG_DEVICES = 7
@@ -347,16 +352,27 @@ class FakeNvml:
         return SimpleNamespace(busId=gpu.pci_bus_id.encode())  # pynvml gives the c_char array as bytes
 
     def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: Any = None) -> SimpleNamespace:
+        """pynvml's signature: without `version` the v1 struct, whose `used` includes the memory the driver
+        reserves (as real drivers report it); with version=nvmlMemory_v2 (nvmlDeviceGetMemoryInfo_v2) the v2
+        struct, with `reserved` apart: what nvidia-smi shows as Used."""
         gpu = self._check("nvmlDeviceGetMemoryInfo", handle)
         assert gpu is not None
         if handle.mig is not None:
             m = self._mig(handle)
             total = gpu.model.profile(m.profile).memory_bytes
-            used = m.memory_used_bytes
+            used, reserved = m.memory_used_bytes, 0
         else:
             total = gpu.model.memory_bytes
             used = gpu.memory_used_bytes if gpu.mig is None else sum(m.memory_used_bytes for m in gpu.mig)
-        return SimpleNamespace(total=total, used=used, free=total - used)
+            reserved = gpu.memory_reserved_bytes
+        if version is None:
+            return SimpleNamespace(total=total, used=used + reserved, free=total - used - reserved)
+        if "nvmlDeviceGetMemoryInfo_v2" in self._removed:
+            raise NVMLError_FunctionNotFound()  # a driver older than the v2 struct
+        if version != nvmlMemory_v2:
+            raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        return SimpleNamespace(version=version, total=total, reserved=reserved, used=used,
+                               free=total - used - reserved)
 
     def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> SimpleNamespace:
         gpu = self._check("nvmlDeviceGetUtilizationRates", handle)

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry.device_metrics import DeviceCollector, reason_states
-from telemetry.devices import DeviceInfo, DeviceReading
+from telemetry.devices import WATCHED_XIDS, DeviceInfo, DeviceReading
 from telemetry.nvml import CLOCK_EVENT_REASONS, NvmlBackend
 from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
 from tests.fake_nvml import a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
@@ -32,12 +32,13 @@ def find(samples_: dict, metric: str, /, **labels: str) -> list[float]:
 class Usage:
     def __init__(self) -> None:
         self.memory: dict[str, int] = {}
+        self.busy: dict[str, float] = {}
 
     def memory_used_bytes(self, device_id: str) -> int | None:
         return self.memory.get(device_id)
 
     def utilization_ratio(self, device_id: str) -> float | None:
-        return None
+        return self.busy.get(device_id)
 
     def unhealthy_reason(self, device_id: str) -> str | None:
         return None
@@ -76,8 +77,31 @@ def test_sampled_at_scrape_time():
     usage.memory["gpu0"] = 7 * 2**30
     assert find(samples(registry), "gpud_device_memory_used_bytes", device="gpu0") == [7.0 * 2**30]
     s = samples(registry)
-    assert find(s, "gpud_device_power_watts") == []  # simulated: no power sensor
     assert find(s, "gpud_device_info", device="gpu0", simulated="true") == [1.0]
+
+
+def test_simulated_board_follows_its_load():
+    """The simulated node's power and temperature come from the GPU model's power table (A100-SXM4-80GB: idle 60 W,
+    limit 400 W, 32 C idle, 70 C at the limit); its ECC and watched XID counters read 0."""
+    usage = Usage()
+    registry = CollectorRegistry()
+    DeviceCollector(SimulatedBackend.from_file(DEFAULT_NODE_FILE, usage), registry=registry)
+    s = samples(registry)
+    assert find(s, "gpud_device_power_watts", device="gpu0") == [60.0]  # nothing runs: idle
+    assert find(s, "gpud_device_temperature_celsius", device="gpu0") == [32.0]
+    assert find(s, "gpud_device_power_limit_watts", device="gpu0") == [400.0]
+    usage.busy["gpu0"] = 0.5
+    usage.busy["gpu1/mig1.0"] = 1.0  # 3g.40gb: 3 of the GPU's 7 compute slices
+    s = samples(registry)
+    assert find(s, "gpud_device_power_watts", device="gpu0") == [230.0]  # 60 + 0.5 * (400 - 60)
+    assert find(s, "gpud_device_temperature_celsius", device="gpu0") == [51.0]  # 32 + 0.5 * (70 - 32)
+    assert find(s, "gpud_device_power_watts", device="gpu1") == [pytest.approx(60 + 3 / 7 * 340)]
+    assert find(s, "gpud_device_power_watts", device="gpu1/mig1.0") == []  # the board's, as NVML has it
+    assert find(s, "gpud_device_power_watts", device="cpu") == []
+    for counter in ("gpud_device_ecc_volatile_errors_total", "gpud_device_ecc_aggregate_errors_total"):
+        assert find(s, counter, device="gpu0") == [0.0, 0.0]
+    xids = find(s, "gpud_device_xid_errors_total", device="gpu1")
+    assert xids and set(xids) == {0.0}
 
 
 def test_lost_gpu_reports_unhealthy_and_no_readings():
@@ -170,8 +194,10 @@ class TestNvmlSeries:
         assert find(s, "gpud_device_clock_event_reason_active", reason="hw_thermal_slowdown", **gpu0) == [1.0]
         assert find(s, "gpud_device_clock_event_reason_active", reason="gpu_idle", **gpu0) == [0.0]
         assert len(find(s, "gpud_device_clock_event_reason_active", **gpu0)) == 9
-        # no XID yet: no series (not a 0 for every possible code)
-        assert find(s, "gpud_device_xid_errors_total") == []
+        # no XID yet: the watched codes at 0 (so a first event is an increase), not a 0 for every possible code
+        assert sorted(int(dict(ls)["xid"]) for (n, ls) in s if n == "gpud_device_xid_errors_total"
+                      and dict(ls)["device"] == "gpu0") == sorted(WATCHED_XIDS)
+        assert set(find(s, "gpud_device_xid_errors_total")) == {0.0}
 
     def test_mig_instances_carry_memory_only_without_gpm(self):
         registry = CollectorRegistry()
@@ -295,15 +321,19 @@ def test_reason_states(active, supported, expected):
     assert list(reason_states(active, supported)) == expected
 
 
-def test_simulated_devices_export_only_what_gpud_knows():
+def test_simulated_devices_export_only_what_gpud_knows_and_the_board_model():
     usage = Usage()
     usage.memory["gpu1/mig1.0"] = 2**30
     registry = CollectorRegistry()
     DeviceCollector(SimulatedBackend.from_file(DEFAULT_NODE_FILE, usage), registry=registry)
     s = samples(registry)
     names = {n for (n, _) in s}
+    # what gpud knows (memory, health, identity) and the board model (power, temperature, zero error counters);
+    # no clocks, PCIe, energy or GPM: nothing would stand behind them
     assert names == {"gpud_device_memory_used_bytes", "gpud_device_memory_total_bytes", "gpud_device_healthy",
-                     "gpud_device_info"}
+                     "gpud_device_info", "gpud_device_power_watts", "gpud_device_power_limit_watts",
+                     "gpud_device_temperature_celsius", "gpud_device_ecc_volatile_errors_total",
+                     "gpud_device_ecc_aggregate_errors_total", "gpud_device_xid_errors_total"}
     assert find(s, "gpud_device_memory_used_bytes", device="gpu1/mig1.0", modelName="NVIDIA A100-SXM4-80GB") \
         == [2.0**30]
     assert find(s, "gpud_device_memory_used_bytes", device="gpu1") == [2.0**30]  # its instances' sum

@@ -21,37 +21,13 @@ import pytest
 import yaml
 
 from gpud.examples import write_example_repository
-from tests.daemon_harness import ROOT, start_daemon, wait_for
+from tests.daemon_harness import start_daemon, wait_for
+from tests.promql import DASHBOARD, RULES, dashboard_queries, metric_names, rule_exprs
 
 pytestmark = pytest.mark.slow
 
-DASHBOARD = ROOT / "config" / "grafana" / "gpud.json"
-RULES = ROOT / "config" / "prometheus" / "gpud-rules.yml"
 DEADLINE_S = 45.0  # for all panel queries together to have data, once load runs
-# Template variables as Grafana would expand them with "All" selected (allValue ".+"), and the range variables.
-VARIABLES = {"$model": ".+", "$device": ".+", "$__rate_interval": "10s", "$__range": "5m", "$__interval": "2s"}
-# Readings a simulated node has no sensor for (telemetry/simulated.py): their panels may be empty there; their
-# names must still be exported (checked against the exposition).
-SENSOR_ONLY = {"gpud_device_power_watts", "gpud_device_temperature_celsius"}
 PROMETHEUS_SERIES = {"up"}
-
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan"}
-
-
-def metric_names(expr: str) -> set[str]:
-    """Metric names in a PromQL expression: identifiers that are not functions, keywords, label names or strings."""
-    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # strings
-    expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
-    expr = re.sub(r"\[[^\]]*\]", "", expr)  # range selectors
-    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)  # label lists
-    names = set()
-    for m in re.finditer(r"(?<![\w:.])([a-zA-Z_:][\w:]*)\s*(\()?", expr):
-        name, call = m.group(1), m.group(2)
-        if call or name.lower() in _KEYWORDS:
-            continue
-        names.add(name)
-    return names
 
 
 def test_metric_names_parser():
@@ -69,30 +45,6 @@ def _free_port() -> int:
 def _get(url: str, timeout_s: float = 5.0) -> dict:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return json.loads(r.read())
-
-
-def _dashboard_queries() -> list[tuple[str, str]]:
-    dash = json.loads(DASHBOARD.read_text())
-    out = []
-    for panel in dash["panels"]:
-        for target in panel.get("targets", []):
-            expr = target["expr"]
-            for var, value in VARIABLES.items():
-                expr = expr.replace(var, value)
-            assert "$" not in expr, f"panel {panel['title']!r}: unexpanded variable in {expr}"
-            out.append((panel["title"], expr))
-    return out
-
-
-def _rule_exprs() -> tuple[list[str], set[str]]:
-    doc = yaml.safe_load(RULES.read_text())
-    exprs, recorded = [], set()
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            exprs.append(rule["expr"])
-            if "record" in rule:
-                recorded.add(rule["record"])
-    return exprs, recorded
 
 
 @pytest.fixture(scope="module")
@@ -201,19 +153,19 @@ def test_every_panel_and_rule_against_real_prometheus(tools, tmp_path):
         exported = set(re.findall(r"^# HELP (\S+)", exposition, re.M))
         for family in list(exported):  # histograms and counters expose their samples under suffixed names
             exported |= {family + s for s in ("_bucket", "_sum", "_count", "_total", "_created")}
-        rule_exprs, recorded = _rule_exprs()
-        known = exported | recorded | PROMETHEUS_SERIES
-        queries = _dashboard_queries()
+        rules, recorded = rule_exprs()
+        known = exported | set(recorded) | PROMETHEUS_SERIES
+        queries = dashboard_queries()
         for title, expr in queries:
             missing = metric_names(expr) - known
             assert not missing, f"panel {title!r} queries metrics gpud does not export: {sorted(missing)}"
-        for expr in rule_exprs:
+        for expr in rules:
             missing = metric_names(expr) - known
             assert not missing, f"rule {expr!r} uses metrics gpud does not export: {sorted(missing)}"
 
-        # Every panel query returns data while load runs (bounded; polled, not slept).
-        simulated = "simulated" in daemon.inspect()["device_source"]
-        required = [(t, e) for t, e in queries if not (simulated and metric_names(e) <= SENSOR_ONLY)]
+        # Every panel query returns data while load runs (bounded; polled, not slept), on the simulated node too:
+        # its boards draw power and warm up with the load (telemetry.power_model).
+        required = queries
         empty: dict[str, str] = {}
 
         def all_have_data() -> bool:
@@ -236,7 +188,7 @@ def test_every_panel_and_rule_against_real_prometheus(tools, tmp_path):
             rules = [r for g in _get(f"{api}/rules")["data"]["groups"] for r in g["rules"]]
             errors = {r["name"]: r.get("lastError") for r in rules if r["health"] == "err"}
             assert not errors, errors
-            return len(rules) == len(rule_exprs) and all(r["health"] == "ok" for r in rules)
+            return len(rules) == len(rule_exprs()[0]) and all(r["health"] == "ok" for r in rules)
 
         wait_for(rules_evaluated, 15, "every rule to evaluate with health ok")
         for title in ("gpud:model_desired_instances:sum", "gpud:model_queue_seconds:mean1m"):

@@ -6,7 +6,7 @@ import pytest
 
 from executor.model_config import ModelConfig, TensorSpec
 from executor.device import WorkerDevice
-from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers
+from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers, tf32_allowed
 from executor.supervisor import WorkerSupervisor
 from executor.protocol import tensor_region_bytes
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
@@ -35,7 +35,23 @@ def test_choose_providers(device, available, accel, want):
 def test_each_instance_gets_its_own_stream_on_device_0():
     providers = dict(choose_providers(MIG, ALL_EPS, (), stream_handle=1234))
     # The worker sees exactly one device (CUDA_VISIBLE_DEVICES), so it is always device 0.
-    assert providers[CUDA_EP] == {"device_id": "0", "has_user_compute_stream": "1", "user_compute_stream": "1234"}
+    assert providers[CUDA_EP] == {"device_id": "0", "has_user_compute_stream": "1", "user_compute_stream": "1234",
+                                  "use_tf32": "0"}
+
+
+@pytest.mark.parametrize("value, tf32", [(None, False), ("false", False), ("true", True), ("1", True)])
+def test_fp32_stays_fp32_on_the_cuda_ep_unless_the_model_allows_tf32(value, tf32):
+    # onnxruntime's CUDA EP defaults to use_tf32=1: FP32 MatMul in TF32, ~1e-3 off the CPU's result
+    config = ModelConfig("m", parameters={} if value is None else {"gpud_cuda_tf32": value})
+    assert tf32_allowed(config) is tf32
+    providers = dict(choose_providers(GPU, ALL_EPS, ("tensorrt",), stream_handle=None, tf32=tf32_allowed(config)))
+    assert providers[CUDA_EP]["use_tf32"] == ("1" if tf32 else "0")
+    assert "use_tf32" not in providers[TRT_EP]  # not a TensorRT EP option
+
+
+def test_bad_tf32_parameter_is_refused():
+    with pytest.raises(ValueError, match="gpud_cuda_tf32 must be true or false"):
+        tf32_allowed(ModelConfig("m", parameters={"gpud_cuda_tf32": "maybe"}))
 
 
 @pytest.mark.parametrize("device, want", [(MIG, "MIG-abcd"), (GPU, "GPU-1234"), (CPU, "")])

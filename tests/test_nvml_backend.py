@@ -111,6 +111,24 @@ class TestReadings:
         r = b.sample("cpu")
         assert (r.memory_used_bytes, r.utilization_ratio) == (3 * 2**30, 0.25)
 
+    def test_memory_used_leaves_out_the_drivers_reserved_memory(self):
+        """nvidia-smi's Used is the v2 struct's `used`; the v1 struct adds what the driver reserves for itself."""
+        fake = dgx_a100_2gpu_mig()
+        fake.gpus[0].memory_reserved_bytes = 527 * MIB  # as an idle A100 80GB shows it
+        r = NvmlBackend(nvml=fake).sample("gpu0")
+        assert r.memory_used_bytes == 1 << 30  # what runs there, as nvidia-smi shows
+        assert r.memory_free_bytes == 81920 * MIB - (1 << 30) - 527 * MIB
+
+    def test_memory_v1_where_the_driver_has_no_v2(self, caplog):
+        fake = dgx_a100_2gpu_mig()
+        fake.gpus[0].memory_reserved_bytes = 527 * MIB
+        fake.remove_function("nvmlDeviceGetMemoryInfo_v2")
+        b = NvmlBackend(nvml=fake)
+        with caplog.at_level(logging.INFO):
+            assert b.sample("gpu0").memory_used_bytes == (1 << 30) + 527 * MIB  # v1: reserved counts as used
+            b.sample("gpu0")
+        assert sum("reserved memory" in r.getMessage() for r in caplog.records) == 1  # said once, asked once
+
     def test_unknown_device_is_keyerror(self):
         with pytest.raises(KeyError):
             NvmlBackend(nvml=dgx_a100_2gpu_mig()).sample("gpu9")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ["run", "test", "gpudctl", "_venv.sh", "install-perf-analyzer"]
+SCRIPTS = ["run", "test", "gpudctl", "_venv.sh", "install-perf-analyzer", "gpu-validate"]
 
 FAKE_PYTHON3 = """#!/usr/bin/env bash
 # python3 -m venv .venv: an environment whose pip logs each install

@@ -85,7 +85,8 @@ class TestReadings:
         b = SimulatedBackend.from_file(DEFAULT_NODE_FILE, usage)
         r = b.sample("gpu0")
         assert (r.memory_used_bytes, r.utilization_ratio) == (5 * 2**30, 0.5)
-        assert (r.power_w, r.power_limit_w, r.temperature_c) == (None, None, None)  # no sensor: N/A, not 0
+        # the board follows the load through the A100-SXM4-80GB power model: 60 + 0.5 * (400 - 60) W, 32 + 0.5 * 38 C
+        assert (r.power_w, r.power_limit_w, r.temperature_c) == (230.0, 400.0, 51.0)
         assert b.sample("gpu1/mig2.0").memory_used_bytes is None  # nothing loaded there: unknown, not invented
         parent = b.sample("gpu1")
         assert parent.memory_used_bytes == 2**30 + 2**29  # sum of its MIG instances
