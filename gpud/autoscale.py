@@ -57,10 +57,13 @@ def read_counters(snapshot: ServingSnapshot, now_s: float) -> dict[Key, tuple[Mo
     out = {}
     for v in snapshot.versions():
         st = v.stats
-        busy_ns = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in st.batches.values())
+        per_size = tuple((rows, b.compute_infer.count,
+                          b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns)
+                         for rows, b in sorted(st.batches.items()))
         out[(v.model, v.version)] = (st, ModelCounters(
             time_s=now_s, requests=st.success.count + st.fail.count, successes=st.success.count,
-            queue_ns=st.queue.ns, batch_compute_ns=busy_ns, ready_instances=v.ready_instances))
+            queue_ns=st.queue.ns, batch_compute_ns=sum(ns for _, _, ns in per_size),
+            ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size))
     return out
 
 
@@ -175,8 +178,8 @@ class HintsSampler(Collector):
                               "for its load and queue-time target (HPA rule, stabilized).", labels=mv),
             GaugeMetricFamily("gpud_model_instances_current", "Ready instances of the model version when the hint "
                               "was computed.", labels=mv),
-            GaugeMetricFamily("gpud_model_instance_throughput_requests_per_second", "Measured requests one instance "
-                              "completes per second of busy compute, at the batch sizes seen.", labels=mv),
+            GaugeMetricFamily("gpud_model_instance_throughput_requests_per_second", "Requests one instance completes per "
+                              "second with full batches, from its measured batch times.", labels=mv),
             GaugeMetricFamily("gpud_node_headroom_instances", "How many more instances of the model fit on the "
                               "device by free memory and measured footprint (per model: alternatives, not a sum).",
                               labels=("model", "device")),

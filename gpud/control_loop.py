@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpud.controller import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
-                             VersionState, after_added, after_failed_load, decide_target)
+                             VersionState, after_added, after_failed_load, after_removed, decide_target)
 from gpud.placing.results import ControlPlan, Step
 from telemetry.hints import HintDecision
 from telemetry.serving import SnapshotSource
@@ -118,7 +118,7 @@ class ControlLoop(Collector):
         self.last_plan_unix_s = self.wall_clock()
         by_key = {(t.model, t.version): t for t in targets}
         for step in plan.steps:
-            self._record(step, by_key.get((step.model, step.version)), plan, apply, now)
+            self._record(step, by_key.get((step.model, step.version)), plan, apply)
         if any(s.error for s in plan.steps):
             self.refused["load_failed"] += 1
         unplaced = tuple((u.model, u.version, u.index) for u in plan.unplaced)
@@ -132,7 +132,7 @@ class ControlLoop(Collector):
         if plan.deferred:
             log.info("placement control: %d step(s) left for the next interval(s)", plan.deferred)
 
-    def _record(self, step: Step, target: Target | None, plan: ControlPlan, apply: bool, now_s: float) -> None:
+    def _record(self, step: Step, target: Target | None, plan: ControlPlan, apply: bool) -> None:
         if step.evicted_for:
             reason: Reason = "evicted"
             detail = f"idle, least recently used: room for model {step.evicted_for}"
@@ -150,8 +150,13 @@ class ControlLoop(Collector):
                                        step.from_device, step.to_device, reason, detail, applied, step.error))
         self.actions[(step.kind, reason, "true" if applied else "false")] += 1
         key = (step.model, step.version)
+        # Windows count from when the plan's steps were done (loads can take minutes), not from the tick's start: an
+        # instance that began serving late is not removed early.
+        now_s = self.clock()
         if applied and step.kind in ("add", "move"):
             self._states[key] = after_added(self._states.get(key, VersionState()), now_s)
+        elif applied and reason == "scale_down":
+            self._states[key] = after_removed(self._states.get(key, VersionState()), now_s)
         elif step.error:
             self._states[key] = after_failed_load(self.policy, self._states.get(key, VersionState()), now_s)
         where = (f"{step.from_device or '-'} -> {step.to_device or '-'}")

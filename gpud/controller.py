@@ -11,7 +11,10 @@ Rules, per model version, each interval:
    the node's room is the limit, found by the planner).
 3. No removal within `scale_down_cooldown_seconds` of this version's last added instance (by default the hints'
    scale-down window): an instance is never added and removed within one stabilization window, so the controller
-   cannot flap. Adding is held back only after a failed load: the next try waits interval x 2^(failures - 1),
+   cannot flap. A scale-down removes at most `scale_down_max_ratio` of the running instances (at least one), then
+   the next one waits the same cooldown (as HPA's scale-down policies): the hint's load estimate comes from the
+   batches the current instances form, and a step at a time lets the next estimate see the larger batches before
+   more capacity goes. Adding is held back only after a failed load: the next try waits interval x 2^(failures - 1),
    at most `max_retry_seconds` (the failed step itself was rolled back by the service: the old instance serves on).
 4. Scale to zero: a version whose minimum is 0 (`gpud_min_instances: 0`) and that has had no request for
    `idle_unload_seconds` goes to 0 instances (reason idle); its next request loads it again (a cold start, the
@@ -78,6 +81,7 @@ class ControlPolicy:
     scale_down_cooldown_seconds: float = 300.0  # after an add, no removal of the version's instances for this long
     max_retry_seconds: float = 300.0  # the longest wait before trying again to add after failed loads
     idle_unload_seconds: float = 300.0  # a version with minimum 0 and no request for this long goes to 0 instances
+    scale_down_max_ratio: float = 0.5  # one scale-down step removes at most this share of the instances (at least 1)
 
     def __post_init__(self) -> None:
         if not self.interval_seconds > 0:
@@ -88,6 +92,8 @@ class ControlPolicy:
             raise ValueError(f"scale-down cooldown must be >= 0 seconds, got {self.scale_down_cooldown_seconds}")
         if not self.idle_unload_seconds > 0:
             raise ValueError(f"idle unload must be > 0 seconds, got {self.idle_unload_seconds}")
+        if not 0 < self.scale_down_max_ratio <= 1:
+            raise ValueError(f"scale-down max ratio must be in (0, 1], got {self.scale_down_max_ratio}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class VersionState:
     last_added_s: float | None = None  # when the controller last added an instance of this version
     failed_loads: int = 0  # loads that failed in a row
     retry_after_s: float | None = None  # no add before this time (back-off after a failed load)
+    last_removed_s: float | None = None  # when the controller last scaled this version down
 
 
 @dataclass(frozen=True)
@@ -142,11 +149,20 @@ def decide_target(policy: ControlPolicy, state: VersionState, obs: VersionObserv
     if target > n:
         return out(target, "scale_up", obs.hint_reason or f"hint {wanted}")
     if target < n:
+        cooldown = policy.scale_down_cooldown_seconds
         since = None if state.last_added_s is None else now_s - state.last_added_s
-        if since is not None and since < policy.scale_down_cooldown_seconds:
+        if since is not None and since < cooldown:
             return out(n, "hold", f"hint {wanted}, but an instance was added {since:.0f} s ago "
-                                  f"(no removal within {policy.scale_down_cooldown_seconds:g} s of an add)")
-        return out(target, "scale_down", obs.hint_reason or f"hint {wanted}")
+                                  f"(no removal within {cooldown:g} s of an add)")
+        since = None if state.last_removed_s is None else now_s - state.last_removed_s
+        if since is not None and since < cooldown:
+            return out(n, "hold", f"hint {wanted}, but instances were removed {since:.0f} s ago "
+                                  f"(one scale-down step per {cooldown:g} s)")
+        step = max(1, int(n * policy.scale_down_max_ratio))
+        detail = obs.hint_reason or f"hint {wanted}"
+        if target < n - step:
+            target, detail = n - step, f"{detail}; {step} of {n} at a time"
+        return out(target, "scale_down", detail)
     return out(n, "hold", "at target" if obs.desired is not None else "no hint yet (first rate window)")
 
 
@@ -154,11 +170,16 @@ def after_added(state: VersionState, now_s: float) -> VersionState:
     return VersionState(last_added_s=now_s)
 
 
+def after_removed(state: VersionState, now_s: float) -> VersionState:
+    """A scale-down step was taken: the next waits scale_down_cooldown_seconds."""
+    return VersionState(state.last_added_s, state.failed_loads, state.retry_after_s, last_removed_s=now_s)
+
+
 def after_failed_load(policy: ControlPolicy, state: VersionState, now_s: float) -> VersionState:
     """Back off: the k-th failure in a row waits interval x 2^(k-1) seconds, at most max_retry_seconds."""
     failures = state.failed_loads + 1
     wait_s = min(policy.max_retry_seconds, policy.interval_seconds * 2 ** (failures - 1))
-    return VersionState(state.last_added_s, failures, now_s + wait_s)
+    return VersionState(state.last_added_s, failures, now_s + wait_s, state.last_removed_s)
 
 
 @dataclass(frozen=True)

@@ -6,10 +6,17 @@ Kubernetes' HorizontalPodAutoscaler's, applied to model instances instead of pod
     desired = ceil(current * current_metric / target)       (skipped while |metric / target - 1| <= tolerance)
 
 for two metrics, whichever asks for more (HPA takes the largest proposal of several metrics):
-  - load:  utilization = arrival rate / (current * measured per-instance throughput), target `target_utilization_ratio`.
-           current * utilization / target = arrival / (throughput * target): the instances the load needs.
+  - load:  utilization = arrival rate / (current * per-instance capacity), target `target_utilization_ratio`.
+           current * utilization / target = arrival / (capacity * target): the instances the load needs. The capacity
+           is what one instance completes per second with full batches, from the measured batch times
+           (`batch_capacity_per_second`), not per second of busy time at the batch sizes seen: a batching instance
+           is busy whenever requests keep coming, so busy time says nothing of how much more it could take, and
+           spreading a load over more instances makes its batches smaller and its "throughput" lower, which would
+           keep any number of instances looking needed.
   - queue: mean queue time against `target_queue_seconds`; only ever a reason to add instances (a short queue says
-           nothing about how many instances could go; the load metric decides that).
+           nothing about how many instances could go; the load metric decides that), and at most twice the current
+           count (HPA's default scale-up policy: +100%): a backlog still draining after capacity has arrived would
+           otherwise ask for as many instances as its seconds of wait.
 Then bounds (min/max) and HPA's stabilization windows: a scale-up happens only to the *lowest* recommendation of the
 last `scale_up_stabilization_seconds`, a scale-down only to the *highest* recommendation of the last
 `scale_down_stabilization_seconds` (so a burst or a lull shorter than the window changes nothing). Unlike HPA, a
@@ -22,7 +29,7 @@ free memory and the model's measured footprint.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -57,7 +64,7 @@ class ModelObservation:
 
     ready_instances: int
     arrival_rate_per_second: float  # requests arriving (finished successfully or not) per second
-    # Requests one instance completes per second of busy compute, at the batch sizes seen; None: not measured yet.
+    # Requests one instance completes per second with full batches (batch_capacity_per_second); None: not measured.
     throughput_per_instance_per_second: float | None
     queue_seconds: float | None  # mean queue time of the requests that finished in the window; None: none finished
 
@@ -106,7 +113,7 @@ def recommend(policy: HintPolicy, obs: ModelObservation) -> tuple[int, int | Non
     if obs.queue_seconds is not None and current > 0:
         ratio = obs.queue_seconds / policy.target_queue_seconds
         if ratio > 1 + policy.tolerance:
-            queue = _ceil(current * ratio)
+            queue = min(_ceil(current * ratio), 2 * current)
     proposals = [p for p in (load, queue) if p is not None]
     if not proposals:
         raw, reason = current, "no measurement yet: holding"
@@ -166,18 +173,55 @@ class ModelCounters:
     queue_ns: int  # summed over successful requests
     batch_compute_ns: int  # summed over executions: input + infer + output time of each batch
     ready_instances: int
+    # per batch size: (rows, executions, compute ns summed over them); empty: not known (busy time alone is used)
+    batches: tuple[tuple[int, int, int], ...] = ()
+    max_batch_size: int = 0  # the model's; 0: it does not batch (one request per execution)
+
+
+# A batch size this many times the largest seen in the window is as far as the batch-time line is trusted: on a GPU a
+# batch's time is flat while the device is underused, so a line through small batches overstates large ones. As the
+# load grows (or instances go) larger batches are seen and the reach grows with them.
+EXTRAPOLATION_LIMIT = 1.5
+
+
+def batch_capacity_per_second(batches: Sequence[tuple[int, int, int]], max_batch_size: int) -> float | None:
+    """Requests one instance completes per second when the load fills its batches: `size / t(size)` at the largest
+    batch the model takes (at most EXTRAPOLATION_LIMIT x the largest seen), where t is the least-squares line of the
+    measured mean batch time over batch size (each size weighted by its executions), and never less than the best
+    throughput a measured size showed. `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
+    sizes = [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
+    if not sizes:
+        return None
+    shown = max(rows / t for rows, _, t in sizes)
+    if len(sizes) < 2:
+        return shown
+    weight = sum(n for _, n, _ in sizes)
+    mean_b = sum(n * b for b, n, _ in sizes) / weight
+    mean_t = sum(n * t for _, n, t in sizes) / weight
+    var_b = sum(n * (b - mean_b) ** 2 for b, n, _ in sizes) / weight
+    slope = max(0.0, sum(n * (b - mean_b) * (t - mean_t) for b, n, t in sizes) / weight / var_b)
+    intercept = mean_t - slope * mean_b
+    full = min(max(1, max_batch_size), EXTRAPOLATION_LIMIT * max(b for b, _, _ in sizes))
+    t_full = intercept + slope * full
+    return max(shown, full / t_full) if t_full > 0 else shown
 
 
 def observe(older: ModelCounters, newer: ModelCounters,
             last_throughput_per_second: float | None = None) -> ModelObservation:
-    """Rates over [older, newer]. Throughput is requests completed per second an instance was busy computing: the
-    batch sizes the load produced are in it. A window with no execution keeps the last measured throughput."""
+    """Rates over [older, newer]. Throughput is one instance's capacity with full batches, from the window's batch
+    times by size (batch_capacity_per_second); without them, requests completed per second an instance was busy. A
+    window with no execution keeps the last measured throughput."""
     dt = newer.time_s - older.time_s
     if dt <= 0:
         raise ValueError(f"observation window must be positive, got {older.time_s} -> {newer.time_s}")
     done = newer.successes - older.successes
     busy_s = (newer.batch_compute_ns - older.batch_compute_ns) / 1e9
-    throughput = done / busy_s if done > 0 and busy_s > 0 else last_throughput_per_second
+    before = {rows: (n, ns) for rows, n, ns in older.batches}
+    window = [(rows, n - before.get(rows, (0, 0))[0], ns - before.get(rows, (0, 0))[1])
+              for rows, n, ns in newer.batches]
+    throughput = batch_capacity_per_second(window, newer.max_batch_size) if newer.batches else None
+    if throughput is None:
+        throughput = done / busy_s if done > 0 and busy_s > 0 else last_throughput_per_second
     queue_s = (newer.queue_ns - older.queue_ns) / done / 1e9 if done > 0 else None
     return ModelObservation(ready_instances=newer.ready_instances,
                             arrival_rate_per_second=(newer.requests - older.requests) / dt,

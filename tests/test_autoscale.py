@@ -70,8 +70,9 @@ def test_sustained_queueing_raises_the_hint(setup):
     d = sampler.decisions()[("bert", "1")]
     # rate window 10 s: 800 requests / 10 s = 80 req/s; 800 done / 4 s busy = 200 req/s per instance
     # load: 80 / 200 = 0.4 busy; / 2 = 0.2; / 0.8 = 0.25 -> ceil(2 * 0.25) = 1
-    # queue: 30 ms / 10 ms = 3.0 -> ceil(2 * 3.0) = 6; max(1, 6) = 6; sustained over the 10 s up-window -> 6
-    assert (d.load_instances, d.queue_instances, d.desired_instances) == (1, 6, 6)
+    # queue: 30 ms / 10 ms = 3.0 -> ceil(2 * 3.0) = 6, at most 2 x 2 = 4; max(1, 4) = 4; sustained over the 10 s
+    # up-window -> 4
+    assert (d.load_instances, d.queue_instances, d.desired_instances) == (1, 4, 4)
     assert value(registry, "gpud_model_instance_throughput_requests_per_second", model="bert",
                  version="1") == pytest.approx(200.0)
     hints = sampler.inspect()

@@ -29,9 +29,13 @@ class ScriptedPlacer:
         self.calls: list[tuple[dict, bool]] = []
         self.unhealthy = 0
         self.plan: ControlPlan | None = None
+        self.clock: FakeClock | None = None
+        self.load_s = 0.0
 
     async def control(self, totals, *, max_steps, apply, evict_idle_s=None):
         self.calls.append((dict(totals), apply))
+        if self.clock is not None:
+            self.clock.now += self.load_s  # the steps' loads take time
         if self.plan is not None:
             return self.plan
         steps = []
@@ -89,11 +93,35 @@ def test_no_removal_within_the_cooldown_after_an_add():
     clock.now += 50  # 50 s < 60 s cooldown
     asyncio.run(loop.tick())
     assert len(placer.calls) == 1 and loop.targets[0].reason == "hold"
-    clock.now += 10  # 60 s: the window has passed
+    clock.now += 10  # 60 s: the window has passed; one step of at most 3 // 2 = 1 instance
+    asyncio.run(loop.tick())
+    assert placer.calls[-1] == ({("mlp", "1"): 2}, True)
+    assert [d.action for d in loop.decisions][-2:] == ["add", "remove"]
+    assert loop.decisions[-1].reason == "scale_down"
+    hints[("mlp", "1")] = hint(1, current=2, reason="load 0.0 req/s")
+    clock.now += 30  # the next step waits the cooldown again (60 s)
+    asyncio.run(loop.tick())
+    assert placer.calls[-1] == ({("mlp", "1"): 2}, True) and loop.targets[0].reason == "hold"
+    clock.now += 30
     asyncio.run(loop.tick())
     assert placer.calls[-1] == ({("mlp", "1"): 1}, True)
-    assert [d.action for d in loop.decisions][-2:] == ["remove", "remove"]
-    assert loop.decisions[-1].reason == "scale_down"
+
+
+def test_the_cooldown_counts_from_when_the_loads_were_done():
+    # The add's loads take 40 s (tick at 1000, instances serve from 1040): a removal waits 60 s from 1040, not 1000.
+    serving, placer, clock, _, loop, hints = setup()
+    placer.clock, placer.load_s = clock, 40.0
+    hints[("mlp", "1")] = hint(3)
+    asyncio.run(loop.tick())
+    assert clock.now == 1040.0
+    placer.load_s = 0.0
+    hints[("mlp", "1")] = hint(1, current=3, reason="load 0.0 req/s")
+    clock.now = 1090.0  # 50 s after the loads were done (90 s after the tick began): still held
+    asyncio.run(loop.tick())
+    assert loop.targets[0].reason == "hold" and "added 50 s ago" in loop.targets[0].detail
+    clock.now = 1100.0  # 60 s after: a scale-down step
+    asyncio.run(loop.tick())
+    assert loop.targets[0].reason == "scale_down"
 
 
 def test_advise_asks_without_applying_and_says_so():

@@ -5,7 +5,8 @@ import pytest
 
 from executor.model_config import InstanceGroup, ModelConfig
 from gpud.controller import (ControlPolicy, EvictionCandidate, InstanceBounds, VersionObservation, VersionState,
-                             after_added, after_failed_load, decide_target, eviction_order, instance_bounds)
+                             after_added, after_failed_load, after_removed, decide_target, eviction_order,
+                             instance_bounds)
 
 POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
 NOW = 1000.0
@@ -19,8 +20,8 @@ class TestDecideTarget:
     @pytest.mark.parametrize("instances, desired, lo, hi, target, reason", [
         (1, 3, 1, None, 3, "scale_up"),  # hint 3 > 1 running, no maximum
         (1, 6, 1, 4, 4, "scale_up"),  # min(6, max 4) = 4
-        (4, 1, 1, None, 1, "scale_down"),  # no add in the cooldown: down to the hint
-        (3, 1, 2, None, 2, "scale_down"),  # max(min 2, hint 1) = 2
+        (4, 1, 1, None, 2, "scale_down"),  # no add in the cooldown: towards the hint, 4 // 2 = 2 at a time
+        (3, 1, 2, None, 2, "scale_down"),  # max(min 2, hint 1) = 2 (3 - 1: within one step of 3 // 2 = 1)
         (2, 2, 1, None, 2, "hold"),  # at target
         (1, None, 1, None, 1, "hold"),  # no hint yet: the current count stands
         (0, None, 2, None, 2, "min_instances"),  # below the minimum with no hint: up to 2
@@ -40,12 +41,30 @@ class TestDecideTarget:
     @pytest.mark.parametrize("added_ago_s, target, reason", [
         (0.0, 4, "hold"),  # just added: 0 < 300 s, no removal
         (299.0, 4, "hold"),  # 299 < 300
-        (300.0, 1, "scale_down"),  # 300 >= 300: the window has passed
+        (300.0, 2, "scale_down"),  # 300 >= 300: the window has passed; 4 // 2 = 2 go at once
     ])
     def test_no_removal_within_the_cooldown_of_an_add(self, added_ago_s, target, reason):
         state = after_added(VersionState(), NOW - added_ago_s)
         t = decide_target(POLICY, state, obs(4, 1), NOW)
         assert (t.target, t.reason) == (target, reason)
+
+    def test_a_scale_down_takes_half_then_waits_the_cooldown(self):
+        # 8 running, hint 1: 8 // 2 = 4 go (8 -> 4); 299 s later nothing (a step per 300 s); at 300 s 4 // 2 = 2 more
+        # (4 -> 2); then 2 -> 1 (max(1, 2 // 2) = 1)
+        state = VersionState()
+        t = decide_target(POLICY, state, obs(8, 1), NOW)
+        assert (t.target, t.reason) == (4, "scale_down") and t.detail == "hint says so; 4 of 8 at a time"
+        state = after_removed(state, NOW)
+        t = decide_target(POLICY, state, obs(4, 1), NOW + 299)
+        assert (t.target, t.reason) == (4, "hold") and "one scale-down step per 300 s" in t.detail
+        assert decide_target(POLICY, state, obs(4, 1), NOW + 300).target == 2
+        assert decide_target(POLICY, after_removed(state, NOW + 300), obs(2, 1), NOW + 600).target == 1
+
+    def test_a_scale_down_ratio_of_one_goes_to_the_hint_at_once(self):
+        policy = ControlPolicy(scale_down_cooldown_seconds=300, scale_down_max_ratio=1.0)
+        assert decide_target(policy, VersionState(), obs(8, 1), NOW).target == 1
+        with pytest.raises(ValueError, match="scale-down max ratio must be in"):
+            ControlPolicy(scale_down_max_ratio=0)
 
     def test_adding_is_never_held_back(self):
         state = after_added(VersionState(), NOW)  # an add this very second
@@ -128,7 +147,7 @@ class TestBackOff:
 
     def test_removals_are_not_held_by_the_back_off(self):
         state = after_failed_load(POLICY, VersionState(), NOW)
-        assert decide_target(POLICY, state, obs(4, 1), NOW + 1).target == 1
+        assert decide_target(POLICY, state, obs(4, 1), NOW + 1).target == 2  # 4 // 2 at a time
 
 
 class TestScaleToZero:
@@ -143,7 +162,7 @@ class TestScaleToZero:
         (1, 0, 0, 30.0, 1, "hold"),  # a hint of 0 does not take it to zero: only idleness does
         (1, 1, 0, None, 1, "hold"),  # requests queued or running: not idle
         (1, 1, 1, 600.0, 1, "hold"),  # minimum 1: never unloaded for idleness
-        (3, 1, 0, 10.0, 1, "scale_down"),  # in use: down to the hint, floor 1
+        (3, 1, 0, 10.0, 2, "scale_down"),  # in use: towards the hint (floor 1), max(1, 3 // 2) = 1 at a time
     ])
     def test_idle_unload(self, instances, desired, lo, idle_s, target, reason):
         o = VersionObservation("m", "1", instances, InstanceBounds(lo, None), desired, "hint", idle_s)

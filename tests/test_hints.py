@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from telemetry.hints import (DeviceFree, HintPolicy, HintState, ModelCounters, ModelFootprint, ModelObservation,
-                             desired_instances, node_headroom, observe, recommend, total_headroom)
+                             batch_capacity_per_second, desired_instances, node_headroom, observe, recommend,
+                             total_headroom)
 
 GIB = 2**30
 # target queue 10 ms, plan for 80 % of measured throughput, tolerance 0.1, up window 30 s, down window 300 s, 1..8
@@ -38,8 +39,10 @@ class TestRecommend:
         (obs(2, arrival=72), 2),
         # 40 / 50 = 0.8; 0.8 / 2 = 0.4; 0.4 / 0.8 = 0.5; ceil(2 * 0.5) = 1
         (obs(2, arrival=40), 1),
-        # load says 1 (as above), queue 30 ms / 10 ms = 3.0; ceil(2 * 3.0) = 6; max(1, 6) = 6
-        (obs(2, arrival=40, queue_s=0.030), 6),
+        # load says 1 (as above), queue 30 ms / 10 ms = 3.0; ceil(2 * 3.0) = 6, at most 2 x 2 = 4; max(1, 4) = 4
+        (obs(2, arrival=40, queue_s=0.030), 4),
+        # queue 12 ms / 10 ms = 1.2 (over tolerance): ceil(2 * 1.2) = 3 <= 4, not capped; max(1, 3) = 3
+        (obs(2, arrival=40, queue_s=0.012), 3),
         # queue 10.5 ms / 10 ms = 1.05: within tolerance, no queue proposal; load 84 req/s keeps 2
         (obs(2, arrival=84, queue_s=0.0105), 2),
         # 1000 / 50 = 20; 20 / 0.8 = 25 instances; bounded to max 8
@@ -75,11 +78,11 @@ class TestRecommend:
 
 class TestStabilization:
     def test_scale_up_after_sustained_queueing(self):
-        # queue 30 ms with 2 instances: every sample recommends ceil(2 * 30 / 10) = 6. The first sample is at t=0:
-        # until t=30 part of the 30 s up-window has no evidence, the current 2 stands in and min(6, 2) = 2.
-        # At t=30 the window [0, 30] holds only 6s: min = 6 > 2, scale up.
+        # queue 30 ms with 2 instances: every sample recommends ceil(2 * 30 / 10) = 6, at most 2 x 2 = 4. The first
+        # sample is at t=0: until t=30 part of the 30 s up-window has no evidence, the current 2 stands in and
+        # min(4, 2) = 2. At t=30 the window [0, 30] holds only 4s: min = 4 > 2, scale up.
         out, _ = run([obs(2, arrival=40, queue_s=0.030)] * 7)
-        assert out == [(0, 2), (5, 2), (10, 2), (15, 2), (20, 2), (25, 2), (30, 6)]
+        assert out == [(0, 2), (5, 2), (10, 2), (15, 2), (20, 2), (25, 2), (30, 4)]
 
     def test_a_short_burst_does_not_scale_up(self):
         # 40 s of steady load recommending 2 (84 req/s, in tolerance), then one 5 s burst of queueing (6), then calm.
@@ -119,8 +122,8 @@ class TestStabilization:
         assert all(d == 3 for t, d in out if t < 300) and dict(out)[300.0] == 1
 
     def test_bounds_respected_through_stabilization(self):
-        # Queue 200 ms on 2 instances: ceil(2 * 200 / 10) = 40, bounded to max 8 -- never more than 8.
-        out, _ = run([obs(2, queue_s=0.2, arrival=10)] * 10)
+        # Queue 200 ms on 5 instances: ceil(5 * 200 / 10) = 100, at most 2 x 5 = 10, bounded to max 8 -- never more.
+        out, _ = run([obs(5, queue_s=0.2, arrival=10)] * 10)
         assert max(d for _, d in out) == 8 and dict(out)[30.0] == 8
         # Above the bound already (10 ready, max 8) and idle: recommends min 1. With a 10 s down-window the current
         # 10 stands in until t=10 (10 - 0 < 10 is false there): 10, 10, then max(1, 1, 1) = 1.
@@ -164,6 +167,43 @@ class TestObserve:
         a = ModelCounters(5.0, 0, 0, 0, 0, 1)
         with pytest.raises(ValueError, match="positive"):
             observe(a, a)
+
+
+class TestBatchCapacity:
+    def test_the_line_through_batch_times_gives_full_batches(self):
+        # sizes 1 and 2: 10 ms and 12 ms (100 executions each) -> t(b) = 8 ms + 2 ms x b; max batch 3 (within
+        # 1.5 x 2): 3 / (8 + 6) ms = 214.3 per second, above the best size shown (2 / 12 ms = 166.7)
+        batches = [(1, 100, 100 * 10_000_000), (2, 100, 100 * 12_000_000)]
+        assert batch_capacity_per_second(batches, 3) == pytest.approx(3 / 0.014)
+
+    def test_no_further_than_one_and_a_half_times_the_largest_batch_seen(self):
+        # the same line, max batch 64: trusted up to 1.5 x 2 = 3 rows, so 214.3 per second, not 64 / 136 ms = 470.6
+        batches = [(1, 100, 100 * 10_000_000), (2, 100, 100 * 12_000_000)]
+        assert batch_capacity_per_second(batches, 64) == pytest.approx(3 / 0.014)
+
+    def test_one_size_or_a_falling_line_gives_the_best_shown(self):
+        assert batch_capacity_per_second([(4, 10, 10 * 20_000_000)], 8) == pytest.approx(200.0)  # 4 / 20 ms
+        # 2 rows took longer than 4 (noise): the slope is clamped at 0, t = mean 25 ms, trusted to 1.5 x 4 = 6 rows:
+        # 6 / 25 ms = 240 per second
+        assert batch_capacity_per_second([(2, 10, 10 * 30_000_000), (4, 10, 10 * 20_000_000)], 8) == \
+            pytest.approx(240.0)
+        assert batch_capacity_per_second([], 8) is None
+
+    def test_a_model_that_does_not_batch_runs_one_request_at_a_time(self):
+        # max_batch_size 0: one row per execution, 1 / 5 ms = 200 per second
+        assert batch_capacity_per_second([(1, 50, 50 * 5_000_000)], 0) == pytest.approx(200.0)
+
+    def test_spreading_a_load_over_more_instances_does_not_make_it_look_heavier(self):
+        # The trap of busy time: 340 req/s over 8 instances gives batches of 1 (19.6 ms each): 51 per busy second,
+        # utilization 340 / (8 x 51) = 0.83, "keep 8". The batch line through sizes 1 and 2 (19.6, 20.0 ms) is
+        # t(b) = 19.2 + 0.4 b ms; trusted to 1.5 x 2 = 3 rows: 3 / 20.4 ms = 147.1 per second, so
+        # 340 / (147.1 x 0.8) = 2.9 -> 3 instances are asked for.
+        a = ModelCounters(0.0, 0, 0, 0, 0, 8, batches=((1, 0, 0), (2, 0, 0)), max_batch_size=8)
+        b = ModelCounters(10.0, 3400, 3400, 3400 * 1_000_000, 3000 * 19_600_000 + 200 * 20_000_000, 8,
+                          batches=((1, 3000, 3000 * 19_600_000), (2, 200, 200 * 20_000_000)), max_batch_size=8)
+        o = observe(a, b)
+        assert o.throughput_per_instance_per_second == pytest.approx(3 / 0.0204)
+        assert recommend(POLICY, o)[1] == 3
 
 
 class TestHeadroom:
