@@ -110,15 +110,38 @@ def test_promtool_checks_the_rules(tools):
 
 def test_dashboard_model():
     dash = json.loads(DASHBOARD.read_text())
-    assert [i["name"] for i in dash["__inputs"]] == ["DS_PROMETHEUS"]
-    names = {v["name"] for v in dash["templating"]["list"]}
-    assert {"DS_PROMETHEUS", "model", "device"} <= names
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"datasource", "model", "device"} <= set(variables)
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
-    for p in dash["panels"]:
-        if p["type"] != "row":
-            assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
-            assert p["targets"], p["title"]
+
+
+def test_every_panel_and_variable_queries_the_datasource_variable():
+    """The data source is a dashboard variable (a fleet's dashboards pick their Prometheus at view time), never an
+    import-time input that pins every panel to one data source when imported."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dash and "DS_PROMETHEUS" not in DASHBOARD.read_text()
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    uses = {"type": "prometheus", "uid": "${datasource}"}
+    for v in variables.values():
+        if v["type"] == "query":
+            assert v["datasource"] == uses, v["name"]
+
+    def panels(items):
+        for p in items:
+            yield p
+            yield from panels(p.get("panels", []))  # a collapsed row holds its panels
+    checked = 0
+    for p in panels(dash["panels"]):
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == uses, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t.get("datasource", uses) == uses, (p["title"], t)
+        checked += 1
+    assert checked >= 20
 
 
 class _Load(threading.Thread):
