@@ -128,7 +128,7 @@ def post_json(ep: Endpoint, path: str, body: Any, timeout_s: float = 300.0,
 
 def add_endpoint_arguments(p: Any, what: str = "the running gpud") -> None:
     """--url, --socket and --token-file, the same for every command that talks to gpud."""
-    p.add_argument("--url", default=None, help=f"{what}'s HTTP endpoint ({ENDPOINT_HELP})")
+    p.add_argument("--url", default=None, help=f"the HTTP endpoint of {what} ({ENDPOINT_HELP})")
     p.add_argument("--socket", default=None, metavar="PATH",
                    help="gpud's admin socket (gpud --admin-socket; systemd: /run/gpud/admin.sock), where admin "
                         "actions need no token: who may use it is decided by the socket file's permissions")

@@ -9,11 +9,11 @@ from gpud.cli.client import GpudUnreachable, add_endpoint_arguments, endpoint, p
 
 
 def models_main(action: str, argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog=f"gpudctl {action}",
-        description=f"{action.capitalize()} a model of the running gpud's repository. gpud must allow it "
-                    "(--model-control-mode explicit or poll); a reload is a load of a loaded model (its new "
-                    "version serves before the old one unloads: no gap).")
+    what = ("Load a model of the running gpud's repository; loading a loaded model reloads it (its new versions "
+            "serve before the old ones unload: no gap)." if action == "load" else
+            "Unload a model from the running gpud: it finishes the requests it accepted, then its instances go.")
+    p = argparse.ArgumentParser(prog=f"gpudctl {action}", description=f"{what} gpud must allow it "
+                                "(--model-control-mode explicit or poll).")
     p.add_argument("model", help="the model's name (its directory in the repository)")
     add_endpoint_arguments(p)
     args = p.parse_args(argv)
