@@ -29,7 +29,7 @@ DASHBOARD = ROOT / "config" / "grafana" / "gpud.json"
 RULES = ROOT / "config" / "prometheus" / "gpud-rules.yml"
 DEADLINE_S = 45.0  # for all panel queries together to have data, once load runs
 # Template variables as Grafana would expand them with "All" selected (allValue ".+"), and the range variables.
-VARIABLES = {"$model": ".+", "$device": ".+", "$__rate_interval": "10s", "$__range": "5m", "$__interval": "2s"}
+VARIABLES = {"$instance": ".+", "$model": ".+", "$device": ".+", "$__rate_interval": "10s", "$__range": "5m", "$__interval": "2s"}
 # Readings a simulated node has no sensor for (telemetry/simulated.py): their panels may be empty there; their
 # names must still be exported (checked against the exposition).
 SENSOR_ONLY = {"gpud_device_power_watts", "gpud_device_temperature_celsius"}
@@ -142,6 +142,25 @@ def test_every_panel_and_variable_queries_the_datasource_variable():
             assert t.get("datasource", uses) == uses, (p["title"], t)
         checked += 1
     assert checked >= 20
+
+
+def test_every_query_selects_the_gpud_daemons_chosen():
+    """A fleet's dashboard: every series a panel or variable reads is filtered by the `instance` variable (the gpud
+    daemons shown), except the recording rules that sum over the whole fleet."""
+    dash = json.loads(DASHBOARD.read_text())
+    fleet_sums = {"gpud:model_desired_instances:sum", "gpud:model_instances_current:sum"}
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["instance"]["query"]["query"] == "label_values(gpud_device_healthy, instance)"
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for name, v in variables.items() if v["type"] == "query" and name != "instance"]
+    selectors = [(m.group(1), m.group(2)) for e in exprs
+                 for m in re.finditer(r"\b(gpud[_:][A-Za-z0-9_:]*)(\{[^}]*\})?", e)]
+    assert len(selectors) > 40
+    for name, labels in selectors:
+        if name in fleet_sums:
+            assert not labels or "instance" not in labels, name
+        else:
+            assert labels and labels.startswith('{instance=~"$instance"'), (name, labels)
 
 
 class _Load(threading.Thread):
