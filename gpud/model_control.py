@@ -165,6 +165,8 @@ class RepositoryPoller:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.poll()
+            except OSError as exc:  # the repository is gone or unreadable for now: said, and polled again
+                log.error("repository poll: cannot read the model repository: %s", exc)
             except Exception:  # noqa: BLE001 - one bad poll must not end polling
                 log.exception("repository poll failed")
 

@@ -117,6 +117,7 @@ class ReloadOutcome:
     load: tuple[tuple[str, str], ...] = ()  # (model, why)
     unload: tuple[str, ...] = ()
     failed: int = 0  # repository steps that failed (each logged with the model's reason)
+    repository_error: str | None = None  # the repository could not be read (the settings were applied)
 
     def summary(self) -> str:
         """One line for systemd's STATUS= (the log has the detail)."""
@@ -127,6 +128,8 @@ class ReloadOutcome:
             settings += f", {len(self.need_restart)} need a restart ({', '.join(self.names_needing_restart())})"
         if self.admin_token != "unchanged":
             settings += f", admin token {self.admin_token}"
+        if self.repository_error is not None:
+            return f"{settings}; repository not read: {self.repository_error}"
         models = [f"{why} {n}" for n, why in self.load] + [f"removed {n}" for n in self.unload]
         repository = ", ".join(models) if models else "no model changed"
         failed = f" ({self.failed} failed: see the log)" if self.failed else ""
@@ -186,6 +189,9 @@ class Reloader:
                 await self.reload()
             except Exception:  # noqa: BLE001 - a reload that fails must not take the daemon down
                 log.exception("reload failed")
+                # systemd heard RELOADING=1: it must hear that the reload is over
+                self.send(f"READY=1\nSTATUS=serving {self.served_versions()} model version(s); the last reload "
+                          "failed: see the log")
 
     # --- one reload --------------------------------------------------------------------------------------------
     async def reload(self) -> ReloadOutcome:
@@ -218,8 +224,14 @@ class Reloader:
         if not changes:
             log.info("reload: settings unchanged")
         self.running = now
-        plan, failed = await t.poller.reload(now.model_control, lambda: _loaded(t.core))
-        outcome = ReloadOutcome(self.wall_clock(), None, applied, restart, token, plan.load, plan.unload, failed)
+        try:
+            plan, failed = await t.poller.reload(now.model_control, lambda: _loaded(t.core))
+        except OSError as exc:  # the repository is gone or unreadable: what serves stays as it is
+            outcome = ReloadOutcome(self.wall_clock(), None, applied, restart, token,
+                                    repository_error=str(exc))
+            log.error("reload: cannot read the model repository (%s); the models serve as they were", exc)
+        else:
+            outcome = ReloadOutcome(self.wall_clock(), None, applied, restart, token, plan.load, plan.unload, failed)
         log.info("reload done: %s", outcome.summary())
         return self._finish(outcome)
 
@@ -264,7 +276,7 @@ class Reloader:
             "time_unix_s": last.time_unix_s, "refused": last.refused, "applied": list(last.applied),
             "need_restart": list(last.need_restart), "admin_token": last.admin_token,
             "load": [{"model": n, "why": why} for n, why in last.load], "unload": list(last.unload),
-            "failed": last.failed, "summary": last.summary()}}
+            "failed": last.failed, "repository_error": last.repository_error, "summary": last.summary()}}
 
 
 def _loaded(core: _Core) -> set[str]:

@@ -124,10 +124,15 @@ class Fixture:
                                     max_connections=running.http_max_connections)
         self.core = SimpleNamespace(control=prepared.model_control, snapshot=lambda: SimpleNamespace(
             models=[SimpleNamespace(name=n, versions=(1,)) for n in sorted(self.loaded)]))
-        self.poller = RepositoryPoller(lambda: dict(self.disk), self._load, self._unload, 15.0)
+        self.poller = RepositoryPoller(self._read_disk, self._load, self._unload, 15.0)
         self.poller.start()
         self.reloader = Reloader(self._read, prepare_settings, prepared, lambda: len(self.loaded),
                                  source="/etc/gpud/gpud.yaml", send=self.sent.append, wall_clock=lambda: 0.0)
+
+    def _read_disk(self) -> dict[str, tuple]:
+        if self.disk is None:
+            raise FileNotFoundError("model repository /models is not a directory")
+        return dict(self.disk)
 
     def _read(self) -> Settings:
         if isinstance(self.next, Exception):
@@ -254,3 +259,32 @@ def test_sighups_during_start_up_and_during_a_reload_make_one_reload_each():
 
     asyncio.run(scenario())
     assert len(reloads) == 2
+
+
+def test_a_repository_that_cannot_be_read_leaves_the_models_serving_and_says_so():
+    f = Fixture(Settings(), {"a": (1,)}, {"a"})
+    f.next = replace(Settings(), hints_target_queue_seconds=0.02)
+    f.disk = None
+    outcome = f.reload()
+    assert outcome.repository_error == "model repository /models is not a directory" and f.calls == []
+    assert f.hints.policy.target_queue_seconds == 0.02  # the settings were fine: applied
+    assert f.sent[-1].endswith("1 setting(s) applied; repository not read: model repository /models is not a "
+                               "directory")
+
+
+def test_a_reload_that_fails_unexpectedly_still_tells_systemd_it_is_over():
+    f = Fixture(Settings(), {"a": (1,)}, {"a"})
+
+    async def broken_unload(name: str) -> None:
+        raise RuntimeError("a bug")
+    f.poller.unload = broken_unload
+    f.disk = {}
+
+    async def scenario() -> None:
+        f.reloader.serving(ReloadTargets(f.core, f.admin, f.hints, f.poller, f.controller, [f.http]))
+        f.reloader.request()
+        await f.reloader._task
+
+    asyncio.run(scenario())
+    assert f.sent[0].startswith("RELOADING=1") and f.sent[-1].startswith("READY=1\nSTATUS=serving 1 model")
+    assert "the last reload failed: see the log" in f.sent[-1]
