@@ -208,8 +208,9 @@ def test_the_pod_runs_gpud_as_its_settings_say():
     assert str(Path(settings.admin_socket).parent) in writable and "/dev/shm" in writable
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["XDG_CACHE_HOME"] in writable
-    # SIGTERM: gpud finishes the accepted requests before the kubelet kills it
-    assert settings.exit_timeout_seconds < pod["terminationGracePeriodSeconds"]
+    # preStop, then SIGTERM: gpud finishes the accepted requests before the kubelet kills it
+    pre_stop_s = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop_s + settings.exit_timeout_seconds < pod["terminationGracePeriodSeconds"]
     # the image is this version of gpud
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert container["image"] == f"gpud:{version}"
