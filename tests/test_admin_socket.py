@@ -63,6 +63,11 @@ class TestTheSocketFile:
             bind_unix_socket(str(path))
         assert path.read_text() == "precious"
 
+    def test_a_missing_directory_is_said(self, tmp_path):
+        with pytest.raises(OSError, match=r"admin socket .*/missing/admin.sock: No such file or directory \(its "
+                                          r"directory must exist"):
+            bind_unix_socket(str(tmp_path / "missing" / "admin.sock"))
+
     def test_a_path_too_long_is_refused(self, tmp_path):
         with pytest.raises(OSError, match="longer than a unix socket path may be"):
             bind_unix_socket(str(tmp_path / ("x" * 120)))

@@ -25,9 +25,11 @@ def bind_unix_socket(path: str, mode: int = SOCKET_MODE) -> socket.socket:
         sock.bind(path)
         # bind creates the file with 0777 & ~umask (under the unit's UMask=0077: 0600); set what we mean.
         os.chmod(path, mode)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        raise
+        hint = " (its directory must exist and be gpud's to write: under systemd, RuntimeDirectory=gpud makes " \
+               "/run/gpud)" if exc.errno in (errno.ENOENT, errno.EACCES) else ""
+        raise OSError(exc.errno, f"admin socket {path}: {exc.strerror}{hint}") from None
     return sock
 
 
