@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 from prometheus_client import CollectorRegistry
@@ -21,6 +23,7 @@ from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.api.admin import AdminAuth, read_token_file
 from gpud.model_control import ModelControl, RepositoryPoller, poll_models
+from gpud.reload import Prepared, Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
 from gpud.inspect_view import InspectView
@@ -85,7 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="poll mode: how often the repository is read again (default 15)")
     p.add_argument("--admin-token-file", metavar="FILE",
                    help="a file holding a token (16+ characters); loading, unloading and POST /v2/gpud/placement "
-                        "then need 'Authorization: Bearer <token>' (gpudctl: --token-file)")
+                        "then need 'Authorization: Bearer <token>' (gpudctl: --token-file); read again at each "
+                        "reload (SIGHUP)")
+    p.add_argument("--admin-socket", metavar="PATH",
+                   help="also serve the HTTP API on a unix socket at PATH (mode 0660: gpud's user and group) where "
+                        "loading, unloading and POST /v2/gpud/placement need no token (gpudctl --socket); over TCP "
+                        "they are then refused unless --admin-token-file is set too (systemd: /run/gpud/admin.sock)")
     p.add_argument("--default-max-queue-size", type=int, metavar="N",
                    help="requests queued per model (and priority level) when its config.pbtxt sets no "
                         "max_queue_size; more are refused at once with 503 / UNAVAILABLE, so overload does not grow "
@@ -130,6 +138,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a model with gpud_min_instances 0 that has had no request this long is unloaded; "
                               "its next request loads it again (a cold start; default 300)")
     return p
+
+
+def prepare_settings(settings: Settings) -> Prepared:
+    """Everything built from the settings, checked (ValueError: refused), at start and at each reload."""
+    if not 0 < settings.hints_interval_seconds <= settings.hints_rate_window_seconds:
+        raise ValueError("need 0 < hints_interval_seconds <= hints_rate_window_seconds, got "
+                         f"{settings.hints_interval_seconds} and {settings.hints_rate_window_seconds}")
+    return Prepared(settings, hint_policy(settings), control_policy(settings),
+                    ModelControl(settings.model_control_mode, tuple(settings.load_model)),
+                    read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
 
 
 def hint_policy(settings: Settings) -> HintPolicy:
@@ -198,7 +216,10 @@ def _example_repository() -> str:
     return path
 
 
-async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
+async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
+                read_settings: Callable[[], Settings] | None = None, settings_file: str | None = None) -> int:
+    """Run gpud until `stop` (SIGTERM, SIGINT). SIGHUP reloads (gpud.reload): `read_settings` reads the settings
+    again (default: the same ones, so a reload re-reads only the model repository)."""
     from gpud.autoscale import HintsSampler
     from gpud.control_loop import ControlLoop
     from gpud.core import GpudCore
@@ -213,15 +234,17 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
     from telemetry.worker_metrics import WorkerCollector
     from telemetry.model_metrics import ModelMetrics
 
-    policy = hint_policy(settings)  # refuse a bad policy before starting anything
-    control = control_policy(settings)
+    prepared = prepare_settings(settings)  # refuse bad settings before starting anything
+    policy, control, model_control = prepared.hint_policy, prepared.control_policy, prepared.model_control
     crash_loop = CrashLoop(settings.worker_crash_loop_deaths, settings.worker_crash_loop_seconds)
-    model_control = ModelControl(settings.model_control_mode, tuple(settings.load_model))
-    admin = AdminAuth(read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
+    admin = AdminAuth(prepared.admin_token, socket_path=settings.admin_socket)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloader = Reloader(read_settings or (lambda: settings), prepare_settings, prepared,
+                        lambda: sum(1 for v in models.versions() if v.ready), source=settings_file)
+    loop.add_signal_handler(signal.SIGHUP, reloader.request)  # from now on: SIGHUP's default would end gpud
 
     repo_path = settings.model_repository
     if repo_path is None:
@@ -262,6 +285,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
         controller = ControlLoop(models.snapshot, hints.decisions, placement, control,
                                  settings.placement_control, registry=registry)  # mode checked by control_policy
         views["controller"] = controller
+    views["reload"] = reloader
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), models,
                     placement, pool, views=views, control=model_control)
     runners, ports, grpc_server = [], {}, None
@@ -278,6 +302,15 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                                                             admin=admin)
             runners.append(runner)
             log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
+        if settings.admin_socket:
+            from gpud.api.http_api import start_http_unix_server
+
+            runners.append(await start_http_unix_server(core, settings.admin_socket,
+                                                        max_body_bytes=settings.max_request_bytes,
+                                                        request_timeout_s=settings.http_request_timeout_seconds,
+                                                        max_connections=settings.http_max_connections))
+            log.info("admin socket (the HTTP API; admin actions need no token there) on %s, mode 0660",
+                     settings.admin_socket)
         if settings.allow_grpc:
             from gpud.api.grpc_api import start_grpc_server
 
@@ -310,18 +343,20 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
 
     watchdog_s = watchdog_interval_s(os.environ, os.getpid())
     watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None
-    poll_task = None
-    if model_control.mode == "poll":
-        read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
-        poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
-        poller.start()
-        poll_task = asyncio.create_task(poller.run(), name="repository-poll")
-    log.info("model control: %s%s", model_control.mode,
-             "; load, unload and placement need the admin token" if admin.enabled else "")
+    # The poller knows the repository as start-up loaded it: poll mode applies its changes every interval, and a
+    # reload (SIGHUP) applies them in every mode.
+    read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
+    poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
+    poller.start()
+    poll_task = asyncio.create_task(poller.run(), name="repository-poll") if model_control.mode == "poll" else None
+    log.info("model control: %s; over TCP, load, unload and placement %s", model_control.mode, admin.describe())
     hints_task = asyncio.create_task(hints.run(), name="autoscaling-hints")
     control_task = asyncio.create_task(controller.run(), name="placement-control") if controller else None
+    reloader.serving(ReloadTargets(core, admin, hints, poller, controller,
+                                   [r for r in runners if isinstance(r, HttpServer)]))
 
     await stop.wait()
+    reloader.stop()
     hints_task.cancel()
     for task in (watchdog_task, poll_task):
         if task is not None:
@@ -366,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return _run(serve(settings))
+        # A reload reads the settings file again, with the command-line flags over it, as here.
+        return _run(serve(settings, read_settings=functools.partial(resolve_settings, args),
+                          settings_file=args.config))
     except ValueError as exc:  # e.g. a bad node file: a clear message, not a traceback
         log.error("%s", exc)
         return 2

@@ -35,6 +35,8 @@ class Settings:
     load_model: tuple[str, ...] = ()  # explicit mode: the models loaded at start-up ("*": all)
     repository_poll_seconds: float = 15.0  # poll mode: how often the repository is read again
     admin_token_file: str | None = None  # load/unload/placement need "Authorization: Bearer <the token>"
+    admin_socket: str | None = None  # the HTTP API on a unix socket (mode 0660), admin actions without a token there;
+    # over TCP they are then refused unless admin_token_file is set
     default_max_queue_size: int = 512  # requests queued per model and priority level where its config sets no
     # max_queue_size; over it a request gets UNAVAILABLE at once (0: unbounded, as Triton)
     http_request_timeout_seconds: float = 30.0  # a request's head and body must arrive within this, else 408

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -70,13 +71,16 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(repo: Path, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml") -> Daemon:
+def start_daemon(repo: Path, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml",
+                 env: dict[str, str] | None = None) -> Daemon:
+    """`env`: added to the daemon's environment (e.g. NOTIFY_SOCKET)."""
     ready_file = tmp / f"ready-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "gpud.main", "--model-repository", str(repo), "--address", "127.0.0.1",
            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready_file), *extra]
     if node:
         cmd += ["--node", str(ROOT / node)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **env} if env else None)
     daemon = Daemon(proc, {})
     ready = threading.Event()
 

@@ -12,7 +12,8 @@ from tests.daemon_harness import ROOT
 DASHBOARD = ROOT / "config" / "grafana" / "gpud.json"
 RULES = ROOT / "config" / "prometheus" / "gpud-rules.yml"
 # Template variables as Grafana would expand them with "All" selected (allValue ".+"), and the range variables.
-VARIABLES = {"$model": ".+", "$device": ".+", "$__rate_interval": "10s", "$__range": "5m", "$__interval": "2s"}
+VARIABLES = {"$instance": ".+", "$model": ".+", "$device": ".+", "$__rate_interval": "10s", "$__range": "5m",
+             "$__interval": "2s"}
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
              "offset", "inf", "nan"}

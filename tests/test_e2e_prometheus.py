@@ -62,15 +62,57 @@ def test_promtool_checks_the_rules(tools):
 
 def test_dashboard_model():
     dash = json.loads(DASHBOARD.read_text())
-    assert [i["name"] for i in dash["__inputs"]] == ["DS_PROMETHEUS"]
-    names = {v["name"] for v in dash["templating"]["list"]}
-    assert {"DS_PROMETHEUS", "model", "device"} <= names
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert {"datasource", "model", "device"} <= set(variables)
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
-    for p in dash["panels"]:
-        if p["type"] != "row":
-            assert p["datasource"]["uid"] == "${DS_PROMETHEUS}", p["title"]
-            assert p["targets"], p["title"]
+
+
+def test_every_panel_and_variable_queries_the_datasource_variable():
+    """The data source is a dashboard variable (a fleet's dashboards pick their Prometheus at view time), never an
+    import-time input that pins every panel to one data source when imported."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert "__inputs" not in dash and "DS_PROMETHEUS" not in DASHBOARD.read_text()
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    uses = {"type": "prometheus", "uid": "${datasource}"}
+    for v in variables.values():
+        if v["type"] == "query":
+            assert v["datasource"] == uses, v["name"]
+
+    def panels(items):
+        for p in items:
+            yield p
+            yield from panels(p.get("panels", []))  # a collapsed row holds its panels
+    checked = 0
+    for p in panels(dash["panels"]):
+        if p["type"] == "row":
+            continue
+        assert p["datasource"] == uses, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t.get("datasource", uses) == uses, (p["title"], t)
+        checked += 1
+    assert checked >= 20
+
+
+def test_every_query_selects_the_gpud_daemons_chosen():
+    """A fleet's dashboard: every series a panel or variable reads is filtered by the `instance` variable (the gpud
+    daemons shown), except the recording rules that sum over the whole fleet."""
+    dash = json.loads(DASHBOARD.read_text())
+    fleet_sums = {"gpud:model_desired_instances:sum", "gpud:model_instances_current:sum"}
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["instance"]["query"]["query"] == "label_values(gpud_device_healthy, instance)"
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"]["query"] for name, v in variables.items() if v["type"] == "query" and name != "instance"]
+    selectors = [(m.group(1), m.group(2)) for e in exprs
+                 for m in re.finditer(r"\b(gpud[_:][A-Za-z0-9_:]*)(\{[^}]*\})?", e)]
+    assert len(selectors) > 40
+    for name, labels in selectors:
+        if name in fleet_sums:
+            assert not labels or "instance" not in labels, name
+        else:
+            assert labels and labels.startswith('{instance=~"$instance"'), (name, labels)
 
 
 class _Load(threading.Thread):

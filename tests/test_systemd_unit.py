@@ -22,9 +22,20 @@ INSTALLED_GPUD = "/opt/gpud/bin/gpud"  # docs/install.md: the venv under /opt/gp
 def test_unit_is_a_notify_service_stopped_by_sigterm_with_a_watchdog():
     text = UNIT.read_text()
     for line in ("Type=notify", "KillSignal=SIGTERM", "Restart=on-failure", f"ExecStart={INSTALLED_GPUD} ",
-                 "WatchdogSec=", "User=gpud", "DevicePolicy=closed", "DeviceAllow=char-nvidia-uvm rw"):
+                 "WatchdogSec=", "User=gpud", "DevicePolicy=closed", "DeviceAllow=char-nvidia-uvm rw",
+                 "ExecReload=/bin/kill -HUP $MAINPID", "RuntimeDirectory=gpud\n"):
         assert line in text
     assert "u gpud " in (ROOT / "systemd" / "gpud.sysusers").read_text()
+
+
+def test_the_installed_settings_put_the_admin_socket_in_the_units_runtime_directory():
+    """config/gpud.yaml (installed as /etc/gpud/gpud.yaml) serves the admin socket from /run/gpud, which systemd
+    creates for the gpud user (RuntimeDirectory=gpud) and removes at stop."""
+    from gpud.settings import load_settings_file
+
+    settings = load_settings_file(str(ROOT / "config" / "gpud.yaml"))
+    assert settings["admin_socket"] == "/run/gpud/admin.sock"
+    assert "RuntimeDirectory=gpud\n" in UNIT.read_text()
 
 
 def _installed_unit(tmp_path):

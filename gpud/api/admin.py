@@ -1,6 +1,11 @@
-"""The admin token (`--admin-token-file`): when set, the actions that change what gpud serves (the repository API's
-load and unload, `POST /v2/gpud/placement`) need `Authorization: Bearer <token>` (HTTP header, gRPC metadata).
-Reading, inference and health never do."""
+"""Who may use the admin actions: those that change what gpud serves (the repository API's load and unload,
+`POST /v2/gpud/placement`). Reading, inference and health never need anything.
+
+- `--admin-token-file`: they need `Authorization: Bearer <token>` (HTTP header, gRPC metadata).
+- `--admin-socket`: they are served on a unix socket whose file permissions decide who may use it (no token there);
+  over TCP (HTTP and gRPC) they are then refused, unless a token is also set, which they then need.
+- neither: open to whoever can reach the port (the model control mode still decides whether load/unload work).
+"""
 from __future__ import annotations
 
 import hmac
@@ -21,16 +26,38 @@ def read_token_file(path: str) -> str:
 
 
 class AdminAuth:
-    def __init__(self, token: str | None = None):
+    """The check of one listener. `socket_path`: the admin socket served beside this (TCP) listener: without a
+    token, admin actions are refused here and the message says where they are served."""
+
+    def __init__(self, token: str | None = None, *, socket_path: str | None = None):
         self._token = token.encode() if token else None
+        self.socket_path = socket_path
 
     @property
     def enabled(self) -> bool:
         return self._token is not None
 
+    def set_token(self, token: str | None) -> None:
+        """A new token (a reload read the token file again): the old one stops working at once."""
+        self._token = token.encode() if token else None
+
+    def describe(self) -> str:
+        """For the start-up log: what an admin action needs on this listener."""
+        if self._token is not None:
+            return "need the admin token"
+        if self.socket_path:
+            return f"are served only on the admin socket {self.socket_path}"
+        return "are open"
+
     def check(self, authorization: str | None, action: str) -> None:
-        """Raise UNAUTHENTICATED unless `authorization` ("Bearer <token>") carries the token, or none is set."""
+        """Raise UNAUTHENTICATED unless `authorization` ("Bearer <token>") carries the token, PERMISSION_DENIED when
+        admin actions are served only on the admin socket; nothing when neither is set."""
         if self._token is None:
+            if self.socket_path:
+                raise InferenceError(ErrorKind.PERMISSION_DENIED,
+                                     f"{action} is served only on the admin socket {self.socket_path} (gpudctl "
+                                     "--socket or GPUD_ADMIN_SOCKET); start gpud with --admin-token-file as well to "
+                                     "allow it over TCP with the token")
             return
         scheme, _, given = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):

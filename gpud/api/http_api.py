@@ -272,3 +272,14 @@ async def start_http_server(core: InferenceCore, host: str, port: int, *, max_bo
     server = HttpServer(HttpApi(core, admin), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s,
                         request_timeout_s=request_timeout_s, max_connections=max_connections)
     return server, await server.start(host, port)
+
+
+async def start_http_unix_server(core: InferenceCore, path: str, *, max_body_bytes: int = 64 * 2**20,
+                                 request_timeout_s: float = 30.0, max_connections: int = 10000) -> HttpServer:
+    """The admin socket (`--admin-socket`): the same routes on a unix socket at `path` (mode 0660), where the admin
+    actions need no token: the socket file's permissions decide who may connect. `await server.close(grace_s)`
+    stops it and removes the file."""
+    server = HttpServer(HttpApi(core, AdminAuth()), max_body_bytes=max_body_bytes,
+                        request_timeout_s=request_timeout_s, max_connections=max_connections)
+    await server.start_unix(path)
+    return server

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import zlib
 from collections import deque
@@ -27,6 +28,8 @@ from urllib.parse import unquote
 
 import httptools
 import orjson
+
+from gpud.api.unix_socket import bind_unix_socket, remove_socket_file
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +442,7 @@ class HttpServer:
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle: asyncio.Future | None = None
+        self._unix: tuple[str, int] | None = None  # the unix socket served: its path and inode
 
     async def start(self, host: str, port: int) -> int:
         self.loop = asyncio.get_running_loop()
@@ -447,6 +451,20 @@ class HttpServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self._arm_sweeper()
         return self.port
+
+    async def start_unix(self, path: str) -> None:
+        """Serve on a unix socket at `path`, created with mode 0660 (gpud.api.unix_socket); `close()` removes it."""
+        sock = bind_unix_socket(path)
+        self._unix = (path, os.lstat(path).st_ino)
+        self.loop = asyncio.get_running_loop()
+        try:
+            self._server = await self.loop.create_unix_server(lambda: _Connection(self), sock=sock,
+                                                              backlog=self.backlog)
+        except BaseException:
+            sock.close()
+            remove_socket_file(*self._unix)
+            raise
+        self._arm_sweeper()
 
     def _arm_sweeper(self) -> None:
         period_s = max(0.05, min(self.keepalive_timeout_s, self.request_timeout_s) / 4)
@@ -491,3 +509,5 @@ class HttpServer:
                 conn.transport.close()
         if self._server is not None:
             await self._server.wait_closed()
+        if self._unix is not None:
+            remove_socket_file(*self._unix)

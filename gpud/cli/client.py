@@ -1,18 +1,36 @@
-"""How gpudctl reaches a running gpud: one default address for every command, `GPUD_URL` to change it, and errors a
-person can act on."""
+"""How gpudctl reaches a running gpud: over HTTP (`--url`, `GPUD_URL`) or over its admin socket (`--socket`,
+`GPUD_ADMIN_SOCKET`: gpud --admin-socket, where admin actions need no token), and errors a person can act on."""
 from __future__ import annotations
 
+import http.client
 import json
 import os
-import urllib.error
-import urllib.request
+import socket
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+ENDPOINT_HELP = (f"default: $GPUD_ADMIN_SOCKET, else $GPUD_URL, else {DEFAULT_URL}")
 
 
 class GpudUnreachable(RuntimeError):
     """gpud could not be reached or refused the call; the message says which and what to check."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where gpud listens: a unix socket path, or an HTTP base URL."""
+    url: str = DEFAULT_URL
+    socket_path: str | None = None
+
+    def __str__(self) -> str:
+        return f"unix socket {self.socket_path}" if self.socket_path else self.url
+
+    @property
+    def chosen(self) -> bool:
+        """Named by a flag or the environment, rather than the default."""
+        return self.socket_path is not None or self.url != DEFAULT_URL
 
 
 def base_url(url: str | None = None) -> str:
@@ -21,18 +39,72 @@ def base_url(url: str | None = None) -> str:
     return base if "://" in base else "http://" + base
 
 
-def fetch_inspect(url: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
-    """GET <url>/v2/gpud/inspect."""
-    target = base_url(url) + "/v2/gpud/inspect"
+def endpoint(url: str | None = None, socket_path: str | None = None) -> Endpoint:
+    """--socket, else --url, else $GPUD_ADMIN_SOCKET, else $GPUD_URL, else the default URL."""
+    if socket_path:
+        return Endpoint(socket_path=socket_path)
+    if url:
+        return Endpoint(base_url(url))
+    if os.environ.get("GPUD_ADMIN_SOCKET"):
+        return Endpoint(socket_path=os.environ["GPUD_ADMIN_SOCKET"])
+    return Endpoint(base_url())
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _connection(ep: Endpoint, timeout_s: float) -> tuple[http.client.HTTPConnection, str]:
+    if ep.socket_path:
+        return _UnixConnection(ep.socket_path, timeout_s), ""
+    parts = urlsplit(ep.url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return cls(parts.netloc, timeout=timeout_s), parts.path.rstrip("/")
+
+
+def request(ep: Endpoint, method: str, path: str, body: Any = None, *, timeout_s: float = 300.0,
+            token_file: str | None = None) -> Any:
+    """One call to gpud; its JSON answer (None for an empty one). A refusal raises GpudUnreachable with gpud's status
+    and message; so does a gpud that cannot be reached, saying where it was looked for."""
+    headers = {} if method != "POST" else \
+        {"Content-Type": "application/json", **({} if ep.socket_path else admin_headers(token_file))}
+    conn, prefix = _connection(ep, timeout_s)
     try:
-        with urllib.request.urlopen(target, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        raise GpudUnreachable(f"{target}: HTTP {exc.code}: {exc.read().decode(errors='replace')[:200]}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise GpudUnreachable(f"cannot reach gpud at {url or base_url()}: {reason} (is it running? see --url)") \
+        conn.request(method, prefix + path, body=None if body is None else json.dumps(body).encode(),
+                     headers=headers)
+        resp = conn.getresponse()
+        status, data = resp.status, resp.read()
+    except (OSError, http.client.HTTPException) as exc:
+        hint = " (is it running, and may you use the socket? see --socket)" if ep.socket_path \
+            else " (is it running? see --url)"
+        raise GpudUnreachable(f"cannot reach gpud at {ep}: {getattr(exc, 'strerror', None) or exc}{hint}") \
             from None
+    finally:
+        conn.close()
+    if status >= 400:
+        try:
+            message = json.loads(data).get("error", "")
+        except (ValueError, AttributeError):
+            message = data.decode(errors="replace")[:200]
+        raise GpudUnreachable(f"gpud refused it (HTTP {status}): {message}")
+    return json.loads(data) if data else None
+
+
+def fetch_inspect(ep: Endpoint, timeout_s: float = 10.0) -> dict[str, Any]:
+    """GET /v2/gpud/inspect."""
+    return request(ep, "GET", "/v2/gpud/inspect", timeout_s=timeout_s)
 
 
 def admin_headers(token_file: str | None = None) -> dict[str, str]:
@@ -48,21 +120,18 @@ def admin_headers(token_file: str | None = None) -> dict[str, str]:
         raise GpudUnreachable(f"cannot read the admin token file {path}: {exc.strerror or exc}") from None
 
 
-def post_json(url: str | None, path: str, body: Any, timeout_s: float = 300.0,
-              token_file: str | None = None) -> dict[str, Any]:
-    """POST a JSON body (with the admin token, if one is configured); gpud's refusal comes back as GpudUnreachable
-    with its status and error message."""
-    target = base_url(url) + path
-    req = urllib.request.Request(target, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **admin_headers(token_file)})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.loads(e.read()).get("error", "")
-        except (ValueError, AttributeError):
-            message = ""
-        raise GpudUnreachable(f"gpud refused it (HTTP {e.code}): {message}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise GpudUnreachable(f"cannot reach gpud at {url or base_url()}: {getattr(e, 'reason', e)}") from None
+def post_json(ep: Endpoint, path: str, body: Any, timeout_s: float = 300.0,
+              token_file: str | None = None) -> Any:
+    """POST a JSON body (with the admin token, if one is configured)."""
+    return request(ep, "POST", path, body, timeout_s=timeout_s, token_file=token_file)
+
+
+def add_endpoint_arguments(p: Any, what: str = "the running gpud") -> None:
+    """--url, --socket and --token-file, the same for every command that talks to gpud."""
+    p.add_argument("--url", default=None, help=f"the HTTP endpoint of {what} ({ENDPOINT_HELP})")
+    p.add_argument("--socket", default=None, metavar="PATH",
+                   help="gpud's admin socket (gpud --admin-socket; systemd: /run/gpud/admin.sock), where admin "
+                        "actions need no token: who may use it is decided by the socket file's permissions")
+    p.add_argument("--token-file", default=None, metavar="FILE",
+                   help="the admin token for loading, unloading and placing over HTTP when gpud has "
+                        "--admin-token-file (default $GPUD_ADMIN_TOKEN_FILE)")

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from gpud.cli.client import DEFAULT_URL, GpudUnreachable, fetch_inspect
+from gpud.cli.client import ENDPOINT_HELP, GpudUnreachable, endpoint, fetch_inspect
 
 
 def _bar(used: float | None, total: float, width: int = 20) -> str:
@@ -147,11 +147,12 @@ def inspect_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="gpudctl inspect",
                                 description="Show a running gpud's devices (GPU -> MIG tree), placed instances, "
                                             "queues and latencies.")
-    p.add_argument("--url", help=f"gpud HTTP endpoint (default $GPUD_URL or {DEFAULT_URL})")
+    p.add_argument("--url", help=f"gpud HTTP endpoint ({ENDPOINT_HELP})")
+    p.add_argument("--socket", metavar="PATH", help="gpud's admin socket (gpud --admin-socket) instead of --url")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
     args = p.parse_args(argv)
     try:
-        data = fetch_inspect(args.url)
+        data = fetch_inspect(endpoint(args.url, args.socket))
     except GpudUnreachable as exc:
         print(f"gpudctl: {exc}", file=sys.stderr)
         return 1

@@ -14,7 +14,8 @@ import os
 import sys
 from typing import Any, TextIO
 
-from gpud.cli.client import DEFAULT_URL, GpudUnreachable, fetch_inspect, post_json
+from gpud.cli.client import (Endpoint, GpudUnreachable, add_endpoint_arguments, endpoint, fetch_inspect,
+                             post_json)
 from gpud.placing.inputs import build_inputs, has_gpus, pin_errors, planning_devices
 from gpud.settings import Settings
 from placement import spec
@@ -48,12 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--default-max-batch-size", type=int, default=_DEFAULTS.default_max_batch_size, metavar="N",
                    help="max_batch_size of a repository's auto-completed models, as gpud's flag (default %(default)d)")
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
-    p.add_argument("--apply", action="store_true", help="apply the plan to a running gpud (needs --url)")
-    p.add_argument("--url", default=None,
-                   help=f"the running gpud for 'live' and --apply (default $GPUD_URL or {DEFAULT_URL})")
-    p.add_argument("--token-file", default=None, metavar="FILE",
-                   help="the admin token for --apply when gpud has --admin-token-file (default "
-                        "$GPUD_ADMIN_TOKEN_FILE)")
+    p.add_argument("--apply", action="store_true",
+                   help="apply the plan to a running gpud (needs --url or --socket, or GPUD_URL or GPUD_ADMIN_SOCKET)")
+    add_endpoint_arguments(p, "the running gpud for 'live' and --apply")
     return p
 
 
@@ -80,14 +78,14 @@ def _load_file(path: str) -> Any:
 class _Live:
     """A running gpud's planning inputs, fetched once per command."""
 
-    def __init__(self, url: str | None):
-        self.url = url
+    def __init__(self, ep: Endpoint):
+        self.endpoint = ep
         self._data: dict[str, Any] | None = None
 
     def placement(self) -> tuple[dict[str, Any], str]:
         if self._data is None:
             try:
-                self._data = fetch_inspect(self.url)
+                self._data = fetch_inspect(self.endpoint)
             except GpudUnreachable as e:
                 raise ValueError(str(e)) from None
         section = self._data.get("placement") if isinstance(self._data, dict) else None
@@ -162,12 +160,12 @@ def load_current(arg: str | None, live: _Live) -> list[Assignment]:
     return spec.current_from_data(_load_file(arg), arg)
 
 
-def apply_plan(result: Plan, url: str | None, token_file: str | None = None) -> dict:
+def apply_plan(result: Plan, ep: Endpoint, token_file: str | None = None) -> dict:
     """POST the plan's placements to gpud, which applies the steps between its placement and this one in order,
     make-before-break, and undoes them all if a load fails."""
     body = {"placements": [{"model": a.model, "instance": a.instance, "device": a.device} for a in result.placements]}
     try:
-        return post_json(url, "/v2/gpud/placement", body, token_file=token_file)
+        return post_json(ep, "/v2/gpud/placement", body, token_file=token_file)
     except GpudUnreachable as e:
         raise ValueError(f"placement not applied: {e}") from None
 
@@ -228,9 +226,10 @@ def place_main(argv: list[str]) -> int:
         parser.error("--time-limit must be >= 0")
     if args.device_reserve_bytes < 0:
         parser.error("--device-reserve-bytes must be >= 0")
-    if args.apply and not args.url and not os.environ.get("GPUD_URL"):
-        parser.error("--apply needs --url URL (or GPUD_URL)")
-    live = _Live(args.url)
+    ep = endpoint(args.url, args.socket)
+    if args.apply and not ep.chosen and not os.environ.get("GPUD_URL"):
+        parser.error("--apply needs --url URL or --socket PATH (or GPUD_URL or GPUD_ADMIN_SOCKET)")
+    live = _Live(ep)
     try:
         devices = load_devices(args.devices, live, args.device_reserve_bytes)
         demands = load_models(args.models, live, devices, args.default_max_batch_size)
@@ -251,7 +250,7 @@ def place_main(argv: list[str]) -> int:
         return EXIT_UNPLACED
     if args.apply:
         try:
-            applied = apply_plan(result, args.url, args.token_file)
+            applied = apply_plan(result, ep, args.token_file)
         except ValueError as e:
             print(f"gpudctl place: error: {e}", file=sys.stderr)
             return EXIT_APPLY
