@@ -105,8 +105,18 @@ def test_a_load_step_scales_up_then_down_with_zero_failed_requests(repo, tmp_pat
             wait_for(lambda: load.ok["http"] > served["http"] + 200 and load.ok["grpc"] > served["grpc"] + 200, 60,
                      "requests served while scaled up")
             peak = _instances(daemon)
-        # The load has ended: after the 4 s lull (and the cooldown since the last add) it comes back down.
-        wait_for(lambda: _instances(daemon) == 1, 90, "the controller to remove the instances the load needed")
+        # The load has ended: after the 4 s lull (and the cooldown since the last add) it comes back down, at most
+        # half the instances per step, a step per 4 s. A step's decision is recorded once its plan is done, just
+        # after its instance is gone: wait for both.
+        def steps() -> list[tuple[str, str, bool]]:
+            return [(d["action"], d["reason"], d["applied"]) for d in daemon.inspect()["controller"]["decisions"]]
+
+        def back_down() -> bool:
+            done = steps()
+            return _instances(daemon) == 1 and done.count(("remove", "scale_down", True)) >= \
+                done.count(("add", "scale_up", True))
+
+        wait_for(back_down, 90, "the controller to remove the instances the load needed")
         assert load.failures == [], load.failures[:5]
         ctl = daemon.inspect()["controller"]
         reasons = [(d["action"], d["reason"], d["applied"]) for d in ctl["decisions"]]

@@ -28,7 +28,7 @@ from gpud.cli.check.devices import (Observed, Tolerances, compare_devices, healt
 from gpud.cli.check.report import Report, Row, Status
 from gpud.cli.check.serving import RawRunner, ServingCheck, ServingOptions, provider_row, subprocess_raw
 from gpud.cli.check.smi import Runner, SmiError, query, subprocess_runner
-from gpud.cli.client import GpudUnreachable, base_url, fetch_inspect
+from gpud.cli.client import GpudUnreachable, base_url, endpoint, fetch_inspect
 from telemetry.devices import DeviceBackend
 from telemetry.discovery import open_nvml
 from telemetry.nvml import NA, NvmlBackend
@@ -200,7 +200,7 @@ async def check_node(args: argparse.Namespace, nvml: Any, runner: Runner, raw: R
 def check_daemon(url: str, metrics_url: str | None, runner: Runner, tol: Tolerances) -> Report:
     report = Report(node=f"gpud at {base_url(url)}")
     try:
-        doc = fetch_inspect(url)
+        doc = fetch_inspect(endpoint(url))
     except GpudUnreachable as exc:
         report.add(Row("daemon", "", "reachable", Status.FAIL, reason=str(exc)))
         return report
