@@ -257,6 +257,19 @@ class TestControl:
         assert [s.kind for s in plan.steps] == ["add", "add"]
         assert where(registry) == before and pool.events == []
 
+    def test_from_scratch_moves_what_an_incremental_re_plan_keeps(self, node):
+        # mlp moved off the device a fresh pack would choose: an incremental re-plan of the same counts keeps it
+        # there (no step); a plan from scratch (incremental=False, the replay's baseline) moves it back.
+        registry, pool, service = self.started(node)
+        src = where(registry)["mlp"][0][1]
+        other = "gpu1" if src == "gpu0" else "gpu0"
+        asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, other)]))
+        pool.events.clear()
+        assert asyncio.run(service.control({("mlp", "1"): 1}, max_steps=4, apply=True)).steps == ()
+        plan = asyncio.run(service.control({("mlp", "1"): 1}, max_steps=4, apply=True, incremental=False))
+        assert [(s.kind, s.from_device, s.to_device) for s in plan.steps] == [("move", other, src)]
+        assert where(registry)["mlp"] == [(0, src)]
+
     def test_a_failed_load_stops_the_interval(self, node):
         registry, pool, service = self.started(node)
         pool.fail_on = {"gpu0", "gpu1", "cpu"}

@@ -1,0 +1,282 @@
+"""gpud's real control plane on the simulated node: the registry, the placement service (plans, make-before-break
+steps, evictions, cold starts), the autoscaling hints and the placement controller are gpud's own objects, run in the
+model's time. Only the executor pool is the model's: a load lets `load_seconds` of model time pass (requests go on
+being served meanwhile), then the instance serves; an unload drains it (des rules 2 and 5).
+
+How the two meet: the serving model (des.Serving) owns time. Hint ticks and controller ticks are events in it; a
+controller tick or a cold start runs as asyncio tasks on a private loop until they are all done, and when one of them
+loads an instance, the pool runs the serving model forward by the load time from inside the load (re-entrant), so a
+tick that loads three instances one after another takes their three load times, as in the daemon.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from executor.device import WorkerDevice
+from executor.pool import InstanceHandle
+from executor.scheduler import ModelScheduler
+from gpud.control_loop import ControlLoop
+from gpud.controller import ControlPolicy
+from gpud.placing.results import ControlPlan
+from gpud.placing.service import PlacementService
+from gpud.registry import RegisteredVersion, Registry
+from gpud.repository.layout import ModelRepository
+from telemetry.devices import DeviceBackend
+from telemetry.hints import DeviceFree, HintPolicy
+
+from .des import Serving, SimInstance, SimModel
+
+if TYPE_CHECKING:
+    import onnx
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the replay."""
+
+    name: str
+    kind: str
+    memory_bytes: int  # one instance's GPU footprint
+    load_seconds: float  # from the start of a load to the instance serving
+    max_batch_size: int = 4  # the measured kinds take 4 rows in about the time of 1, 8 in twice that
+    device_kind: str = "KIND_GPU"  # its instance_group kind
+    threads: int = 0  # intra_op_thread_count (0: onnxruntime's default); the real-serving check sets 1
+    compute_fraction: float = 0.0  # gpud_compute_fraction
+    min_instances: int = 0  # gpud_min_instances
+    max_instances: int | None = None  # gpud_max_instances
+
+
+class SimScheduler(ModelScheduler):
+    """The real scheduler object (instances, statistics record); its queue is the serving model's."""
+
+    sim: SimModel
+    serving: Serving
+
+    @property
+    def pending_requests(self) -> int:
+        return self.sim.pending(self.serving.now_s)
+
+
+class SimPool:
+    """The executor pool as the placement service uses it, in the serving model's time."""
+
+    def __init__(self, serving: Serving, specs: Mapping[str, ModelSpec]):
+        self.serving = serving
+        self.specs = specs
+        self.instant = False  # loads take no time (the start-up placement, before the replay's time starts)
+        self.live: dict[int, tuple[InstanceHandle, SimInstance]] = {}  # id(handle) ->
+        self.loads = 0
+        self.unloads = 0
+
+    async def load_instance(self, inst: InstanceHandle, device: WorkerDevice) -> InstanceHandle:
+        spec = self.specs[inst.model]
+        sim = self.serving.add_instance(inst.key, self.serving.models[(inst.model, inst.version)], inst.device_id,
+                                        spec.memory_bytes)
+        self.live[id(inst)] = (inst, sim)
+        if not self.instant:
+            self.serving.run_until(self.serving.now_s + spec.load_seconds)  # serving goes on while it loads
+            self.loads += 1
+        inst.ready, inst.memory_bytes, inst.measured_by = True, spec.memory_bytes, "simulated"
+        inst.load_seconds = spec.load_seconds
+        self.serving.ready(sim)
+        return inst
+
+    async def unload_instance(self, inst: InstanceHandle) -> None:
+        entry = self.live.pop(id(inst), None)
+        inst.ready = False
+        if entry is not None:
+            self.serving.remove_instance(entry[1])
+            self.unloads += 1
+
+    def instance_keys(self, device_id: str) -> set[str]:
+        return {h.key for h, s in self.live.values() if h.device_id == device_id}
+
+    def memory_used_bytes(self, device_id: str) -> int:
+        """Loaded instances and the removed ones still draining (those loading are the service's reservation)."""
+        held = [s for m in self.serving.models.values() for s in m.instances if s.device.id == device_id]
+        return sum(s.memory_bytes for s in held if s.ready)
+
+
+def config_pbtxt(spec: ModelSpec) -> str:
+    """The model's config.pbtxt: its batching, instance group and gpud's per-model parameters."""
+    params = {"gpud_min_instances": spec.min_instances, "gpud_max_instances": spec.max_instances,
+              "gpud_compute_fraction": spec.compute_fraction or None, "intra_op_thread_count": spec.threads or None}
+    lines = [f"max_batch_size: {spec.max_batch_size}", "dynamic_batching { }",
+             f"instance_group [ {{ count: 1, kind: {spec.device_kind} }} ]"]
+    lines += [f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items()
+              if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def write_repository(root: Path, specs: Mapping[str, ModelSpec],
+                     models: Mapping[str, onnx.ModelProto] | None = None) -> ModelRepository:
+    """A Triton-layout repository of the specs' models: `models[name]` where given (the real-serving check), else a
+    one-node stand-in (the registry reads the file; the model's footprint and batch times are the specs')."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "replay",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    stand_in = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    stand_in.ir_version = 8
+    for spec in specs.values():
+        (root / spec.name / "1").mkdir(parents=True)
+        onnx.save((models or {}).get(spec.name, stand_in), root / spec.name / "1" / "model.onnx")
+        (root / spec.name / "config.pbtxt").write_text(config_pbtxt(spec))
+    return ModelRepository(str(root))
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    hints: HintPolicy
+    control: ControlPolicy
+    hints_interval_s: float
+    rate_window_s: float
+    device_reserve_bytes: int = 512 * 2**20
+    time_limit_s: float = 2.0
+    incremental: bool = True  # False: policy (d), re-plan from scratch every interval
+    max_steps: int | None = None  # None: the policy's max_steps_per_interval
+
+
+class FromScratch:
+    """The controller's placer for policy (d): the same targets, each interval planned from scratch and every step
+    of the way there taken (no cap)."""
+
+    def __init__(self, service: PlacementService):
+        self.service = service
+
+    async def control(self, totals, *, max_steps: int, apply: bool, evict_idle_s: float | None = None) -> ControlPlan:
+        return await self.service.control(totals, max_steps=10**6, apply=apply, evict_idle_s=evict_idle_s,
+                                          incremental=False)
+
+    def instances_on_unhealthy_devices(self) -> int:
+        return self.service.instances_on_unhealthy_devices()
+
+
+class ControlPlane:
+    """Wires gpud's registry, placement service, hints and controller to the serving model."""
+
+    def __init__(self, serving: Serving, backend: DeviceBackend, specs: Mapping[str, ModelSpec],
+                 settings: ControlSettings, workdir: Path):
+        self.serving = serving
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self._in_loop = False
+        self.registry = Registry(has_gpus=any(d.kind != "cpu" for d in backend.leaf_devices()))
+        self.pool = SimPool(serving, specs)
+        self.service = PlacementService(backend, self.pool, self.registry,
+                                        device_reserve_bytes=settings.device_reserve_bytes,
+                                        time_limit_s=settings.time_limit_s, clock=serving.clock,
+                                        wall_clock=serving.wall_clock)
+        from gpud.autoscale import HintsSampler
+
+        self.hints = HintsSampler(self.registry.snapshot,
+                                  lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes) for r in self.service.rooms()],
+                                  settings.hints, clock=serving.clock, interval_s=settings.hints_interval_s,
+                                  rate_window_s=settings.rate_window_s)
+        placer = self.service if settings.incremental else FromScratch(self.service)
+        self.controller = ControlLoop(self.registry.snapshot, self.hints.decisions, placer, settings.control, "on",
+                                      clock=serving.clock, wall_clock=serving.wall_clock, history=10**6)
+        repo = write_repository(workdir, specs)
+        self.versions: list[RegisteredVersion] = []
+        for name, entry in repo.scan().items():
+            for vs in self.registry.register(name, entry):
+                sched = SimScheduler(vs.entry.config, vs.version)
+                sched.sim, sched.serving = serving.models[(vs.name, vs.version)], serving
+                sched.sim.stats = sched.stats  # one record: the model writes it, the hints read it
+                vs.scheduler = sched
+                vs.estimate_bytes = specs[name].memory_bytes
+                self.versions.append(vs)
+        serving.on_no_instance = self._on_no_instance
+
+    # --- running coroutines in the model's time -----------------------------------------------------------------
+    def _run(self, make: Callable[[], object]) -> None:
+        """Run a control-plane coroutine (and the tasks it starts) to the end, in the model's time. Called from
+        inside one (a load lets time pass, and a tick falls due): it becomes a task that runs after."""
+        if self._in_loop:
+            self.loop.create_task(make())
+            return
+        self._in_loop = True
+        try:
+            self.loop.run_until_complete(self._all(make()))
+        finally:
+            self._in_loop = False
+
+    @staticmethod
+    async def _all(first) -> None:
+        await first
+        me = asyncio.current_task()
+        while others := [t for t in asyncio.all_tasks() if t is not me and not t.done()]:
+            await asyncio.gather(*others)
+
+    def start(self) -> None:
+        """Place the configured instances (loads take no time: the node before the replay starts), then tick."""
+        self.pool.instant = True
+        self._run(lambda: self.service.place(self.versions))
+        self.pool.instant = False
+        self.serving.at(0.0, self._hints_tick)
+        self.serving.at(self.settings.control.interval_seconds, self._control_tick)
+
+    def _hints_tick(self) -> None:
+        self.hints.tick()
+        self.serving.at(self.serving.now_s + self.settings.hints_interval_s, self._hints_tick)
+
+    def _control_tick(self) -> None:
+        async def tick() -> None:
+            await self.controller.tick()
+            # as ControlLoop.run: the next interval starts when this tick (and its loads) is done
+            self.serving.at(self.serving.now_s + self.settings.control.interval_seconds, self._control_tick)
+
+        self._run(tick)
+
+    def _on_no_instance(self, model: SimModel) -> None:
+        vs = self.registry.version(model.name, model.version)
+        if not vs.scaled_to_zero:
+            return
+
+        async def demand() -> None:
+            self.service.demand(vs)  # gpud's load on demand: a task that loads one instance, evicting if it must
+
+        self.serving.at(self.serving.now_s, lambda: self._run(demand))
+
+    # --- what happened -----------------------------------------------------------------------------------------
+    def cold_starts(self) -> int:
+        return sum(vs.scheduler.stats.cold_starts for vs in self.registry.versions())
+
+    def evictions(self) -> int:
+        return sum(vs.scheduler.stats.evictions for vs in self.registry.versions())
+
+    def flaps(self, window_s: float) -> int:
+        """Instances removed (scale-down, idle) within `window_s` of an add of the same model version."""
+        adds: dict[tuple[str, str], list[float]] = {}
+        count = 0
+        for d in self.controller.decisions:
+            key = (d.model, d.version)
+            if not d.applied:
+                continue
+            if d.action == "add":
+                adds.setdefault(key, []).append(d.time_unix_s)
+            elif d.action == "remove" and d.reason in ("scale_down", "idle"):
+                count += any(0 <= d.time_unix_s - t < window_s for t in adds.get(key, []))
+        return count
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def instances_needed(rate_per_s: float, throughput_per_s: float, target_utilization: float) -> int:
+    """The hints' load rule for a rate: ceil(rate / (throughput x target)), at least 1."""
+    return max(1, math.ceil(round(rate_per_s / (throughput_per_s * target_utilization), 9)))
+
+
+def scratch_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="gpud-replay-"))

@@ -1,0 +1,139 @@
+"""The replay benchmark: five placement policies on the same trace-driven load, node and models.
+
+    cd bench && python -m replay.run --data ../../shared/data [--out results/] [--policies triton,peak,...]
+
+Prints one row per policy and the issue's targets as ratios within the run: gpud's SLO attainment (>= 99%), its GPU
+memory-hours against (b) peak-sized static placement (<= 0.6x), its instance moves (loads + unloads) against (d)
+re-planning from scratch (<= 0.2x), and flapping (no instance removed within the scale-down window of an add: 0).
+Writes results.json and, with matplotlib (the `bench` extra), replay.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from .policies import POLICIES, Result, run_policy
+from .scenario import Scenario, build
+
+TARGETS = {"slo": 0.99, "memory_vs_peak": 0.6, "moves_vs_scratch": 0.2, "flaps": 0}
+
+
+def describe(s: Scenario) -> str:
+    lines = [f"scenario: {len(s.specs)} models, {s.duration_s:.0f} s of model time ({s.seconds_per_trace_step:g} s per "
+             f"{s.trace_step_s / 3600:g} h trace step, {s.measure_from_s:g} s warm-up not measured), SLO: queue <= "
+             f"{s.slo_queue_s * 1e3:g} ms, node {s.node_file.name}"]
+    for name, spec in sorted(s.specs.items()):
+        mean = s.mean_rate_per_s(name)
+        lines.append(f"  {name:<12} {s.services[name]:<8} {spec.kind:<8} {spec.memory_bytes / 2**30:5.1f} GiB  "
+                     f"compute {spec.compute_fraction:<5g} load {spec.load_seconds:4.1f} s  peak "
+                     f"{s.peak_rate_per_s[name]:6.1f} req/s  mean {mean:6.1f}  (one instance: "
+                     f"{s.throughput_per_s(name):.0f} req/s at full batches)")
+    return "\n".join(lines)
+
+
+def table(results: dict[str, Result]) -> str:
+    head = (f"{'policy':<8} {'SLO':>8} {'failed':>7} {'queue ms':>9} {'GiB-h':>8} {'vs peak':>8} {'moves':>6} "
+            f"{'vs scratch':>10} {'cold':>5} {'evict':>5} {'flaps':>5} {'unplaced':>8} {'sim s':>6}")
+    rows = [head]
+    peak = results.get("peak")
+    scratch = results.get("scratch")
+    for r in results.values():
+        vs_peak = r.memory_gib_hours / peak.memory_gib_hours if peak else math.nan
+        vs_scratch = r.moves / scratch.moves if scratch and scratch.moves else math.nan
+        rows.append(f"{r.policy:<8} {r.slo_attainment:8.2%} {r.failed:7d} {r.mean_queue_ms:9.1f} "
+                    f"{r.memory_gib_hours:8.1f} {vs_peak:8.2f} {r.moves:6d} {vs_scratch:10.2f} {r.cold_starts:5d} "
+                    f"{r.evictions:5d} {r.flaps:5d} {len(r.unplaced):8d} {r.seconds:6.0f}")
+    return "\n".join(rows)
+
+
+def verdicts(results: dict[str, Result]) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for gpud's controller, ratios against (b) and (d) of the same run."""
+    g = results.get("gpud")
+    if g is None:
+        return []
+    out = [("SLO attainment >= 99%", f"{g.slo_attainment:.2%}", g.slo_attainment >= TARGETS["slo"])]
+    if "peak" in results:
+        ratio = g.memory_gib_hours / results["peak"].memory_gib_hours
+        out.append(("memory-hours <= 0.6x (b) peak", f"{ratio:.2f}x", ratio <= TARGETS["memory_vs_peak"]))
+    if "scratch" in results and results["scratch"].moves:
+        ratio = g.moves / results["scratch"].moves
+        out.append(("moves <= 0.2x (d) scratch", f"{ratio:.2f}x ({g.moves} vs {results['scratch'].moves})",
+                    ratio <= TARGETS["moves_vs_scratch"]))
+    out.append(("no flapping", f"{g.flaps} removal(s) within the scale-down window of an add", g.flaps == 0))
+    return out
+
+
+def plot(results: dict[str, Result], scenario: Scenario, path: Path) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'): no plot", file=sys.stderr)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_rate, ax_mem, ax_slo) = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    total = sum(scenario.rates_per_s.values())
+    ax_rate.plot(np.arange(len(total)), total, color="black", linewidth=0.8)
+    ax_rate.set_ylabel("requests / s (all models)")
+    ax_rate.set_title(f"Replay of {len(scenario.specs)} Alibaba trace services on {scenario.node_file.stem}")
+    for r in results.values():
+        t = r.series["t"]
+        ax_mem.plot(t, r.series["memory_gib"], label=r.policy, linewidth=1)
+        ax_slo.plot(t, [100 * x if x == x else None for x in r.series["slo"]], label=r.policy, linewidth=0.8)
+    ax_mem.set_ylabel("GPU memory held (GiB)")
+    ax_mem.legend(loc="upper right", ncol=5, fontsize=8)
+    ax_slo.set_ylabel(f"% of requests queued <= {scenario.slo_queue_s * 1e3:g} ms (per 10 s)")
+    ax_slo.set_ylim(0, 101)
+    ax_slo.set_xlabel("model time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(Path(__file__).resolve().parents[3] / "shared" / "data"),
+                   help="the shared data directory (holds traces/alibaba-gpu-v2025/)")
+    p.add_argument("--out", default="replay-results", help="directory for results.json and replay.png")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
+    p.add_argument("--models", type=int, default=12)
+    p.add_argument("--start-day", type=float, default=18.0)
+    p.add_argument("--days", type=float, default=10.0)
+    p.add_argument("--seconds-per-hour", type=float, default=30.0, help="model seconds per trace hour")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        p.error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    if not (Path(args.data) / "traces" / "alibaba-gpu-v2025").is_dir():
+        p.error(f"no trace under {args.data}/traces/alibaba-gpu-v2025 (pass --data)")
+    scenario = build(args.data, models=args.models, start_day=args.start_day, days=args.days,
+                     seconds_per_trace_step=args.seconds_per_hour, seed=args.seed)
+    print(describe(scenario), flush=True)
+    results: dict[str, Result] = {}
+    for policy in policies:
+        results[policy] = r = run_policy(policy, scenario)
+        print(f"  {policy}: done in {r.seconds:.0f} s", flush=True)
+        for u in r.unplaced:
+            print(f"    not placed: {u}")
+    print(table(results))
+    for target, measured, met in verdicts(results):
+        print(f"{'MET ' if met else 'MISS'} {target}: {measured}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({p: {k: v for k, v in asdict(r).items() if k != "series"}
+                                                  for p, r in results.items()}, indent=1))
+    if plot(results, scenario, out / "replay.png"):
+        print(f"wrote {out / 'results.json'} and {out / 'replay.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The replay benchmark's parts (bench/replay): the serving model's rules one by one with hand-computed times, the
+trace's live counts, gpud's control plane driven in the model's time on a small synthetic step, and the verdict
+arithmetic. The benchmark's figures themselves are in docs/benchmarks.md, not asserted here."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from replay import alibaba, des  # noqa: E402
+from replay.control import ModelSpec, config_pbtxt, instances_needed  # noqa: E402
+from replay.des import Kind, Serving, SimDevice, SimModel  # noqa: E402
+
+GIB = 2**30
+# 10 ms alone for 1 row, 12 ms for 2, 20 ms for 4 (linear between, proportional beyond 4)
+KIND = Kind("k", ((1, 0.010), (2, 0.012), (4, 0.020)), share=0.5)
+
+
+def serving(arrivals: dict[str, list[float]], *, capacity: float = 1.0, max_batch: int = 4, timeout_s: float = 30.0,
+            kind: Kind = KIND) -> Serving:
+    models = [SimModel(name, "1", kind, max_batch, np.asarray(ts, dtype=float)) for name, ts in arrivals.items()]
+    return Serving([SimDevice("gpu0", capacity, True), SimDevice("cpu", 2.0, False)], models, slo_queue_s=0.005,
+                   timeout_s=timeout_s)
+
+
+def instance(s: Serving, model: str, device: str = "gpu0", memory: int = GIB) -> des.SimInstance:
+    inst = s.add_instance(f"{model}#{len(s.models[(model, '1')].instances)}", s.models[(model, "1")], device, memory)
+    s.ready(inst)
+    return inst
+
+
+class TestKind:
+    @pytest.mark.parametrize("rows, seconds", [
+        (1, 0.010), (2, 0.012),
+        (3, 0.016),  # halfway between 12 ms (2 rows) and 20 ms (4 rows)
+        (8, 0.040),  # beyond the largest measured: 20 ms x 8 / 4
+    ])
+    def test_batch_time(self, rows, seconds):
+        assert KIND.seconds(rows) == pytest.approx(seconds)
+
+
+class TestServing:
+    def test_a_free_instance_takes_what_is_queued_up_to_the_max_batch(self):
+        # 5 requests at t=0 on one instance, max batch 4: a batch of 4 (20 ms alone; share 0.5 <= capacity 1, so at
+        # full speed) from 0 to 0.020, then the 5th alone (10 ms) to 0.030, having queued 20 ms.
+        s = serving({"m": [0.0] * 5})
+        instance(s, "m")
+        s.finish(1.0)
+        m = s.models[("m", "1")]
+        assert (m.stats.execution_count, m.stats.inference_count) == (2, 5)
+        assert sorted(m.stats.batches) == [1, 4]
+        assert m.stats.batches[4].compute_infer.ns == pytest.approx(20e6, rel=1e-6)
+        assert m.stats.queue.ns == pytest.approx(4 * 0 + 20e6, rel=1e-6)
+        assert (m.served, m.within_slo) == (5, 4)  # 20 ms > the 5 ms SLO for the last one
+
+    def test_batches_on_one_device_share_it_up_to_their_caps(self):
+        # Two models, each one request at t=0, share 0.8 on a capacity-1 GPU: the fair part is 0.5 each, below the
+        # cap, so each runs at 0.5 / 0.8 = 0.625 of its speed: 10 ms of work takes 16 ms.
+        k = Kind("big", ((1, 0.010),), share=0.8)
+        s = serving({"a": [0.0], "b": [0.0]}, kind=k)
+        instance(s, "a")
+        instance(s, "b")
+        s.finish(1.0)
+        for name in ("a", "b"):
+            assert s.models[(name, "1")].stats.batches[1].compute_infer.ns == pytest.approx(16e6, rel=1e-6)
+
+    def test_small_batches_overlap_at_full_speed(self):
+        # share 0.5 each: 0.5 + 0.5 <= 1, both at full speed: 10 ms each
+        s = serving({"a": [0.0], "b": [0.0]})
+        instance(s, "a")
+        instance(s, "b")
+        s.finish(1.0)
+        assert s.models[("a", "1")].stats.batches[1].compute_infer.ns == pytest.approx(10e6, rel=1e-6)
+
+    def test_a_small_mig_slice_runs_a_big_model_slower(self):
+        # capacity 1/7 for a share-0.5 batch: speed (1/7) / 0.5 = 0.2857, 10 ms of work takes 35 ms
+        s = serving({"m": [0.0]}, capacity=1 / 7)
+        instance(s, "m")
+        s.finish(1.0)
+        assert s.models[("m", "1")].stats.batches[1].compute_infer.ns == pytest.approx(35e6, rel=1e-6)
+
+    def test_speeds_change_when_a_batch_joins(self):
+        # share 0.8, capacity 1. a starts alone at 0 (speed 1): 10 ms of work. b joins at 5 ms: both at 0.625.
+        # a has 5 ms of work left: 5 / 0.625 = 8 ms, done at 13 ms (13 ms in all). b: 0.625 speed for 8 ms = 5 ms
+        # of work done, 5 left alone at speed 1: done at 18 ms (13 ms in all).
+        k = Kind("big", ((1, 0.010),), share=0.8)
+        s = serving({"a": [0.0], "b": [0.005]}, kind=k)
+        instance(s, "a")
+        instance(s, "b")
+        s.finish(1.0)
+        assert s.models[("a", "1")].stats.batches[1].compute_infer.ns == pytest.approx(13e6, rel=1e-6)
+        assert s.models[("b", "1")].stats.batches[1].compute_infer.ns == pytest.approx(13e6, rel=1e-6)
+
+    def test_requests_older_than_the_timeout_fail(self):
+        # No instance until t=40: the requests of t=0 and t=5 have waited over 30 s, the one of t=20 has not.
+        s = serving({"m": [0.0, 5.0, 20.0]})
+        s.at(40.0, lambda: instance(s, "m"))
+        s.finish(60.0)
+        m = s.models[("m", "1")]
+        assert (m.failed, m.served, m.stats.fail.count) == (2, 1, 2)
+
+    def test_a_model_with_no_instance_asks_for_one_at_each_arrival(self):
+        s = serving({"m": [1.0, 2.0]})
+        asked = []
+        s.on_no_instance = lambda m: asked.append(s.now_s)
+        s.finish(5.0)
+        assert asked == [1.0, 2.0]
+        assert s.models[("m", "1")].failed == 2  # never served: failed at the end
+
+    def test_a_removed_instance_finishes_its_batch_and_holds_memory_until_then(self):
+        # One request at 0 (10 ms alone). Removed at 5 ms: it finishes at 10 ms, then its 1 GiB is free.
+        s = serving({"m": [0.0]})
+        inst = instance(s, "m")
+        s.at(0.005, lambda: s.remove_instance(inst))
+        s.finish(1.0)
+        assert s.models[("m", "1")].served == 1 and not s.models[("m", "1")].instances
+        assert s.memory_byte_seconds == pytest.approx(GIB * 0.010)
+
+    def test_cpu_memory_is_not_gpu_memory(self):
+        s = serving({"m": []})
+        instance(s, "m", device="cpu")
+        s.finish(10.0)
+        assert s.memory_byte_seconds == 0
+
+    def test_poisson_arrivals_follow_the_rate(self):
+        t = des.poisson_arrivals([100.0, 0.0, 300.0], 10.0, np.random.default_rng(0))
+        assert np.all(np.diff(t) >= 0)
+        counts = np.histogram(t, bins=[0, 10, 20, 30])[0]
+        # 1000, 0 and 3000 expected; Poisson noise is ~sqrt(n)
+        assert abs(counts[0] - 1000) < 150 and counts[1] == 0 and abs(counts[2] - 3000) < 250
+
+
+class TestTrace:
+    def test_live_counts(self):
+        # created -inf (before the trace), 10, 10; deleted 25, +inf, 15
+        spans = [(-math.inf, 25.0), (10.0, math.inf), (10.0, 15.0)]
+        # t = 0, 10, 20, 30: 1; 3 (created at 10 counts at 10); 2 (deleted at 15); 1 (deleted at 25)
+        assert alibaba.live_counts(spans, 0.0, 10.0, 4) == (1, 3, 2, 1)
+
+    def test_dynamic_services_are_chosen_by_how_much_they_move(self):
+        flat = alibaba.ServiceCurve("flat", (10,) * 8)
+        steady_step = alibaba.ServiceCurve("step", (2, 2, 2, 2, 10, 10, 10, 10))  # moves 8 / 10
+        jumpy = alibaba.ServiceCurve("jumpy", (0, 8, 0, 8, 0, 8, 0, 8))  # moves 56 / 8 = 7
+        small = alibaba.ServiceCurve("small", (0, 2, 0, 2, 0, 2, 0, 2))  # peak 2 < 4: left out
+        chosen = alibaba.select_dynamic([flat, steady_step, jumpy, small], 3)
+        assert [c.app for c in chosen] == ["jumpy", "step"]
+
+
+class TestControlPlane:
+    def test_gpud_follows_a_load_step_in_the_models_time(self, tmp_path):
+        """One model on the 8-GPU node: 30 req/s, then 250 (one instance takes 4 / 20 ms = 200 at full batches),
+        then 30 again. gpud's own hints, controller and placement service scale it up within the step and back
+        down after it, with no flapping."""
+        from replay.policies import run_controlled, settings_for
+        from replay.scenario import Scenario
+
+        kind = Kind("k", ((1, 0.010), (2, 0.012), (4, 0.020)), share=0.3)
+        rates = np.concatenate([np.full(100, 30.0), np.full(150, 250.0), np.full(250, 30.0)])
+        spec = ModelSpec("m", "k", 4 * GIB, 3.0, compute_fraction=0.24, min_instances=1)
+        scenario = Scenario({"m": spec}, {"k": kind}, {"m": "synthetic"}, {"m": 250.0}, {"m": rates}, 500.0, 20.0,
+                            0.2, 0.8, 30.0, 3600.0)
+        settings = settings_for(scenario, incremental=True, scale_down_s=60.0, idle_unload_s=600.0)
+        result = run_controlled("gpud", scenario, settings, workdir=tmp_path)
+        instances = dict(zip(result.series["t"], result.series["instances"]))
+        assert max(n for t, n in instances.items() if 100 < t < 250) >= 2  # 250 / (200 x 0.8) = 1.6 -> 2
+        assert instances[max(instances)] == 1  # back to one after the step
+        assert result.flaps == 0 and result.steps["add"] >= 1 and result.steps["remove"] >= 1
+        assert result.slo_attainment > 0.9
+
+    def test_config_and_sizing(self):
+        spec = ModelSpec("m", "k", GIB, 1.0, compute_fraction=0.24, min_instances=0, max_instances=3, threads=1)
+        text = config_pbtxt(spec)
+        assert "kind: KIND_GPU" in text and '"gpud_compute_fraction" value: { string_value: "0.24" }' in text
+        assert '"gpud_max_instances" value: { string_value: "3" }' in text and "intra_op_thread_count" in text
+        # 250 / (200 x 0.8) = 1.5625 -> 2; no load still needs one
+        assert instances_needed(250.0, 200.0, 0.8) == 2 and instances_needed(0.0, 200.0, 0.8) == 1
+
+
+def test_verdicts_are_ratios_within_the_run():
+    from replay.policies import Result
+    from replay.run import verdicts
+
+    def r(policy, slo, mem, loads, flaps=0):
+        return Result(policy, slo, 1000, 0, 1.0, mem, loads, loads, flaps=flaps)
+
+    out = verdicts({"peak": r("peak", 1.0, 100.0, 0), "scratch": r("scratch", 0.9, 80.0, 100),
+                    "gpud": r("gpud", 0.995, 55.0, 10)})
+    # SLO 99.5% >= 99%; 55 / 100 = 0.55x <= 0.6x; (10 + 10) / (100 + 100) = 0.10x <= 0.2x; 0 flaps
+    assert [(t.split()[0], met) for t, _, met in out] == [("SLO", True), ("memory-hours", True), ("moves", True),
+                                                          ("no", True)]
+    out = verdicts({"peak": r("peak", 1.0, 100.0, 0), "gpud": r("gpud", 0.98, 70.0, 10, flaps=1)})
+    assert [met for _, _, met in out] == [False, False, False]  # 98% < 99%, 0.70x > 0.6x, 1 flap
+
+
+def test_the_validation_reads_both_sides_the_same_way():
+    from executor.stats import ModelStats
+    from replay.validate import figures_from_record, queue_share_from_metrics
+
+    st = ModelStats()
+    # 4 requests queued 0, 50, 100 and 200 ms in one batch of 4 rows (20 ms): 3 of 4 within the 100 ms SLO
+    st.record_batch(4, [0, 50_000_000, 100_000_000, 200_000_000], [0] * 4, 0, 20_000_000, 0, 0)
+    f = figures_from_record(st, [(0.0, 1), (10.0, 2), (20.0, 2)])  # 1 instance for 10 s, 2 for 10 s: 30
+    assert (f.requests, f.within_slo, f.rows_per_batch, f.instance_seconds) == (4, 0.75, 4.0, 30.0)
+    assert f.mean_queue_ms == pytest.approx(87.5)  # (0 + 50 + 100 + 200) / 4
+    text = """# TYPE gpud_model_queue_duration_seconds histogram
+gpud_model_queue_duration_seconds_bucket{model="a",version="1",le="0.05"} 2.0
+gpud_model_queue_duration_seconds_bucket{model="a",version="1",le="0.1"} 3.0
+gpud_model_queue_duration_seconds_bucket{model="a",version="1",le="+Inf"} 4.0
+gpud_model_queue_duration_seconds_count{model="a",version="1"} 4.0
+gpud_model_queue_duration_seconds_sum{model="a",version="1"} 0.35
+"""
+    assert queue_share_from_metrics(text, "a") == 0.75
