@@ -68,6 +68,7 @@ def _version(v: VersionView) -> dict[str, Any]:
         "compute_seconds_avg": (st.compute_input.ns + st.compute_infer.ns + st.compute_output.ns) / n / 1e9
         if n else None,
         "instances": [{"index": i.index, "device": i.device_id, "ready": i.ready, "memory_bytes": i.footprint_bytes,
-                       "measured_by": i.measured_by or "estimate", "provider": i.provider, "error": i.error}
+                       "measured_by": i.measured_by or "estimate", "provider": i.provider,
+                       "load_seconds": i.load_seconds, "error": i.error}
                       for i in v.instances],
     }

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from executor.model_config import InstanceGroup
 from gpud.controller import ControlPolicy
 from gpud.placing.inputs import VersionDemand, build_inputs, planning_devices
@@ -84,7 +86,10 @@ def _sampler(serving: Serving, series: dict[str, list[float]]) -> None:
 
     def sample() -> None:
         models = serving.models.values()
-        within, total = sum(m.within_slo for m in models), sum(m.served + m.failed for m in models)
+        # of the requests that arrived in the window (measured ones), those that were taken within the SLO
+        within = sum(m.within_slo for m in models)
+        total = sum(max(0, m.arrived(serving.now_s) - int(np.searchsorted(m.arrivals_s, serving.measure_from_s)))
+                    for m in models)
         series.setdefault("t", []).append(serving.now_s)
         series.setdefault("memory_gib", []).append(serving.memory_bytes / 2**30)
         series.setdefault("instances", []).append(sum(len(m.instances) for m in models))
