@@ -3,8 +3,11 @@ and an ordered make-before-break diff.
 
 - Fresh plans: when the instance is one-dimensional over identical devices (no constraints, one binding resource)
   it goes to `placement.binpack1d.solve` (heuristics, L2 and arc-flow LP bounds, local search, arc-flow MIP).
-  Otherwise: a best-fit-decreasing greedy over the filter/score framework, device elimination, and, with HiGHS, an
-  aggregated MIP (instances of a model per device as integers) within the time limit.
+  Otherwise (memory and compute, instance caps, constraints): a best-fit-decreasing greedy over the filter/score
+  framework is the first plan (the answer at time limit 0); then, while the gap to the lower bounds of
+  `placement.vector` is open, minimum-bin-slack restarts, device elimination, and the exact aggregated MIP
+  (instances of a model per device as integers, HiGHS) asked for one device fewer: it finds that plan or proves
+  there is none. Measured against OR-Tools CP-SAT in docs/benchmarks.md.
 - Re-plans (`current` given): keep every current instance that is still valid, place what is missing; when that
   leaves something unplaced, plan from scratch too and keep whichever places more, then has fewer moves.
 """
@@ -22,6 +25,11 @@ from placement.model import (
     Assignment, Device, DeviceRejection, InsufficientResource, ModelDemand, Move, Plan, STRATEGIES, Unplaced,
     compute_units, fmt_bytes,
 )
+from placement.vector import SlackParams, dimension_bounds, min_bin_slack
+
+# The exact solver the planner proves plans with: HiGHS through scipy (a main dependency). None when scipy cannot be
+# imported anyway: plans are then heuristic and unproven beyond the simple bounds, and say so (Plan.exact_solver).
+EXACT_SOLVER: str | None = "highs" if binpack1d.highs_available() else None
 
 Clock = Callable[[], float]
 
@@ -77,48 +85,115 @@ def _fresh(devices, demands, config: PlannerConfig, clock, start) -> Plan:
     eligible = {d.name: eligible_devices(d, devices, state.capacity, cache) for d in demands}
     deadline = start + config.time_limit_seconds
     items = [(d, i) for d in demands for i in range(d.instances) if eligible[d.name]]
-    method = "greedy"
+    exact = EXACT_SOLVER if config.use_highs else None
     one_d = _one_dimensional(devices, demands, state, eligible) if config.strategy == "pack" else None
-    exact_lb, proven = None, False
+    bounds: dict[str, int] = {}
+    proof_at: float | None = None
     if one_d is not None:
         assignments, lb1, proven, method = _solve_one_d(one_d, devices, demands, state, config, clock, deadline)
         by_name = {d.name: d for d in demands}
         for a in assignments:
             state.reserve(by_name[a.model], a.instance, a.device)
-        exact_lb = lb1
+        first_plan = clock() - start  # the 1-D stages report no incumbent time of their own
+        bounds[one_d.resource] = lb1
+        if proven:
+            proof_at = clock() - start
     else:
         _greedy(state, items, eligible, config.strategy, demands)
-        if config.strategy == "pack" and config.time_limit_seconds > 0:
-            _eliminate_devices(state, eligible, demands, deadline, clock)
-            method = "greedy+elimination"
+        method = "greedy"
+        first_plan = clock() - start
+        if config.strategy == "pack":
+            state, method, bounds, proof_at = _improve_pack(devices, demands, items, eligible, state, config,
+                                                            clock, start, deadline, exact)
     placed = set(state.where)
     unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
-    lb = lower_bound(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
-                     state.capacity)
-    if exact_lb is not None:
-        lb = max(lb, exact_lb)
+    placed_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed]
+    if not bounds or one_d is not None:
+        bounds = {**dimension_bounds(devices, placed_items, state, eligible), **bounds}
+    lb = max(bounds.values(), default=0)
     used = len(state.used_devices())
-    if (config.strategy == "pack" and one_d is None and not unplaced_items and used > lb
-            and config.use_highs and config.time_limit_seconds > 0 and clock() < deadline):
-        better = _aggregated_mip(devices, demands, state, eligible, deadline - clock(), max_devices=used - 1)
-        if better is not None:
-            new_assign, mip_lb, mip_proven = better
-            lb = max(lb, mip_lb)
-            if new_assign is not None:
-                state = NodeState(devices, config.memory_reserve_bytes)
-                by_name = {d.name: d for d in demands}
-                for a in new_assign:
-                    state.reserve(by_name[a.model], a.instance, a.device)
-                method = "aggregated-mip"
-            proven = proven or mip_proven
-            used = len(state.used_devices())
-    optimal = config.strategy == "pack" and not unplaced_items and (used <= lb or proven)
-    if optimal:
-        lb = used  # proven
+    optimal = config.strategy == "pack" and not unplaced_items and (used <= lb or proof_at is not None)
+    if optimal and proof_at is None:
+        proof_at = clock() - start
     unplaced = tuple(_explain(state, d, i, devices) for d, i in unplaced_items)
     return Plan(placements=tuple(state.assignments()), unplaced=unplaced, devices_used=used,
-                lower_bound=min(lb, used), optimal=optimal,
-                strategy=config.strategy, method=method)
+                lower_bound=used if optimal else min(lb, used), optimal=optimal,
+                strategy=config.strategy, method=method, bounds=tuple(sorted(bounds.items())),
+                exact_solver=exact, first_plan_seconds=first_plan,
+                proof_seconds=proof_at if optimal else None)
+
+
+_SLACK_RESTARTS = 64  # at most, within the time: the first five differ in their stopping fill, then noise
+
+
+def _plan_key(state: NodeState) -> tuple[int, int]:
+    """Better plans place more instances, then use fewer devices."""
+    return (-len(state.where), len(state.used_devices()))
+
+
+def _improve_pack(devices, demands, items, eligible, state: NodeState, config: PlannerConfig, clock, start,
+                  deadline, exact):
+    """The pack strategy's stages after the greedy incumbent, each only while the gap to the lower bound is open
+    and time is left: minimum-bin-slack restarts (up to 40% of the time), device elimination, then the exact
+    aggregated MIP for the rest of the time, which finds a plan with one device fewer or proves there is none.
+    Returns (state, method, bounds, seconds to the proof or None)."""
+    method = "greedy"
+
+    def bounds_of(st: NodeState) -> dict[str, int]:
+        placed = [(d, i) for d, i in items if (d.name, i) in st.where]
+        return dimension_bounds(devices, placed, st, eligible)
+
+    bounds = bounds_of(state)
+
+    def closed(st: NodeState, b: dict[str, int]) -> bool:
+        return len(st.where) == len(items) and len(st.used_devices()) <= max(b.values(), default=0)
+
+    if config.time_limit_seconds <= 0 or closed(state, bounds):
+        return state, method, bounds, None
+    slack_deadline = min(deadline, clock() + 0.4 * config.time_limit_seconds)
+    rounds = (SlackParams(), SlackParams(stop_fill=0.995), SlackParams(stop_fill=0.99),
+              SlackParams(stop_fill=0.98), SlackParams(node_budget=2_000, stop_fill=0.9995))
+    r = 0
+    while clock() < slack_deadline and r < _SLACK_RESTARTS:
+        params = rounds[r % len(rounds)]
+        if r >= len(rounds):
+            params = SlackParams(params.node_budget, params.stop_fill, noise=0.1)
+        built = min_bin_slack(devices, items, eligible, config.memory_reserve_bytes, params=params,
+                              deadline=slack_deadline, clock=clock, seed=config.seed + r)
+        r += 1
+        if built is None:
+            break
+        if _plan_key(built) < _plan_key(state):
+            state, method = built, "min-bin-slack"
+            bounds = bounds_of(state)
+            if closed(state, bounds):
+                return state, method, bounds, None
+    if len(state.where) == len(items) and clock() < deadline:
+        before = len(state.used_devices())
+        _eliminate_devices(state, eligible, demands, min(deadline, clock() + 0.1 * config.time_limit_seconds),
+                           clock)
+        if len(state.used_devices()) < before:
+            method += "+elimination"
+        if closed(state, bounds):
+            return state, method, bounds, None
+    used = len(state.used_devices())
+    if exact is None or len(state.where) < len(items) or clock() >= deadline:
+        return state, method, bounds, None
+    better = _aggregated_mip(devices, demands, state, eligible, deadline - clock(), max_devices=used - 1)
+    if better is None:
+        return state, method, bounds, None
+    new_assign, mip_lb, mip_proven = better
+    if new_assign is not None:
+        st = NodeState(devices, config.memory_reserve_bytes)
+        by_name = {d.name: d for d in demands}
+        for a in new_assign:
+            st.reserve(by_name[a.model], a.instance, a.device)
+        state, method = st, "aggregated-mip"
+    bounds = {**bounds_of(state), "exact": max(mip_lb, 0)}
+    if mip_proven:
+        bounds["exact"] = len(state.used_devices())
+        return state, method, bounds, clock() - start
+    return state, method, bounds, None
 
 
 def _demand(demands, name) -> ModelDemand:
@@ -166,7 +241,8 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
     eligible_sets: dict[int, set[str]] = {}
     cap_mem = {k: c.memory_bytes for k, c in state.capacity.items()}
     cap_cu = {k: c.compute_units for k, c in state.capacity.items()}
-    used_mem, used_cu = state.used_memory, state.used_compute
+    cap_n = {k: c.instances for k, c in state.capacity.items() if c.instances is not None}
+    used_mem, used_cu, members = state.used_memory, state.used_compute, state.members
     for d, i in order:
         ok = eligible_sets.get(id(eligible[d.name]))
         if ok is None:
@@ -179,7 +255,7 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
             m_after, c_after = used_mem[dev] + mem, used_cu[dev] + cu
             if m_after > cap_mem[dev] or (cu and c_after > cap_cu[dev]):
                 continue
-            if spread and not state.fits(d, dev):
+            if (spread or dev in cap_n) and not state.fits(d, dev):
                 continue
             cm = cap_mem[dev]
             key = (m_after / cm if cm else 0.0) + (c_after / cap_cu[dev] if cap_cu[dev] and c_after else 0.0)
@@ -197,7 +273,8 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
                 open_devs.append(best)
         if best is not None:
             state.reserve(d, i, best)
-            if cap_mem[best] - used_mem[best] < min_mem or cap_cu[best] - used_cu[best] < min_cu:
+            if cap_mem[best] - used_mem[best] < min_mem or cap_cu[best] - used_cu[best] < min_cu or \
+                    (best in cap_n and len(members[best]) >= cap_n[best]):
                 open_devs.remove(best)
 
 
@@ -237,34 +314,6 @@ def _eliminate_devices(state: NodeState, eligible, demands, deadline, clock) -> 
                 changed = True
 
 
-def lower_bound(devices: Sequence[Device], items, capacity) -> int:
-    """Devices needed at least: per resource, the fewest devices whose largest capacities add up to the demand;
-    and the instance count of any spread model (one per physical GPU, counted as devices)."""
-    if not items:
-        return 0
-    lb = 1
-    for get_cap, get_req in ((lambda c: c.memory_bytes, lambda d: d.memory_bytes),
-                             (lambda c: c.compute_units, lambda d: compute_units(d.compute_fraction))):
-        total = sum(get_req(d) for d, _ in items)
-        if total <= 0:
-            continue
-        caps = sorted((get_cap(capacity[dv.id]) for dv in devices if dv.healthy), reverse=True)
-        acc, k = 0, 0
-        for c in caps:
-            if acc >= total:
-                break
-            acc += c
-            k += 1
-        lb = max(lb, k)
-    counts: dict[str, int] = {}
-    for d, _ in items:
-        if d.constraints.spread:
-            counts[d.name] = counts.get(d.name, 0) + 1
-    if counts:
-        lb = max(lb, max(counts.values()))
-    return lb
-
-
 # -- one-dimensional special case -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -280,7 +329,7 @@ def _one_dimensional(devices, demands, state: NodeState, eligible) -> _OneD | No
     if not healthy or not demands:
         return None
     caps = {state.capacity[d.id] for d in healthy}
-    if len(caps) != 1:
+    if len(caps) != 1 or next(iter(caps)).instances is not None:
         return None
     ids = tuple(d.id for d in healthy)
     for d in demands:
@@ -356,6 +405,15 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
         put(n_models + 2 * dk + 1, n_pairs + dk, -1.0)
         lo += [-np.inf, -np.inf]; hi += [0, 0]
     r = n_models + 2 * n_dev
+    for dk in range(n_dev):  # instance caps: sum_m n_md <= cap_d y_d
+        cap_n = state.capacity[dev_ids[dk]].instances
+        if cap_n is None:
+            continue
+        for k, (pm, pd) in enumerate(pairs):
+            if pd == dk:
+                put(r, k, 1.0)
+        put(r, n_pairs + dk, -float(cap_n))
+        lo.append(-np.inf); hi.append(0); r += 1
     phys: dict[tuple[int, str], list[int]] = {}
     for k, (pm, pd) in enumerate(pairs):
         if models[pm].constraints.spread:
@@ -470,13 +528,17 @@ def _replan(devices, demands, current: tuple[Assignment, ...], config: PlannerCo
     placements = state.assignments()
     placed = set(state.where)
     unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
-    lb = lower_bound(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
-                     state.capacity)
+    bounds = dimension_bounds(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
+                              state, eligible)
+    lb = max(bounds.values(), default=0)
     used = len(state.used_devices())
+    optimal = config.strategy == "pack" and not unplaced_items and used <= lb
     moves = diff(current, placements, devices, demands, config.memory_reserve_bytes)
     return Plan(placements=tuple(placements), unplaced=tuple(_explain(state, d, i, devices) for d, i in unplaced_items),
-                devices_used=used, lower_bound=lb, optimal=config.strategy == "pack" and not unplaced_items
-                and used <= lb, moves=tuple(moves), strategy=config.strategy, method=f"replan:{method}")
+                devices_used=used, lower_bound=min(lb, used), optimal=optimal, moves=tuple(moves),
+                strategy=config.strategy, method=f"replan:{method}", bounds=tuple(sorted(bounds.items())),
+                exact_solver=EXACT_SOLVER if config.use_highs else None,
+                proof_seconds=clock() - start if optimal else None)
 
 
 def count_moves(current: Sequence[Assignment], new: Sequence[Assignment]) -> int:
