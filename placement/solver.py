@@ -118,9 +118,17 @@ def _fresh(devices, demands, config: PlannerConfig, clock, start) -> Plan:
     unplaced = tuple(_explain(state, d, i, devices) for d, i in unplaced_items)
     return Plan(placements=tuple(state.assignments()), unplaced=unplaced, devices_used=used,
                 lower_bound=used if optimal else min(lb, used), optimal=optimal,
-                strategy=config.strategy, method=method, bounds=tuple(sorted(bounds.items())),
+                strategy=config.strategy, method=method, bounds=_ordered(bounds),
                 exact_solver=exact, first_plan_seconds=first_plan,
                 proof_seconds=proof_at if optimal else None)
+
+
+_BOUND_ORDER = ("memory", "compute", "instances", "conflicts", "spread", "exact")
+
+
+def _ordered(bounds: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(bounds.items(), key=lambda kv: (_BOUND_ORDER.index(kv[0]) if kv[0] in _BOUND_ORDER
+                                                        else len(_BOUND_ORDER), kv[0])))
 
 
 _SLACK_RESTARTS = 64  # at most, within the time: the first five differ in their stopping fill, then noise
@@ -189,7 +197,9 @@ def _improve_pack(devices, demands, items, eligible, state: NodeState, config: P
         for a in new_assign:
             st.reserve(by_name[a.model], a.instance, a.device)
         state, method = st, "aggregated-mip"
-    bounds = {**bounds_of(state), "exact": max(mip_lb, 0)}
+    bounds = bounds_of(state)
+    if mip_lb > 0:
+        bounds["exact"] = mip_lb
     if mip_proven:
         bounds["exact"] = len(state.used_devices())
         return state, method, bounds, clock() - start
@@ -536,7 +546,7 @@ def _replan(devices, demands, current: tuple[Assignment, ...], config: PlannerCo
     moves = diff(current, placements, devices, demands, config.memory_reserve_bytes)
     return Plan(placements=tuple(placements), unplaced=tuple(_explain(state, d, i, devices) for d, i in unplaced_items),
                 devices_used=used, lower_bound=min(lb, used), optimal=optimal, moves=tuple(moves),
-                strategy=config.strategy, method=f"replan:{method}", bounds=tuple(sorted(bounds.items())),
+                strategy=config.strategy, method=f"replan:{method}", bounds=_ordered(bounds),
                 exact_solver=EXACT_SOLVER if config.use_highs else None,
                 proof_seconds=clock() - start if optimal else None)
 
