@@ -4,13 +4,14 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {"inspect": "show devices, placements, queues and latencies of a running gpud",
-            "place": "plan a placement of model instances on devices (offline or live)"}
+            "place": "plan a placement of model instances on devices (offline or live)",
+            "mig": "MIG layout advice: recommend a layout per GPU for a set of models, list MIG profiles"}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: gpudctl {inspect,place} [options]\n\ncommands:")
+        print("usage: gpudctl {inspect,place,mig} [options]\n\ncommands:")
         for name, text in COMMANDS.items():
             print(f"  {name:<8} {text}")
         print("\n'gpudctl COMMAND --help' for a command's options; GPUD_URL sets the default gpud address")
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.cli.inspect import inspect_main
 
         return inspect_main(argv[1:])
+    if argv[0] == "mig":
+        from gpud.cli.mig import mig_main
+
+        return mig_main(argv[1:])
     from gpud.cli.place import place_main
 
     return place_main(argv[1:])
