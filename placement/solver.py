@@ -108,8 +108,8 @@ def _fresh(devices, demands, config: PlannerConfig, clock, start) -> Plan:
     placed = set(state.where)
     unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
     placed_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed]
-    if not bounds or one_d is not None:
-        bounds = {**dimension_bounds(devices, placed_items, state, eligible), **bounds}
+    if not bounds and one_d is None:
+        bounds = dimension_bounds(devices, placed_items, state, eligible)
     lb = max(bounds.values(), default=0)
     used = len(state.used_devices())
     optimal = config.strategy == "pack" and not unplaced_items and (used <= lb or proof_at is not None)
@@ -249,6 +249,7 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
     min_cu = min((compute_units(d.compute_fraction) for d, _ in order), default=0)
     open_devs: list[str] = [dev for dev in state.order if state.members[dev]]
     eligible_sets: dict[int, set[str]] = {}
+    empty_classes: dict[int, list[list]] = {}
     cap_mem = {k: c.memory_bytes for k, c in state.capacity.items()}
     cap_cu = {k: c.compute_units for k, c in state.capacity.items()}
     cap_n = {k: c.instances for k, c in state.capacity.items() if c.instances is not None}
@@ -272,11 +273,20 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
             if key > best_key:
                 best, best_key = dev, key
         if best is None:
+            # open an empty device. Empty devices with the same capacity and parent score the same, so only the
+            # first unopened one of each such class (in the model's device order) is scored.
             best_key2 = None
-            for dev in eligible[d.name]:
-                if state.members[dev] or not state.fits(d, dev):
+            for cls in _empty_classes(state, eligible[d.name], empty_classes):
+                group, k = cls
+                while k < len(group) and state.members[group[k][1]]:
+                    k += 1
+                cls[1] = k
+                if k == len(group):
                     continue
-                key2 = (state.physical_used.get(state.devices[dev].physical_id, 0) > 0, score(state, d, dev))
+                pos, dev = group[k]
+                if not state.fits(d, dev):
+                    continue
+                key2 = (state.physical_used.get(state.devices[dev].physical_id, 0) > 0, score(state, d, dev), -pos)
                 if best_key2 is None or key2 > best_key2:
                     best, best_key2 = dev, key2
             if best is not None:
@@ -286,6 +296,18 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
             if cap_mem[best] - used_mem[best] < min_mem or cap_cu[best] - used_cu[best] < min_cu or \
                     (best in cap_n and len(members[best]) >= cap_n[best]):
                 open_devs.remove(best)
+
+
+def _empty_classes(state: NodeState, devices: list[str], memo: dict[int, list[list]]) -> list[list]:
+    """`devices` grouped by (capacity, parent GPU), each group a [[(position, device id), ...], next index] pair;
+    memoized per list object (the eligible lists are shared between models with the same constraints)."""
+    got = memo.get(id(devices))
+    if got is None:
+        groups: dict[tuple, list[tuple[int, str]]] = {}
+        for pos, dev in enumerate(devices):
+            groups.setdefault((state.capacity[dev], state.devices[dev].parent_id), []).append((pos, dev))
+        got = memo[id(devices)] = [[g, 0] for g in groups.values()]
+    return got
 
 
 def _eliminate_devices(state: NodeState, eligible, demands, deadline, clock) -> None:

@@ -229,7 +229,14 @@ def conflict_clique(items: Sequence[Item], state: NodeState, eligible: dict[str,
         demand_of[d.name] = d
     size = item_size(state)
     models = sorted(demand_of.values(), key=lambda d: (-size(d), d.name))[:max_items]
-    elig = {d.name: set(eligible.get(d.name, ())) for d in models}
+    sets_by_list: dict[int, frozenset[str]] = {}  # eligible lists are shared between models: one set per list
+    elig = {}
+    for d in models:
+        lst = eligible.get(d.name, [])
+        got = sets_by_list.get(id(lst))
+        if got is None:
+            got = sets_by_list[id(lst)] = frozenset(lst)
+        elig[d.name] = got
 
     def conflict(a: ModelDemand, b: ModelDemand) -> bool:
         if a.memory_bytes + b.memory_bytes > max_mem:
@@ -238,7 +245,8 @@ def conflict_clique(items: Sequence[Item], state: NodeState, eligible: dict[str,
             return True
         if a is b:  # two instances of one model: apart only when spread
             return a.constraints.spread
-        return elig[a.name].isdisjoint(elig[b.name])
+        ea, eb = elig[a.name], elig[b.name]
+        return ea is not eb and ea.isdisjoint(eb)
 
     clique: list[ModelDemand] = []
     total = 0
