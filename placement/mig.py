@@ -359,7 +359,23 @@ def recommend_layouts(gpus: Sequence[tuple[str, str]], demands: Sequence[ModelDe
     phys = {d.id: d.physical_id for d in devices}
     used = {phys[a.device] for a in rec.plan.placements}
     layouts = tuple(g if g.gpu_id in used else GpuLayout(g.gpu_id, g.model, None) for g in rec.layouts)
-    return MigRecommendation(layouts, rec.gpus_used, rec.unplaced_instances, rec.plan)
+    rec = MigRecommendation(layouts, rec.gpus_used, rec.unplaced_instances, rec.plan)
+    # a GPU split into one full-size instance (7g) whose instances could all run on the GPU itself: MIG off gives
+    # the same compute and more memory; keep the change when the re-plan is no worse
+    needs_mig = {d.name for d in demands if d.constraints.kinds and "gpu" not in d.constraints.kinds}
+    on_gpu: dict[str, set[str]] = {}
+    for a in rec.plan.placements:
+        on_gpu.setdefault(phys[a.device], set()).add(a.model)
+    whole = [g.gpu_id for g in layouts if g.layout is not None and len(g.layout) == 1
+             and gpu_model(g.model).profile(g.layout[0]).compute_slices == gpu_model(g.model).compute_slices
+             and not (on_gpu.get(g.gpu_id, set()) & needs_mig)]
+    if whole:
+        simpler = [None if g.gpu_id in whole else g.layout for g in layouts]
+        alt = evaluate_layouts(gpus, simpler, demands, config=config or PlannerConfig(time_limit_seconds=0.5),
+                               clock=clock)
+        if (alt.unplaced_instances, alt.gpus_used) <= (rec.unplaced_instances, rec.gpus_used):
+            return alt
+    return rec
 
 
 def mig_parted_yaml(rec: MigRecommendation, config_name: str = "gpud-recommended") -> str:
