@@ -187,7 +187,16 @@ def _improve_pack(devices, demands, items, eligible, state: NodeState, config: P
     used = len(state.used_devices())
     if exact is None or len(state.where) < len(items) or clock() >= deadline:
         return state, method, bounds, None
-    better = _aggregated_mip(devices, demands, state, eligible, deadline - clock(), max_devices=used - 1)
+    mip_devices, mip_eligible, symmetric = devices, eligible, False
+    healthy = [d for d in devices if d.healthy]
+    if len({state.capacity[d.id] for d in healthy}) == 1 and all(
+            len(eligible[d.name]) == len(healthy) for d in demands if d.instances):
+        # interchangeable devices: a plan on fewer devices can use the first ones, in order (y_d >= y_d+1)
+        mip_devices, symmetric = healthy[:max(1, used - 1)], True
+        keep = {d.id for d in mip_devices}
+        mip_eligible = {name: [x for x in devs if x in keep] for name, devs in eligible.items()}
+    better = _aggregated_mip(mip_devices, demands, state, mip_eligible, deadline - clock(), max_devices=used - 1,
+                             symmetric=symmetric)
     if better is None:
         return state, method, bounds, None
     new_assign, mip_lb, mip_proven = better
@@ -399,10 +408,12 @@ def _solve_one_d(one: _OneD, devices, demands, state, config, clock, deadline):
 
 # -- aggregated MIP -------------------------------------------------------------------------------------------
 
-def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_seconds: float, max_devices: int):
+def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_seconds: float, max_devices: int,
+                    symmetric: bool = False):
     """min sum(y_d) s.t. sum_d n_md = instances_m, sum_m mem_m n_md <= cap_d y_d (and compute), n_md <= [spread]
-    per physical GPU. n_md are integer instance counts, so identical instances cause no symmetry.
-    Returns (assignments or None, lower bound, proven) or None without HiGHS."""
+    per physical GPU. n_md are integer instance counts, so identical instances cause no symmetry; `symmetric`
+    (interchangeable devices) adds y_d >= y_d+1. Returns (assignments or None, lower bound, proven) or None
+    without HiGHS."""
     if time_limit_seconds <= 0 or not binpack1d.highs_available():
         return None
     import numpy as np
@@ -457,6 +468,11 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
     for dk in range(n_dev):
         put(r, n_pairs + dk, 1.0)
     lo.append(-np.inf); hi.append(max_devices); r += 1
+    if symmetric:
+        for dk in range(n_dev - 1):
+            put(r, n_pairs + dk, 1.0)
+            put(r, n_pairs + dk + 1, -1.0)
+            lo.append(0); hi.append(np.inf); r += 1
     a = coo_matrix((vals, (rows, cols)), shape=(r, n_var))
     a = a.tocsr()
     c = np.concatenate([np.zeros(n_pairs), np.ones(n_dev)])
