@@ -68,11 +68,14 @@ def min_bin_slack(devices: Sequence[Device], items: Sequence[Item], eligible: di
     eligible_sets = {name: set(devs) for name, devs in eligible.items()}
     use_cu, use_n = dimensions_in_use([d for d, _ in items], state)
     # devices that accept the same models with the same capacity are interchangeable: search one per class
-    accepts: dict[str, list[str]] = {dev: [] for dev in state.order}
-    for name, devs in eligible.items():
+    # (models with the same constraints share one eligible list: a device is described by the lists it is in)
+    accepts: dict[str, list[int]] = {dev: [] for dev in state.order}
+    distinct = {id(devs): devs for devs in eligible.values()}
+    for key, devs in distinct.items():
         for dev in devs:
-            accepts[dev].append(name)
-    signature = {dev: (state.capacity[dev], tuple(sorted(accepts[dev])), state.devices[dev].parent_id is not None)
+            accepts[dev].append(key)
+    # (the parent GPU is part of the class: spread models may sit on one MIG instance of a GPU and not another)
+    signature = {dev: (state.capacity[dev], tuple(sorted(accepts[dev])), state.devices[dev].parent_id)
                  for dev in state.order}
     nodes_checked = [0]
 

@@ -265,3 +265,17 @@ def test_property_random_2d_within_every_capacity(n, seed, strategy):
     assert not p.unplaced
     # compute units are exact integers: each device's sum is compared without rounding
     assert all(compute_units(d.compute_fraction) <= COMPUTE_UNITS for d in demands)
+
+
+def test_the_exact_solver_is_a_main_dependency():
+    """`pip install .` (no extras) must bring HiGHS: scipy is in [project].dependencies, not only in an extra."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    names = [dep.split(">")[0].split("=")[0].split("<")[0].split(";")[0].strip().lower()
+             for dep in project["dependencies"]]
+    assert "scipy" in names
+    from placement.solver import EXACT_SOLVER
+    assert EXACT_SOLVER == "highs"  # installed here, as pip installs it
