@@ -1,14 +1,19 @@
-"""Placement engine benchmark on the classic bin-packing instances with known optima.
+"""Placement engine benchmark: the classic one-dimensional bin-packing instances with known optima, and two-dimensional
+(memory + compute) sets, built with a known optimum or random (bench/placement_sets.py).
 
-Each instance becomes a node of identical devices of the instance's capacity (memory, in bytes) and one model per
-item (memory = the item's weight, one instance), and goes through the public engine, `placement.plan`.
+One-dimensional: each instance becomes a node of identical devices of the instance's capacity (memory, in bytes) and
+one model per item (memory = the item's weight, one instance). Everything goes through the public engine,
+`placement.plan`; the baseline of each 2-D row is the same engine at time limit 0 (the greedy), run in the same run.
 
     .venv/bin/python bench/placement_bench.py --data ../shared/data --time-limit 2 --sets u120 u250
     .venv/bin/python bench/placement_bench.py --data ../shared/data --time-limit 10 --sets t120 t249
+    .venv/bin/python bench/placement_bench.py --time-limit 20 --sets k25 k50 k100 --seeds 10
+    .venv/bin/python bench/placement_bench.py --time-limit 20 --sets r100 r200 r100w --seeds 5
     .venv/bin/python bench/placement_bench.py --heuristics-items 1000
 
 Prints per set: the ratio of devices used to the optimum (mean and worst), how many plans were optimal and how
-many were proven optimal by the engine, the gap of the engine's lower bound, and the time per instance.
+many were proven optimal by the engine, the gap of the engine's lower bound, and the time per instance; for 2-D sets
+also the devices of the greedy (time limit 0), the time to the first plan and to the proof.
 """
 from __future__ import annotations
 
@@ -24,7 +29,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from placement.model import Device, ModelDemand  # noqa: E402
-from placement.solver import PlannerConfig, plan  # noqa: E402
+from placement.solver import EXACT_SOLVER, PlannerConfig, plan  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import placement_sets  # noqa: E402
+
+# 2-D sets: name -> (builder(seed) -> (devices, demands), known optimum or None)
+SETS_2D = {
+    "k25": (lambda seed: placement_sets.known_optimum(25, seed), 25),
+    "k50": (lambda seed: placement_sets.known_optimum(50, seed), 50),
+    "k100": (lambda seed: placement_sets.known_optimum(100, seed), 100),
+    "r100": (lambda seed: placement_sets.random_2d(100, seed), None),
+    "r200": (lambda seed: placement_sets.random_2d(200, seed), None),
+    "r100w": (lambda seed: placement_sets.random_2d(100, seed, 0.1, 0.7), None),
+}
 
 # Proven optima (the OR-Library `best` column is wrong for four of these, see ../shared/data/README.md).
 OPTIMA = {
@@ -97,6 +115,54 @@ def run_set(data: Path, name: str, time_limit: float, use_highs: bool, verbose: 
     }
 
 
+def run_2d(name: str, seeds: int, time_limit: float, use_highs: bool, verbose: bool) -> dict:
+    build, known = SETS_2D[name]
+    rows = []
+    for seed in range(seeds):
+        devices, demands = build(seed)
+        greedy = plan(devices, demands, config=PlannerConfig(time_limit_seconds=0))
+        t0 = time.perf_counter()
+        p = plan(devices, demands, config=PlannerConfig(time_limit_seconds=time_limit, use_highs=use_highs))
+        dt = time.perf_counter() - t0
+        assert not p.unplaced, (name, seed)
+        ref = known if known is not None else p.lower_bound
+        assert p.lower_bound <= (known or p.devices_used) <= p.devices_used, (name, seed, p.lower_bound, known)
+        rows.append((seed, p.devices_used, ref, p.lower_bound, p.optimal, dt, p.first_plan_seconds, p.proof_seconds,
+                     greedy.devices_used, len(demands)))
+        if verbose:
+            print(f"  {name} seed {seed:<3} {len(demands):4d} instances  used {p.devices_used:4d}  "
+                  f"{'opt' if known else 'lb'} {ref:4d}  greedy {greedy.devices_used:4d}  proven {str(p.optimal):5}  "
+                  f"{dt:6.2f} s  {p.method}  {dict(p.bounds)}")
+    ratios = [u / r for _, u, r, *_ in rows]
+    proofs = [r[7] for r in rows if r[7] is not None]
+    return {
+        "set": name, "n": len(rows), "known": known is not None,
+        "instances": statistics.mean(r[9] for r in rows),
+        "ratio_mean": statistics.mean(ratios), "ratio_max": max(ratios),
+        "at_ref": sum(1 for _, u, r, *_ in rows if u == r),
+        "within_plus_one": sum(1 for _, u, r, *_ in rows if u <= r + 1),
+        "proven": sum(1 for r in rows if r[4]),
+        "greedy_ratio": statistics.mean(r[8] / r[2] for r in rows),
+        "first_mean": statistics.mean(r[6] for r in rows),
+        "proof_mean": statistics.mean(proofs) if proofs else float("nan"),
+        "proof_max": max(proofs) if proofs else float("nan"),
+        "time_mean": statistics.mean(r[5] for r in rows), "time_max": max(r[5] for r in rows),
+    }
+
+
+def heuristics_timing_2d(n_items: int, repeats: int, seed: int) -> None:
+    devices, demands = placement_sets.random_2d(n_items, seed)
+    best, used = float("inf"), 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        p = plan(devices, demands, config=PlannerConfig(time_limit_seconds=0))
+        best = min(best, time.perf_counter() - t0)
+        used = p.devices_used
+    print(f"heuristics only, {n_items} items (2-D: memory and compute uniform 1-50% of a GPU): {best * 1000:.1f} ms "
+          f"(best of {repeats}), {used} devices, lower bound {p.lower_bound}, ratio to bound "
+          f"{used / p.lower_bound:.3f}")
+
+
 def heuristics_timing(n_items: int, repeats: int, seed: int) -> None:
     rng = random.Random(seed)
     cap = 80 * 2**30
@@ -117,21 +183,39 @@ def heuristics_timing(n_items: int, repeats: int, seed: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=os.environ.get("GPUD_SHARED_DATA", "../shared/data"))
-    ap.add_argument("--sets", nargs="*", default=["u120", "u250", "t120", "t249"])
+    ap.add_argument("--sets", nargs="*", default=["u120", "u250", "t120", "t249"],
+                    help="1-D: u120 u250 t120 t249 (need --data); 2-D: " + " ".join(SETS_2D))
+    ap.add_argument("--seeds", type=int, default=10, help="instances per 2-D set (default %(default)d)")
     ap.add_argument("--time-limit", type=float, default=2.0, help="seconds per instance")
     ap.add_argument("--no-highs", action="store_true", help="pure Python only (no scipy/HiGHS)")
     ap.add_argument("--heuristics-items", type=int, default=0, help="also time heuristics on N random items")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     data = Path(args.data)
-    if args.sets and not (data / "binpacking").exists():
+    sets_1d = [s for s in args.sets if s not in SETS_2D]
+    sets_2d = [s for s in args.sets if s in SETS_2D]
+    if sets_1d and not (data / "binpacking").exists():
         print(f"no binpacking data under {data}; skipping the reference sets", file=sys.stderr)
-        args.sets = []
-    if args.sets:
+        sets_1d = []
+    print(f"exact solver: {EXACT_SOLVER or 'none (heuristics only)'}")
+    if sets_2d:
+        print(f"2-D: time limit {args.time_limit} s per instance, HiGHS {'off' if args.no_highs else 'on'}; "
+              f"ref = the known optimum (k*) or the engine's lower bound (r*); greedy = the engine at time limit 0")
+        print(f"{'set':<6} {'n':>3} {'inst':>5} {'used/ref mean':>13} {'max':>6} {'=ref':>5} {'<=ref+1':>7} "
+              f"{'proven':>6} {'greedy/ref':>10} {'first plan s':>12} {'proof s mean':>12} {'max':>6} "
+              f"{'s/inst mean':>11} {'max':>6}")
+    for name in sets_2d:
+        r = run_2d(name, args.seeds, args.time_limit, not args.no_highs, args.verbose)
+        print(f"{r['set']:<6} {r['n']:>3} {r['instances']:>5.0f} {r['ratio_mean']:>13.4f} {r['ratio_max']:>6.3f} "
+              f"{r['at_ref']:>5} {r['within_plus_one']:>7} {r['proven']:>6} {r['greedy_ratio']:>10.4f} "
+              f"{r['first_mean']:>12.4f} {r['proof_mean']:>12.2f} {r['proof_max']:>6.2f} {r['time_mean']:>11.2f} "
+              f"{r['time_max']:>6.2f}")
+        sys.stdout.flush()
+    if sets_1d:
         print(f"time limit {args.time_limit} s per instance, HiGHS {'off' if args.no_highs else 'on'}")
         print(f"{'set':<6} {'n':>3} {'used/opt mean':>13} {'max':>6} {'=opt':>5} {'<=opt+1':>7} {'proven':>6} "
               f"{'lb=opt':>6} {'s/inst mean':>11} {'max':>6}")
-    for name in args.sets:
+    for name in sets_1d:
         r = run_set(data, name, args.time_limit, not args.no_highs, args.verbose)
         print(f"{r['set']:<6} {r['n']:>3} {r['ratio_mean']:>13.4f} {r['ratio_max']:>6.3f} {r['at_optimum']:>5} "
               f"{r['within_plus_one']:>7} {r['proven']:>6} {r['lb_equals_opt']:>6} {r['time_mean']:>11.2f} "
@@ -139,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     if args.heuristics_items:
         heuristics_timing(args.heuristics_items, 5, 0)
+        heuristics_timing_2d(args.heuristics_items, 5, 0)
     return 0
 
 

@@ -27,6 +27,7 @@ from gpud.reload import Prepared, Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
 from gpud.inspect_view import InspectView
+from placement.solver import EXACT_SOLVER
 from telemetry.hints import DeviceFree, HintPolicy
 
 log = logging.getLogger("gpud")
@@ -273,6 +274,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     placement = PlacementService(backend, pool, models, device_reserve_bytes=settings.device_reserve_bytes,
                                  strategy=settings.placement_strategy,
                                  time_limit_s=settings.placement_time_limit_seconds)
+    if EXACT_SOLVER is None:
+        log.warning("no exact solver (scipy / HiGHS cannot be imported): placements are heuristic and unproven; "
+                    "install gpud's dependencies (pip install .) to prove them optimal")
     # Not registered: the metrics endpoint appends their fast exposition (render_text) to the registry's.
     metrics = ModelMetrics(models.snapshot, triton_names=settings.triton_metrics, devices=backend)
     hints = HintsSampler(models.snapshot, lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes)

@@ -17,11 +17,13 @@ from placement.model import (
 class Capacity:
     memory_bytes: int  # usable: total minus the reserve
     compute_units: int
+    instances: int | None = None  # the device's instance cap, None: no cap
 
 
 def usable_capacity(device: Device, memory_reserve_bytes: int) -> Capacity:
     reserve = device.memory_reserve_bytes if device.memory_reserve_bytes is not None else memory_reserve_bytes
-    return Capacity(max(0, device.memory_bytes - reserve), compute_units(device.compute_fraction))
+    return Capacity(max(0, device.memory_bytes - reserve), compute_units(device.compute_fraction),
+                    device.instance_cap)
 
 
 def static_reasons(demand: ModelDemand, device: Device) -> list[Reason]:
@@ -71,6 +73,9 @@ class NodeState:
         cu = compute_units(demand.compute_fraction)
         if cu and self.used_compute[device_id] + cu > cap.compute_units:
             reasons.append(InsufficientResource("compute", cu, self.used_compute[device_id], cap.compute_units))
+        n = len(self.members[device_id])
+        if cap.instances is not None and n + 1 > cap.instances:
+            reasons.append(InsufficientResource("instances", 1, n, cap.instances))
         if demand.constraints.spread and self.physical_count.get((demand.name, device.physical_id), 0) > 0:
             reasons.append(ConstraintUnmet("spread", f"model already has an instance on physical GPU "
                                                      f"{device.physical_id!r}"))
@@ -83,6 +88,8 @@ class NodeState:
             return False
         cu = compute_units(demand.compute_fraction)
         if cu and self.used_compute[device_id] + cu > cap.compute_units:
+            return False
+        if cap.instances is not None and len(self.members[device_id]) >= cap.instances:
             return False
         if demand.constraints.spread and \
                 self.physical_count.get((demand.name, self.devices[device_id].physical_id), 0) > 0:
@@ -142,12 +149,37 @@ def score_most_allocated(state: NodeState, demand: ModelDemand, device_id: str) 
 
 
 def score_least_allocated(state: NodeState, demand: ModelDemand, device_id: str) -> float:
-    """Spreading for latency: prefer the emptiest device. 100 - most_allocated."""
+    """The emptiest device by mean fill. 100 - most_allocated."""
     return 100.0 - score_most_allocated(state, demand, device_id)
 
 
+def contention(state: NodeState, device_id: str, demand: ModelDemand | None = None) -> float:
+    """What competes on a device, after adding `demand` if given (0..1): the largest of its memory fill, its
+    compute fill (instances that declare compute), and its instance share (n - 1) / n, the part of the device's
+    time slices that n instances take from each other (0 with one instance, 1/2 with two, 2/3 with three)."""
+    cap = state.capacity[device_id]
+    n = len(state.members[device_id]) + (1 if demand else 0)
+    mem = state.used_memory[device_id] + (demand.memory_bytes if demand else 0)
+    cu = state.used_compute[device_id] + (compute_units(demand.compute_fraction) if demand else 0)
+    parts = [(n - 1) / n if n else 0.0]
+    if cap.memory_bytes:
+        parts.append(mem / cap.memory_bytes)
+    if cap.compute_units and cu:
+        parts.append(cu / cap.compute_units)
+    return max(parts)
+
+
+def score_balanced(state: NodeState, demand: ModelDemand, device_id: str) -> float:
+    """Spreading: prefer the device where the new instance contends least (100 * (1 - contention) after placing),
+    ties to the lower mean fill. An idle MIG slice (one instance, 1 GiB of 10 GiB: contention 0.1 -> 90) wins over
+    a big GPU already running one (two instances: 0.5 -> 50), so two small models do not share a GPU while a slice
+    sits idle; a model that would fill the slice's memory (9 of 10 GiB: 10) goes next to the other instead."""
+    return 100.0 * (1.0 - contention(state, device_id, demand)) + 1e-3 * score_least_allocated(state, demand,
+                                                                                              device_id)
+
+
 Scorer = Callable[[NodeState, ModelDemand, str], float]
-SCORERS: dict[str, Scorer] = {"pack": score_most_allocated, "spread": score_least_allocated}
+SCORERS: dict[str, Scorer] = {"pack": score_most_allocated, "spread": score_balanced}
 
 
 def scorer_for(strategy: str) -> Scorer:
@@ -172,9 +204,11 @@ def eligible_devices(demand: ModelDemand, devices: Iterable[Device], capacity: d
     if static is None:
         ids = [d.id for d in devices if not static_reasons(demand, d)]
         static = (ids, min((capacity[i].memory_bytes for i in ids), default=0),
-                  min((capacity[i].compute_units for i in ids), default=0))
+                  min((capacity[i].compute_units for i in ids), default=0),
+                  any(capacity[i].instances == 0 for i in ids))
         _cache[key] = static
-    ids, min_mem, min_cu = static
-    if demand.memory_bytes <= min_mem and cu <= min_cu:
+    ids, min_mem, min_cu, some_capped_at_zero = static
+    if demand.memory_bytes <= min_mem and cu <= min_cu and not some_capped_at_zero:
         return ids  # every statically eligible device is large enough
-    return [i for i in ids if demand.memory_bytes <= capacity[i].memory_bytes and cu <= capacity[i].compute_units]
+    return [i for i in ids if demand.memory_bytes <= capacity[i].memory_bytes and cu <= capacity[i].compute_units
+            and capacity[i].instances != 0]

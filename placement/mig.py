@@ -351,8 +351,31 @@ def recommend_layouts(gpus: Sequence[tuple[str, str]], demands: Sequence[ModelDe
                 best_left = [it for it in remaining if (it[0].name, it[1]) not in state.where]
         chosen.append(best)
         remaining = best_left
-    return evaluate_layouts(gpus, chosen, demands, config=config or PlannerConfig(time_limit_seconds=0.5),
-                            clock=clock)
+    rec = evaluate_layouts(gpus, chosen, demands, config=config or PlannerConfig(time_limit_seconds=0.5),
+                           clock=clock)
+    # a GPU the plan leaves empty keeps MIG off: nothing gains from partitioning it (the plan does not change)
+    devices = [d for (gpu_id, model_name), layout in zip(gpus, chosen)
+               for d in expand_gpu(gpu_id, gpu_model(model_name), layout)]
+    phys = {d.id: d.physical_id for d in devices}
+    used = {phys[a.device] for a in rec.plan.placements}
+    layouts = tuple(g if g.gpu_id in used else GpuLayout(g.gpu_id, g.model, None) for g in rec.layouts)
+    rec = MigRecommendation(layouts, rec.gpus_used, rec.unplaced_instances, rec.plan)
+    # a GPU split into one full-size instance (7g) whose instances could all run on the GPU itself: MIG off gives
+    # the same compute and more memory; keep the change when the re-plan is no worse
+    needs_mig = {d.name for d in demands if d.constraints.kinds and "gpu" not in d.constraints.kinds}
+    on_gpu: dict[str, set[str]] = {}
+    for a in rec.plan.placements:
+        on_gpu.setdefault(phys[a.device], set()).add(a.model)
+    whole = [g.gpu_id for g in layouts if g.layout is not None and len(g.layout) == 1
+             and gpu_model(g.model).profile(g.layout[0]).compute_slices == gpu_model(g.model).compute_slices
+             and not (on_gpu.get(g.gpu_id, set()) & needs_mig)]
+    if whole:
+        simpler = [None if g.gpu_id in whole else g.layout for g in layouts]
+        alt = evaluate_layouts(gpus, simpler, demands, config=config or PlannerConfig(time_limit_seconds=0.5),
+                               clock=clock)
+        if (alt.unplaced_instances, alt.gpus_used) <= (rec.unplaced_instances, rec.gpus_used):
+            return alt
+    return rec
 
 
 def mig_parted_yaml(rec: MigRecommendation, config_name: str = "gpud-recommended") -> str:
@@ -373,3 +396,30 @@ def mig_parted_yaml(rec: MigRecommendation, config_name: str = "gpud-recommended
             lines.append(f'        "{name}": {n}')
     return "\n".join(lines) + "\n"
 
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """What a set of per-GPU layouts does for a demand, for people comparing layouts."""
+    gpus_used: int  # physical GPUs holding at least one instance
+    devices_used: int  # leaf devices (GPUs with MIG off, MIG instances) holding at least one instance
+    instances_placed: int
+    instances: int
+    memory_fill: float  # memory of the placed instances / memory of the used GPUs (0..1)
+    compute_fill: float  # declared compute of the placed instances / the used GPUs (0..1)
+
+
+def summarize(rec: MigRecommendation, demands: Sequence[ModelDemand]) -> LayoutSummary:
+    by_name = {d.name: d for d in demands}
+    gpu_of = {}
+    for g in rec.layouts:
+        for dev in expand_gpu(g.gpu_id, gpu_model(g.model), g.layout):
+            gpu_of[dev.id] = g
+    used_gpus = {gpu_of[a.device].gpu_id: gpu_of[a.device] for a in rec.plan.placements}
+    mem = sum(by_name[a.model].memory_bytes for a in rec.plan.placements)
+    cu = sum(by_name[a.model].compute_fraction for a in rec.plan.placements)
+    cap_mem = sum(gpu_model(g.model).memory_bytes for g in used_gpus.values())
+    return LayoutSummary(gpus_used=len(used_gpus), devices_used=rec.plan.devices_used,
+                         instances_placed=len(rec.plan.placements), instances=sum(d.instances for d in demands),
+                         memory_fill=mem / cap_mem if cap_mem else 0.0,
+                         compute_fill=cu / len(used_gpus) if used_gpus else 0.0)

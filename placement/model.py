@@ -73,6 +73,7 @@ class Device:
     labels: tuple[tuple[str, str], ...] = ()  # e.g. (("gpu.model", "A100-SXM4-80GB"), ("mig.profile", "3g.40gb"))
     parent_id: str | None = None  # the physical GPU of a MIG instance
     memory_reserve_bytes: int | None = None  # overrides the planner's per-device reserve (CUDA context, workspace)
+    instance_cap: int | None = None  # a declared cap on the model instances this device holds (None: no cap)
 
     def __post_init__(self) -> None:
         where = f"device {self.id!r}"
@@ -86,6 +87,9 @@ class Device:
             raise ValueError(f"{where}: kind must be one of {sorted(DEVICE_KINDS)}, got {self.kind!r}")
         if self.memory_reserve_bytes is not None and self.memory_reserve_bytes < 0:
             raise ValueError(f"{where}: memory_reserve_bytes must be >= 0, got {self.memory_reserve_bytes}")
+        if self.instance_cap is not None and (isinstance(self.instance_cap, bool)
+                                              or not isinstance(self.instance_cap, int) or self.instance_cap < 0):
+            raise ValueError(f"{where}: instance_cap must be an integer >= 0 or None, got {self.instance_cap!r}")
         object.__setattr__(self, "labels", _labels(self.labels, where))
 
     @property
@@ -161,7 +165,7 @@ class Assignment:
 
 @dataclass(frozen=True)
 class InsufficientResource:
-    """The device lacks `resource` (memory in bytes, compute in millionths of a GPU)."""
+    """The device lacks `resource` (memory in bytes, compute in millionths of a GPU, instances by count)."""
     resource: str
     requested: int
     used: int
@@ -175,6 +179,8 @@ class InsufficientResource:
         if self.resource == "memory":
             return (f"insufficient memory: requested {_fmt_bytes(self.requested)}, free {_fmt_bytes(self.free)} "
                     f"of {_fmt_bytes(self.capacity)}")
+        if self.resource == "instances":
+            return f"instance cap reached: {self.used} of {self.capacity} instances on the device"
         return (f"insufficient compute: requested {self.requested / COMPUTE_UNITS:.3f}, free "
                 f"{self.free / COMPUTE_UNITS:.3f} of {self.capacity / COMPUTE_UNITS:.3f} GPU")
 
@@ -233,6 +239,17 @@ class Plan:
     strategy: str = "pack"
     method: str = ""
     elapsed_seconds: float = 0.0
+    # the lower bound of each kind that was computed (memory, compute, instances: per dimension; conflicts: items
+    # that pairwise cannot share a device; spread; exact: the exact solver's proof), the largest is `lower_bound`
+    bounds: tuple[tuple[str, int], ...] = ()
+    exact_solver: str | None = None  # the exact solver the planner could use ("highs"), None: heuristics only
+    first_plan_seconds: float = 0.0  # time to the first complete plan (the heuristic incumbent)
+    proof_seconds: float | None = None  # time until optimality was proven, None when it was not
+
+    @property
+    def gap(self) -> int:
+        """Devices used beyond the lower bound (0 when proven optimal)."""
+        return max(0, self.devices_used - self.lower_bound)
 
     def by_device(self) -> dict[str, list[Assignment]]:
         out: dict[str, list[Assignment]] = {}
@@ -255,6 +272,11 @@ class Plan:
                        **({"note": m.note} if m.note else {})} for m in self.moves],
             "strategy": self.strategy,
             "method": self.method,
+            "gap": self.gap,
+            "bounds": dict(self.bounds),
+            "exact_solver": self.exact_solver,
+            "first_plan_seconds": round(self.first_plan_seconds, 6),
+            "proof_seconds": None if self.proof_seconds is None else round(self.proof_seconds, 6),
         }
 
 

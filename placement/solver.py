@@ -3,8 +3,11 @@ and an ordered make-before-break diff.
 
 - Fresh plans: when the instance is one-dimensional over identical devices (no constraints, one binding resource)
   it goes to `placement.binpack1d.solve` (heuristics, L2 and arc-flow LP bounds, local search, arc-flow MIP).
-  Otherwise: a best-fit-decreasing greedy over the filter/score framework, device elimination, and, with HiGHS, an
-  aggregated MIP (instances of a model per device as integers) within the time limit.
+  Otherwise (memory and compute, instance caps, constraints): a best-fit-decreasing greedy over the filter/score
+  framework is the first plan (the answer at time limit 0); then, while the gap to the lower bounds of
+  `placement.vector` is open, minimum-bin-slack restarts, device elimination, and the exact aggregated MIP
+  (instances of a model per device as integers, HiGHS) asked for one device fewer: it finds that plan or proves
+  there is none. Measured against OR-Tools CP-SAT in docs/benchmarks.md.
 - Re-plans (`current` given): keep every current instance that is still valid, place what is missing; when that
   leaves something unplaced, plan from scratch too and keep whichever places more, then has fewer moves.
 """
@@ -22,6 +25,11 @@ from placement.model import (
     Assignment, Device, DeviceRejection, InsufficientResource, ModelDemand, Move, Plan, STRATEGIES, Unplaced,
     compute_units, fmt_bytes,
 )
+from placement.vector import SlackParams, dimension_bounds, min_bin_slack
+
+# The exact solver the planner proves plans with: HiGHS through scipy (a main dependency). None when scipy cannot be
+# imported anyway: plans are then heuristic and unproven beyond the simple bounds, and say so (Plan.exact_solver).
+EXACT_SOLVER: str | None = "highs" if binpack1d.highs_available() else None
 
 Clock = Callable[[], float]
 
@@ -77,48 +85,134 @@ def _fresh(devices, demands, config: PlannerConfig, clock, start) -> Plan:
     eligible = {d.name: eligible_devices(d, devices, state.capacity, cache) for d in demands}
     deadline = start + config.time_limit_seconds
     items = [(d, i) for d in demands for i in range(d.instances) if eligible[d.name]]
-    method = "greedy"
+    exact = EXACT_SOLVER if config.use_highs else None
     one_d = _one_dimensional(devices, demands, state, eligible) if config.strategy == "pack" else None
-    exact_lb, proven = None, False
+    bounds: dict[str, int] = {}
+    proof_at: float | None = None
     if one_d is not None:
         assignments, lb1, proven, method = _solve_one_d(one_d, devices, demands, state, config, clock, deadline)
         by_name = {d.name: d for d in demands}
         for a in assignments:
             state.reserve(by_name[a.model], a.instance, a.device)
-        exact_lb = lb1
+        first_plan = clock() - start  # the 1-D stages report no incumbent time of their own
+        bounds[one_d.resource] = lb1
+        if proven:
+            proof_at = clock() - start
     else:
         _greedy(state, items, eligible, config.strategy, demands)
-        if config.strategy == "pack" and config.time_limit_seconds > 0:
-            _eliminate_devices(state, eligible, demands, deadline, clock)
-            method = "greedy+elimination"
+        method = "greedy"
+        first_plan = clock() - start
+        if config.strategy == "pack":
+            state, method, bounds, proof_at = _improve_pack(devices, demands, items, eligible, state, config,
+                                                            clock, start, deadline, exact)
     placed = set(state.where)
     unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
-    lb = lower_bound(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
-                     state.capacity)
-    if exact_lb is not None:
-        lb = max(lb, exact_lb)
+    placed_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed]
+    if not bounds and one_d is None:
+        bounds = dimension_bounds(devices, placed_items, state, eligible)
+    lb = max(bounds.values(), default=0)
     used = len(state.used_devices())
-    if (config.strategy == "pack" and one_d is None and not unplaced_items and used > lb
-            and config.use_highs and config.time_limit_seconds > 0 and clock() < deadline):
-        better = _aggregated_mip(devices, demands, state, eligible, deadline - clock(), max_devices=used - 1)
-        if better is not None:
-            new_assign, mip_lb, mip_proven = better
-            lb = max(lb, mip_lb)
-            if new_assign is not None:
-                state = NodeState(devices, config.memory_reserve_bytes)
-                by_name = {d.name: d for d in demands}
-                for a in new_assign:
-                    state.reserve(by_name[a.model], a.instance, a.device)
-                method = "aggregated-mip"
-            proven = proven or mip_proven
-            used = len(state.used_devices())
-    optimal = config.strategy == "pack" and not unplaced_items and (used <= lb or proven)
-    if optimal:
-        lb = used  # proven
+    optimal = config.strategy == "pack" and not unplaced_items and (used <= lb or proof_at is not None)
+    if optimal and proof_at is None:
+        proof_at = clock() - start
     unplaced = tuple(_explain(state, d, i, devices) for d, i in unplaced_items)
     return Plan(placements=tuple(state.assignments()), unplaced=unplaced, devices_used=used,
-                lower_bound=min(lb, used), optimal=optimal,
-                strategy=config.strategy, method=method)
+                lower_bound=used if optimal else min(lb, used), optimal=optimal,
+                strategy=config.strategy, method=method, bounds=_ordered(bounds),
+                exact_solver=exact, first_plan_seconds=first_plan,
+                proof_seconds=proof_at if optimal else None)
+
+
+_BOUND_ORDER = ("memory", "compute", "instances", "conflicts", "spread", "exact")
+
+
+def _ordered(bounds: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(bounds.items(), key=lambda kv: (_BOUND_ORDER.index(kv[0]) if kv[0] in _BOUND_ORDER
+                                                        else len(_BOUND_ORDER), kv[0])))
+
+
+_SLACK_RESTARTS = 64  # at most, within the time: the first five differ in their stopping fill, then noise
+
+
+def _plan_key(state: NodeState) -> tuple[int, int]:
+    """Better plans place more instances, then use fewer devices."""
+    return (-len(state.where), len(state.used_devices()))
+
+
+def _improve_pack(devices, demands, items, eligible, state: NodeState, config: PlannerConfig, clock, start,
+                  deadline, exact):
+    """The pack strategy's stages after the greedy incumbent, each only while the gap to the lower bound is open
+    and time is left: minimum-bin-slack restarts (up to 40% of the time), device elimination, then the exact
+    aggregated MIP for the rest of the time, which finds a plan with one device fewer or proves there is none.
+    Returns (state, method, bounds, seconds to the proof or None)."""
+    method = "greedy"
+
+    def bounds_of(st: NodeState) -> dict[str, int]:
+        placed = [(d, i) for d, i in items if (d.name, i) in st.where]
+        return dimension_bounds(devices, placed, st, eligible)
+
+    bounds = bounds_of(state)
+
+    def closed(st: NodeState, b: dict[str, int]) -> bool:
+        return len(st.where) == len(items) and len(st.used_devices()) <= max(b.values(), default=0)
+
+    if config.time_limit_seconds <= 0 or closed(state, bounds):
+        return state, method, bounds, None
+    slack_deadline = min(deadline, clock() + 0.4 * config.time_limit_seconds)
+    rounds = (SlackParams(), SlackParams(stop_fill=0.995), SlackParams(stop_fill=0.99),
+              SlackParams(stop_fill=0.98), SlackParams(node_budget=2_000, stop_fill=0.9995))
+    r = 0
+    while clock() < slack_deadline and r < _SLACK_RESTARTS:
+        params = rounds[r % len(rounds)]
+        if r >= len(rounds):
+            params = SlackParams(params.node_budget, params.stop_fill, noise=0.1)
+        built = min_bin_slack(devices, items, eligible, config.memory_reserve_bytes, params=params,
+                              deadline=slack_deadline, clock=clock, seed=config.seed + r)
+        r += 1
+        if built is None:
+            break
+        if _plan_key(built) < _plan_key(state):
+            state, method = built, "min-bin-slack"
+            bounds = bounds_of(state)
+            if closed(state, bounds):
+                return state, method, bounds, None
+    if len(state.where) == len(items) and clock() < deadline:
+        before = len(state.used_devices())
+        _eliminate_devices(state, eligible, demands, min(deadline, clock() + 0.1 * config.time_limit_seconds),
+                           clock)
+        if len(state.used_devices()) < before:
+            method += "+elimination"
+        if closed(state, bounds):
+            return state, method, bounds, None
+    used = len(state.used_devices())
+    if exact is None or len(state.where) < len(items) or clock() >= deadline:
+        return state, method, bounds, None
+    mip_devices, mip_eligible, symmetric = devices, eligible, False
+    healthy = [d for d in devices if d.healthy]
+    if len({state.capacity[d.id] for d in healthy}) == 1 and all(
+            len(eligible[d.name]) == len(healthy) for d in demands if d.instances):
+        # interchangeable devices: a plan on fewer devices can use the first ones, in order (y_d >= y_d+1)
+        mip_devices, symmetric = healthy[:max(1, used - 1)], True
+        keep = {d.id for d in mip_devices}
+        mip_eligible = {name: [x for x in devs if x in keep] for name, devs in eligible.items()}
+    better = _aggregated_mip(mip_devices, demands, state, mip_eligible, deadline - clock(), max_devices=used - 1,
+                             symmetric=symmetric)
+    if better is None:
+        return state, method, bounds, None
+    new_assign, mip_lb, mip_proven = better
+    if new_assign is not None:
+        st = NodeState(devices, config.memory_reserve_bytes)
+        by_name = {d.name: d for d in demands}
+        for a in new_assign:
+            st.reserve(by_name[a.model], a.instance, a.device)
+        state, method = st, "aggregated-mip"
+    bounds = bounds_of(state)
+    if mip_lb > 0:
+        bounds["exact"] = mip_lb
+    if mip_proven:
+        bounds["exact"] = len(state.used_devices())
+        return state, method, bounds, clock() - start
+    return state, method, bounds, None
 
 
 def _demand(demands, name) -> ModelDemand:
@@ -164,9 +258,11 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
     min_cu = min((compute_units(d.compute_fraction) for d, _ in order), default=0)
     open_devs: list[str] = [dev for dev in state.order if state.members[dev]]
     eligible_sets: dict[int, set[str]] = {}
+    empty_classes: dict[int, list[list]] = {}
     cap_mem = {k: c.memory_bytes for k, c in state.capacity.items()}
     cap_cu = {k: c.compute_units for k, c in state.capacity.items()}
-    used_mem, used_cu = state.used_memory, state.used_compute
+    cap_n = {k: c.instances for k, c in state.capacity.items() if c.instances is not None}
+    used_mem, used_cu, members = state.used_memory, state.used_compute, state.members
     for d, i in order:
         ok = eligible_sets.get(id(eligible[d.name]))
         if ok is None:
@@ -179,26 +275,48 @@ def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
             m_after, c_after = used_mem[dev] + mem, used_cu[dev] + cu
             if m_after > cap_mem[dev] or (cu and c_after > cap_cu[dev]):
                 continue
-            if spread and not state.fits(d, dev):
+            if (spread or dev in cap_n) and not state.fits(d, dev):
                 continue
             cm = cap_mem[dev]
             key = (m_after / cm if cm else 0.0) + (c_after / cap_cu[dev] if cap_cu[dev] and c_after else 0.0)
             if key > best_key:
                 best, best_key = dev, key
         if best is None:
+            # open an empty device. Empty devices with the same capacity and parent score the same, so only the
+            # first unopened one of each such class (in the model's device order) is scored.
             best_key2 = None
-            for dev in eligible[d.name]:
-                if state.members[dev] or not state.fits(d, dev):
+            for cls in _empty_classes(state, eligible[d.name], empty_classes):
+                group, k = cls
+                while k < len(group) and state.members[group[k][1]]:
+                    k += 1
+                cls[1] = k
+                if k == len(group):
                     continue
-                key2 = (state.physical_used.get(state.devices[dev].physical_id, 0) > 0, score(state, d, dev))
+                pos, dev = group[k]
+                if not state.fits(d, dev):
+                    continue
+                key2 = (state.physical_used.get(state.devices[dev].physical_id, 0) > 0, score(state, d, dev), -pos)
                 if best_key2 is None or key2 > best_key2:
                     best, best_key2 = dev, key2
             if best is not None:
                 open_devs.append(best)
         if best is not None:
             state.reserve(d, i, best)
-            if cap_mem[best] - used_mem[best] < min_mem or cap_cu[best] - used_cu[best] < min_cu:
+            if cap_mem[best] - used_mem[best] < min_mem or cap_cu[best] - used_cu[best] < min_cu or \
+                    (best in cap_n and len(members[best]) >= cap_n[best]):
                 open_devs.remove(best)
+
+
+def _empty_classes(state: NodeState, devices: list[str], memo: dict[int, list[list]]) -> list[list]:
+    """`devices` grouped by (capacity, parent GPU), each group a [[(position, device id), ...], next index] pair;
+    memoized per list object (the eligible lists are shared between models with the same constraints)."""
+    got = memo.get(id(devices))
+    if got is None:
+        groups: dict[tuple, list[tuple[int, str]]] = {}
+        for pos, dev in enumerate(devices):
+            groups.setdefault((state.capacity[dev], state.devices[dev].parent_id), []).append((pos, dev))
+        got = memo[id(devices)] = [[g, 0] for g in groups.values()]
+    return got
 
 
 def _eliminate_devices(state: NodeState, eligible, demands, deadline, clock) -> None:
@@ -237,34 +355,6 @@ def _eliminate_devices(state: NodeState, eligible, demands, deadline, clock) -> 
                 changed = True
 
 
-def lower_bound(devices: Sequence[Device], items, capacity) -> int:
-    """Devices needed at least: per resource, the fewest devices whose largest capacities add up to the demand;
-    and the instance count of any spread model (one per physical GPU, counted as devices)."""
-    if not items:
-        return 0
-    lb = 1
-    for get_cap, get_req in ((lambda c: c.memory_bytes, lambda d: d.memory_bytes),
-                             (lambda c: c.compute_units, lambda d: compute_units(d.compute_fraction))):
-        total = sum(get_req(d) for d, _ in items)
-        if total <= 0:
-            continue
-        caps = sorted((get_cap(capacity[dv.id]) for dv in devices if dv.healthy), reverse=True)
-        acc, k = 0, 0
-        for c in caps:
-            if acc >= total:
-                break
-            acc += c
-            k += 1
-        lb = max(lb, k)
-    counts: dict[str, int] = {}
-    for d, _ in items:
-        if d.constraints.spread:
-            counts[d.name] = counts.get(d.name, 0) + 1
-    if counts:
-        lb = max(lb, max(counts.values()))
-    return lb
-
-
 # -- one-dimensional special case -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -280,7 +370,7 @@ def _one_dimensional(devices, demands, state: NodeState, eligible) -> _OneD | No
     if not healthy or not demands:
         return None
     caps = {state.capacity[d.id] for d in healthy}
-    if len(caps) != 1:
+    if len(caps) != 1 or next(iter(caps)).instances is not None:
         return None
     ids = tuple(d.id for d in healthy)
     for d in demands:
@@ -318,10 +408,12 @@ def _solve_one_d(one: _OneD, devices, demands, state, config, clock, deadline):
 
 # -- aggregated MIP -------------------------------------------------------------------------------------------
 
-def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_seconds: float, max_devices: int):
+def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_seconds: float, max_devices: int,
+                    symmetric: bool = False):
     """min sum(y_d) s.t. sum_d n_md = instances_m, sum_m mem_m n_md <= cap_d y_d (and compute), n_md <= [spread]
-    per physical GPU. n_md are integer instance counts, so identical instances cause no symmetry.
-    Returns (assignments or None, lower bound, proven) or None without HiGHS."""
+    per physical GPU. n_md are integer instance counts, so identical instances cause no symmetry; `symmetric`
+    (interchangeable devices) adds y_d >= y_d+1. Returns (assignments or None, lower bound, proven) or None
+    without HiGHS."""
     if time_limit_seconds <= 0 or not binpack1d.highs_available():
         return None
     import numpy as np
@@ -356,6 +448,15 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
         put(n_models + 2 * dk + 1, n_pairs + dk, -1.0)
         lo += [-np.inf, -np.inf]; hi += [0, 0]
     r = n_models + 2 * n_dev
+    for dk in range(n_dev):  # instance caps: sum_m n_md <= cap_d y_d
+        cap_n = state.capacity[dev_ids[dk]].instances
+        if cap_n is None:
+            continue
+        for k, (pm, pd) in enumerate(pairs):
+            if pd == dk:
+                put(r, k, 1.0)
+        put(r, n_pairs + dk, -float(cap_n))
+        lo.append(-np.inf); hi.append(0); r += 1
     phys: dict[tuple[int, str], list[int]] = {}
     for k, (pm, pd) in enumerate(pairs):
         if models[pm].constraints.spread:
@@ -367,6 +468,11 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
     for dk in range(n_dev):
         put(r, n_pairs + dk, 1.0)
     lo.append(-np.inf); hi.append(max_devices); r += 1
+    if symmetric:
+        for dk in range(n_dev - 1):
+            put(r, n_pairs + dk, 1.0)
+            put(r, n_pairs + dk + 1, -1.0)
+            lo.append(0); hi.append(np.inf); r += 1
     a = coo_matrix((vals, (rows, cols)), shape=(r, n_var))
     a = a.tocsr()
     c = np.concatenate([np.zeros(n_pairs), np.ones(n_dev)])
@@ -470,13 +576,17 @@ def _replan(devices, demands, current: tuple[Assignment, ...], config: PlannerCo
     placements = state.assignments()
     placed = set(state.where)
     unplaced_items = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in placed]
-    lb = lower_bound(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
-                     state.capacity)
+    bounds = dimension_bounds(devices, [(d, i) for d in demands for i in range(d.instances) if (d.name, i) in placed],
+                              state, eligible)
+    lb = max(bounds.values(), default=0)
     used = len(state.used_devices())
+    optimal = config.strategy == "pack" and not unplaced_items and used <= lb
     moves = diff(current, placements, devices, demands, config.memory_reserve_bytes)
     return Plan(placements=tuple(placements), unplaced=tuple(_explain(state, d, i, devices) for d, i in unplaced_items),
-                devices_used=used, lower_bound=lb, optimal=config.strategy == "pack" and not unplaced_items
-                and used <= lb, moves=tuple(moves), strategy=config.strategy, method=f"replan:{method}")
+                devices_used=used, lower_bound=min(lb, used), optimal=optimal, moves=tuple(moves),
+                strategy=config.strategy, method=f"replan:{method}", bounds=_ordered(bounds),
+                exact_solver=EXACT_SOLVER if config.use_highs else None,
+                proof_seconds=clock() - start if optimal else None)
 
 
 def count_moves(current: Sequence[Assignment], new: Sequence[Assignment]) -> int:

@@ -32,7 +32,8 @@ def _where(source: str, path: str) -> str:
 
 def devices_from_data(data: Any, source: str = "<devices>") -> list[Device]:
     """{"devices": [{"id", "memory" | "memory_bytes", "compute", "kind", "healthy", "labels", "parent",
-    "reserve"} | {"id", "model", "mig": [profiles] | null}], "reserve": "1GiB"}"""
+    "reserve", "instance_cap"} | {"id", "model", "mig": [profiles] | null, "instance_cap"}], "reserve": "1GiB"}
+    `instance_cap` caps the model instances on the device (on each MIG instance of a GPU given by model)."""
     if not isinstance(data, dict) or not isinstance(data.get("devices"), list):
         raise ValueError(f"{source}: expected an object with a 'devices' list")
     default_reserve = None
@@ -55,6 +56,11 @@ def devices_from_data(data: Any, source: str = "<devices>") -> list[Device]:
         labels = entry.get("labels") or {}
         if not isinstance(labels, dict):
             raise ValueError(f"{_where(source, path + '.labels')}: expected an object")
+        instance_cap = entry.get("instance_cap")
+        if instance_cap is not None and (isinstance(instance_cap, bool) or not isinstance(instance_cap, int)
+                                         or instance_cap < 0):
+            raise ValueError(f"{_where(source, path + '.instance_cap')}: expected an integer >= 0, got "
+                             f"{instance_cap!r}")
         try:
             if "model" in entry and "memory" not in entry and "memory_bytes" not in entry:
                 model = mig.gpu_model(str(entry["model"]))
@@ -62,9 +68,9 @@ def devices_from_data(data: Any, source: str = "<devices>") -> list[Device]:
                 if layout is not None and not isinstance(layout, list):
                     raise ValueError("mig: expected a list of profile names or null")
                 devs = mig.expand_gpu(dev_id, model, layout, healthy=healthy, labels=labels)
-                if reserve_bytes is not None:
+                if reserve_bytes is not None or instance_cap is not None:
                     devs = [Device(d.id, d.memory_bytes, d.compute_fraction, d.kind, d.healthy, d.labels,
-                                   d.parent_id, reserve_bytes) for d in devs]
+                                   d.parent_id, reserve_bytes, instance_cap) for d in devs]
                 out += devs
                 continue
             mem = entry.get("memory", entry.get("memory_bytes", entry.get("memory_total_bytes")))
@@ -82,7 +88,7 @@ def devices_from_data(data: Any, source: str = "<devices>") -> list[Device]:
             if "model" in entry:
                 labels = {"gpu.model": str(entry["model"]), **labels}
             out.append(Device(dev_id, memory_bytes, float(compute), kind, healthy, labels,
-                              entry.get("parent") or entry.get("parent_id"), reserve_bytes))
+                              entry.get("parent") or entry.get("parent_id"), reserve_bytes, instance_cap))
         except ValueError as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith(source) else f"{_where(source, path)}: {msg}") from None
@@ -181,6 +187,8 @@ def devices_to_data(devices: list[Device]) -> dict[str, Any]:
             row["parent"] = d.parent_id
         if d.memory_reserve_bytes is not None:
             row["reserve"] = d.memory_reserve_bytes
+        if d.instance_cap is not None:
+            row["instance_cap"] = d.instance_cap
         rows.append(row)
     return {"devices": rows}
 

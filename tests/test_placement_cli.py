@@ -106,3 +106,26 @@ def test_model_repository_estimates(tmp_path, capsys):
     assert place_main(["--devices", "dgx-h100", "--models", str(repo), "-o", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [p["model"] for p in out["placements"]] == ["m1", "m1"]
+
+
+def test_without_an_exact_solver_the_output_says_plans_are_unproven(files, capsys, monkeypatch):
+    import placement.solver as solver
+    from placement import binpack1d
+
+    monkeypatch.setattr(solver, "EXACT_SOLVER", None)
+    monkeypatch.setattr(binpack1d, "highs_available", lambda: False)
+    _, devices, models = files
+    assert place_main(["--devices", devices, "--models", models, "--time-limit", "0.2"]) == 0
+    assert "note: no exact solver installed" in capsys.readouterr().out
+    assert place_main(["--devices", devices, "--models", models, "--time-limit", "0.2", "-o", "json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["exact_solver"] is None
+    assert "plans are heuristic and unproven" in captured.err
+
+
+def test_table_reports_bounds_gap_and_times(files, capsys):
+    _, devices, models = files
+    assert place_main(["--devices", devices, "--models", models, "--time-limit", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "lower bound:" in out and "(memory " in out and "first plan" in out
+    assert "no exact solver" not in out

@@ -7,7 +7,8 @@ COMMANDS = {"inspect": "show devices, placements, queues and latencies of a runn
             "place": "plan a placement of model instances on devices (offline or live)",
             "check": "validate this node end to end: readings against nvidia-smi, the serving path on each device",
             "load": "load (or reload) a model of the running gpud's repository",
-            "unload": "unload a model from the running gpud"}
+            "unload": "unload a model from the running gpud",
+            "mig": "MIG layout advice: recommend a layout per GPU for a set of models, list MIG profiles"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.cli.models import models_main
 
         return models_main(argv[0], argv[1:])
+    if argv[0] == "mig":
+        from gpud.cli.mig import mig_main
+
+        return mig_main(argv[1:])
     from gpud.cli.place import place_main
 
     return place_main(argv[1:])

@@ -176,6 +176,25 @@ def _bar(frac: float) -> str:
     return "[" + "#" * n + "." * (_BAR - n) + f"] {frac * 100:5.1f}%"
 
 
+NO_EXACT_SOLVER = ("no exact solver installed (scipy / HiGHS cannot be imported): plans are heuristic and unproven "
+                   "beyond the simple bounds; reinstall gpud with its dependencies (pip install .)")
+
+
+def _bounds_text(result: Plan) -> str:
+    """The lower bound of each kind, e.g. " (memory 25, compute 24, conflicts 12)"."""
+    if not result.bounds:
+        return ""
+    return " (" + ", ".join(f"{k} {v}" for k, v in result.bounds) + ")"
+
+
+def _optimal_text(result: Plan) -> str:
+    if result.optimal:
+        return "yes"
+    if result.strategy != "pack" or result.unplaced:
+        return "not proven"
+    return f"not proven, gap {result.gap}"
+
+
 def render_table(result: Plan, devices: list[Device], demands: list[ModelDemand], out: TextIO,
                  reserve_bytes: int = 0) -> None:
     by_name = {d.name: d for d in demands}
@@ -199,9 +218,13 @@ def render_table(result: Plan, devices: list[Device], demands: list[ModelDemand]
         out.write(f"  {m.name}: {len(placed)}/{m.instances} placed, {fmt_bytes(m.memory_bytes)}"
                   f" + {m.compute_fraction:.2f} GPU each"
                   + (": " + ", ".join(f"#{a.instance}->{a.device}" for a in placed) if placed else "") + "\n")
-    out.write(f"\ndevices used: {result.devices_used}   lower bound: {result.lower_bound}   "
-              f"optimal: {'yes' if result.optimal else 'not proven'}   strategy: {result.strategy}   "
-              f"method: {result.method}   ({result.elapsed_seconds:.2f} s)\n")
+    out.write(f"\ndevices used: {result.devices_used}   lower bound: {result.lower_bound}{_bounds_text(result)}   "
+              f"optimal: {_optimal_text(result)}   strategy: {result.strategy}   method: {result.method}   "
+              f"(first plan {result.first_plan_seconds:.2f} s, "
+              + (f"proven at {result.proof_seconds:.2f} s, " if result.proof_seconds is not None else "")
+              + f"{result.elapsed_seconds:.2f} s in all)\n")
+    if result.exact_solver is None:
+        out.write(f"note: {NO_EXACT_SOLVER}\n")
     if result.moves:
         out.write("\nMOVES (in order)\n")
         for k, mv in enumerate(result.moves, 1):
@@ -242,6 +265,8 @@ def place_main(argv: list[str]) -> int:
     if args.output == "json":
         json.dump(result.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")
+        if result.exact_solver is None:
+            print(f"gpudctl place: warning: {NO_EXACT_SOLVER}", file=sys.stderr)
     else:
         render_table(result, devices, demands, sys.stdout, config.memory_reserve_bytes)
     if result.unplaced:
