@@ -46,7 +46,8 @@ from telemetry.serving import ServingSnapshot, SnapshotSource, VersionView
 __all__ = ["BATCH_SIZE_BUCKETS", "LATENCY_BUCKETS_SECONDS", "ModelMetrics"]
 
 MODEL_LABELS = ("model", "version")
-INSTANCE_LABELS = ("model", "version", "instance", "device")
+# Not "instance": Prometheus sets that label on every scraped series (the target), and renames ours to exported_instance.
+INSTANCE_LABELS = ("model", "version", "model_instance", "device")
 
 _REQUESTS = ("gpud_model_requests", "Inference requests finished, by outcome.")
 # The histograms, in this order: (name, help, upper bounds without +Inf, the record's buckets, the record's sum).

@@ -104,7 +104,7 @@ def test_instance_gauges(triton):
     v = serving.version("bert", "1", instances=(instance(0, "gpu0", 3 * 2**30, load_seconds=2.5),
                                                 instance(1, "gpu1/mig1.0", 3 * 2**30, load_seconds=4.0,
                                                          ready=False)))
-    lv = {"model": "bert", "version": "1", "instance": "1", "device": "gpu1/mig1.0"}
+    lv = {"model": "bert", "version": "1", "model_instance": "1", "device": "gpu1/mig1.0"}
     assert registry.get_sample_value("gpud_model_instance_memory_bytes", lv) == 3 * 2**30
     assert registry.get_sample_value("gpud_model_instance_load_duration_seconds", lv) == 4.0
     assert registry.get_sample_value("gpud_model_instance_ready", lv) == 0
@@ -112,7 +112,7 @@ def test_instance_gauges(triton):
     assert registry.get_sample_value("gpud_model_instance_ready", lv) == 0
     # an instance without a measurement reports its estimate
     serving.version("bert", "1", instances=(instance(0, "gpu0", None, estimate_bytes=2**30),))
-    assert registry.get_sample_value("gpud_model_instance_memory_bytes", {**lv, "instance": "0", "device": "gpu0"}) \
+    assert registry.get_sample_value("gpud_model_instance_memory_bytes", {**lv, "model_instance": "0", "device": "gpu0"}) \
         == 2**30
 
 
