@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 from dataclasses import asdict
@@ -107,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--days", type=float, default=10.0)
     p.add_argument("--seconds-per-hour", type=float, default=30.0, help="model seconds per trace hour")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="ERROR", help="gpud's own log while it runs in the model (default ERROR; "
+                   "INFO shows every placement step)")
     args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     unknown = [x for x in policies if x not in POLICIES]
     if unknown:

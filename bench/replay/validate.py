@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 import tempfile
@@ -264,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="replay-results")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
     c = case(args.seconds)
     settings = control_settings(c)
     times = arrivals(c, args.seed)
