@@ -96,7 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-max-connections", type=int, metavar="N",
                    help="HTTP connections beyond N are answered 503 and closed (default 10000)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
-                   help="largest request body / gRPC message accepted (default 64 MiB)")
+                   help="largest request body / gRPC message accepted; more is 413 / RESOURCE_EXHAUSTED "
+                        "(default 64 MiB)")
+    p.add_argument("--max-header-bytes", type=int, metavar="N",
+                   help="largest HTTP request line and headers together (more: 431 and the connection closed) and "
+                        "gRPC request metadata (more: RESOURCE_EXHAUSTED) (default 65536)")
+    p.add_argument("--max-tensor-elements", type=int, metavar="N",
+                   help="an input whose declared shape spans more elements is refused (400 / INVALID_ARGUMENT) "
+                        "before anything is allocated for it; zero dimensions count as one (default 268435456)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
@@ -178,6 +185,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
         raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
                          f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
+    for key in ("max_request_bytes", "max_header_bytes", "max_tensor_elements"):
+        if getattr(settings, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(settings, key)}")
     if settings.default_max_queue_size < 0:
         raise ValueError(f"default_max_queue_size must be >= 0 (0 = unbounded), got {settings.default_max_queue_size}")
     if not settings.repository_poll_seconds > 0:  # also refuses NaN
@@ -275,6 +285,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
                                                             max_body_bytes=settings.max_request_bytes,
                                                             request_timeout_s=settings.http_request_timeout_seconds,
                                                             max_connections=settings.http_max_connections,
+                                                            max_head_bytes=settings.max_header_bytes,
+                                                            max_tensor_elements=settings.max_tensor_elements,
                                                             admin=admin)
             runners.append(runner)
             log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
@@ -282,7 +294,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> int:
             from gpud.api.grpc_api import start_grpc_server
 
             grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
-                                                  max_message_bytes=settings.max_request_bytes, admin=admin)
+                                                  max_message_bytes=settings.max_request_bytes,
+                                                  max_metadata_bytes=settings.max_header_bytes,
+                                                  max_tensor_elements=settings.max_tensor_elements, admin=admin)
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:

@@ -31,11 +31,11 @@ MAX_MESSAGE_BYTES = 1 << 20  # small, so the oversized-message test sends only a
 class ServerThread:
     """start_grpc_server on a private event loop in a daemon thread."""
 
-    def __init__(self, core, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, core, max_message_bytes: int = MAX_MESSAGE_BYTES, **kw):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-server", daemon=True)
         self.thread.start()
-        self.server = self._run(start_grpc_server(core, "127.0.0.1", 0, max_message_bytes=max_message_bytes))
+        self.server = self._run(start_grpc_server(core, "127.0.0.1", 0, max_message_bytes=max_message_bytes, **kw))
         self.url = f"127.0.0.1:{self.server.bound_port}"
 
     def _run(self, coroutine):

@@ -38,6 +38,7 @@ from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, decode_infer_reque
                                  parameters_object)
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
+from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS
 from gpud.core_api import InferenceCore
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,11 @@ class HttpApi:
     """The routes above over one core, as an `http_server.Handler`. Sync handlers return a reply; the repository and
     placement ones are coroutines (one task each); infer answers from the core's completion callback."""
 
-    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None):
+    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None,
+                 max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS):
         self.core = core
         self.admin = admin or AdminAuth()
+        self.max_tensor_elements = max_tensor_elements
         self._tasks: set[asyncio.Task] = set()
         self._static: dict[str, dict[str, Callable[..., Any]]] = {
             "/v2/health/live": {"GET": self.live},
@@ -243,7 +246,8 @@ class HttpApi:
         return run()
 
     def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:
-        infer_request = decode_infer_request(request.body, request.headers.get(_HEADER_LENGTH_KEY), name, version)
+        infer_request = decode_infer_request(request.body, request.headers.get(_HEADER_LENGTH_KEY), name, version,
+                                             self.max_tensor_elements)
 
         def done(result: InferResponse | BaseException) -> None:
             if isinstance(result, BaseException):
@@ -265,10 +269,12 @@ _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
 
 async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,
                             keepalive_timeout_s: float = 75.0, request_timeout_s: float = 30.0,
-                            max_connections: int = 10000,
+                            max_connections: int = 10000, max_head_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                            max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
                             admin: AdminAuth | None = None) -> tuple[HttpServer, int]:
     """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
     it) and the bound port."""
-    server = HttpServer(HttpApi(core, admin), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s,
+    server = HttpServer(HttpApi(core, admin, max_tensor_elements), max_body_bytes=max_body_bytes,
+                        max_head_bytes=max_head_bytes, keepalive_timeout_s=keepalive_timeout_s,
                         request_timeout_s=request_timeout_s, max_connections=max_connections)
     return server, await server.start(host, port)

@@ -40,7 +40,6 @@ JSON = "application/json"
 _HEAD_CACHE: dict[tuple[int, str], bytes] = {}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 32  # answers outstanding on one connection before we stop reading from it
-_MAX_HEAD_BYTES = 64 * 1024  # request line and headers together (aiohttp allows 8 KiB a line; nginx 32 KiB in all)
 _MAX_DISCARD_BYTES = 64 * 2**20  # of a refused (413) body read and dropped before closing on the client
 
 
@@ -225,18 +224,18 @@ class _Connection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
         self.head_bytes += len(url)
-        if self.head_bytes > _MAX_HEAD_BYTES:
+        if self.head_bytes > self.server.max_head_bytes:
             self._head_too_large("request line")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
         self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > _MAX_HEAD_BYTES:
+        if self.head_bytes > self.server.max_head_bytes:
             self._head_too_large("request headers")
 
     def _head_too_large(self, what: str) -> None:
         """llhttp sets no bound on a request's head: without one a client could grow it without end."""
-        self._answer_and_close(431, f"{what} longer than {_MAX_HEAD_BYTES} bytes")
+        self._answer_and_close(431, f"{what} longer than {self.server.max_head_bytes} bytes (--max-header-bytes)")
         raise _HeadTooLarge
 
     def on_headers_complete(self) -> None:
@@ -426,6 +425,8 @@ class HttpServer:
 
     handler: Handler
     max_body_bytes: int = 64 * 2**20
+    # request line and headers together (aiohttp allows 8 KiB a line; nginx 32 KiB in all); more is 431
+    max_head_bytes: int = 64 * 1024
     keepalive_timeout_s: float = 75.0
     request_timeout_s: float = 30.0  # a request's head and body must arrive within this, else 408
     max_connections: int = 10000  # more are answered 503 and closed at once
