@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import gzip
+import mmap
 import socket
 import struct
 import threading
@@ -443,6 +444,29 @@ def test_large_chunked_body_is_reassembled_and_echoed(server):
     c.send(b"0\r\n\r\n")
     r = c.read_response()
     assert r.status == 200 and int(r.headers["content-length"]) == len(payload) and r.body == payload
+
+
+def test_a_body_of_a_mebibyte_or_more_is_written_in_place_and_served_whole(server):
+    # Declared by Content-Length: the body goes into memory mapped for it as it arrives (no join on the loop).
+    payload = bytes(range(256)) * (5 * 4096 + 7)  # 5 MiB and a bit
+    c = server.connect()
+    c.send(req("POST", "/big", payload)[:-len(payload)])
+    for i in range(0, len(payload), 100_003):
+        c.send(payload[i:i + 100_003])
+    c.send(req("GET", "/after"))  # pipelined behind it
+    r = c.read_response()
+    assert r.status == 200 and r.body == payload
+    assert c.read_response().body == b"/after"
+    big, after = server.wait_requests(2)
+    assert isinstance(big.body, mmap.mmap) and isinstance(after.body, bytes)
+
+
+def test_a_body_longer_than_its_content_length_is_not_read_past_it(server):
+    payload = b"x" * (1 << 20)
+    c = server.connect()
+    c.send(req("POST", "/big", payload) + b"GET /next HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert c.read_response().body == payload
+    assert c.read_response().body == b"/next"
 
 
 def test_request_split_over_many_small_writes_is_reassembled(server):
