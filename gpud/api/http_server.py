@@ -248,6 +248,13 @@ class _Connection(asyncio.Protocol):
             return
         length = self.headers.get("content-length")
         limit = self.server.max_body_bytes
+        coding = self.headers.get("transfer-encoding")
+        if coding is not None and coding.replace(" ", "").lower() != "chunked":
+            # llhttp frames any coding list ending in chunked as chunked and drops the rest: a body sent as
+            # "gzip, chunked" would reach the handler still gzipped. RFC 9112 6.1: 501 for a coding not understood.
+            self._reject(501, f"transfer coding {coding!r} is not supported: send bodies chunked or with "
+                              "Content-Length, compressed with Content-Encoding")
+            return
         if length is not None and length.isdigit() and int(length) > limit:
             self._reject(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
             return
