@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import numpy_dtype
@@ -260,12 +261,51 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
+class MalformedMessage:
+    """What a request that is not a valid protobuf message deserializes to: the handler answers INVALID_ARGUMENT.
+    grpc's own answer would be UNKNOWN, with a traceback in the daemon's log for every such request."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def refuse(self) -> InferenceError:
+        return _invalid(f"the request is not a valid protobuf message of its method's type: {self.error}")
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return MalformedMessage(str(exc))
+    return parse
+
+
+class _LenientRegistration:
+    """Stands for the server in the generated add_..._to_server: registers its handlers with lenient request
+    deserializers (and once: the generated code registers the same table twice, generic and by name)."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same methods are registered below, with lenient deserializers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        lenient = {name: h._replace(request_deserializer=_lenient(h.request_deserializer))
+                   for name, h in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, lenient),))
+        self._server.add_registered_method_handlers(service, lenient)
+
+
 def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Turn exceptions of a unary handler into gRPC statuses; context.abort's own exception passes through."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
+            if isinstance(request, MalformedMessage):
+                raise request.refuse()
             return await handler(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the server must answer every request, never crash
             if isinstance(exc, grpc.aio.AbortError):
@@ -359,6 +399,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
         """One stream response; errors go in error_message so that the stream itself stays open."""
+        if isinstance(request, MalformedMessage):
+            return pb.ModelStreamInferResponse(error_message=request.refuse().message)
         try:
             return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
         except InferenceError as exc:
@@ -436,7 +478,8 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, admin, max_tensor_elements), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, admin, max_tensor_elements),
+                                                       _LenientRegistration(server))
     address = _address(host, port)
     try:
         bound_port = server.add_insecure_port(address)
