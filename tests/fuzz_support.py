@@ -45,7 +45,7 @@ def assert_clean_log(daemon: Daemon) -> None:
 
 
 class Tally:
-    """Cases tried and statuses seen, by fuzzer."""
+    """Cases tried and their statuses (for raw HTTP: the first answer's), by fuzzer."""
 
     def __init__(self, name: str):
         self.name = name
