@@ -608,11 +608,11 @@ def test_413_refuses_expect_100_continue_without_a_continue(small_server):
     c.read_eof()
 
 
-@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked", "identity"])
-def test_a_transfer_coding_other_than_chunked_is_501_and_the_body_never_reaches_the_handler(server, coding):
+@pytest.mark.parametrize("codings", [["gzip, chunked"], ["deflate,chunked"], ["identity"], ["gzip", "chunked"]])
+def test_a_transfer_coding_other_than_chunked_is_501_and_the_body_never_reaches_the_handler(server, codings):
     # llhttp frames "gzip, chunked" as chunked and drops gzip: the handler would have read gzip bytes as the body.
     c = server.connect()
-    c.send(req("POST", "/coded", headers=[("Transfer-Encoding", coding)], length=False) + chunked(b"{}"))
+    c.send(req("POST", "/coded", headers=[("Transfer-Encoding", v) for v in codings], length=False) + chunked(b"{}"))
     r = c.read_response()
     assert r.status == 501 and "transfer coding" in error_of(r) and r.headers["connection"] == "close"
     assert server.requests == []

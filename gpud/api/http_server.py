@@ -7,11 +7,13 @@ answered through a `respond` callable, at once or later (an inference answers fr
 no task, no future, no stream object per request.
 
 What it does, as a production HTTP/1.1 server must: keep-alive and HTTP/1.0 close, pipelined requests answered in
-order, `Expect: 100-continue`, chunked request bodies, gzip/deflate request bodies (inflated under the same size
-limit as plain ones: 413, not a memory blow-up), HEAD, malformed requests answered 400 and closed, idle keep-alive
-connections closed after `keepalive_timeout_s`, a request not received within `request_timeout_s` answered 408 and
-closed (slowloris), connections over `max_connections` answered 503 and closed, reading paused while too many pipelined answers are outstanding or
-the client does not read, and a graceful close that lets accepted requests finish.
+order, `Expect: 100-continue`, chunked request bodies, gzip/deflate request bodies (inflated under the same size limit
+as plain ones: 413, not a memory blow-up), HEAD, malformed requests answered 400 and closed, a transfer coding other
+than chunked answered 501 (llhttp would drop it silently), bodies of 1 MiB or more written in place into memory mapped
+for them, idle keep-alive connections closed after `keepalive_timeout_s`, a request not received within
+`request_timeout_s` answered 408 and closed (slowloris), connections over `max_connections` answered 503 and closed,
+reading paused while too many pipelined answers are outstanding or the client does not read, and a graceful close that
+lets accepted requests finish.
 """
 from __future__ import annotations
 
@@ -233,7 +235,11 @@ class _Connection(asyncio.Protocol):
             self._head_too_large("request line")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        if key == "transfer-encoding" and key in self.headers:  # repeated: one list, as llhttp frames it
+            text = f"{self.headers[key]}, {text}"
+        self.headers[key] = text
         self.head_bytes += len(name) + len(value) + 4
         if self.head_bytes > self.server.max_head_bytes:
             self._head_too_large("request headers")
