@@ -42,8 +42,8 @@ class Settings:
     max_request_bytes: int = 64 * 2**20
     max_header_bytes: int = 64 * 1024  # an HTTP request's line and headers (more: 431), gRPC metadata
     max_tensor_elements: int = 2**28  # a declared input shape spanning more is refused before any allocation
-    json_decode_processes: int = 2  # child processes that decode large JSON inference bodies (0: on the event loop)
-    json_offload_bytes: int = 2**20  # JSON bodies at least this long are decoded in those processes
+    json_processes: int = 2  # child processes that decode large JSON bodies and encode large JSON answers (0: none)
+    json_offload_bytes: int = 2**20  # JSON bodies (and answers) at least this long go to those processes
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---

@@ -1,7 +1,7 @@
 """Large JSON bodies never stall the event loop (issue 14): on the real daemon, /v2/health/ready and small inferences
 keep answering in < 50 ms while 60 MB JSON bodies are parsed, one and four at once, and the daemon's memory does
 not grow with the number of large bodies beyond the bodies themselves (their parse runs in bounded child
-processes: gpud.api.json_decode)."""
+processes: gpud.api.json_codec)."""
 from __future__ import annotations
 
 import http.client
@@ -34,6 +34,23 @@ def sum_model():
     graph = helper.make_graph([helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=1)], "sum",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])], [axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="gpud-tests")
+    model.ir_version = 8
+    return model
+
+
+ECHO_CONFIG = """
+max_batch_size: 0
+input [ { name: "x", data_type: TYPE_FP32, dims: [ -1 ] } ]
+output [ { name: "y", data_type: TYPE_FP32, dims: [ -1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+
+def echo_model():
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "echo",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="gpud-tests")
     model.ir_version = 8
     return model
@@ -74,9 +91,9 @@ class Prober:
             self.probe_once()
 
 
-def post_big(port: int, body: bytes, results: list) -> None:
+def post_big(port: int, body: bytes, results: list, model: str = "sum") -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v2/models/sum/infer", body=body, headers={"Content-Type": "application/json"})
+    conn.request("POST", f"/v2/models/{model}/infer", body=body, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     results.append((response.status, response.read()))
     conn.close()
@@ -85,7 +102,7 @@ def post_big(port: int, body: bytes, results: list) -> None:
 def rss_bytes(pid: int) -> tuple[int, int]:
     """The daemon's resident memory, and that of its JSON decoding children (not its device workers)."""
     proc = psutil.Process(pid)
-    children = [c for c in proc.children() if "gpud.api.json_decode" in c.cmdline()]
+    children = [c for c in proc.children() if "gpud.api.json_codec" in c.cmdline()]
     return proc.memory_info().rss, sum(c.memory_info().rss for c in children)
 
 
@@ -93,6 +110,7 @@ def rss_bytes(pid: int) -> tuple[int, int]:
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("large")
     save(sum_model(), tmp / "repo", "sum", SUM_CONFIG)
+    save(echo_model(), tmp / "repo", "echo", ECHO_CONFIG)
     d = start_daemon(tmp / "repo", tmp, node=None)
     yield d
     assert d.stop() == 0, d.log()
@@ -114,8 +132,8 @@ class Run:
                 f"{self.peak_children_rss_bytes / 2**20:.0f} MB")
 
 
-def measure(daemon, body: bytes, expected: float, concurrent: int) -> Run:
-    """Post `concurrent` copies of `body` at once and probe until every one is answered."""
+def measure(daemon, body: bytes, expected: float | None, concurrent: int, model: str = "sum") -> Run:
+    """Post `concurrent` copies of `body` at once (to `model`) and probe until every one is answered."""
     port = daemon.ports["http"]
     prober = Prober(port)
     for _ in range(20):  # warm: connection, route caches
@@ -123,7 +141,7 @@ def measure(daemon, body: bytes, expected: float, concurrent: int) -> Run:
     prober.latencies_s.clear()
     idle_rss, _ = rss_bytes(daemon.proc.pid)
     results: list = []
-    senders = [threading.Thread(target=post_big, args=(port, body, results)) for _ in range(concurrent)]
+    senders = [threading.Thread(target=post_big, args=(port, body, results, model)) for _ in range(concurrent)]
     done = threading.Event()
     peak = [0, 0]
 
@@ -141,10 +159,11 @@ def measure(daemon, body: bytes, expected: float, concurrent: int) -> Run:
     watcher.start()
     prober.run_until(done)
     watcher.join()
-    assert [s for s, _ in results] == [200] * concurrent, results
-    for _, answer in results:
-        got = orjson.loads(answer)["outputs"][0]["data"][0]
-        assert got == pytest.approx(expected, rel=1e-3, abs=1.0)
+    assert [s for s, _ in results] == [200] * concurrent, [(s, a[:200]) for s, a in results]
+    if expected is not None:
+        for _, answer in results:
+            got = orjson.loads(answer)["outputs"][0]["data"][0]
+            assert got == pytest.approx(expected, rel=1e-3, abs=1.0)
     assert len(prober.latencies_s) >= 20, prober.latencies_s  # the probes really ran alongside the parse
     return Run(sorted(prober.latencies_s), idle_rss, peak[0], peak[1])
 
@@ -164,6 +183,18 @@ def test_health_and_small_requests_answer_within_50_ms_while_a_60_mb_json_body_i
     assert runs[-1].latencies_s[-1] < PROBE_LIMIT_S, [r.summary() for r in runs]
     # The daemon holds the body and its tensor and nothing that grows with the parse.
     assert runs[-1].peak_rss_bytes - runs[-1].idle_rss_bytes < 3 * len(body) + 64 * 2**20, runs[-1].summary()
+
+
+def test_a_60_mb_json_answer_is_encoded_without_stalling_the_loop(daemon):
+    # The echo model answers the 5.6 M numbers back as JSON: writing them is ~130 ms of orjson holding the GIL.
+    body, _ = big_json_body()
+    runs = []
+    for _ in range(3):  # as above: the bound must hold in one of three runs
+        runs.append(measure(daemon, body, None, 1, model="echo"))
+        print(f"\necho 1 x {len(body) / 2**20:.0f} MB: {runs[-1].summary()}")
+        if runs[-1].latencies_s[-1] < PROBE_LIMIT_S:
+            break
+    assert runs[-1].latencies_s[-1] < PROBE_LIMIT_S, [r.summary() for r in runs]
 
 
 def test_four_60_mb_json_bodies_at_once_neither_stall_the_loop_nor_multiply_memory(daemon):

@@ -7,7 +7,8 @@ KServe v2, wire-compatible with Triton (`tritonclient`, `perf_analyzer`):
   binary tensor data extension).
 - `grpc_api`: Triton's GRPCInferenceService (grpc.aio).
 - `limits`: what a client may declare (tensor shapes), checked the same way by both front ends.
-- `json_decode`: large JSON inference bodies decoded in child processes, so that the event loop never waits.
+- `json_codec`: large JSON inference bodies decoded and large JSON answers encoded in child processes, so that the
+  event loop never waits for them.
 
 Prometheus:
 - `metrics_server`: the /metrics endpoint on aiohttp. Scrapes are few and not latency-critical, so it uses the

@@ -34,11 +34,11 @@ import orjson
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
                                   placements_from_json, repository_index_json, server_metadata_json)
-from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response, invalid,
-                                 parameters_object)
+from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request,
+                                 encode_infer_response, invalid, parameters_object)
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
-from gpud.api.json_decode import JsonDecodePool
+from gpud.api.json_codec import JsonCodecPool
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS
 from gpud.core_api import InferenceCore
 
@@ -88,11 +88,11 @@ class HttpApi:
     placement ones are coroutines (one task each); infer answers from the core's completion callback."""
 
     def __init__(self, core: InferenceCore, admin: AdminAuth | None = None,
-                 max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS, json_decoder: JsonDecodePool | None = None):
+                 max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS, json_codec: JsonCodecPool | None = None):
         self.core = core
         self.admin = admin or AdminAuth()
         self.max_tensor_elements = max_tensor_elements
-        self.json_decoder = json_decoder  # None: every body is decoded on the loop
+        self.json_codec = json_codec  # None: every body is decoded, and every answer encoded, on the loop
         self._tasks: set[asyncio.Task] = set()
         self._static: dict[str, dict[str, Callable[..., Any]]] = {
             "/v2/health/live": {"GET": self.live},
@@ -257,31 +257,41 @@ class HttpApi:
 
     def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:
         header_length = request.headers.get(_HEADER_LENGTH_KEY)
-        decoder = self.json_decoder
-        if decoder is not None and decoder.wants(request.body, header_length):
+        codec = self.json_codec
+        if codec is not None and codec.wants_request(request.body, header_length):
             # A large JSON body would hold the loop (and every other request) for as long as it takes to parse.
             def decoded(result: InferRequest | BaseException) -> None:
                 if isinstance(result, BaseException):
                     self._respond_error(respond, result, request)
                 else:
                     self._submit(result, respond, request)
-            decoder.decode(request.body, header_length, name, version, self.max_tensor_elements, decoded)
+            codec.decode(request.body, header_length, name, version, self.max_tensor_elements, decoded)
             return
         self._submit(decode_infer_request(request.body, header_length, name, version, self.max_tensor_elements),
                      respond, request)
 
     def _submit(self, infer_request: InferRequest, respond: Respond, request: HttpRequest) -> None:
+        def answer(encoded: EncodedResponse | BaseException) -> None:
+            if isinstance(encoded, BaseException):
+                self._respond_error(respond, encoded, request)
+                return
+            respond(200, encoded.body, encoded.content_type,
+                    list(encoded.headers.items()) if encoded.headers else None)
+
         def done(result: InferResponse | BaseException) -> None:
             if isinstance(result, BaseException):
                 self._respond_error(respond, result, request)
+                return
+            codec = self.json_codec
+            if codec is not None and codec.wants_response(result, infer_request):
+                codec.encode(result, infer_request, answer)  # millions of numbers written as text: not here
                 return
             try:
                 encoded = encode_infer_response(result, infer_request)
             except Exception as e:
                 self._respond_error(respond, e, request)
                 return
-            respond(200, encoded.body, encoded.content_type,
-                    list(encoded.headers.items()) if encoded.headers else None)
+            answer(encoded)
 
         self.core.submit(infer_request, done)
 
@@ -293,12 +303,12 @@ async def start_http_server(core: InferenceCore, host: str, port: int, *, max_bo
                             keepalive_timeout_s: float = 75.0, request_timeout_s: float = 30.0,
                             max_connections: int = 10000, max_head_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                             max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
-                            json_decoder: JsonDecodePool | None = None,
+                            json_codec: JsonCodecPool | None = None,
                             admin: AdminAuth | None = None) -> tuple[HttpServer, int]:
     """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
-    it, and the JSON decoder with it) and the bound port."""
-    server = HttpServer(HttpApi(core, admin, max_tensor_elements, json_decoder), max_body_bytes=max_body_bytes,
+    it, and the JSON codec with it) and the bound port."""
+    server = HttpServer(HttpApi(core, admin, max_tensor_elements, json_codec), max_body_bytes=max_body_bytes,
                         max_head_bytes=max_head_bytes, keepalive_timeout_s=keepalive_timeout_s,
                         request_timeout_s=request_timeout_s, max_connections=max_connections,
-                        on_close=json_decoder.close if json_decoder is not None else None)
+                        on_close=json_codec.close if json_codec is not None else None)
     return server, await server.start(host, port)

@@ -336,6 +336,14 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> Enc
                            {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
 
 
+def json_output_elements(response: InferResponse, request: InferRequest) -> int:
+    """How many elements of `response` would be written as JSON numbers or strings (its non-binary outputs)."""
+    default_binary = request.parameters.get("binary_data_output", False)
+    per_output = {o.name: o.parameters.get("binary_data") for o in request.outputs} if request.outputs else {}
+    return sum(t.data.size for t in response.outputs
+               if not (default_binary if per_output.get(t.name) is None else per_output[t.name]))
+
+
 def _encode_infer_response(response: InferResponse, request: InferRequest) -> tuple[EncodedResponse, bytes | None]:
     """The encoded response, and its JSON header when another response with the same outputs' names, datatypes and
     shapes has that same header (every output binary and none BYTES, whose size depends on the data)."""
