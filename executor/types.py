@@ -31,6 +31,9 @@ class InferenceError(Exception):
     def __repr__(self) -> str:
         return f"InferenceError({self.kind.name}, {self.message!r})"
 
+    def __reduce__(self):  # pickled whole (a front end's decoding process sends it back): Exception's drops kind
+        return type(self), (self.kind, self.message)
+
 
 @dataclass(slots=True)
 class InferTensor:

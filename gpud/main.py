@@ -105,7 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-max-connections", type=int, metavar="N",
                    help="HTTP connections beyond N are answered 503 and closed (default 10000)")
     p.add_argument("--max-request-bytes", type=int, metavar="N",
-                   help="largest request body / gRPC message accepted (default 64 MiB)")
+                   help="largest request body / gRPC message accepted; more is 413 / RESOURCE_EXHAUSTED "
+                        "(default 64 MiB)")
+    p.add_argument("--max-header-bytes", type=int, metavar="N",
+                   help="largest HTTP request line and headers together (more: 431 and the connection closed) and "
+                        "gRPC request metadata (more: RESOURCE_EXHAUSTED) (default 65536)")
+    p.add_argument("--max-tensor-elements", type=int, metavar="N",
+                   help="an input whose declared shape spans more elements is refused (400 / INVALID_ARGUMENT) "
+                        "before anything is allocated for it; zero dimensions count as one (default 268435456)")
+    p.add_argument("--json-processes", type=int, metavar="N",
+                   help="child processes that decode large JSON inference bodies and encode large JSON answers, so "
+                        "that none holds up other requests (orjson holds the GIL: a thread would not do); at most 4 "
+                        "per process wait, more bodies are answered 503 (default 2; 0 = all on the event loop)")
+    p.add_argument("--json-offload-bytes", type=int, metavar="N",
+                   help="JSON inference bodies (or binary requests' JSON headers) and JSON answers of about this "
+                        "many bytes or more go to those processes (default 1048576)")
     p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
@@ -197,6 +211,12 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
         raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
                          f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
+    for key in ("max_request_bytes", "max_header_bytes", "max_tensor_elements"):
+        if getattr(settings, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(settings, key)}")
+    if settings.json_processes < 0 or settings.json_offload_bytes < 0:
+        raise ValueError("json_processes and json_offload_bytes must be >= 0, got "
+                         f"{settings.json_processes} and {settings.json_offload_bytes}")
     if settings.default_max_queue_size < 0:
         raise ValueError(f"default_max_queue_size must be >= 0 (0 = unbounded), got {settings.default_max_queue_size}")
     if not settings.repository_poll_seconds > 0:  # also refuses NaN
@@ -298,11 +318,17 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         await core.start()
         if settings.allow_http:
             from gpud.api.http_api import start_http_server
+            from gpud.api.json_codec import JsonCodecPool
 
+            json_codec = JsonCodecPool(settings.json_processes, settings.json_offload_bytes) \
+                if settings.json_processes else None
             runner, ports["http"] = await start_http_server(core, settings.http_address, settings.http_port,
                                                             max_body_bytes=settings.max_request_bytes,
                                                             request_timeout_s=settings.http_request_timeout_seconds,
                                                             max_connections=settings.http_max_connections,
+                                                            max_head_bytes=settings.max_header_bytes,
+                                                            max_tensor_elements=settings.max_tensor_elements,
+                                                            json_codec=json_codec,
                                                             admin=admin)
             runners.append(runner)
             log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
@@ -312,14 +338,18 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
             runners.append(await start_http_unix_server(core, settings.admin_socket,
                                                         max_body_bytes=settings.max_request_bytes,
                                                         request_timeout_s=settings.http_request_timeout_seconds,
-                                                        max_connections=settings.http_max_connections))
+                                                        max_connections=settings.http_max_connections,
+                                                        max_head_bytes=settings.max_header_bytes,
+                                                        max_tensor_elements=settings.max_tensor_elements))
             log.info("admin socket (the HTTP API; admin actions need no token there) on %s, mode 0660",
                      settings.admin_socket)
         if settings.allow_grpc:
             from gpud.api.grpc_api import start_grpc_server
 
             grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
-                                                  max_message_bytes=settings.max_request_bytes, admin=admin)
+                                                  max_message_bytes=settings.max_request_bytes,
+                                                  max_metadata_bytes=settings.max_header_bytes,
+                                                  max_tensor_elements=settings.max_tensor_elements, admin=admin)
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:

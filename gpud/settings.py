@@ -42,6 +42,10 @@ class Settings:
     http_request_timeout_seconds: float = 30.0  # a request's head and body must arrive within this, else 408
     http_max_connections: int = 10000  # more HTTP connections are answered 503 and closed
     max_request_bytes: int = 64 * 2**20
+    max_header_bytes: int = 64 * 1024  # an HTTP request's line and headers (more: 431), gRPC metadata
+    max_tensor_elements: int = 2**28  # a declared input shape spanning more is refused before any allocation
+    json_processes: int = 2  # child processes that decode large JSON bodies and encode large JSON answers (0: none)
+    json_offload_bytes: int = 2**20  # JSON bodies (and answers) at least this long go to those processes
     log_level: str = "INFO"
     ready_file: str | None = None  # written (JSON: bound ports) once serving
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---

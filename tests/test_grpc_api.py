@@ -31,11 +31,11 @@ MAX_MESSAGE_BYTES = 1 << 20  # small, so the oversized-message test sends only a
 class ServerThread:
     """start_grpc_server on a private event loop in a daemon thread."""
 
-    def __init__(self, core, max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, core, max_message_bytes: int = MAX_MESSAGE_BYTES, **kw):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-server", daemon=True)
         self.thread.start()
-        self.server = self._run(start_grpc_server(core, "127.0.0.1", 0, max_message_bytes=max_message_bytes))
+        self.server = self._run(start_grpc_server(core, "127.0.0.1", 0, max_message_bytes=max_message_bytes, **kw))
         self.url = f"127.0.0.1:{self.server.bound_port}"
 
     def _run(self, coroutine):
@@ -475,3 +475,19 @@ def test_port_in_use_is_refused(server, core):
                 asyncio.wait_for(start_grpc_server(core, "127.0.0.1", server.server.bound_port), TIMEOUT_S))
     finally:
         loop.close()
+
+
+def test_bytes_that_are_not_a_message_are_invalid_argument_and_nothing_is_logged(server, caplog):
+    # grpc's own answer is UNKNOWN, with a traceback logged for each such request (found by tests/test_fuzz_grpc.py)
+    with grpc.insecure_channel(server.url) as channel:
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                  request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as exc_info:
+            raw(b"\x00", timeout=TIMEOUT_S)
+        assert exc_info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid protobuf message" in exc_info.value.details()
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       request_serializer=lambda b: b, response_deserializer=pb.ModelStreamInferResponse.FromString)
+        (answer,) = list(stream(iter([b"\x00"]), timeout=TIMEOUT_S))
+        assert "not a valid protobuf message" in answer.error_message
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

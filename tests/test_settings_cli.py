@@ -118,3 +118,19 @@ def test_http_request_timeout_and_connection_cap_from_flags_and_bad_values_refus
                 ["--http-max-connections", "0"]):
         with pytest.raises(ValueError, match="http_request_timeout_seconds must be > 0 and http_max_connections"):
             resolve_settings(build_parser().parse_args(bad))
+
+
+def test_request_limits_from_flags_and_file_and_bad_values_refused(tmp_path):
+    default = resolve_settings(build_parser().parse_args([]))
+    assert (default.max_request_bytes, default.max_header_bytes, default.max_tensor_elements) == \
+        (64 * 2**20, 65536, 2**28)
+    flags = resolve_settings(build_parser().parse_args(["--max-header-bytes", "8192",
+                                                        "--max-tensor-elements", "1000000"]))
+    assert (flags.max_header_bytes, flags.max_tensor_elements) == (8192, 1_000_000)
+    f = tmp_path / "gpud.yaml"
+    f.write_text("max_tensor_elements: 4096\n")
+    assert resolve_settings(build_parser().parse_args(["--config", str(f)])).max_tensor_elements == 4096
+    for flag in ("--max-request-bytes", "--max-header-bytes", "--max-tensor-elements"):
+        key = flag[2:].replace("-", "_")
+        with pytest.raises(ValueError, match=f"{key} must be >= 1, got 0"):
+            resolve_settings(build_parser().parse_args([flag, "0"]))

@@ -6,6 +6,9 @@ KServe v2, wire-compatible with Triton (`tritonclient`, `perf_analyzer`):
 - `http_api`: the KServe HTTP routes and handlers; `http_infer`: inference request and response bodies (JSON and the
   binary tensor data extension).
 - `grpc_api`: Triton's GRPCInferenceService (grpc.aio).
+- `limits`: what a client may declare (tensor shapes), checked the same way by both front ends.
+- `json_codec`: large JSON inference bodies decoded and large JSON answers encoded in child processes, so that the
+  event loop never waits for them.
 
 Prometheus:
 - `metrics_server`: the /metrics endpoint on aiohttp. Scrapes are few and not latency-critical, so it uses the

@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.admin import AdminAuth
+from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
                                   repository_index_message, server_metadata_message)
 from gpud.core_api import InferenceCore
@@ -110,11 +111,6 @@ def _non_negative_int_parameter(parameters: dict[str, Any], key: str) -> int:
 # Decoding inputs
 
 
-def _element_count(name: str, shape: tuple[int, ...]) -> int:
-    if any(dim < 0 for dim in shape):
-        raise _invalid(f"input {name!r}: shape {list(shape)} has a negative dimension")
-    return math.prod(shape)
-
 
 def _input_dtype(name: str, datatype: str) -> np.dtype:
     try:
@@ -130,8 +126,7 @@ def _decode_raw_bytes_elements(name: str, raw: bytes, element_count: int) -> np.
         raise _invalid(f"input {name!r}: {exc}") from None
 
 
-def _decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> np.ndarray:
-    element_count = _element_count(name, shape)
+def _decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes, element_count: int) -> np.ndarray:
     dtype = _input_dtype(name, datatype)
     if datatype == "BYTES":
         return _decode_raw_bytes_elements(name, raw, element_count).reshape(shape)
@@ -143,8 +138,8 @@ def _decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) ->
     return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
 
 
-def _decode_contents(name: str, datatype: str, shape: tuple[int, ...], contents: pb.InferTensorContents) -> np.ndarray:
-    element_count = _element_count(name, shape)
+def _decode_contents(name: str, datatype: str, shape: tuple[int, ...], contents: pb.InferTensorContents,
+                     element_count: int) -> np.ndarray:
     dtype = _input_dtype(name, datatype)
     field = _CONTENTS_FIELDS.get(datatype)
     if field is None:
@@ -168,8 +163,10 @@ def _decode_contents(name: str, datatype: str, shape: tuple[int, ...], contents:
     return np.array(values, dtype=dtype).reshape(shape)
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> list[InferTensor]:
-    """The request's input tensors as numpy arrays, validated against their shapes and datatypes."""
+def decode_inputs(request: pb.ModelInferRequest,
+                  max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> list[InferTensor]:
+    """The request's input tensors as numpy arrays, validated against their shapes and datatypes; a shape spanning
+    more than `max_elements` elements is refused before anything is allocated for it."""
     raw_contents = request.raw_input_contents
     if raw_contents and len(raw_contents) != len(request.inputs):
         raise _invalid(f"got {len(raw_contents)} raw_input_contents for {len(request.inputs)} inputs; "
@@ -179,12 +176,13 @@ def decode_inputs(request: pb.ModelInferRequest) -> list[InferTensor]:
         if _SHARED_MEMORY_PARAMETER in tensor.parameters:
             raise _invalid(f"input {tensor.name!r}: shared-memory inputs are not supported by gpud")
         shape = tuple(tensor.shape)
+        count = check_shape(tensor.name, shape, max_elements)
         if raw_contents:
             if tensor.HasField("contents"):
                 raise _invalid(f"input {tensor.name!r}: contents must not be set when raw_input_contents is used")
-            data = _decode_raw(tensor.name, tensor.datatype, shape, raw_contents[index])
+            data = _decode_raw(tensor.name, tensor.datatype, shape, raw_contents[index], count)
         else:
-            data = _decode_contents(tensor.name, tensor.datatype, shape, tensor.contents)
+            data = _decode_contents(tensor.name, tensor.datatype, shape, tensor.contents, count)
         tensors.append(InferTensor(name=tensor.name, datatype=tensor.datatype, shape=shape, data=data))
     return tensors
 
@@ -200,7 +198,8 @@ def _requested_outputs(request: pb.ModelInferRequest) -> list[RequestedOutput] |
     return requested
 
 
-def to_infer_request(request: pb.ModelInferRequest) -> InferRequest:
+def to_infer_request(request: pb.ModelInferRequest,
+                     max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> InferRequest:
     """The executor's InferRequest for a ModelInferRequest; raises INVALID_ARGUMENT for a malformed one."""
     parameters = _parameters_dict(request.parameters)
     priority = _non_negative_int_parameter(parameters, _PRIORITY_PARAMETER)
@@ -209,7 +208,7 @@ def to_infer_request(request: pb.ModelInferRequest) -> InferRequest:
         model_name=request.model_name,
         model_version=request.model_version,
         id=request.id,
-        inputs=decode_inputs(request),
+        inputs=decode_inputs(request, max_elements),
         outputs=_requested_outputs(request),
         priority=priority,
         timeout_us=timeout_us,
@@ -262,12 +261,51 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
+class MalformedMessage:
+    """What a request that is not a valid protobuf message deserializes to: the handler answers INVALID_ARGUMENT.
+    grpc's own answer would be UNKNOWN, with a traceback in the daemon's log for every such request."""
+
+    def __init__(self, error: str):
+        self.error = error
+
+    def refuse(self) -> InferenceError:
+        return _invalid(f"the request is not a valid protobuf message of its method's type: {self.error}")
+
+
+def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return MalformedMessage(str(exc))
+    return parse
+
+
+class _LenientRegistration:
+    """Stands for the server in the generated add_..._to_server: registers its handlers with lenient request
+    deserializers (and once: the generated code registers the same table twice, generic and by name)."""
+
+    def __init__(self, server: grpc.aio.Server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same methods are registered below, with lenient deserializers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        lenient = {name: h._replace(request_deserializer=_lenient(h.request_deserializer))
+                   for name, h in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, lenient),))
+        self._server.add_registered_method_handlers(service, lenient)
+
+
 def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Turn exceptions of a unary handler into gRPC statuses; context.abort's own exception passes through."""
 
     @functools.wraps(handler)
     async def wrapper(self, request, context):
         try:
+            if isinstance(request, MalformedMessage):
+                raise request.refuse()
             return await handler(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the server must answer every request, never crash
             if isinstance(exc, grpc.aio.AbortError):
@@ -284,9 +322,11 @@ class _StreamEnd:
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     """GRPCInferenceService over an InferenceCore."""
 
-    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None):
+    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None,
+                 max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS):
         self._core = core
         self._admin = admin or AdminAuth()
+        self._max_tensor_elements = max_tensor_elements
 
     def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -353,12 +393,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return await self._infer(request)
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        infer_request = to_infer_request(request)
+        infer_request = to_infer_request(request, self._max_tensor_elements)
         response = await self._core.infer(infer_request)
         return to_infer_response(response, infer_request.outputs, request.id)
 
     async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
         """One stream response; errors go in error_message so that the stream itself stays open."""
+        if isinstance(request, MalformedMessage):
+            return pb.ModelStreamInferResponse(error_message=request.refuse().message)
         try:
             return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
         except InferenceError as exc:
@@ -414,22 +456,30 @@ def _address(host: str, port: int) -> str:
 
 
 async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_message_bytes: int = 2**31 - 1,
+                            max_metadata_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                            max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
                             admin: AdminAuth | None = None) -> grpc.aio.Server:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
     OSError (no SO_REUSEPORT sharing). Messages larger than
-    max_message_bytes, either way, are refused by grpc with RESOURCE_EXHAUSTED. Stop with `await server.stop(grace)`.
+    max_message_bytes, either way, and request metadata (headers) over max_metadata_bytes are refused by grpc with
+    RESOURCE_EXHAUSTED; a tensor shape over max_tensor_elements is INVALID_ARGUMENT. Stop with `await server.stop(grace)`.
     Must be called from the event loop that will run the server.
     """
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # grpc's default is a soft limit of 8 KiB, over which it refuses some requests at random up to a hard limit;
+        # both at one value make the limit exact, as --max-header-bytes is for HTTP
+        ("grpc.max_metadata_size", max_metadata_bytes),
+        ("grpc.absolute_max_metadata_size", max_metadata_bytes),
         # grpc sets SO_REUSEPORT by default, which lets a second daemon bind a port in use and silently share it
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, admin), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, admin, max_tensor_elements),
+                                                       _LenientRegistration(server))
     address = _address(host, port)
     try:
         bound_port = server.add_insecure_port(address)

@@ -31,13 +31,15 @@ from typing import Any
 
 import orjson
 
-from executor.types import ErrorKind, InferenceError, InferResponse
+from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
                                   placements_from_json, repository_index_json, server_metadata_json)
-from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response, invalid,
-                                 parameters_object)
+from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request,
+                                 encode_infer_response, invalid, parameters_object)
 from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
+from gpud.api.json_codec import JsonCodecPool
+from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS
 from gpud.core_api import InferenceCore
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ def _json_body(obj: Any) -> bytes:
 
 def _optional_json_object(body: bytes, what: str) -> dict[str, Any]:
     """Bodies of the repository endpoints: empty means all defaults (as Triton)."""
+    body = bytes(body)  # at most MAX_CONTROL_BODY_BYTES; possibly the server's in-place buffer
     if not body.strip():
         return {}
     try:
@@ -75,15 +78,21 @@ HTTP_STATUS: dict[ErrorKind, int] = {
 _Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
 _Route = tuple[dict[str, Callable[..., Any]], tuple[str, ...]]  # handlers by method, path arguments
 _ROUTE_CACHE_SIZE = 4096
+# Bodies of the routes other than infer (repository, placement) are small documents, parsed on the event loop:
+# bounded well below --max-request-bytes, so that no such body can hold the loop for long.
+MAX_CONTROL_BODY_BYTES = 1 << 20
 
 
 class HttpApi:
     """The routes above over one core, as an `http_server.Handler`. Sync handlers return a reply; the repository and
     placement ones are coroutines (one task each); infer answers from the core's completion callback."""
 
-    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None):
+    def __init__(self, core: InferenceCore, admin: AdminAuth | None = None,
+                 max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS, json_codec: JsonCodecPool | None = None):
         self.core = core
         self.admin = admin or AdminAuth()
+        self.max_tensor_elements = max_tensor_elements
+        self.json_codec = json_codec  # None: every body is decoded, and every answer encoded, on the loop
         self._tasks: set[asyncio.Task] = set()
         self._static: dict[str, dict[str, Callable[..., Any]]] = {
             "/v2/health/live": {"GET": self.live},
@@ -115,6 +124,10 @@ class HttpApi:
         handler = handlers.get("GET" if request.method == "HEAD" else request.method)
         if handler is None:
             respond(405, error_body(f"method {request.method} not allowed for {request.path}"))
+            return
+        if len(request.body) > MAX_CONTROL_BODY_BYTES and handler != self.infer:
+            respond(413, error_body(f"request body of {len(request.body)} bytes exceeds the limit of "
+                                    f"{MAX_CONTROL_BODY_BYTES} bytes for {request.path}"))
             return
         try:
             reply = handler(request, respond, *args)
@@ -243,19 +256,42 @@ class HttpApi:
         return run()
 
     def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:
-        infer_request = decode_infer_request(request.body, request.headers.get(_HEADER_LENGTH_KEY), name, version)
+        header_length = request.headers.get(_HEADER_LENGTH_KEY)
+        codec = self.json_codec
+        if codec is not None and codec.wants_request(request.body, header_length):
+            # A large JSON body would hold the loop (and every other request) for as long as it takes to parse.
+            def decoded(result: InferRequest | BaseException) -> None:
+                if isinstance(result, BaseException):
+                    self._respond_error(respond, result, request)
+                else:
+                    self._submit(result, respond, request)
+            codec.decode(request.body, header_length, name, version, self.max_tensor_elements, decoded)
+            return
+        self._submit(decode_infer_request(request.body, header_length, name, version, self.max_tensor_elements),
+                     respond, request)
+
+    def _submit(self, infer_request: InferRequest, respond: Respond, request: HttpRequest) -> None:
+        def answer(encoded: EncodedResponse | BaseException) -> None:
+            if isinstance(encoded, BaseException):
+                self._respond_error(respond, encoded, request)
+                return
+            respond(200, encoded.body, encoded.content_type,
+                    list(encoded.headers.items()) if encoded.headers else None)
 
         def done(result: InferResponse | BaseException) -> None:
             if isinstance(result, BaseException):
                 self._respond_error(respond, result, request)
+                return
+            codec = self.json_codec
+            if codec is not None and codec.wants_response(result, infer_request):
+                codec.encode(result, infer_request, answer)  # millions of numbers written as text: not here
                 return
             try:
                 encoded = encode_infer_response(result, infer_request)
             except Exception as e:
                 self._respond_error(respond, e, request)
                 return
-            respond(200, encoded.body, encoded.content_type,
-                    list(encoded.headers.items()) if encoded.headers else None)
+            answer(encoded)
 
         self.core.submit(infer_request, done)
 
@@ -265,21 +301,28 @@ _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
 
 async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,
                             keepalive_timeout_s: float = 75.0, request_timeout_s: float = 30.0,
-                            max_connections: int = 10000,
+                            max_connections: int = 10000, max_head_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                            max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
+                            json_codec: JsonCodecPool | None = None,
                             admin: AdminAuth | None = None) -> tuple[HttpServer, int]:
     """Serve `core` on host:port (0 = an ephemeral port). Returns the server (`await server.close(grace_s)` stops
-    it) and the bound port."""
-    server = HttpServer(HttpApi(core, admin), max_body_bytes=max_body_bytes, keepalive_timeout_s=keepalive_timeout_s,
-                        request_timeout_s=request_timeout_s, max_connections=max_connections)
+    it, and the JSON codec with it) and the bound port."""
+    server = HttpServer(HttpApi(core, admin, max_tensor_elements, json_codec), max_body_bytes=max_body_bytes,
+                        max_head_bytes=max_head_bytes, keepalive_timeout_s=keepalive_timeout_s,
+                        request_timeout_s=request_timeout_s, max_connections=max_connections,
+                        on_close=json_codec.close if json_codec is not None else None)
     return server, await server.start(host, port)
 
 
 async def start_http_unix_server(core: InferenceCore, path: str, *, max_body_bytes: int = 64 * 2**20,
-                                 request_timeout_s: float = 30.0, max_connections: int = 10000) -> HttpServer:
+                                 request_timeout_s: float = 30.0, max_connections: int = 10000,
+                                 max_head_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                                 max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> HttpServer:
     """The admin socket (`--admin-socket`): the same routes on a unix socket at `path` (mode 0660), where the admin
     actions need no token: the socket file's permissions decide who may connect. `await server.close(grace_s)`
     stops it and removes the file."""
-    server = HttpServer(HttpApi(core, AdminAuth()), max_body_bytes=max_body_bytes,
-                        request_timeout_s=request_timeout_s, max_connections=max_connections)
+    server = HttpServer(HttpApi(core, AdminAuth(), max_tensor_elements), max_body_bytes=max_body_bytes,
+                        max_head_bytes=max_head_bytes, request_timeout_s=request_timeout_s,
+                        max_connections=max_connections)
     await server.start_unix(path)
     return server

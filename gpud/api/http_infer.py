@@ -20,6 +20,7 @@ from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import KSERVE_DATATYPES, numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.http_server import JSON
+from gpud.api.limits import DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 
 INFER_HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
 _OCTET_STREAM = "application/octet-stream"
@@ -57,12 +58,15 @@ class _BinaryPlan:
     a request with a known header only has its arrays cut out of the body. The plan is also the request's
     `signature`, so the executor reuses its validation too."""
 
-    __slots__ = ("inputs", "binary_size", "id", "outputs", "priority", "timeout_us", "parameters", "answers")
+    __slots__ = ("inputs", "binary_size", "max_elements", "id", "outputs", "priority", "timeout_us", "parameters",
+                 "answers")
 
     def __init__(self, request: InferRequest, binary_size: int):
         self.inputs = tuple((t.name, t.datatype, t.shape, _WIRE_DTYPES[t.datatype], t.data.size,
                              t.data.size * _WIRE_DTYPES[t.datatype].itemsize) for t in request.inputs)
         self.binary_size = binary_size
+        # the largest input's extent: a server with a lower --max-tensor-elements must not reuse this plan
+        self.max_elements = max(math.prod(d or 1 for d in t.shape) for t in request.inputs)
         self.id = request.id
         self.outputs = request.outputs
         self.priority = request.priority
@@ -91,16 +95,18 @@ _PLANS_MAX = 1024
 _PLAN_MAX_HEADER_BYTES = 4096
 
 
-def decode_infer_request(body: bytes, header_length: str | None, model_name: str, model_version: str) -> InferRequest:
-    """Parse a KServe v2 infer request body. `header_length` is the Inference-Header-Content-Length header, if any."""
+def decode_infer_request(body: bytes, header_length: str | None, model_name: str, model_version: str,
+                         max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> InferRequest:
+    """Parse a KServe v2 infer request body. `header_length` is the Inference-Header-Content-Length header, if any;
+    an input whose shape spans more than `max_elements` elements is refused before anything is allocated for it."""
     header = None
     if header_length is not None:
         json_end = _parse_header_length(header_length, len(body))
         header = bytes(body[:json_end])
         plan = _PLANS.get(header)
-        if plan is not None and plan.binary_size == len(body) - json_end:
+        if plan is not None and plan.binary_size == len(body) - json_end and plan.max_elements <= max_elements:
             return plan.request(body, json_end, model_name, model_version)
-    request = _decode_infer_request(body, header_length, model_name, model_version)
+    request = _decode_infer_request(body, header_length, model_name, model_version, max_elements)
     if header is not None and len(header) <= _PLAN_MAX_HEADER_BYTES and \
             _BinaryPlan.fits(request, len(body) - len(header)):
         if len(_PLANS) >= _PLANS_MAX:
@@ -111,7 +117,7 @@ def decode_infer_request(body: bytes, header_length: str | None, model_name: str
 
 
 def _decode_infer_request(body: bytes, header_length: str | None, model_name: str,
-                          model_version: str) -> InferRequest:
+                          model_version: str, max_elements: int) -> InferRequest:
     view = memoryview(body)
     json_end = len(body) if header_length is None else _parse_header_length(header_length, len(body))
     doc = _loads(view[:json_end], "inference request")
@@ -124,7 +130,7 @@ def _decode_infer_request(body: bytes, header_length: str | None, model_name: st
     inputs: list[InferTensor] = []
     offset = json_end  # binary tensor data follows the JSON, in input order
     for index, item in enumerate(inputs_json):
-        tensor, offset = _decode_input(item, index, view, offset, header_length is not None)
+        tensor, offset = _decode_input(item, index, view, offset, header_length is not None, max_elements)
         inputs.append(tensor)
     if offset != len(body):
         raise invalid(f"request has {len(body) - json_end} bytes of binary tensor data but the inputs' "
@@ -187,7 +193,7 @@ def _requested_outputs(value: Any) -> list[RequestedOutput] | None:
 
 
 def _decode_input(item: Any, index: int, view: memoryview, offset: int,
-                  binary_section: bool) -> tuple[InferTensor, int]:
+                  binary_section: bool, max_elements: int) -> tuple[InferTensor, int]:
     """One request input; returns the tensor and the offset of the next input's binary data."""
     if not isinstance(item, dict):
         raise invalid(f"inputs[{index}] must be a JSON object")
@@ -200,7 +206,7 @@ def _decode_input(item: Any, index: int, view: memoryview, offset: int,
     shape = item.get("shape")
     if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
         raise invalid(f"input '{name}': 'shape' must be an array of non-negative integers, got {shape!r}")
-    count = math.prod(shape)
+    count = check_shape(name, shape, max_elements)
     params = parameters_object(item.get("parameters"), f"input '{name}'")
     size = params.get("binary_data_size")
 
@@ -328,6 +334,14 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> Enc
         return encoded
     return EncodedResponse(b"".join([header, *[_wire_array(t) for t in response.outputs]]), _OCTET_STREAM,
                            {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
+
+
+def json_output_elements(response: InferResponse, request: InferRequest) -> int:
+    """How many elements of `response` would be written as JSON numbers or strings (its non-binary outputs)."""
+    default_binary = request.parameters.get("binary_data_output", False)
+    per_output = {o.name: o.parameters.get("binary_data") for o in request.outputs} if request.outputs else {}
+    return sum(t.data.size for t in response.outputs
+               if not (default_binary if per_output.get(t.name) is None else per_output[t.name]))
 
 
 def _encode_infer_response(response: InferResponse, request: InferRequest) -> tuple[EncodedResponse, bytes | None]:

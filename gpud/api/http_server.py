@@ -7,16 +7,19 @@ answered through a `respond` callable, at once or later (an inference answers fr
 no task, no future, no stream object per request.
 
 What it does, as a production HTTP/1.1 server must: keep-alive and HTTP/1.0 close, pipelined requests answered in
-order, `Expect: 100-continue`, chunked request bodies, gzip/deflate request bodies (inflated under the same size
-limit as plain ones: 413, not a memory blow-up), HEAD, malformed requests answered 400 and closed, idle keep-alive
-connections closed after `keepalive_timeout_s`, a request not received within `request_timeout_s` answered 408 and
-closed (slowloris), connections over `max_connections` answered 503 and closed, reading paused while too many pipelined answers are outstanding or
-the client does not read, and a graceful close that lets accepted requests finish.
+order, `Expect: 100-continue`, chunked request bodies, gzip/deflate request bodies (inflated under the same size limit
+as plain ones: 413, not a memory blow-up), HEAD, malformed requests answered 400 and closed, a transfer coding other
+than chunked answered 501 (llhttp would drop it silently), bodies of 1 MiB or more written in place into memory mapped
+for them, idle keep-alive connections closed after `keepalive_timeout_s`, a request not received within
+`request_timeout_s` answered 408 and closed (slowloris), connections over `max_connections` answered 503 and closed,
+reading paused while too many pipelined answers are outstanding or the client does not read, and a graceful close that
+lets accepted requests finish.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import socket
 import zlib
@@ -43,8 +46,10 @@ JSON = "application/json"
 _HEAD_CACHE: dict[tuple[int, str], bytes] = {}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _MAX_PIPELINED = 32  # answers outstanding on one connection before we stop reading from it
-_MAX_HEAD_BYTES = 64 * 1024  # request line and headers together (aiohttp allows 8 KiB a line; nginx 32 KiB in all)
 _MAX_DISCARD_BYTES = 64 * 2**20  # of a refused (413) body read and dropped before closing on the client
+# A body declared at least this long is written in place, as it arrives, into memory mapped for it: joining 60 MB of
+# parts at the end (or zeroing a bytearray for it) would hold the event loop for ~25 ms.
+_IN_PLACE_BODY_BYTES = 1 << 20
 
 
 def _status_line(status: int) -> bytes:
@@ -70,7 +75,7 @@ class HttpRequest:
     path: str  # percent-decoded, without the query
     query: str
     headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
-    body: bytes
+    body: bytes | mmap.mmap  # an mmap (bytes-like, read it as a buffer) for a Content-Length of 1 MiB or more
     keep_alive: bool = True
 
 
@@ -165,6 +170,7 @@ class _Connection(asyncio.Protocol):
         self.url = b""
         self.headers: dict[str, str] = {}
         self.body_parts: list[bytes] = []
+        self.body_in_place: mmap.mmap | None = None
         self.body_size = 0
         self.discarded_bytes = 0
         self.head_bytes = 0
@@ -228,18 +234,22 @@ class _Connection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
         self.head_bytes += len(url)
-        if self.head_bytes > _MAX_HEAD_BYTES:
+        if self.head_bytes > self.server.max_head_bytes:
             self._head_too_large("request line")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        if key == "transfer-encoding" and key in self.headers:  # repeated: one list, as llhttp frames it
+            text = f"{self.headers[key]}, {text}"
+        self.headers[key] = text
         self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > _MAX_HEAD_BYTES:
+        if self.head_bytes > self.server.max_head_bytes:
             self._head_too_large("request headers")
 
     def _head_too_large(self, what: str) -> None:
         """llhttp sets no bound on a request's head: without one a client could grow it without end."""
-        self._answer_and_close(431, f"{what} longer than {_MAX_HEAD_BYTES} bytes")
+        self._answer_and_close(431, f"{what} longer than {self.server.max_head_bytes} bytes (--max-header-bytes)")
         raise _HeadTooLarge
 
     def on_headers_complete(self) -> None:
@@ -247,9 +257,19 @@ class _Connection(asyncio.Protocol):
             return
         length = self.headers.get("content-length")
         limit = self.server.max_body_bytes
+        coding = self.headers.get("transfer-encoding")
+        if coding is not None and coding.replace(" ", "").lower() != "chunked":
+            # llhttp frames any coding list ending in chunked as chunked and drops the rest: a body sent as
+            # "gzip, chunked" would reach the handler still gzipped. RFC 9112 6.1: 501 for a coding not understood.
+            self._reject(501, f"transfer coding {coding!r} is not supported: send bodies chunked or with "
+                              "Content-Length, compressed with Content-Encoding")
+            return
         if length is not None and length.isdigit() and int(length) > limit:
             self._reject(413, f"request body of {length} bytes exceeds the limit of {limit} bytes")
-        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None \
+            return
+        if length is not None and length.isdigit() and int(length) >= _IN_PLACE_BODY_BYTES:
+            self.body_in_place = mmap.mmap(-1, int(length))  # pages come as the body fills them, not at once
+        if self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None \
                 and self.parser.get_http_version() == "1.1":  # RFC 9110 15.2: no 1xx to an HTTP/1.0 client
             if self.slots:  # earlier pipelined answers go first
                 self.pending_continue = True
@@ -264,7 +284,11 @@ class _Connection(asyncio.Protocol):
             if self.discarded_bytes > _MAX_DISCARD_BYTES and self.transport is not None:
                 self.transport.close()
             return
+        start = self.body_size
         self.body_size += len(body)
+        if self.body_in_place is not None:  # llhttp delivers exactly Content-Length bytes
+            self.body_in_place[start:self.body_size] = body
+            return
         if self.body_size > self.server.max_body_bytes:
             self._reject(413, f"request body of more than {self.server.max_body_bytes} bytes exceeds the limit "
                               f"of {self.server.max_body_bytes} bytes")
@@ -280,7 +304,11 @@ class _Connection(asyncio.Protocol):
                     self.transport.close()
             return
         parts = self.body_parts
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.body_in_place is not None:
+            body = self.body_in_place
+            self.body_in_place = None
+        else:
+            body = parts[0] if len(parts) == 1 else b"".join(parts)
         url = self.url
         q = url.find(b"?")
         raw_path, query = (url, "") if q < 0 else (url[:q], url[q + 1:].decode("latin-1"))
@@ -429,10 +457,13 @@ class HttpServer:
 
     handler: Handler
     max_body_bytes: int = 64 * 2**20
+    # request line and headers together (aiohttp allows 8 KiB a line; nginx 32 KiB in all); more is 431
+    max_head_bytes: int = 64 * 1024
     keepalive_timeout_s: float = 75.0
     request_timeout_s: float = 30.0  # a request's head and body must arrive within this, else 408
     max_connections: int = 10000  # more are answered 503 and closed at once
     backlog: int = 1024
+    on_close: Callable[[], None] | None = None  # called once every connection is closed (the handler's resources)
     connections: set[_Connection] = field(default_factory=set)
     closing: bool = False
     port: int = 0
@@ -511,3 +542,5 @@ class HttpServer:
             await self._server.wait_closed()
         if self._unix is not None:
             remove_socket_file(*self._unix)
+        if self.on_close is not None:
+            self.on_close()
