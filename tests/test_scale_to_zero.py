@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 
 from gpud.core import GpudCore
+from gpud.core_api import RequestedPlacement
 from gpud.examples import write_example_repository
 from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
@@ -125,3 +126,58 @@ def test_a_scale_up_with_no_room_evicts_only_instances_idle_for_the_window(tmp_p
     core, pool, wall = node(tmp_path / "again", {"mlp": 0, "cnn": 0}, room_bytes=14 * MIB)
     assert asyncio.run(scenario(90.0)) == [("remove", "mlp", "cnn"), ("add", "cnn", "")]
     assert core.registry.version("mlp").scheduler.stats.evictions == 1
+
+
+def test_nothing_is_evicted_when_evicting_would_not_make_room(tmp_path):
+    # 7 MiB for instances; mlp (6.8 MiB measured once loaded) is idle and evictable, but cnn now needs 8 MiB: even an
+    # empty device would not hold it, so mlp keeps serving and the waiting requests hear why.
+    core, pool, wall = node(tmp_path, {"mlp": 0, "cnn": 0}, room_bytes=7 * MIB)
+
+    async def scenario() -> str:
+        await core.start()
+        mlp, cnn = core.registry.version("mlp"), core.registry.version("cnn")
+        assert mlp.ready and cnn.scaled_to_zero
+        cnn.estimate_bytes = 8 * MIB
+        failed: list[str] = []
+        cnn.scheduler.fail_all_queued = failed.append
+        pool.events.clear()
+        wall.now_s += 600
+        await cold_start(core, "cnn")
+        assert pool.events == [] and mlp.ready and mlp.scheduler.stats.evictions == 0
+        return failed[0]
+
+    assert "unloading the idle instances of other models would not make room either" in asyncio.run(scenario())
+
+
+def test_only_the_instances_that_make_room_are_evicted(tmp_path):
+    # Two GPUs with 7 MiB each. gpu0: cnn instance 1 (3 MiB, idle) beside mlp (3.5 MiB, its minimum: kept); gpu1: cnn
+    # instance 0 (3 MiB, idle). two_input, scaled to zero, needs 5 MiB. The least recently used first would be cnn 1
+    # (equal use, higher index), but unloading it leaves gpu0 only 0.5 + 3 = 3.5 MiB: cnn 0 is the one that makes
+    # room (gpu1: 4 + 3 = 7). One eviction, not two.
+    core, pool, wall = node(tmp_path, {"mlp": 1, "cnn": 0, "two_input": 0}, room_bytes=7 * MIB)
+    (tmp_path / "node.yaml").write_text(ONE_GPU + "  - model: NVIDIA A100-SXM4-40GB\n")
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
+    core.placement.devices = backend
+    core.placement.device_reserve_bytes = backend.leaf_devices()[0].memory_total_bytes - 7 * MIB
+    pool.footprint_bytes = 3 * MIB
+
+    async def scenario() -> None:
+        await core.start()
+        service = core.placement
+        await service.control({("two_input", "1"): 0}, max_steps=4, apply=True)
+        await service.control({("cnn", "1"): 2}, max_steps=4, apply=True)
+        await service.apply_requested([RequestedPlacement("mlp", 0, "gpu0"), RequestedPlacement("cnn", 1, "gpu0"),
+                                       RequestedPlacement("cnn", 0, "gpu1")])
+        mlp, cnn, two = (core.registry.version(n) for n in ("mlp", "cnn", "two_input"))
+        mlp.instances[0].memory_bytes = int(3.5 * MIB)
+        assert two.scaled_to_zero and sorted((i.index, i.device_id) for i in cnn.instances) == [(0, "gpu1"),
+                                                                                             (1, "gpu0")]
+        two.estimate_bytes = 5 * MIB
+        pool.events.clear()
+        wall.now_s += 600
+        await cold_start(core, "two_input")
+        assert [(e[0], e[1], e[2]) for e in pool.events][0] == ("unload", "cnn:1:0", "gpu1")
+        assert [e[0] for e in pool.events] == ["unload", "load"] and two.ready
+        assert [(i.index, i.device_id) for i in cnn.instances] == [(1, "gpu0")] and cnn.scheduler.stats.evictions == 1
+
+    asyncio.run(scenario())

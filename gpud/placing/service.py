@@ -20,16 +20,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
 from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.types import ErrorKind, InferenceError
-from gpud.controller import EvictionCandidate, eviction_order
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
-from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs,
-                                 candidate_kinds, locate, pin_errors, planning_devices, reserve_bytes_for)
+from gpud.placing.eviction import eviction_candidates, unplaced_of
+from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
+                                 pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import ControlPlan, DeviceRoom, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
@@ -82,18 +82,23 @@ class PlacementService:
 
     def inputs(self, versions: Sequence[RegisteredVersion] | None = None,
                totals: Mapping[tuple[str, str], int] | None = None,
-               beside: Sequence[RegisteredVersion] = ()) -> PlacementInputs:
+               beside: Sequence[RegisteredVersion] = (), without: Collection[InstanceHandle] = ()) -> PlacementInputs:
         """The planning problem of the live versions (and `versions`, which ask their configured counts): devices
         with what is not ours taken off, demands, and the live instances as the current placement. `totals`
         sets a version's instance count (the controller's target); the change goes to its last instance group.
-        `beside`: versions being replaced (a reload): their instances hold memory but are not planned."""
+        `beside`: versions being replaced (a reload): their instances hold memory but are not planned. `without`:
+        live instances to plan as if they were unloaded (is evicting them worth it?)."""
         beside = [*beside, *self._retiring]
         live = [v for v in self._live() if v not in beside]
         new = [v for v in versions or () if v not in live]
+        gone = {id(i) for i in without}
         # A live group asks for what it runs, holes included (an instance that failed to load keeps its number).
-        counts: dict[GroupKey, int] = {}
+        counts: dict[GroupKey, int] = {GroupKey(v.name, v.version, g): 0 for v in live
+                                       for g in range(len(v.entry.config.instance_groups))} if gone else {}
         for v in live:
             for i in v.instances:
+                if id(i) in gone:
+                    continue
                 g, k = locate(i.index, v.entry.config.instance_groups)
                 key = GroupKey(v.name, v.version, g)
                 counts[key] = max(counts.get(key, 0), k + 1)
@@ -117,7 +122,8 @@ class PlacementService:
         devices = planning_devices(self.devices.leaf_devices(), device_reserve_bytes=self.device_reserve_bytes,
                                    other_used_bytes=other, unhealthy=frozenset(unhealthy))
         demands: list[VersionDemand] = [v.demand() for v in live + new]
-        current = [LiveInstance(v.name, v.version, i.index, i.device_id) for v in live for i in v.instances]
+        current = [LiveInstance(v.name, v.version, i.index, i.device_id) for v in live for i in v.instances
+                   if id(i) not in gone]
         counts = {**_config_counts(new), **counts}
         for (model, version), total in (totals or {}).items():
             vs = self.registry.version(model, version)
@@ -212,17 +218,18 @@ class PlacementService:
                 if not apply or evict_idle_s is None or len(evicted) >= max_steps:
                     break
                 growing = {vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)}
-                unplaced_keys = {inputs.instance(Assignment(u.model, u.instance, ""))[0] for u in result.unplaced}
-                short = [vs for vs in growing
-                         if any((k.model, k.version) == (vs.name, vs.version) for k in unplaced_keys)]
-                victim = self._eviction_victim(short[0], exclude=growing, min_idle_s=evict_idle_s) if short else None
-                if victim is None:
+                short = [vs for vs in growing if unplaced_of(vs, inputs, result)]
+                victims = await self._victims(short[0], placeable, totals, self._eviction_candidates(
+                    short[0], exclude=growing, min_idle_s=evict_idle_s)) if short else []
+                if not victims:
                     break
-                evicted.append(await self._evict(victim, short[0]))
+                for victim in victims:
+                    evicted.append(await self._evict(victim, short[0]))
             moves = diff(inputs.current, result.placements, inputs.devices, inputs.demands)
             # A step with no room until others have moved would overcommit the device: left for a later interval.
             doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
-            todo = doable[:max_steps - len(evicted)]
+            # evictions count as steps, but the load they made room for is always taken
+            todo = doable[:max(1 if evicted else 0, max_steps - len(evicted))]
             if apply:
                 steps = evicted + await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
             else:
@@ -313,13 +320,16 @@ class PlacementService:
                     if steps and steps[0].error:
                         return f"instance {steps[0].index} on {steps[0].to_device}: {steps[0].error}"
                     continue
-                victim = self._eviction_victim(vs)
-                if victim is None:
+                candidates = self._eviction_candidates(vs)
+                victims = await self._victims(vs, [vs], {(vs.name, vs.version): 1}, candidates)
+                if not victims:
                     why = next((u.reason for u in result.unplaced), "no room")
-                    return (f"{why}; no idle instance of another model to evict"
-                            + (f" (evicted {', '.join(evicted)})" if evicted else ""))
-                step = await self._evict(victim, vs)
-                evicted.append(f"{step.model}:{step.version}:{step.index}")
+                    return why + ("; unloading the idle instances of other models would not make room either"
+                                  if candidates else "; no idle instance of another model to evict") \
+                        + (f" (evicted {', '.join(evicted)})" if evicted else "")
+                for victim in victims:
+                    step = await self._evict(victim, vs)
+                    evicted.append(f"{step.model}:{step.version}:{step.index}")
             return ""
 
     async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion) -> Step:
@@ -332,31 +342,37 @@ class PlacementService:
         return Step("remove", owner.name, owner.version, inst.index, inst.device_id, None,
                     evicted_for=beneficiary.name)
 
-    def _eviction_victim(self, vs: RegisteredVersion, *, exclude: set[RegisteredVersion] = frozenset(),
-                         min_idle_s: float = 0.0) -> tuple[RegisteredVersion, InstanceHandle] | None:
-        """The least recently used idle instance on a device kind `vs` can use (controller.eviction_order), of a
-        version not in `exclude` that has had no request for `min_idle_s`."""
-        kinds = {k for g in vs.entry.config.instance_groups for k in candidate_kinds(g.kind, self.registry.has_gpus)}
-        device_kind = {d.id: d.kind for d in self.devices.leaf_devices()}
-        handles: dict[tuple[str, str, int, str], tuple[RegisteredVersion, InstanceHandle]] = {}
-        candidates = []
-        now_s = self.wall_clock()
-        for other in self._live():
-            if other is vs or other in exclude or now_s - other.last_used_unix_s < min_idle_s:
-                continue
-            for inst in other.instances:
-                if device_kind.get(inst.device_id) not in kinds:
-                    continue
-                handles[(other.name, other.version, inst.index, inst.device_id)] = (other, inst)
-                candidates.append(EvictionCandidate(
-                    other.name, other.version, inst.index, inst.device_id, inst.footprint_bytes,
-                    other.last_used_unix_s, other.scheduler.pending_requests > 0, len(other.instances),
-                    other.bounds.minimum))
-        order = eviction_order(candidates)
-        if not order:
-            return None
-        c = order[0]
-        return handles[(c.model, c.version, c.index, c.device_id)]
+    async def _victims(self, vs: RegisteredVersion, versions: Sequence[RegisteredVersion],
+                       totals: Mapping[tuple[str, str], int],
+                       candidates: Sequence[tuple[RegisteredVersion, InstanceHandle]]
+                       ) -> list[tuple[RegisteredVersion, InstanceHandle]]:
+        """The instances to evict so that `vs` places more of its instances: the shortest least-recently-used-first
+        prefix of `candidates` whose unloading lets it, then without those of them it does not need (they may sit
+        on another device). Empty when even all of them would not: nothing is unloaded for nothing. Checked with
+        the planner's heuristics alone (a check, not the plan)."""
+        config = replace(self.config, move_current=False, time_limit_seconds=0.0)
+
+        async def short(without: Sequence[tuple[RegisteredVersion, InstanceHandle]]) -> int:
+            inputs = self.inputs(versions, totals, without=[i for _, i in without])
+            return unplaced_of(vs, inputs, await self._plan(inputs, config))
+
+        before = await short(())
+        chosen: list[tuple[RegisteredVersion, InstanceHandle]] = []
+        for k in range(1, len(candidates) + 1):
+            if await short(candidates[:k]) < before:
+                chosen = list(candidates[:k])
+                break
+        for c in reversed(chosen[:-1]):  # the last of the prefix is needed: the one before it was not enough
+            trial = [x for x in chosen if x is not c]
+            if await short(trial) < before:
+                chosen = trial
+        return chosen
+
+    def _eviction_candidates(self, vs: RegisteredVersion, *, exclude: set[RegisteredVersion] = frozenset(),
+                             min_idle_s: float = 0.0) -> list[tuple[RegisteredVersion, InstanceHandle]]:
+        kinds = {d.id: d.kind for d in self.devices.leaf_devices()}
+        return eviction_candidates(vs, self._live(), kinds, self.registry.has_gpus, self.wall_clock(),
+                                   exclude=exclude, min_idle_s=min_idle_s)
 
     # --- requested placements -------------------------------------------------------------------------------------
     async def apply_requested(self, requested: Sequence[RequestedPlacement]) -> Applied:
