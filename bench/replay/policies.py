@@ -58,7 +58,7 @@ class Result:
 
 
 def settings_for(scenario: Scenario, *, incremental: bool, interval_s: float = 5.0, scale_up_s: float = 5.0,
-                 scale_down_s: float = 120.0, idle_unload_s: float = 300.0, max_steps: int = 4,
+                 scale_down_s: float = 60.0, idle_unload_s: float = 180.0, max_steps: int = 4,
                  hints_interval_s: float = 2.5, rate_window_s: float = 15.0) -> ControlSettings:
     """The controller's settings in model time. The replay compresses an hour of the trace into a few seconds, so
     the windows are shorter than the daemon's defaults in the same proportion as demand moves faster; load times
@@ -175,7 +175,8 @@ def run_controlled(policy: str, scenario: Scenario, settings: ControlSettings, w
         plane.close()
 
 
-def run_policy(policy: str, scenario: Scenario) -> Result:
+def run_policy(policy: str, scenario: Scenario, **controller: float) -> Result:
+    """`controller`: settings_for's keywords, for (d) and (e)."""
     backend = SimulatedBackend.from_file(scenario.node_file)
     if policy == "triton":
         return run_static(policy, scenario, *every_model_everywhere(scenario, backend))
@@ -186,5 +187,5 @@ def run_policy(policy: str, scenario: Scenario) -> Result:
             counts[name] = instances_needed(rate, scenario.throughput_per_s(name), scenario.target_utilization)
         return run_static(policy, scenario, *planned(scenario, backend, counts))
     if policy in ("scratch", "gpud"):
-        return run_controlled(policy, scenario, settings_for(scenario, incremental=policy == "gpud"))
+        return run_controlled(policy, scenario, settings_for(scenario, incremental=policy == "gpud", **controller))
     raise ValueError(f"unknown policy {policy!r} (policies: {', '.join(POLICIES)})")

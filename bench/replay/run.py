@@ -108,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--days", type=float, default=10.0)
     p.add_argument("--seconds-per-hour", type=float, default=30.0, help="model seconds per trace hour")
     p.add_argument("--seed", type=int, default=0)
+    control = p.add_argument_group("gpud's controller in policies (d) and (e), in model seconds")
+    control.add_argument("--interval", type=float, default=5.0, help="control interval (default 5)")
+    control.add_argument("--scale-up-window", type=float, default=5.0, help="hints' scale-up window (default 5)")
+    control.add_argument("--scale-down-window", type=float, default=60.0,
+                         help="hints' scale-down window, also the controller's cooldown (default 60)")
+    control.add_argument("--idle-unload", type=float, default=180.0, help="idle time before scale to zero "
+                         "(default 180)")
     p.add_argument("--log-level", default="ERROR", help="gpud's own log while it runs in the model (default ERROR; "
                    "INFO shows every placement step)")
     args = p.parse_args(argv)
@@ -121,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     scenario = build(args.data, models=args.models, start_day=args.start_day, days=args.days,
                      seconds_per_trace_step=args.seconds_per_hour, seed=args.seed)
     print(describe(scenario), flush=True)
+    controller = dict(interval_s=args.interval, scale_up_s=args.scale_up_window, scale_down_s=args.scale_down_window,
+                      idle_unload_s=args.idle_unload)
+    print(f"controller (model seconds): {controller}", flush=True)
     results: dict[str, Result] = {}
     for policy in policies:
-        results[policy] = r = run_policy(policy, scenario)
+        results[policy] = r = run_policy(policy, scenario, **controller)
         print(f"  {policy}: done in {r.seconds:.0f} s", flush=True)
         for u in r.unplaced:
             print(f"    not placed: {u}")

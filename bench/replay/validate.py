@@ -51,13 +51,13 @@ class Case:
     seconds: int
 
 
-def case(seconds: int = 180) -> Case:
-    """ranker: 40 req/s, 150 in the middle third (one instance takes ~180 at full batches: the load rule asks for a
-    second); encoder 10 req/s; vision 4 req/s. About 1.5 of the 2 cores at the step."""
+def case(seconds: int = 180, step_per_s: float = 150.0) -> Case:
+    """ranker: 40 req/s, `step_per_s` in the middle third (150: one instance takes ~180 at full batches, so the load
+    rule asks for a second); encoder 10 req/s; vision 4 req/s. About 1.5 of the 2 cores at the step."""
     kinds = {name: replace(k, share=1.0) for name, k in load_kinds().items()}  # one thread: at most one core
     third = seconds // 3
     ranker = np.full(seconds, 40.0)
-    ranker[third:2 * third] = 150.0
+    ranker[third:2 * third] = step_per_s
     rates = {"ranker": ranker, "encoder": np.full(seconds, 10.0), "vision": np.full(seconds, 4.0)}
     specs = {s.name: ModelSpec(s.name, s.name, 64 * 2**20, 1.0, device_kind="KIND_CPU", threads=1, min_instances=1,
                                max_instances=2) for s in SPECS}
@@ -196,10 +196,11 @@ def run_model(c: Case, settings: ControlSettings, times: dict[str, np.ndarray], 
     plane = ControlPlane(serving, backend, specs, settings, workdir / "model-repo")
     counts: dict[str, list[tuple[float, int]]] = {n: [] for n in specs}
 
-    def sample() -> None:
+    def sample() -> None:  # over the clients' time, as the real run's inspect polling
         for m in models:
             counts[m.name].append((serving.now_s, len(m.instances)))
-        serving.at(serving.now_s + 1.0, sample)
+        if serving.now_s < c.seconds:
+            serving.at(serving.now_s + 1.0, sample)
 
     serving.at(0.0, sample)
     plane.start()
@@ -263,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=int, default=180)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--step", type=float, default=150.0, help="the ranker's rate in the middle third (req/s; 40: "
+                   "no step)")
     p.add_argument("--out", default="replay-results")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    c = case(args.seconds)
+    c = case(args.seconds, args.step)
     settings = control_settings(c)
     times = arrivals(c, args.seed)
     work = Path(tempfile.mkdtemp(prefix="gpud-validate-"))

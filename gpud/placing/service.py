@@ -43,9 +43,14 @@ log = logging.getLogger("gpud")
 class PlacementService:
     def __init__(self, devices: DeviceBackend, pool: ExecutorPool, registry: Registry, *,
                  device_reserve_bytes: int = 0, strategy: str = "pack", time_limit_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
+                 cold_start_retry_s: float = 5.0):
         self.devices = devices
         self.clock = clock
+        # After a load on demand failed, requests within this long fail at once with its reason: no re-plan and no
+        # log line per request while a model cannot load (a busy client would otherwise flood both).
+        self.cold_start_retry_s = cold_start_retry_s
+        self._cold_failed: dict[RegisteredVersion, tuple[float, str]] = {}  # when and why the last one failed
         self.wall_clock = wall_clock
         self._cold: dict[RegisteredVersion, asyncio.Task] = {}  # cold starts under way
         self.pool = pool
@@ -281,6 +286,12 @@ class PlacementService:
         cannot be done, the waiting requests fail with the reason."""
         if vs in self._cold or vs.instances:
             return
+        failed = self._cold_failed.get(vs)
+        if failed is not None and self.clock() - failed[0] < self.cold_start_retry_s:
+            wait_s = self.cold_start_retry_s - (self.clock() - failed[0])
+            vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
+                                         f"{failed[1]} (next try in {wait_s:.0f} s)")
+            return
         self._cold[vs] = asyncio.get_running_loop().create_task(self._cold_start(vs))
 
     async def _cold_start(self, vs: RegisteredVersion) -> None:
@@ -293,10 +304,13 @@ class PlacementService:
         finally:
             self._cold.pop(vs, None)
         if error:
-            log.error("model %s version %s: cannot load on demand: %s", vs.name, vs.version, error)
+            self._cold_failed[vs] = (self.clock(), error)
+            log.error("model %s version %s: cannot load on demand: %s (requests in the next %g s fail at once)",
+                      vs.name, vs.version, error, self.cold_start_retry_s)
             vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
                                          f"{error}")
             return
+        self._cold_failed.pop(vs, None)
         seconds = self.clock() - started_s
         vs.scheduler.stats.record_cold_start(seconds)
         log.info("model %s version %s: cold start in %.2f s (loaded on demand)", vs.name, vs.version, seconds)
