@@ -270,6 +270,17 @@ class TestControl:
         assert [(s.kind, s.from_device, s.to_device) for s in plan.steps] == [("move", other, src)]
         assert where(registry)["mlp"] == [(0, src)]
 
+    def test_a_re_plan_keeps_what_runs_unless_its_target_is_lower(self, node):
+        # mlp runs 3, cnn 1. Re-planning for cnn's target of 2, mlp may keep no fewer than its 3 (a re-plan that fits
+        # more of cnn must not take a busy model's instance); cnn may lose none either (target 2 > 1 running). With
+        # mlp's target at 1, it may go down to 1.
+        registry, pool, service = self.started(node)
+        asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        mins = {d.name: d.min_instances for d in service.inputs(totals={("cnn", "1"): 2}).demands}
+        assert mins == {"mlp": 3, "cnn": 1}
+        mins = {d.name: d.min_instances for d in service.inputs(totals={("mlp", "1"): 1}).demands}
+        assert mins == {"mlp": 1, "cnn": 1}
+
     def test_a_failed_load_stops_the_interval(self, node):
         registry, pool, service = self.started(node)
         pool.fail_on = {"gpu0", "gpu1", "cpu"}

@@ -16,7 +16,6 @@ from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
 from telemetry.serving import ModelState
 from telemetry.simulated import SimulatedBackend
-from tests.fakes import FakeClock
 from tests.test_placement_service import MIB, ScriptedPool
 
 ONE_GPU = """
@@ -184,16 +183,14 @@ def test_only_the_instances_that_make_room_are_evicted(tmp_path):
     asyncio.run(scenario())
 
 
-def test_after_a_failed_load_on_demand_requests_fail_at_once_until_the_retry_time(tmp_path):
-    # mlp holds its minimum; cnn has no room. The first demand plans and fails; one within 5 s fails at once with
-    # the same reason (no plan, no load); after 5 s gpud tries again.
+def test_after_a_failed_load_on_demand_requests_fail_at_once_until_the_node_changes(tmp_path):
+    # mlp holds its minimum; cnn has no room. The first demand plans and fails; the next fails at once with the same
+    # reason (no plan); once an instance has stopped (the node changed), the next demand plans again.
     core, pool, _ = node(tmp_path, {"mlp": 1, "cnn": 0}, room_bytes=7 * MIB)
-    clock = FakeClock(100.0)
-    core.placement.clock = clock
 
     async def scenario() -> list[str]:
         await core.start()
-        cnn = core.registry.version("cnn")
+        cnn, mlp = core.registry.version("cnn"), core.registry.version("mlp")
         failed: list[str] = []
         cnn.scheduler.fail_all_queued = failed.append
         planned = []
@@ -206,14 +203,12 @@ def test_after_a_failed_load_on_demand_requests_fail_at_once_until_the_retry_tim
         core.placement._plan = counting_plan
         await cold_start(core, "cnn")
         plans = len(planned)
-        clock.now += 4.0
-        core.placement.demand(cnn)  # within 5 s: at once
+        core.placement.demand(cnn)  # nothing changed: at once
         assert cnn not in core.placement._cold and len(planned) == plans
-        clock.now += 1.0
-        await cold_start(core, "cnn")  # 5 s after the failure: planned again
-        assert len(planned) > plans
+        await core.placement._stop(mlp, mlp.instances[0])  # room now
+        await cold_start(core, "cnn")
+        assert len(planned) > plans and cnn.ready
         return failed
 
     failed = asyncio.run(scenario())
-    assert len(failed) == 3 and failed[1].endswith("(next try in 1 s)")
-    assert failed[1].startswith(failed[0])  # the same reason
+    assert len(failed) == 2 and failed[1] == failed[0]  # the same reason, said at once

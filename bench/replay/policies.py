@@ -58,12 +58,14 @@ class Result:
 
 
 def settings_for(scenario: Scenario, *, incremental: bool, interval_s: float = 5.0, scale_up_s: float = 5.0,
-                 scale_down_s: float = 60.0, idle_unload_s: float = 180.0, max_steps: int = 4,
-                 hints_interval_s: float = 2.5, rate_window_s: float = 15.0) -> ControlSettings:
-    """The controller's settings in model time. The replay compresses an hour of the trace into a few seconds, so
-    the windows are shorter than the daemon's defaults in the same proportion as demand moves faster; load times
-    are not compressed (harder for the controller, not easier)."""
-    hints = HintPolicy(target_queue_seconds=scenario.slo_queue_s / 4,
+                 scale_down_s: float = 120.0, idle_unload_s: float = 300.0, max_steps: int = 4,
+                 hints_interval_s: float = 2.5, rate_window_s: float = 15.0,
+                 queue_target_share: float = 0.5) -> ControlSettings:
+    """The controller's settings in model time. The replay compresses an hour of the trace into 30 s, so the
+    windows that follow demand (interval, rate and scale-up windows) are shorter than the daemon's defaults; the
+    scale-down window is 120 s and the idle time the daemon's 300 s; load times are not compressed (harder for the
+    controller, not easier). The hints aim at a mean queue of `queue_target_share` x the SLO's bound."""
+    hints = HintPolicy(target_queue_seconds=scenario.slo_queue_s * queue_target_share,
                        target_utilization_ratio=scenario.target_utilization,
                        scale_up_stabilization_seconds=scale_up_s, scale_down_stabilization_seconds=scale_down_s,
                        min_instances=0, max_instances=64)

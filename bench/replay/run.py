@@ -111,10 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     control = p.add_argument_group("gpud's controller in policies (d) and (e), in model seconds")
     control.add_argument("--interval", type=float, default=5.0, help="control interval (default 5)")
     control.add_argument("--scale-up-window", type=float, default=5.0, help="hints' scale-up window (default 5)")
-    control.add_argument("--scale-down-window", type=float, default=60.0,
-                         help="hints' scale-down window, also the controller's cooldown (default 60)")
-    control.add_argument("--idle-unload", type=float, default=180.0, help="idle time before scale to zero "
-                         "(default 180)")
+    control.add_argument("--scale-down-window", type=float, default=120.0,
+                         help="hints' scale-down window, also the controller's cooldown (default 120)")
+    control.add_argument("--idle-unload", type=float, default=300.0, help="idle time before scale to zero "
+                         "(default 300)")
+    control.add_argument("--queue-target-share", type=float, default=0.5,
+                         help="the hints' mean queue target as a share of the SLO's bound (default 0.5)")
     p.add_argument("--log-level", default="ERROR", help="gpud's own log while it runs in the model (default ERROR; "
                    "INFO shows every placement step)")
     args = p.parse_args(argv)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                      seconds_per_trace_step=args.seconds_per_hour, seed=args.seed)
     print(describe(scenario), flush=True)
     controller = dict(interval_s=args.interval, scale_up_s=args.scale_up_window, scale_down_s=args.scale_down_window,
-                      idle_unload_s=args.idle_unload)
+                      idle_unload_s=args.idle_unload, queue_target_share=args.queue_target_share)
     print(f"controller (model seconds): {controller}", flush=True)
     results: dict[str, Result] = {}
     for policy in policies:

@@ -183,10 +183,12 @@ def demand_names(versions: Sequence[VersionDemand]) -> dict[GroupKey, str]:
 
 
 def build_inputs(devices: Sequence[Device], versions: Sequence[VersionDemand], live: Iterable[LiveInstance] = (),
-                 *, counts: Mapping[GroupKey, int] | None = None) -> PlacementInputs:
+                 *, counts: Mapping[GroupKey, int] | None = None,
+                 minimums: Mapping[GroupKey, int] | None = None) -> PlacementInputs:
     """The planning problem of `versions` on `devices`, with `live` as the current placement. A group asks for
-    `counts[key]` instances when given, else its configured count. Live instances of versions not in `versions`
-    are left out (their memory is the caller's to take off the devices)."""
+    `counts[key]` instances when given, else its configured count; `minimums[key]` is how few it may keep through a
+    re-plan (the planner's default otherwise: one). Live instances of versions not in `versions` are left out
+    (their memory is the caller's to take off the devices)."""
     gpus = has_gpus(devices)
     names = demand_names(versions)
     demands, groups, firsts = [], {}, {}
@@ -198,8 +200,9 @@ def build_inputs(devices: Sequence[Device], versions: Sequence[VersionDemand], l
             pins = frozenset(d.id for d in devices if d.label(GPU_INDEX_LABEL) in {str(i) for i in group.gpus}) \
                 if group.gpus else frozenset()
             count = counts.get(key, group.count) if counts is not None else group.count
+            minimum = min(count, minimums[key]) if minimums is not None and key in minimums else None
             demands.append(ModelDemand(name=names[key], memory_bytes=max(1, v.footprint_bytes), instances=count,
-                                       compute_fraction=v.compute_fraction,
+                                       compute_fraction=v.compute_fraction, min_instances=minimum,
                                        constraints=Constraints(kinds=frozenset(candidate_kinds(group.kind, gpus)),
                                                                devices=pins)))
     inputs = PlacementInputs(tuple(devices), tuple(demands), (), groups, firsts, names)

@@ -27,7 +27,7 @@ from executor.device import WorkerDevice
 from executor.pool import ExecutorPool, InstanceHandle
 from executor.types import ErrorKind, InferenceError
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
-from gpud.placing.eviction import eviction_candidates, unplaced_of
+from gpud.placing.ondemand import OnDemand, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
@@ -40,17 +40,19 @@ from telemetry.serving import ModelState
 log = logging.getLogger("gpud")
 
 
-class PlacementService:
+class PlacementService(OnDemand):
     def __init__(self, devices: DeviceBackend, pool: ExecutorPool, registry: Registry, *,
                  device_reserve_bytes: int = 0, strategy: str = "pack", time_limit_s: float = 2.0,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time,
-                 cold_start_retry_s: float = 5.0):
+                 cold_start_log_s: float = 60.0):
         self.devices = devices
         self.clock = clock
-        # After a load on demand failed, requests within this long fail at once with its reason: no re-plan and no
-        # log line per request while a model cannot load (a busy client would otherwise flood both).
-        self.cold_start_retry_s = cold_start_retry_s
-        self._cold_failed: dict[RegisteredVersion, tuple[float, str]] = {}  # when and why the last one failed
+        # A load on demand that failed is tried again by the next request only once the node has changed (an
+        # instance started or stopped): until then requests fail at once with its reason, with no plan and no log
+        # line each (a busy client would otherwise flood both). The same failure is logged again after this long.
+        self.cold_start_log_s = cold_start_log_s
+        self._changes = 0  # instances started or stopped so far
+        self._cold_failed: dict[RegisteredVersion, tuple[int, str, float]] = {}  # changes then, why, when logged
         self.wall_clock = wall_clock
         self._cold: dict[RegisteredVersion, asyncio.Task] = {}  # cold starts under way
         self.pool = pool
@@ -130,12 +132,23 @@ class PlacementService:
         current = [LiveInstance(v.name, v.version, i.index, i.device_id) for v in live for i in v.instances
                    if id(i) not in gone]
         counts = {**_config_counts(new), **counts}
+        # What runs stays through a re-plan: only a version whose count is set (the controller's target) may lose
+        # instances, down to it. Otherwise a re-plan that fits more of one model could drop a busy one's instance.
+        running: dict[GroupKey, int] = {}
+        for v in live:
+            for i in v.instances:
+                if id(i) not in gone:
+                    key = GroupKey(v.name, v.version, locate(i.index, v.entry.config.instance_groups)[0])
+                    running[key] = running.get(key, 0) + 1
         for (model, version), total in (totals or {}).items():
             vs = self.registry.version(model, version)
             last = len(vs.entry.config.instance_groups) - 1
             others = sum(counts.get(GroupKey(model, version, g), 0) for g in range(last))
             counts[GroupKey(model, version, last)] = max(0, total - others)
-        return build_inputs(devices, demands, current, counts=counts)
+            for g in range(last + 1):
+                key = GroupKey(model, version, g)
+                running[key] = min(running.get(key, 0), counts.get(key, 0))
+        return build_inputs(devices, demands, current, counts=counts, minimums=running)
 
     async def _plan(self, inputs: PlacementInputs, config: PlannerConfig) -> Plan:
         # The engine is pure and may search for up to its time limit: off the event loop, so serving goes on.
@@ -280,114 +293,6 @@ class PlacementService:
         finally:
             self._retiring = [v for v in self._retiring if v not in versions]
 
-    # --- scale to zero: cold starts and eviction -------------------------------------------------------------------
-    def demand(self, vs: RegisteredVersion) -> None:
-        """A request waits for `vs`, which has no instance: load one (once, however many requests wait). If that
-        cannot be done, the waiting requests fail with the reason."""
-        if vs in self._cold or vs.instances:
-            return
-        failed = self._cold_failed.get(vs)
-        if failed is not None and self.clock() - failed[0] < self.cold_start_retry_s:
-            wait_s = self.cold_start_retry_s - (self.clock() - failed[0])
-            vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
-                                         f"{failed[1]} (next try in {wait_s:.0f} s)")
-            return
-        self._cold[vs] = asyncio.get_running_loop().create_task(self._cold_start(vs))
-
-    async def _cold_start(self, vs: RegisteredVersion) -> None:
-        started_s = self.clock()
-        try:
-            error = await self.cold_start(vs)
-        except Exception as exc:  # noqa: BLE001 - the waiting requests must hear why, whatever failed
-            log.exception("model %s version %s: cold start failed", vs.name, vs.version)
-            error = str(exc)
-        finally:
-            self._cold.pop(vs, None)
-        if error:
-            self._cold_failed[vs] = (self.clock(), error)
-            log.error("model %s version %s: cannot load on demand: %s (requests in the next %g s fail at once)",
-                      vs.name, vs.version, error, self.cold_start_retry_s)
-            vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
-                                         f"{error}")
-            return
-        self._cold_failed.pop(vs, None)
-        seconds = self.clock() - started_s
-        vs.scheduler.stats.record_cold_start(seconds)
-        log.info("model %s version %s: cold start in %.2f s (loaded on demand)", vs.name, vs.version, seconds)
-
-    async def cold_start(self, vs: RegisteredVersion) -> str:
-        """Load one instance of `vs` (which has none) where there is room, evicting the least recently used idle
-        instances of other versions while there is not. Returns "" once it serves, else why not."""
-        async with self.lock:
-            evicted: list[str] = []
-            while not vs.instances:
-                if vs.state is not ModelState.READY:
-                    return f"it is {vs.state.value.lower()}"
-                inputs = self.inputs([vs], {(vs.name, vs.version): 1})
-                result = await self._plan(inputs, replace(self.config, move_current=False))
-                mine = {inputs.names[GroupKey(vs.name, vs.version, k)]
-                        for k in range(len(vs.entry.config.instance_groups))}
-                moves = [m for m in diff(inputs.current, result.placements, inputs.devices, inputs.demands)
-                         if m.model in mine and m.kind == "add" and m.make_before_break]  # room now
-                if moves:
-                    steps = await self._apply(inputs, moves[:1], atomic=False)
-                    if steps and steps[0].error:
-                        return f"instance {steps[0].index} on {steps[0].to_device}: {steps[0].error}"
-                    continue
-                candidates = self._eviction_candidates(vs)
-                victims = await self._victims(vs, [vs], {(vs.name, vs.version): 1}, candidates)
-                if not victims:
-                    why = next((u.reason for u in result.unplaced), "no room")
-                    return why + ("; unloading the idle instances of other models would not make room either"
-                                  if candidates else "; no idle instance of another model to evict") \
-                        + (f" (evicted {', '.join(evicted)})" if evicted else "")
-                for victim in victims:
-                    step = await self._evict(victim, vs)
-                    evicted.append(f"{step.model}:{step.version}:{step.index}")
-            return ""
-
-    async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion) -> Step:
-        owner, inst = victim
-        log.info("model %s version %s: evicting idle instance %d of model %s version %s on %s (least recently "
-                 "used) to make room", beneficiary.name, beneficiary.version, inst.index, owner.name, owner.version,
-                 inst.device_id)
-        await self._stop(owner, inst)
-        owner.scheduler.stats.evictions += 1
-        return Step("remove", owner.name, owner.version, inst.index, inst.device_id, None,
-                    evicted_for=beneficiary.name)
-
-    async def _victims(self, vs: RegisteredVersion, versions: Sequence[RegisteredVersion],
-                       totals: Mapping[tuple[str, str], int],
-                       candidates: Sequence[tuple[RegisteredVersion, InstanceHandle]]
-                       ) -> list[tuple[RegisteredVersion, InstanceHandle]]:
-        """The instances to evict so that `vs` places more of its instances: the shortest least-recently-used-first
-        prefix of `candidates` whose unloading lets it, then without those of them it does not need (they may sit
-        on another device). Empty when even all of them would not: nothing is unloaded for nothing. Checked with
-        the planner's heuristics alone (a check, not the plan)."""
-        config = replace(self.config, move_current=False, time_limit_seconds=0.0)
-
-        async def short(without: Sequence[tuple[RegisteredVersion, InstanceHandle]]) -> int:
-            inputs = self.inputs(versions, totals, without=[i for _, i in without])
-            return unplaced_of(vs, inputs, await self._plan(inputs, config))
-
-        before = await short(())
-        chosen: list[tuple[RegisteredVersion, InstanceHandle]] = []
-        for k in range(1, len(candidates) + 1):
-            if await short(candidates[:k]) < before:
-                chosen = list(candidates[:k])
-                break
-        for c in reversed(chosen[:-1]):  # the last of the prefix is needed: the one before it was not enough
-            trial = [x for x in chosen if x is not c]
-            if await short(trial) < before:
-                chosen = trial
-        return chosen
-
-    def _eviction_candidates(self, vs: RegisteredVersion, *, exclude: set[RegisteredVersion] = frozenset(),
-                             min_idle_s: float = 0.0) -> list[tuple[RegisteredVersion, InstanceHandle]]:
-        kinds = {d.id: d.kind for d in self.devices.leaf_devices()}
-        return eviction_candidates(vs, self._live(), kinds, self.registry.has_gpus, self.wall_clock(),
-                                   exclude=exclude, min_idle_s=min_idle_s)
-
     # --- requested placements -------------------------------------------------------------------------------------
     async def apply_requested(self, requested: Sequence[RequestedPlacement]) -> Applied:
         """Make the named model versions' instances exactly `requested` (versions not named are untouched), in the
@@ -485,6 +390,7 @@ class PlacementService:
         finally:
             self._loading[device] -= footprint
         if inst.ready:
+            self._changes += 1
             vs.loaded_unix_s = self.wall_clock()
             vs.instances.append(inst)
             vs.scheduler.add_instance(inst)
@@ -506,6 +412,7 @@ class PlacementService:
 
     async def _stop(self, vs: RegisteredVersion, inst: InstanceHandle) -> None:
         """No new batches go to `inst`; its worker unloads it after the batch it may be running."""
+        self._changes += 1
         vs.scheduler.remove_instance(inst)
         if inst in vs.instances:
             vs.instances.remove(inst)

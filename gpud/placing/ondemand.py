@@ -1,0 +1,165 @@
+"""Scale to zero's other half: loads on demand (a request for a version with no instance loads one) and evictions
+(which idle instances a load may unload, in the order it may: the pure rule is gpud.controller.eviction_order; and
+only those that make room). A part of the placement service (`OnDemand` is one of its bases), in a module of its own.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+
+from executor.pool import InstanceHandle
+from gpud.controller import EvictionCandidate, eviction_order
+from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
+from gpud.placing.results import Step
+from gpud.registry import RegisteredVersion
+from placement import Plan, diff
+from telemetry.serving import ModelState
+
+log = logging.getLogger("gpud")
+
+
+class OnDemand:
+    """Loads on demand and evictions, for PlacementService (which provides the attributes and helpers used here:
+    lock, registry, devices, clocks, inputs(), _plan(), _apply(), _stop(), _live())."""
+
+    def demand(self, vs: RegisteredVersion) -> None:
+        """A request waits for `vs`, which has no instance: load one (once, however many requests wait). If that
+        cannot be done, the waiting requests fail with the reason."""
+        if vs in self._cold or vs.instances:
+            return
+        failed = self._cold_failed.get(vs)
+        if failed is not None and failed[0] == self._changes:  # nothing has moved since it failed: it would again
+            vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
+                                         f"{failed[1]}")
+            return
+        self._cold[vs] = asyncio.get_running_loop().create_task(self._cold_start(vs))
+
+    async def _cold_start(self, vs: RegisteredVersion) -> None:
+        started_s = self.clock()
+        try:
+            error = await self.cold_start(vs)
+        except Exception as exc:  # noqa: BLE001 - the waiting requests must hear why, whatever failed
+            log.exception("model %s version %s: cold start failed", vs.name, vs.version)
+            error = str(exc)
+        finally:
+            self._cold.pop(vs, None)
+        if error:
+            before = self._cold_failed.get(vs)
+            logged_s = before[2] if before is not None and before[1] == error else None
+            if logged_s is None or self.clock() - logged_s >= self.cold_start_log_s:
+                log.error("model %s version %s: cannot load on demand: %s (tried again once the node changes)",
+                          vs.name, vs.version, error)
+                logged_s = self.clock()
+            self._cold_failed[vs] = (self._changes, error, logged_s)
+            vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} could not be loaded on demand: "
+                                         f"{error}")
+            return
+        self._cold_failed.pop(vs, None)
+        seconds = self.clock() - started_s
+        vs.scheduler.stats.record_cold_start(seconds)
+        log.info("model %s version %s: cold start in %.2f s (loaded on demand)", vs.name, vs.version, seconds)
+
+    async def cold_start(self, vs: RegisteredVersion) -> str:
+        """Load one instance of `vs` (which has none) where there is room, evicting the least recently used idle
+        instances of other versions that make room where there is not. Returns "" once it serves, else why not."""
+        async with self.lock:
+            evicted: list[str] = []
+            while not vs.instances:
+                if vs.state is not ModelState.READY:
+                    return f"it is {vs.state.value.lower()}"
+                inputs = self.inputs([vs], {(vs.name, vs.version): 1})
+                result = await self._plan(inputs, replace(self.config, move_current=False))
+                mine = {inputs.names[GroupKey(vs.name, vs.version, k)]
+                        for k in range(len(vs.entry.config.instance_groups))}
+                moves = [m for m in diff(inputs.current, result.placements, inputs.devices, inputs.demands)
+                         if m.model in mine and m.kind == "add" and m.make_before_break]  # room now
+                if moves:
+                    steps = await self._apply(inputs, moves[:1], atomic=False)
+                    if steps and steps[0].error:
+                        return f"instance {steps[0].index} on {steps[0].to_device}: {steps[0].error}"
+                    continue
+                candidates = self._eviction_candidates(vs)
+                victims = await self._victims(vs, [vs], {(vs.name, vs.version): 1}, candidates)
+                if not victims:
+                    why = next((u.reason for u in result.unplaced), "no room")
+                    return why + ("; unloading the idle instances of other models would not make room either"
+                                  if candidates else "; no idle instance of another model to evict") \
+                        + (f" (evicted {', '.join(evicted)})" if evicted else "")
+                for victim in victims:
+                    step = await self._evict(victim, vs)
+                    evicted.append(f"{step.model}:{step.version}:{step.index}")
+            return ""
+
+    async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion) -> Step:
+        owner, inst = victim
+        log.info("model %s version %s: evicting idle instance %d of model %s version %s on %s (least recently "
+                 "used) to make room", beneficiary.name, beneficiary.version, inst.index, owner.name, owner.version,
+                 inst.device_id)
+        await self._stop(owner, inst)
+        owner.scheduler.stats.evictions += 1
+        return Step("remove", owner.name, owner.version, inst.index, inst.device_id, None,
+                    evicted_for=beneficiary.name)
+
+    async def _victims(self, vs: RegisteredVersion, versions: Sequence[RegisteredVersion],
+                       totals: Mapping[tuple[str, str], int],
+                       candidates: Sequence[tuple[RegisteredVersion, InstanceHandle]]
+                       ) -> list[tuple[RegisteredVersion, InstanceHandle]]:
+        """The instances to evict so that `vs` places more of its instances: the shortest least-recently-used-first
+        prefix of `candidates` whose unloading lets it, then without those of them it does not need (they may sit
+        on another device). Empty when even all of them would not: nothing is unloaded for nothing. Checked with
+        the planner's heuristics alone (a check, not the plan)."""
+        config = replace(self.config, move_current=False, time_limit_seconds=0.0)
+
+        async def short(without: Sequence[tuple[RegisteredVersion, InstanceHandle]]) -> int:
+            inputs = self.inputs(versions, totals, without=[i for _, i in without])
+            return unplaced_of(vs, inputs, await self._plan(inputs, config))
+
+        before = await short(())
+        chosen: list[tuple[RegisteredVersion, InstanceHandle]] = []
+        for k in range(1, len(candidates) + 1):
+            if await short(candidates[:k]) < before:
+                chosen = list(candidates[:k])
+                break
+        for c in reversed(chosen[:-1]):  # the last of the prefix is needed: the one before it was not enough
+            trial = [x for x in chosen if x is not c]
+            if await short(trial) < before:
+                chosen = trial
+        return chosen
+
+    def _eviction_candidates(self, vs: RegisteredVersion, *, exclude: set[RegisteredVersion] = frozenset(),
+                             min_idle_s: float = 0.0) -> list[tuple[RegisteredVersion, InstanceHandle]]:
+        kinds = {d.id: d.kind for d in self.devices.leaf_devices()}
+        return eviction_candidates(vs, self._live(), kinds, self.registry.has_gpus, self.wall_clock(),
+                                   exclude=exclude, min_idle_s=min_idle_s)
+
+
+
+def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion], device_kinds: Mapping[str, str],
+                        has_gpus: bool, now_unix_s: float, *, exclude: set[RegisteredVersion] = frozenset(),
+                        min_idle_s: float = 0.0) -> list[tuple[RegisteredVersion, InstanceHandle]]:
+    """The instances of `live` versions on device kinds `vs` can use, least recently used first, of versions not in
+    `exclude` that have had no request for `min_idle_s` (and never one of a busy version, never below a version's
+    minimum: eviction_order). `device_kinds`: device id -> kind."""
+    kinds = {k for g in vs.entry.config.instance_groups for k in candidate_kinds(g.kind, has_gpus)}
+    handles: dict[tuple[str, str, int, str], tuple[RegisteredVersion, InstanceHandle]] = {}
+    candidates = []
+    for other in live:
+        if other is vs or other in exclude or now_unix_s - other.last_used_unix_s < min_idle_s:
+            continue
+        for inst in other.instances:
+            if device_kinds.get(inst.device_id) not in kinds:
+                continue
+            handles[(other.name, other.version, inst.index, inst.device_id)] = (other, inst)
+            candidates.append(EvictionCandidate(
+                other.name, other.version, inst.index, inst.device_id, inst.footprint_bytes,
+                other.last_used_unix_s, other.scheduler.pending_requests > 0, len(other.instances),
+                other.bounds.minimum))
+    return [handles[(c.model, c.version, c.index, c.device_id)] for c in eviction_order(candidates)]
+
+
+def unplaced_of(vs: RegisteredVersion, inputs: PlacementInputs, result: Plan) -> int:
+    """How many of `vs`'s instances the plan left without a device."""
+    return sum(1 for u in result.unplaced if (inputs.groups[u.model].model, inputs.groups[u.model].version)
+               == (vs.name, vs.version))
