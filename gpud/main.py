@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve the HTTP API on a unix socket at PATH (mode 0660: gpud's user and group) where "
                         "loading, unloading and POST /v2/gpud/placement need no token (gpudctl --socket); over TCP "
                         "they are then refused unless --admin-token-file is set too (systemd: /run/gpud/admin.sock)")
+    p.add_argument("--admin-open", action="store_true", default=None,
+                   help="with neither --admin-token-file nor --admin-socket, take loading, unloading and "
+                        "POST /v2/gpud/placement from any address without a token (default: from this machine's "
+                        "loopback address only; a placement can move or remove every instance)")
     p.add_argument("--default-max-queue-size", type=int, metavar="N",
                    help="requests queued per model (and priority level) when its config.pbtxt sets no "
                         "max_queue_size; more are refused at once with 503 / UNAVAILABLE, so overload does not grow "
@@ -258,7 +262,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     prepared = prepare_settings(settings)  # refuse bad settings before starting anything
     policy, control, model_control = prepared.hint_policy, prepared.control_policy, prepared.model_control
     crash_loop = CrashLoop(settings.worker_crash_loop_deaths, settings.worker_crash_loop_seconds)
-    admin = AdminAuth(prepared.admin_token, socket_path=settings.admin_socket)
+    admin = AdminAuth(prepared.admin_token, socket_path=settings.admin_socket, open_to_network=settings.admin_open)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -37,6 +37,7 @@ class Settings:
     admin_token_file: str | None = None  # load/unload/placement need "Authorization: Bearer <the token>"
     admin_socket: str | None = None  # the HTTP API on a unix socket (mode 0660), admin actions without a token there;
     # over TCP they are then refused unless admin_token_file is set
+    admin_open: bool = False  # neither token nor socket: admin actions from any address (else loopback only)
     default_max_queue_size: int = 512  # requests queued per model and priority level where its config sets no
     # max_queue_size; over it a request gets UNAVAILABLE at once (0: unbounded, as Triton)
     http_request_timeout_seconds: float = 30.0  # a request's head and body must arrive within this, else 408

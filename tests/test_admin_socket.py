@@ -92,6 +92,59 @@ class TestTcpWithASocket:
         assert exc.value.kind is ErrorKind.UNAUTHENTICATED
 
 
+class TestNeitherTokenNorSocket:
+    @pytest.mark.parametrize("peer, allowed", [
+        ("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("::ffff:127.0.0.1", True),  # loopback, mapped too
+        ("", True),  # not a network client
+        ("10.0.0.7", False), ("192.168.1.20", False), ("2001:db8::1", False), ("::ffff:10.0.0.7", False),
+        ("not-an-address", False),
+    ])
+    def test_only_loopback_clients_unless_opened(self, peer, allowed):
+        auth = AdminAuth()
+        if allowed:
+            auth.check(None, "applying a placement", peer)
+        else:
+            with pytest.raises(InferenceError) as exc:
+                auth.check(None, "applying a placement", peer)
+            assert exc.value.kind is ErrorKind.PERMISSION_DENIED
+            assert f"applying a placement from {peer} is refused" in exc.value.message
+            assert "--admin-token-file" in exc.value.message and "--admin-open" in exc.value.message
+        AdminAuth(open_to_network=True).check(None, "applying a placement", peer)  # --admin-open: from anywhere
+        AdminAuth(TOKEN).check(f"Bearer {TOKEN}", "applying a placement", peer)  # a token: from anywhere
+
+    @pytest.mark.parametrize("peer, host", [
+        ("ipv4:10.1.2.3:5123", "10.1.2.3"), ("ipv6:[::1]:5123", "::1"), ("ipv6:[2001:db8::1]:80", "2001:db8::1"),
+        ("unix:/run/gpud/grpc.sock", ""), ("", ""),
+    ])
+    def test_the_grpc_peer_string_is_read(self, peer, host):
+        from gpud.api.admin import grpc_peer_host
+
+        assert grpc_peer_host(peer) == host
+
+    def test_the_http_server_hands_the_peer_address_to_the_check(self):
+        # What a route sees as the request's peer is the connection's address.
+        from gpud.api.http_server import HttpServer
+
+        seen: list[str] = []
+
+        def handler(request, respond):
+            seen.append(request.peer)
+            respond(200, b"{}")
+
+        async def scenario() -> None:
+            server = HttpServer(handler)
+            port = await server.start("127.0.0.1", 0)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n")
+            await writer.drain()
+            await asyncio.wait_for(reader.readuntil(b"{}"), 10)
+            writer.close()
+            await server.close(1.0)
+
+        asyncio.run(scenario())
+        assert seen == ["127.0.0.1"]
+
+
 class Servers:
     """The HTTP API on TCP (with the socket's policy) and on the admin socket, on one loop in a thread."""
 

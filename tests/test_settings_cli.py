@@ -134,3 +134,15 @@ def test_request_limits_from_flags_and_file_and_bad_values_refused(tmp_path):
         key = flag[2:].replace("-", "_")
         with pytest.raises(ValueError, match=f"{key} must be >= 1, got 0"):
             resolve_settings(build_parser().parse_args([flag, "0"]))
+
+
+def test_admin_actions_are_loopback_only_unless_opened(tmp_path):
+    from gpud.api.admin import AdminAuth
+
+    assert resolve_settings(build_parser().parse_args([])).admin_open is False
+    assert resolve_settings(build_parser().parse_args(["--admin-open"])).admin_open is True
+    f = tmp_path / "gpud.yaml"
+    f.write_text("admin_open: true\n")
+    assert resolve_settings(build_parser().parse_args(["--config", str(f)])).admin_open is True
+    assert "loopback address only" in AdminAuth().describe()
+    assert "any address (--admin-open)" in AdminAuth(open_to_network=True).describe()

@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError
 from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from executor.model_config import numpy_dtype
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
-from gpud.api.admin import AdminAuth
+from gpud.api.admin import AdminAuth, grpc_peer_host
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
                                   repository_index_message, server_metadata_message)
@@ -330,7 +330,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         metadata = dict(context.invocation_metadata() or ())
-        self._admin.check(metadata.get("authorization"), action)
+        self._admin.check(metadata.get("authorization"), action, grpc_peer_host(context.peer() or ""))
 
     @_unary
     async def ServerLive(self, request, context):

@@ -222,7 +222,7 @@ class HttpApi:
         return 200, _json_body(repository_index_json(self.core.repository_index(ready_only=ready)))
 
     def load(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
-        self.admin.check(request.headers.get("authorization"), f"loading model '{name}'")
+        self.admin.check(request.headers.get("authorization"), f"loading model '{name}'", request.peer)
         doc = _optional_json_object(request.body, "model load request")
         params = parameters_object(doc.get("parameters"), "load request")
         overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
@@ -236,7 +236,7 @@ class HttpApi:
 
     def unload(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
         # The body ({"parameters": {"unload_dependents": ...}}) is read and ignored: gpud has no ensembles.
-        self.admin.check(request.headers.get("authorization"), f"unloading model '{name}'")
+        self.admin.check(request.headers.get("authorization"), f"unloading model '{name}'", request.peer)
 
         async def run() -> _Reply:
             await self.core.unload_model(name)
@@ -247,7 +247,7 @@ class HttpApi:
         return 200, _json_body(self.core.inspect())
 
     def apply_placement(self, request: HttpRequest, respond: Respond) -> Awaitable[_Reply]:
-        self.admin.check(request.headers.get("authorization"), "applying a placement")
+        self.admin.check(request.headers.get("authorization"), "applying a placement", request.peer)
         doc = _optional_json_object(request.body, "placement")
 
         async def run() -> _Reply:

@@ -77,6 +77,7 @@ class HttpRequest:
     headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
     body: bytes | mmap.mmap  # an mmap (bytes-like, read it as a buffer) for a Content-Length of 1 MiB or more
     keep_alive: bool = True
+    peer: str = ""  # the client's address; "" on a unix socket
 
 
 class Respond(Protocol):
@@ -164,6 +165,7 @@ class _Connection(asyncio.Protocol):
         self.writable = True
         self.last_activity_s = 0.0
         self.request_started_s: float | None = None  # a request's first byte came, its last has not yet
+        self.peer = ""  # the client's address (connection_made)
         self._reset()
 
     def _reset(self) -> None:
@@ -178,6 +180,8 @@ class _Connection(asyncio.Protocol):
     # --- transport callbacks ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peername = transport.get_extra_info("peername")
+        self.peer = peername[0] if isinstance(peername, tuple) and peername else ""
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:  # answers are single small writes: never wait for Nagle
@@ -316,7 +320,7 @@ class _Connection(asyncio.Protocol):
         if "%" in path:
             path = unquote(path)
         request = HttpRequest(self.parser.get_method().decode("latin-1"), path, query, self.headers, body,
-                              self.parser.should_keep_alive())
+                              self.parser.should_keep_alive(), self.peer)
         slot = _Slot()
         slot.close = not request.keep_alive
         slot.http10_keep_alive = request.keep_alive and self.parser.get_http_version() == "1.0"
