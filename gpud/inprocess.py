@@ -107,17 +107,20 @@ def _outputs(response: InferResponse) -> dict[str, np.ndarray]:
 
 
 class _Waiter:
-    """A synchronous caller waiting for its answer: the lock is held until `done` (called once, in the loop)."""
+    """A synchronous caller waiting for its answer: the lock is held until `done` (called once, in the loop).
+    `waiting` is the server's set of unanswered callers, which `done` leaves."""
 
-    __slots__ = ("lock", "result", "cancel")
+    __slots__ = ("lock", "result", "cancel", "waiting")
 
-    def __init__(self) -> None:
+    def __init__(self, waiting: set) -> None:
         self.lock = threading.Lock()
         self.lock.acquire()
         self.result: InferResponse | InferenceError | None = None
         self.cancel: Callable[[], None] | None = None
+        self.waiting = waiting
 
     def done(self, result: InferResponse | InferenceError) -> None:
+        self.waiting.discard(self)
         self.result = result
         self.lock.release()
 
@@ -125,14 +128,16 @@ class _Waiter:
 class _AsyncWaiter:
     """An asyncio caller waiting in its own loop: `done` (in the server's loop) hands the answer over to it."""
 
-    __slots__ = ("loop", "future", "cancel")
+    __slots__ = ("loop", "future", "cancel", "waiting")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, waiting: set) -> None:
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
         self.cancel: Callable[[], None] | None = None
+        self.waiting = waiting
 
     def done(self, result: InferResponse | InferenceError) -> None:
+        self.waiting.discard(self)
         try:
             self.loop.call_soon_threadsafe(self._resolve, result)
         except RuntimeError:  # the caller's loop is closed: nobody waits
@@ -173,7 +178,7 @@ class Server:
                  metrics_address: str = "127.0.0.1", config: str | os.PathLike | None = None, **settings: Any):
         from gpud.main import check_settings, prepare_settings
 
-        refused = sorted(k for k in settings if k.replace("-", "_") in DAEMON_ONLY_SETTINGS | {"model_repository"})
+        refused = sorted(k for k in settings if k.replace("-", "_") in DAEMON_ONLY_SETTINGS)
         if refused:
             raise ValueError(f"gpud.Server: {', '.join(refused)}: not a setting of the in-process server (it has no "
                              "network front end; the metrics endpoint is metrics_port=, logging is the "
@@ -201,6 +206,7 @@ class Server:
         self._lock = threading.Lock()
         self.metrics_port: int | None = None  # the bound metrics port, once started with metrics_port=
         self._drain_timeout_s: float | None = None  # stop()'s, else the exit_timeout_seconds setting
+        self._waiting: set[_Waiter | _AsyncWaiter] = set()  # accepted, unanswered (read and changed in the loop only)
 
     # --- start and stop ---------------------------------------------------------------------------------------
     def start(self) -> Server:
@@ -304,6 +310,11 @@ class Server:
         await parts.shutdown(drain_s)
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+        # Shutdown answers every accepted request (drained, or failed once the drain time is up); should one still
+        # be unanswered, its caller must not wait forever.
+        for waiter in list(self._waiting):
+            waiter.done(InferenceError(ErrorKind.UNAVAILABLE, "the in-process gpud server stopped before this "
+                                                              "request was answered"))
         with self._lock:
             # From here on a call is refused in the caller's thread; a call queued on the loop before this still
             # runs (the loop runs its ready callbacks before it ends) and is refused by the core, which is stopping.
@@ -319,7 +330,7 @@ class Server:
         `timeout` seconds (None: no limit) raises InferenceTimeout. `priority`: the model's priority level (0:
         its default). Raises InferenceError as the front ends answer it."""
         request = make_request(model, inputs, version, outputs, priority)
-        waiter = _Waiter()
+        waiter = _Waiter(self._waiting)
         self._send(self._submit, request, waiter)
         if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._withdraw(waiter)
@@ -335,7 +346,7 @@ class Server:
         """`infer` for asyncio code: awaits the answer without blocking the caller's loop. Cancelling the awaiting
         task withdraws a request that is still queued."""
         request = make_request(model, inputs, version, outputs, priority)
-        waiter = _AsyncWaiter(asyncio.get_running_loop())
+        waiter = _AsyncWaiter(asyncio.get_running_loop(), self._waiting)
         self._send(self._submit, request, waiter)
         try:
             if timeout is None:
@@ -355,6 +366,7 @@ class Server:
         the caller at once."""
         try:
             waiter.cancel = self._parts.core.submit(request, waiter.done)
+            self._waiting.add(waiter)
         except InferenceError as exc:
             waiter.done(exc)
         except Exception as exc:  # a bug must not leave the caller waiting forever
@@ -363,7 +375,8 @@ class Server:
 
     def _withdraw(self, waiter: _Waiter | _AsyncWaiter) -> None:
         def withdraw() -> None:
-            if waiter.cancel is not None:
+            if waiter.cancel is not None and waiter in self._waiting:
+                self._waiting.discard(waiter)
                 waiter.cancel()
         try:
             self._loop.call_soon_threadsafe(withdraw)

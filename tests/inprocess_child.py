@@ -1,12 +1,14 @@
 """An application using gpud.Server, run as its own process by tests/test_inprocess_shutdown.py: it serves a few
 requests, prints (one JSON line) its pid, its workers' pids and its shared-memory segments while serving, then
-ends the way the mode says: stop(), an exception in a with block, async with, or exit without stopping (atexit)."""
+ends the way the mode says: stop(), an exception in a with block, async with, Ctrl-C (SIGINT to its process group)
+while it waits, or exit without stopping (atexit)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -41,6 +43,13 @@ def main(repo: str, node: str, mode: str) -> int:
                 await server.infer_async("mlp", {"input": np.ones((1, 256), np.float32)})
                 report(server)
         asyncio.run(run())
+    elif mode == "ctrl-c":  # the terminal's Ctrl-C reaches the application and its workers (one process group)
+        try:
+            with gpud.Server(repo, **settings) as server:
+                report(server)
+                threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
     elif mode == "atexit":
         report(gpud.Server(repo, **settings).start())  # never stopped: the interpreter's exit stops it
     else:

@@ -1,9 +1,11 @@
 """gpud.Server leaves nothing behind: after stop(), a with block that raised, async with, or an application that
-exits without stopping it, its worker processes are gone and its shared-memory segments removed."""
+exits without stopping it or is interrupted by Ctrl-C, its worker processes are gone and its shared-memory segments
+removed."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -33,10 +35,25 @@ def _worker_alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("mode", ["stop", "with-error", "async", "atexit"])
+def _run_child(repo, mode: str) -> tuple[int, str, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "tests.inprocess_child", str(repo), NODE, mode], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        first = proc.stdout.readline()  # its report: it serves now
+        if mode == "ctrl-c" and first:
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the application and its workers
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, first + out, err
+
+
+@pytest.mark.parametrize("mode", ["stop", "with-error", "async", "ctrl-c", "atexit"])
 def test_nothing_is_left_behind(repo, mode):
-    done = subprocess.run([sys.executable, "-m", "tests.inprocess_child", str(repo), NODE, mode], cwd=ROOT,
-                          capture_output=True, text=True, timeout=180)
+    returncode, stdout, stderr = _run_child(repo, mode)
+    done = subprocess.CompletedProcess([], returncode, stdout, stderr)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     # While it served there were workers and segments (so the checks below are not vacuous) ...
