@@ -234,19 +234,22 @@ class Server:
 
     def stop(self, drain_timeout_s: float | None = None) -> None:
         """Refuse new requests, finish the accepted ones (up to `drain_timeout_s`, default the exit_timeout_seconds
-        setting, 30 s), stop the worker processes and remove their shared memory. Idempotent."""
+        setting, 30 s), stop the worker processes and remove their shared memory. Returns once that is done, also
+        to a second caller while the first stops it; a stopped server's stop() does nothing."""
         if threading.current_thread() is self._thread:
             raise RuntimeError("gpud.Server.stop() called from the server's own thread (a callback): it would "
                                "wait for itself")
         with self._lock:
-            if self._state != "running":
+            if self._state not in ("running", "stopping"):
                 return
-            self._state = "stopping"
-            if drain_timeout_s is not None:
+            first = self._state == "running"
+            if first:
+                self._state = "stopping"
                 self._drain_timeout_s = drain_timeout_s
-        self._loop.call_soon_threadsafe(self._stop_event.set)
-        self._thread.join()
-        atexit.unregister(self.stop)
+        if first:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+            atexit.unregister(self.stop)
+        self._thread.join()  # a second caller waits for the first's stop too
 
     def __enter__(self) -> Server:
         return self.start()
@@ -427,7 +430,10 @@ class Server:
 
     def ready(self) -> bool:
         """Whether the server serves (started, not stopping)."""
-        return self._state == "running" and self._call(lambda: self._parts.core.server_ready())
+        try:
+            return self._call(lambda: self._parts.core.server_ready())
+        except InferenceError:  # not running
+            return False
 
     def model_ready(self, name: str, version: str | int = "") -> bool:
         return self._call(lambda: self._parts.core.model_ready(name, str(version)))

@@ -344,8 +344,8 @@ def test_a_server_not_running_refuses_calls_and_model_control_follows_the_mode(r
 
 
 def test_stop_answers_every_caller(tmp_path):
-    # stop() with no time to drain: the batch already running finishes and is answered, the request queued behind
-    # it fails with the reason; no caller is left waiting.
+    # stop() with no time to drain, from two threads at once: the batch already running finishes and is answered,
+    # the request queued behind it fails with the reason; no caller is left waiting.
     small = tmp_path / "repo"
     save(slow_model(width=512, layers=3000), small, "slow_alone", ALONE_CONFIG)
     s = gpud.Server(small, node=NODE, placement_control="off").start()
@@ -354,7 +354,13 @@ def test_stop_answers_every_caller(tmp_path):
     wait_for(lambda: _pending(s, "slow_alone") == 1, 60, "the first request to be in flight")
     queued = callers.submit(s.infer, "slow_alone", _inputs("slow_alone", 1, np.random.default_rng(2)))
     wait_for(lambda: _pending(s, "slow_alone") == 2, 60, "the second request to be queued")
-    s.stop(drain_timeout_s=0)
+    stoppers = [threading.Thread(target=s.stop, kwargs={"drain_timeout_s": 0}) for _ in range(2)]  # at once
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join(timeout=120)
+        assert not t.is_alive()
+    assert not s._thread.is_alive()  # each stop() returned once the server had stopped
     assert running.result(timeout=60)["y"].shape == (64, 512)
     with pytest.raises(InferenceError, match="the server is shutting down") as caught:
         queued.result(timeout=60)
