@@ -35,8 +35,9 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from executor.types import ErrorKind, InferenceError, InferRequest
 from gpud.core_api import ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig
+from gpud.inprocess.calls import AsyncWaiter, InferenceTimeout, Waiter, make_request, outputs_of
 from gpud.settings import Settings, coerce_settings, load_settings_file
 
 log = logging.getLogger("gpud")
@@ -50,105 +51,6 @@ DAEMON_ONLY_SETTINGS = frozenset({
     "http_request_timeout_seconds", "http_max_connections", "max_request_bytes", "max_header_bytes",
     "max_tensor_elements", "json_processes", "json_offload_bytes", "log_level", "ready_file",
 })
-
-# numpy (kind, itemsize) -> KServe datatype; by kind and size so that a big-endian array maps too (it is converted
-# to the native order when the batch is copied into shared memory).
-_DATATYPES = {("b", 1): "BOOL", ("u", 1): "UINT8", ("u", 2): "UINT16", ("u", 4): "UINT32", ("u", 8): "UINT64",
-              ("i", 1): "INT8", ("i", 2): "INT16", ("i", 4): "INT32", ("i", 8): "INT64",
-              ("f", 2): "FP16", ("f", 4): "FP32", ("f", 8): "FP64"}
-_BYTES_KINDS = frozenset("OSU")  # object (bytes or str elements), bytes, str: KServe BYTES
-
-
-class InferenceTimeout(InferenceError, TimeoutError):
-    """No answer within the call's `timeout`. A request still queued then is withdrawn and never runs; one already
-    running on an instance finishes there and its answer is dropped."""
-
-    def __init__(self, message: str):
-        super().__init__(ErrorKind.UNAVAILABLE, message)
-
-    def __reduce__(self):
-        return type(self), (self.message,)
-
-
-def kserve_datatype_of(array: np.ndarray, name: str, model: str) -> str:
-    """The KServe datatype of a numpy array given as input `name`; INVALID_ARGUMENT for one that has none."""
-    dtype = array.dtype
-    if dtype.kind in _BYTES_KINDS:
-        return "BYTES"
-    datatype = _DATATYPES.get((dtype.kind, dtype.itemsize))
-    if datatype is None:
-        raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                             f"input '{name}' for model '{model}': numpy dtype {dtype} has no KServe datatype "
-                             f"(bool, [u]int8-64, float16/32/64, or bytes/str/object for BYTES)")
-    return datatype
-
-
-def make_request(model: str, inputs: Mapping[str, Any], version: str | int = "",
-                 outputs: Iterable[str] | None = None, priority: int = 0) -> InferRequest:
-    """The core's request for `inputs` (name -> array; anything else is converted with np.asarray). The arrays are
-    referenced, not copied: they are read when the batch is written to shared memory."""
-    if not isinstance(model, str) or not model:
-        raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"model must be a non-empty name, got {model!r}")
-    if not isinstance(inputs, Mapping):
-        raise InferenceError(ErrorKind.INVALID_ARGUMENT,
-                             f"inputs must be a mapping of input name to numpy array, got {type(inputs).__name__}")
-    tensors = []
-    for name, value in inputs.items():
-        array = value if isinstance(value, np.ndarray) else np.asarray(value)
-        tensors.append(InferTensor(name, kserve_datatype_of(array, name, model), array.shape, array))
-    if isinstance(outputs, str):  # one name given alone, not a list of its characters
-        outputs = (outputs,)
-    requested = None if outputs is None else [RequestedOutput(str(o)) for o in outputs]
-    return InferRequest(model, tensors, str(version), outputs=requested, priority=int(priority))
-
-
-def _outputs(response: InferResponse) -> dict[str, np.ndarray]:
-    return {t.name: t.data for t in response.outputs}
-
-
-class _Waiter:
-    """A synchronous caller waiting for its answer: the lock is held until `done` (called once, in the loop).
-    `waiting` is the server's set of unanswered callers, which `done` leaves."""
-
-    __slots__ = ("lock", "result", "cancel", "waiting")
-
-    def __init__(self, waiting: set) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.result: InferResponse | InferenceError | None = None
-        self.cancel: Callable[[], None] | None = None
-        self.waiting = waiting
-
-    def done(self, result: InferResponse | InferenceError) -> None:
-        self.waiting.discard(self)
-        self.result = result
-        self.lock.release()
-
-
-class _AsyncWaiter:
-    """An asyncio caller waiting in its own loop: `done` (in the server's loop) hands the answer over to it."""
-
-    __slots__ = ("loop", "future", "cancel", "waiting")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, waiting: set) -> None:
-        self.loop = loop
-        self.future: asyncio.Future = loop.create_future()
-        self.cancel: Callable[[], None] | None = None
-        self.waiting = waiting
-
-    def done(self, result: InferResponse | InferenceError) -> None:
-        self.waiting.discard(self)
-        try:
-            self.loop.call_soon_threadsafe(self._resolve, result)
-        except RuntimeError:  # the caller's loop is closed: nobody waits
-            pass
-
-    def _resolve(self, result: InferResponse | InferenceError) -> None:
-        if not self.future.done():
-            if isinstance(result, BaseException):
-                self.future.set_exception(result)
-            else:
-                self.future.set_result(result)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -206,7 +108,7 @@ class Server:
         self._lock = threading.Lock()
         self.metrics_port: int | None = None  # the bound metrics port, once started with metrics_port=
         self._drain_timeout_s: float | None = None  # stop()'s, else the exit_timeout_seconds setting
-        self._waiting: set[_Waiter | _AsyncWaiter] = set()  # accepted, unanswered (read and changed in the loop only)
+        self._waiting: set[Waiter | AsyncWaiter] = set()  # accepted, unanswered (read and changed in the loop only)
 
     # --- start and stop ---------------------------------------------------------------------------------------
     def start(self) -> Server:
@@ -325,15 +227,16 @@ class Server:
         log.info("gpud.Server stopped")
 
     # --- inference --------------------------------------------------------------------------------------------
-    def infer(self, model: str, inputs: Mapping[str, Any], version: str | int = "", outputs: Iterable[str] | None = None,
-              timeout: float | None = None, priority: int = 0) -> dict[str, np.ndarray]:
+    def infer(self, model: str, inputs: Mapping[str, Any], version: str | int = "",
+              outputs: Iterable[str] | None = None, timeout: float | None = None,
+              priority: int = 0) -> dict[str, np.ndarray]:
         """Run `inputs` (input name -> numpy array, batch dimension first where the model batches) through
         `model` and return every output (or those named in `outputs`) by name. Blocks the calling thread; safe
         from many threads at once (their requests batch together). `version` "": the version policy's choice.
         `timeout` seconds (None: no limit) raises InferenceTimeout. `priority`: the model's priority level (0:
         its default). Raises InferenceError as the front ends answer it."""
         request = make_request(model, inputs, version, outputs, priority)
-        waiter = _Waiter(self._waiting)
+        waiter = Waiter(self._waiting)
         self._send(self._submit, request, waiter)
         if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._withdraw(waiter)
@@ -341,7 +244,7 @@ class Server:
         result = waiter.result
         if isinstance(result, InferenceError):
             raise result
-        return _outputs(result)
+        return outputs_of(result)
 
     async def infer_async(self, model: str, inputs: Mapping[str, Any], version: str | int = "",
                           outputs: Iterable[str] | None = None, timeout: float | None = None,
@@ -349,7 +252,7 @@ class Server:
         """`infer` for asyncio code: awaits the answer without blocking the caller's loop. Cancelling the awaiting
         task withdraws a request that is still queued."""
         request = make_request(model, inputs, version, outputs, priority)
-        waiter = _AsyncWaiter(asyncio.get_running_loop(), self._waiting)
+        waiter = AsyncWaiter(asyncio.get_running_loop(), self._waiting)
         self._send(self._submit, request, waiter)
         try:
             if timeout is None:
@@ -362,9 +265,9 @@ class Server:
         except asyncio.CancelledError:
             self._withdraw(waiter)
             raise
-        return _outputs(result)
+        return outputs_of(result)
 
-    def _submit(self, request: InferRequest, waiter: _Waiter | _AsyncWaiter) -> None:
+    def _submit(self, request: InferRequest, waiter: Waiter | AsyncWaiter) -> None:
         """In the server's loop: the request to the core; a refusal (unknown model, bad input, full queue) answers
         the caller at once."""
         try:
@@ -376,7 +279,7 @@ class Server:
             log.exception("gpud.Server: submitting a request to model %s failed", request.model_name)
             waiter.done(InferenceError(ErrorKind.INTERNAL, f"submitting the request failed: {exc!r}"))
 
-    def _withdraw(self, waiter: _Waiter | _AsyncWaiter) -> None:
+    def _withdraw(self, waiter: Waiter | AsyncWaiter) -> None:
         def withdraw() -> None:
             if waiter.cancel is not None and waiter in self._waiting:
                 self._waiting.discard(waiter)
