@@ -367,7 +367,11 @@ class WorkerSupervisor:
             except asyncio.TimeoutError:
                 self._kill()
                 self.proc.wait()
-        self._disconnect()
+        # A batch it never answered (killed after the timeout) fails, so no request waits forever.
+        err = InferenceError(ErrorKind.UNAVAILABLE, f"the worker for device {self.device.id} stopped before "
+                                                    "answering: the server is shutting down")
+        for callback in self._disconnect():
+            callback(err)
 
     def _disconnect(self) -> list[Callable[[Reply], None]]:
         """Stop watching and reading the worker; returns the callbacks of its unanswered batches."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from executor.pool import ExecutorPool
@@ -175,8 +176,9 @@ class GpudCore:
             self.lifecycle.register_new(name)
         return self.registry.version(name, version)
 
-    def submit(self, request: InferRequest, done) -> None:
-        self._ready_scheduler(request).submit(request, done)
+    def submit(self, request: InferRequest, done) -> Callable[[], None]:
+        scheduler = self._ready_scheduler(request)
+        return partial(scheduler.cancel, scheduler.submit(request, done))
 
     async def infer(self, request: InferRequest) -> InferResponse:
         return await self._ready_scheduler(request).infer(request)

@@ -147,8 +147,11 @@ class InferenceCore(Protocol):
 
     async def infer(self, request: InferRequest) -> InferResponse: ...
 
-    def submit(self, request: InferRequest, done: Callable[[InferResponse | InferenceError], None]) -> None:
+    def submit(self, request: InferRequest,
+               done: Callable[[InferResponse | InferenceError], None]) -> Callable[[], None]:
         """`infer` without a coroutine: raises InferenceError at once for what is refused before queueing (unknown
         or unready model, bad input, full queue); otherwise `done` is called once, from the event loop, with the
-        response or the error. The HTTP front end uses it so that a request costs no task."""
+        response or the error. The HTTP front end uses it so that a request costs no task. Returns `cancel`: called
+        (in the event loop) when the caller no longer waits, a request still queued never runs, and `done` is not
+        called after it (the in-process server's timeouts)."""
         ...

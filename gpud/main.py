@@ -13,22 +13,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 
-from prometheus_client import CollectorRegistry
-from prometheus_client import ProcessCollector
-
-from executor.pool import ExecutorPool
-from executor.supervisor import CrashLoop
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, load_settings_file
 from gpud.api.admin import AdminAuth, read_token_file
-from gpud.model_control import ModelControl, RepositoryPoller, poll_models
+from gpud.model_control import ModelControl
 from gpud.reload import Prepared, Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
-from gpud.inspect_view import InspectView
-from placement.solver import EXACT_SOLVER
-from telemetry.hints import DeviceFree, HintPolicy
+from telemetry.hints import HintPolicy
 
 log = logging.getLogger("gpud")
 
@@ -212,6 +205,12 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     settings = Settings(**(overrides | flags))
     if args.load_model:
         settings = replace(settings, load_model=tuple(args.load_model))
+    check_settings(settings)
+    return settings
+
+
+def check_settings(settings: Settings) -> None:
+    """ValueError for a value no part of gpud can use (the daemon exits 2; the in-process server raises it)."""
     if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
         raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
                          f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
@@ -229,97 +228,35 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         raise ValueError(f"unready_wait_seconds must be > 0, got {settings.unready_wait_seconds}")
     if not settings.worker_hang_seconds >= 0:  # also refuses NaN
         raise ValueError(f"worker_hang_seconds must be >= 0 (0 = never), got {settings.worker_hang_seconds}")
-    return settings
-
-
-def _example_repository() -> str:
-    from gpud.examples import write_example_repository
-
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "gpud", "example-models")
-    write_example_repository(path)
-    return path
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                 read_settings: Callable[[], Settings] | None = None, settings_file: str | None = None) -> int:
     """Run gpud until `stop` (SIGTERM, SIGINT). SIGHUP reloads (gpud.reload): `read_settings` reads the settings
-    again (default: the same ones, so a reload re-reads only the model repository)."""
-    from gpud.autoscale import HintsSampler
-    from gpud.control_loop import ControlLoop
-    from gpud.core import GpudCore
-    from gpud.api.metrics_server import start_metrics_server
-    from gpud.placing.inputs import has_gpus
-    from gpud.placing.service import PlacementService
-    from gpud.registry import Registry
-    from gpud.repository.layout import ModelRepository
-    from telemetry.device_metrics import DeviceCollector
-    from telemetry.discovery import discover
-    from telemetry.host_metrics import HostCollector
-    from telemetry.worker_metrics import WorkerCollector
-    from telemetry.model_metrics import ModelMetrics
+    again (default: the same ones, so a reload re-reads only the model repository). The components are
+    gpud.wiring's (as the in-process server's); this adds the signals, the reload, systemd and the front ends."""
+    from gpud import wiring
 
     prepared = prepare_settings(settings)  # refuse bad settings before starting anything
-    policy, control, model_control = prepared.hint_policy, prepared.control_policy, prepared.model_control
-    crash_loop = CrashLoop(settings.worker_crash_loop_deaths, settings.worker_crash_loop_seconds)
     admin = AdminAuth(prepared.admin_token, socket_path=settings.admin_socket, open_to_network=settings.admin_open)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reloader = Reloader(read_settings or (lambda: settings), prepare_settings, prepared,
-                        lambda: sum(1 for v in models.versions() if v.ready), source=settings_file)
+                        lambda: sum(1 for v in parts.registry.versions() if v.ready), source=settings_file)
     loop.add_signal_handler(signal.SIGHUP, reloader.request)  # from now on: SIGHUP's default would end gpud
 
-    repo_path = settings.model_repository
-    if repo_path is None:
-        repo_path = _example_repository()
-        log.info("no --model-repository given: serving the generated example models in %s", repo_path)
-    if not os.path.isdir(repo_path):
-        log.error("model repository %s is not a directory", repo_path)
+    try:
+        parts = wiring.build(prepared, views={"reload": reloader})
+    except ValueError as exc:  # the repository is not a directory, a bad node description
+        log.error("%s", exc)
         return 2
-
-    # The pool reports what its instances hold and how busy its workers are: the simulated devices' and the CPU's
-    # readings. It is described each device by the first instance placed there, so it comes first.
-    pool = ExecutorPool(worker_log_level=logging.getLogger().level, worker_hang_s=settings.worker_hang_seconds,
-                        crash_loop=crash_loop)
-    backend = discover(settings.node, pool)
-    leaves = backend.leaf_devices()
-    registry = CollectorRegistry()
-    ProcessCollector(registry=registry, namespace="gpud")
-    DeviceCollector(backend, registry=registry)
-    HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
-                  registry=registry)
-    WorkerCollector(pool.worker_info, registry=registry)
-    # Built one way, each from what exists before it: the registry and the placement service, the readers of the
-    # registry's snapshot (model metrics at scrape time, the hints on their tick), then the core that routes over it.
-    models = Registry(has_gpus=has_gpus(leaves), unready_wait_s=settings.unready_wait_seconds,
-                      default_max_queue_size=settings.default_max_queue_size)
-    placement = PlacementService(backend, pool, models, device_reserve_bytes=settings.device_reserve_bytes,
-                                 strategy=settings.placement_strategy,
-                                 time_limit_s=settings.placement_time_limit_seconds)
-    if EXACT_SOLVER is None:
-        log.warning("no exact solver (scipy / HiGHS cannot be imported): placements are heuristic and unproven; "
-                    "install gpud's dependencies (pip install .) to prove them optimal")
-    # Not registered: the metrics endpoint appends their fast exposition (render_text) to the registry's.
-    metrics = ModelMetrics(models.snapshot, triton_names=settings.triton_metrics, devices=backend)
-    hints = HintsSampler(models.snapshot, lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes)
-                                                   for r in placement.rooms()],
-                         policy, interval_s=settings.hints_interval_seconds,
-                         rate_window_s=settings.hints_rate_window_seconds, registry=registry)
-    views: dict[str, InspectView] = {"hints": hints}
-    controller = None
-    if settings.placement_control != "off":
-        controller = ControlLoop(models.snapshot, hints.decisions, placement, control,
-                                 settings.placement_control, registry=registry)  # mode checked by control_policy
-        views["controller"] = controller
-    views["reload"] = reloader
-    core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), models,
-                    placement, pool, views=views, control=model_control)
+    core = parts.core
     runners, ports, grpc_server = [], {}, None
     try:
         notify("STATUS=loading the model repository")
-        await core.start()
+        await parts.start()
         if settings.allow_http:
             from gpud.api.http_api import start_http_server
             from gpud.api.json_codec import JsonCodecPool
@@ -357,14 +294,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
-            runner, ports["metrics"] = await start_metrics_server(registry, settings.metrics_address,
-                                                                  settings.metrics_port, text_sources=(metrics,))
+            runner, ports["metrics"] = await wiring.start_metrics(parts, settings.metrics_address,
+                                                                  settings.metrics_port)
             runners.append(runner)
             log.info("metrics on http://%s:%d/metrics", settings.metrics_address, ports["metrics"])
     except OSError as exc:
         log.error("cannot start serving: %s", exc)
         await _close(runners, grpc_server, 0)
-        await pool.shutdown()
+        await parts.shutdown(0)
         return 1
     if settings.ready_file:
         tmp = settings.ready_file + ".tmp"
@@ -375,37 +312,25 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     # cyclic collector's scans, so collections triggered by per-request garbage stay cheap.
     gc.collect()
     gc.freeze()
-    ready = sum(1 for v in models.versions() if v.ready)
+    ready = sum(1 for v in parts.registry.versions() if v.ready)
     notify(f"READY=1\nSTATUS=serving {ready} model version(s)")
     log.info("gpud %s ready: serving", __version__)
 
     watchdog_s = watchdog_interval_s(os.environ, os.getpid())
     watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None
-    # The poller knows the repository as start-up loaded it: poll mode applies its changes every interval, and a
-    # reload (SIGHUP) applies them in every mode.
-    read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
-    poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
-    poller.start()
-    poll_task = asyncio.create_task(poller.run(), name="repository-poll") if model_control.mode == "poll" else None
-    log.info("model control: %s; over TCP, load, unload and placement %s", model_control.mode, admin.describe())
-    hints_task = asyncio.create_task(hints.run(), name="autoscaling-hints")
-    control_task = asyncio.create_task(controller.run(), name="placement-control") if controller else None
-    reloader.serving(ReloadTargets(core, admin, hints, poller, controller,
+    log.info("model control: %s; over TCP, load, unload and placement %s", prepared.model_control.mode,
+             admin.describe())
+    reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller,
                                    [r for r in runners if isinstance(r, HttpServer)]))
 
     await stop.wait()
     reloader.stop()
-    hints_task.cancel()
-    for task in (watchdog_task, poll_task):
-        if task is not None:
-            task.cancel()
-    if control_task is not None:
-        control_task.cancel()
+    if watchdog_task is not None:
+        watchdog_task.cancel()
     log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)
     notify("STOPPING=1\nSTATUS=draining: finishing the accepted requests")
-    await core.shutdown(settings.exit_timeout_seconds)
+    await parts.shutdown(settings.exit_timeout_seconds)
     await _close(runners, grpc_server, settings.exit_timeout_seconds)
-    backend.close()
     log.info("stopped")
     return 0
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -80,15 +81,22 @@ def load_settings_file(path: str) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    out = coerce_settings(data, path)
+    if "model_repository" in out and out["model_repository"] and not os.path.isabs(out["model_repository"]):
+        out["model_repository"] = os.path.join(os.path.dirname(os.path.abspath(path)), out["model_repository"])
+    return out
+
+
+def coerce_settings(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
+    """Settings by name (dashes or underscores), each converted to its field's type; ValueError naming `where` (a
+    file, or the in-process server's arguments) and the key for an unknown setting or a value of the wrong type."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         f = _FIELDS.get(name)
         if f is None:
-            raise ValueError(f"{path}: unknown setting '{key}'; known: {', '.join(sorted(_FIELDS))}")
-        out[name] = _coerce(path, key, f.type, value)
-    if "model_repository" in out and out["model_repository"] and not os.path.isabs(out["model_repository"]):
-        out["model_repository"] = os.path.join(os.path.dirname(os.path.abspath(path)), out["model_repository"])
+            raise ValueError(f"{where}: unknown setting '{key}'; known: {', '.join(sorted(_FIELDS))}")
+        out[name] = _coerce(where, key, f.type, value)
     return out
 
 

@@ -1,0 +1,277 @@
+"""In-process inference (gpud.Server) at batch 1 against raw onnxruntime on the same model, in one run (issue 16).
+
+    .venv/bin/python bench/inprocess.py [--requests 3000] [--repeat 3] [--threads 8] [--seconds 3]
+
+One 1x256 FP32 row per call on the serving benchmark's tiny MLP (bench/serving/models.py: 256 -> 1024 -> 1024 -> 16,
+max batch 64, dynamic batching with a 3 ms delay, one CPU instance), one caller at a time. Rows, interleaved
+round by round (each row's best median kept):
+  raw onnxruntime     session.run in this thread, built as gpud's worker builds it (bench/serving/ort_session.py)
+  Server.infer        gpud.Server, a synchronous call from this thread
+  Server.infer_async  the same from an asyncio loop (uvloop) in this thread
+  API floor           the same Server with its core answering at once from a cached response: the hand-off to the
+                      server's thread and back, and the request built from the arrays; no batcher, no worker
+  in-loop onnxruntime the same Server with its core running the session in the server's thread and answering at
+                      once: what executing the model in the application's process could cost at best (an estimate)
+Then: where a served call's time goes (the model's statistics over the measured calls), what the copies in and out
+of shared memory cost at a few sizes, and `--threads` callers at once (the rows per batch that formed).
+Target: Server.infer p50 within 50 us of raw onnxruntime's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(HERE, "serving"))
+sys.path.insert(0, ROOT)
+
+import models  # noqa: E402  (bench/serving/models.py)
+from ort_session import make_session  # noqa: E402
+
+import gpud  # noqa: E402
+from executor.shm import Segment, new_segment_name  # noqa: E402
+
+MODEL = "mlp"
+TARGET_US = 50.0
+
+
+def _median_us(samples_ns: list[int]) -> float:
+    return statistics.median(samples_ns) / 1e3
+
+
+def time_raw(session, x: np.ndarray, n: int) -> list[int]:
+    feed = {"input": x}
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        session.run(None, feed)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def time_infer(server: gpud.Server, x: np.ndarray, n: int) -> list[int]:
+    inputs = {"input": x}
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        server.infer(MODEL, inputs)
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def time_infer_async(loop: asyncio.AbstractEventLoop, server: gpud.Server, x: np.ndarray, n: int) -> list[int]:
+    inputs = {"input": x}
+
+    async def run() -> list[int]:
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            await server.infer_async(MODEL, inputs)
+            out.append(time.perf_counter_ns() - t0)
+        return out
+    return loop.run_until_complete(run())
+
+
+class Floor:
+    """Makes the server's core answer every request at once with its first real answer (set on the instance, so
+    the same server measures both ways)."""
+
+    def __init__(self, server: gpud.Server):
+        self.core = server._parts.core
+        self.answer = None
+
+    def __enter__(self):
+        real = type(self.core).submit.__get__(self.core)
+
+        def submit(request, done):
+            if self.answer is None:
+                def keep(result):
+                    self.answer = result
+                    done(result)
+                return real(request, keep)
+            done(self.answer)
+            return _nothing
+        self.core.submit = submit
+        return self
+
+    def __exit__(self, *exc):
+        del self.core.submit
+
+
+def _nothing() -> None:
+    pass
+
+
+class InLoop(Floor):
+    """Makes the server's core run the session itself, in the server's thread, and answer at once: no batcher and no
+    worker process. What an instance executed in the application's process could cost at best (an estimate: gpud
+    has no such instance)."""
+
+    def __init__(self, server: gpud.Server, session):
+        super().__init__(server)
+        self.session = session
+
+    def __enter__(self):
+        from executor.types import InferResponse, InferTensor
+
+        def submit(request, done):
+            (out,) = self.session.run(None, {t.name: t.data for t in request.inputs})
+            done(InferResponse(request.model_name, "1", [InferTensor("output", "FP32", out.shape, out)]))
+            return _nothing
+        self.core.submit = submit
+        return self
+
+
+def stats_per_request_us(server: gpud.Server) -> dict[str, tuple[int, int]]:
+    s = server.model_statistics(MODEL)[0].stats
+    return {k: (d.count, d.ns) for k, d in (("queue", s.queue), ("compute_input", s.compute_input),
+                                            ("compute_infer", s.compute_infer), ("compute_output", s.compute_output),
+                                            ("success", s.success))} | {
+        "rows": (s.inference_count, 0), "batches": (s.execution_count, 0)}
+
+
+def copies(sizes_bytes: list[int], repeat: int = 2000) -> list[tuple[int, float, float]]:
+    """(bytes, copy in us, copy out us): a tensor into a shared-memory segment (as the front end stages a batch),
+    and out of one into a new array (as it takes the outputs), medians."""
+    rows = []
+    for size in sizes_bytes:
+        seg = Segment.create(new_segment_name("bench"), size)
+        try:
+            src = np.random.default_rng(0).random(size // 4, dtype=np.float32)
+            view = seg.ndarray(0, src.shape, src.dtype)
+            into, out_of = [], []
+            reps = max(50, min(repeat, (1 << 30) // max(size, 1)))
+            for _ in range(reps):
+                t0 = time.perf_counter_ns()
+                view[...] = src
+                t1 = time.perf_counter_ns()
+                view.copy()
+                t2 = time.perf_counter_ns()
+                into.append(t1 - t0)
+                out_of.append(t2 - t1)
+            del view
+        finally:
+            seg.close()
+        rows.append((size, _median_us(into), _median_us(out_of)))
+    return rows
+
+
+def threads_point(server: gpud.Server, threads: int, seconds: float) -> tuple[float, float]:
+    """`threads` callers, each one row at a time, for `seconds`: requests/s and rows per batch."""
+    before = stats_per_request_us(server)
+    stop = threading.Event()
+    counts = [0] * threads
+
+    def caller(i: int) -> None:
+        inputs = {"input": np.random.default_rng(i).random((1, 256), dtype=np.float32)}
+        while not stop.is_set():
+            server.infer(MODEL, inputs)
+            counts[i] += 1
+    pool = [threading.Thread(target=caller, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for t in pool:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    after = stats_per_request_us(server)
+    rows = after["rows"][0] - before["rows"][0]
+    batches = after["batches"][0] - before["batches"][0]
+    return sum(counts) / elapsed, rows / max(1, batches)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=3000, help="measured calls per row and round (after warm-up)")
+    p.add_argument("--repeat", type=int, default=3, help="rounds; each row's best median is kept")
+    p.add_argument("--threads", type=int, default=8, help="callers at once in the concurrency point (0: skip)")
+    p.add_argument("--seconds", type=float, default=3.0, help="length of the concurrency point")
+    args = p.parse_args()
+
+    x = np.random.default_rng(0).random((1, 256), dtype=np.float32)
+    with tempfile.TemporaryDirectory(prefix="gpud-inprocess-bench-") as repo:
+        paths = models.write_repository(repo)
+        session = make_session(paths[MODEL])
+        try:
+            import uvloop
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        with gpud.Server(repo, placement_control="off", load_model=[MODEL], model_control_mode="explicit") as server:
+            rows = {"raw onnxruntime": lambda n: time_raw(session, x, n),
+                    "Server.infer": lambda n: time_infer(server, x, n),
+                    "Server.infer_async": lambda n: time_infer_async(loop, server, x, n)}
+            best: dict[str, float] = {}
+            means: dict[str, float] = {}
+            decomposition: dict[str, float] = {}
+            for _ in range(args.repeat):
+                for label, measure in rows.items():
+                    measure(300)
+                    before = stats_per_request_us(server)
+                    samples = measure(args.requests)
+                    after = stats_per_request_us(server)
+                    if label == "Server.infer" and _median_us(samples) <= best.get(label, float("inf")):
+                        decomposition = {k: (after[k][1] - before[k][1]) / max(1, after[k][0] - before[k][0]) / 1e3
+                                         for k in ("queue", "compute_input", "compute_infer", "compute_output",
+                                                   "success")}
+                        decomposition["rows per batch"] = ((after["rows"][0] - before["rows"][0])
+                                                           / max(1, after["batches"][0] - before["batches"][0]))
+                    if _median_us(samples) < best.get(label, float("inf")):
+                        best[label] = _median_us(samples)
+                        means[label] = statistics.fmean(samples) / 1e3
+                for label, patch in (("API floor", Floor(server)), ("in-loop onnxruntime", InLoop(server, session))):
+                    with patch:
+                        time_infer(server, x, 300)
+                        samples = time_infer(server, x, args.requests)
+                    if _median_us(samples) < best.get(label, float("inf")):
+                        best[label] = _median_us(samples)
+                        means[label] = statistics.fmean(samples) / 1e3
+            threads = threads_point(server, args.threads, args.seconds) if args.threads else None
+            single = threads_point(server, 1, args.seconds) if args.threads else None
+        loop.close()
+    copy_rows = copies([1024, 64, 3 * 224 * 224 * 4, 4 << 20])
+
+    raw = best["raw onnxruntime"]
+    print(f"# {platform.node()}: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}")
+    print(f"# bench/inprocess.py --requests {args.requests} --repeat {args.repeat} --threads {args.threads} "
+          f"--seconds {args.seconds:g}")
+    print(f"# model {MODEL} (bench/serving/models.py), one 1x256 FP32 row per call, one caller; best median of "
+          f"{args.repeat} interleaved rounds")
+    print(f"{'row':20s} {'p50 us':>8s} {'mean us':>8s} {'/ raw':>7s} {'- raw us':>9s}")
+    for label in ("raw onnxruntime", "Server.infer", "Server.infer_async", "API floor", "in-loop onnxruntime"):
+        print(f"{label:20s} {best[label]:8.1f} {means[label]:8.1f} {best[label] / raw:7.2f} {best[label] - raw:9.1f}")
+    gap = best["Server.infer"] - raw
+    print(f"# target: Server.infer p50 within {TARGET_US:.0f} us of raw: {'PASS' if gap <= TARGET_US else 'FAIL'} "
+          f"({gap:.1f} us)")
+    print("# a served call, per request (model statistics, the best Server.infer round): "
+          + ", ".join(f"{k} {v:.1f}" + ("" if k == "rows per batch" else " us") for k, v in decomposition.items()))
+    phases = sum(decomposition.get(k, 0.0) for k in ("queue", "compute_input", "compute_infer", "compute_output"))
+    print(f"# where a Server.infer call goes: hand-off to the server's thread and back ~ API floor "
+          f"{best['API floor']:.1f} us; inside gpud (success) {decomposition.get('success', 0.0):.1f} us = the "
+          f"phases above {phases:.1f} us + {decomposition.get('success', 0.0) - phases:.1f} us the statistics do "
+          "not split (the worker round trip: two process wake-ups, the messages); the rest "
+          f"{best['Server.infer'] - best['API floor'] - decomposition.get('success', 0.0):.1f} us")
+    print("# copies (shared memory in, out; medians):")
+    for size, into, out_of in copy_rows:
+        print(f"#   {size:>9d} bytes: in {into:7.2f} us, out {out_of:7.2f} us")
+    if threads is not None:
+        print(f"# {args.threads} threads calling infer at once: {threads[0]:.0f} req/s, {threads[1]:.1f} rows per "
+              f"batch; one thread: {single[0]:.0f} req/s, {single[1]:.1f} rows per batch "
+              f"({threads[0] / single[0]:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
