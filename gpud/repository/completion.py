@@ -192,6 +192,8 @@ def complete_config(
         _check_against_onnx(
             spec, signature.input(spec.name), "input", input_names, config.max_batch_size, config_path, model_path
         )
+    check_sequence_tensors(config, {t.name: (t.datatype, t.shape) for t in signature.inputs},
+                           {t.name: (t.datatype, t.shape) for t in signature.outputs}, config_path, model_path)
     missing = [n for n in input_names if config.input(n) is None and n not in hidden_inputs]
     if missing:
         raise ModelConfigError(config_path, f"inputs {missing} of {model_path} are not in the config's inputs")
@@ -200,6 +202,4 @@ def complete_config(
         _check_against_onnx(
             spec, signature.output(spec.name), "output", output_names, config.max_batch_size, config_path, model_path
         )
-    check_sequence_tensors(config, {t.name: (t.datatype, t.shape) for t in signature.inputs},
-                           {t.name: (t.datatype, t.shape) for t in signature.outputs}, config_path, model_path)
     return config
