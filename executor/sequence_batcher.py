@@ -186,6 +186,10 @@ class SequenceBatcher:
         return -(-(self._holding - len(self._backlog)) // self.slots_per_instance)
 
     @property
+    def backlog_sequences(self) -> int:
+        return len(self._backlog)
+
+    @property
     def backlog(self) -> tuple[Sequence, ...]:
         return tuple(self._backlog)
 

@@ -149,6 +149,11 @@ class SequenceScheduler:
         return self.batcher.live_sequences
 
     @property
+    def backlog_sequences(self) -> int:
+        """Live sequences waiting for a free slot."""
+        return self.batcher.backlog_sequences
+
+    @property
     def instances_needed(self) -> int:
         """Instances whose slots hold every live sequence (the controller keeps at least this many)."""
         return self.batcher.instances_needed

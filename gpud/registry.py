@@ -84,9 +84,12 @@ class RegisteredVersion:
         kinds = frozenset(k for g in self.entry.config.instance_groups for k in candidate_kinds(g.kind, has_gpus))
         instances = tuple(InstanceView(i.index, i.device_id, i.ready, i.memory_bytes, i.estimate_bytes,
                                        i.measured_by, i.load_seconds, i.provider, i.error) for i in self.instances)
+        s = self.scheduler
+        in_backlog = s.backlog_sequences if isinstance(s, SequenceScheduler) else 0
         return VersionView(self.name, self.version, state, reason, self.entry.config.max_batch_size, kinds,
-                           self.scheduler.pending_requests, instances, self.scheduler.stats,
-                           self.minimum_instances, self.bounds.maximum, self.last_used_unix_s)
+                           s.pending_requests, instances, s.stats, self.minimum_instances, self.bounds.maximum,
+                           self.last_used_unix_s,
+                           s.live_sequences - in_backlog if isinstance(s, SequenceScheduler) else None, in_backlog)
 
 
 @dataclass(eq=False)

@@ -8,6 +8,7 @@ import queue
 import shutil
 import subprocess
 import threading
+import urllib.request
 
 import numpy as np
 import pytest
@@ -143,6 +144,11 @@ def test_config_and_metadata_show_a_sequence_model(daemon):
         assert config["sequence_batching"]["state"][0]["input_name"] == "INPUT_STATE"
         assert [i["name"] for i in client.get_model_metadata("acc_oldest")["inputs"]] == ["INPUT"]
         assert "sequence" in client.get_server_metadata()["extensions"]
+    models = {m["name"]: m for m in daemon.inspect()["models"]}
+    assert models["acc_direct"]["sequences_in_slots"] >= 0 and models["acc_direct"]["sequences_in_backlog"] == 0
+    with urllib.request.urlopen(daemon.metrics_url, timeout=30) as r:
+        metrics = r.read().decode()
+    assert 'gpud_model_sequences{model="acc_direct",version="1",where="slot"}' in metrics
     with grpcclient.InferenceServerClient(daemon.grpc_url) as client:
         config = client.get_model_config("acc_direct").config
         assert config.HasField("sequence_batching") and config.sequence_batching.HasField("direct")
