@@ -3,6 +3,8 @@ tritonclient over HTTP and gRPC (unary and streaming) with interleaved sequences
 errors Triton gives; the idle release; perf_analyzer --sequence-length when GPUD_PERF_ANALYZER is set."""
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import queue
 import shutil
@@ -223,3 +225,28 @@ def test_perf_analyzer_sequences(daemon, protocol):
     with httpclient.InferenceServerClient(daemon.http_url) as client:
         stats = client.get_inference_statistics("acc_direct")["model_stats"][0]["inference_stats"]
     assert stats["fail"]["count"] == before, out.stdout  # every request of every sequence was served
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"sequence_id": -1, "sequence_start": True}, "'sequence_id' must be an unsigned 64-bit integer or a string"),
+    ({"sequence_id": 2**64, "sequence_start": True}, "'sequence_id' must be an unsigned"),  # JSON's decoder: a float
+    ({"sequence_id": 1.5}, "'sequence_id' must be an unsigned integer or a string"),
+    ({"sequence_id": [1]}, "'sequence_id' must be an unsigned integer or a string"),
+    ({"sequence_id": None}, "'sequence_id' must be an unsigned integer or a string"),
+    ({"sequence_id": True}, "'sequence_id' must be an unsigned integer or a string"),
+    ({"sequence_id": 1, "sequence_start": "yes"}, "'sequence_start' must be a boolean"),
+    ({"sequence_id": 1, "sequence_end": 1}, "'sequence_end' must be a boolean"),
+    ({"sequence_start": True}, "must specify a non-zero or non-empty correlation ID"),
+])
+def test_malformed_sequence_parameters_are_400s(daemon, parameters, message):
+    body = json.dumps({"parameters": parameters,
+                       "inputs": [{"name": "INPUT", "datatype": "INT32", "shape": [1, 1], "data": [1]}]})
+    conn = http.client.HTTPConnection(*daemon.http_url.split(":"), timeout=30)
+    try:
+        conn.request("POST", "/v2/models/acc_direct/infer", body, {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        status, doc = answer.status, json.loads(answer.read())
+    finally:
+        conn.close()
+    assert status == 400 and message in doc["error"], doc
+    assert "Traceback" not in daemon.log()
