@@ -126,3 +126,33 @@ def write_sequence_repository(repo: Path) -> None:
                                                      "max_queue_delay_microseconds: 1000 }"))
     save(controls_model(), repo, "controls", controls_config())
     save(accumulator_model(), repo, "acc_idle", accumulator_config(idle_us=200_000))
+
+
+def growing_model() -> onnx.ModelProto:
+    """A model that does not batch, with a state that grows: state' = concat(state, INPUT) ([-1] INT32), OUTPUT =
+    the sum of state' ([1]). READY and START inputs as controls (the model ignores START: gpud's initial state, one
+    zero since the state's dim is variable, starts each sequence)."""
+    nodes = [
+        helper.make_node("Concat", ["INPUT_STATE", "INPUT"], ["OUTPUT_STATE"], axis=0),
+        helper.make_node("ReduceSum", ["OUTPUT_STATE"], ["OUTPUT"], keepdims=1),
+        helper.make_node("Identity", ["START"], ["START_OUT"]),
+    ]
+    inputs = [helper.make_tensor_value_info("INPUT", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("START", TensorProto.INT32, [1]),
+              helper.make_tensor_value_info("INPUT_STATE", TensorProto.INT32, ["S"])]
+    outputs = [helper.make_tensor_value_info("OUTPUT", TensorProto.INT32, [1]),
+               helper.make_tensor_value_info("OUTPUT_STATE", TensorProto.INT32, ["S2"]),
+               helper.make_tensor_value_info("START_OUT", TensorProto.INT32, [1])]
+    return _model(nodes, inputs, outputs)
+
+
+GROWING_CONFIG = """
+max_batch_size: 0
+sequence_batching {
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "INPUT_STATE" output_name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ -1 ] } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ -1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""

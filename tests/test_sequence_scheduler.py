@@ -17,7 +17,8 @@ from executor.shm import Segment, new_segment_name
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.repository.layout import load_model
 from tests.daemon_harness import save
-from tests.sequence_models import accumulator_config, accumulator_model, controls_config, controls_model
+from tests.sequence_models import (GROWING_CONFIG, accumulator_config, accumulator_model, controls_config,
+                                   controls_model, growing_model)
 
 
 class OrtWorker:
@@ -308,3 +309,26 @@ class TestErrors:
         req = request("acc", 1, 1, start=True)
         req.outputs = [RequestedOutput("OUTPUT_STATE")]  # a state output the config does not list
         assert "unexpected inference output 'OUTPUT_STATE'" in self.refused(scheduler, req).message
+
+
+def test_a_model_that_does_not_batch_with_a_growing_state(made):
+    """max_batch_size 0: one slot per instance, tensors without a batch dimension; a state with a variable dim
+    starts as one zero (Triton: 1 for each variable dim) and may change shape from request to request."""
+    scheduler, (inst,) = made("grow", growing_model(), GROWING_CONFIG)
+    got = Answers()
+
+    async def go():
+        for step, value in enumerate((3, 4, 5)):
+            req = InferRequest("grow", [InferTensor("INPUT", "INT32", (1,), np.array([value], np.int32))],
+                               parameters={"sequence_id": 8, "sequence_start": step == 0})
+            scheduler.submit(req, got(str(step)))
+            inst.worker.finish(inst)
+        req = InferRequest("grow", [InferTensor("INPUT", "INT32", (1,), np.array([1], np.int32))],
+                           parameters={"sequence_id": 9, "sequence_start": True})
+        scheduler.submit(req, got("other"))  # the one slot is sequence 8's: 9 waits in the backlog
+        assert not inst.worker.pending and scheduler.backlog_sequences == 1
+
+    run(go)
+    assert [got.out(str(s)) for s in range(3)] == [3, 7, 12]
+    assert got.got["2"].outputs[1].data.tolist() == [0, 3, 4, 5]  # the state the client may read: it grew
+    assert [f["INPUT_STATE"].shape for f in inst.worker.feeds] == [(1,), (2,), (3,)]
