@@ -153,6 +153,7 @@ sequence_batching {
   state [ { input_name: "INPUT_STATE" output_name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ -1 ] } ]
 }
 input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] },
+         { name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ -1 ] } ]
 instance_group [ { count: 1, kind: KIND_CPU } ]
 """
