@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from gpud.cli.inspect import render_inspect
 from tests.daemon_harness import start_daemon, wait_for
 from tests.sequence_models import write_sequence_repository
 
@@ -146,8 +147,10 @@ def test_config_and_metadata_show_a_sequence_model(daemon):
         assert config["sequence_batching"]["state"][0]["input_name"] == "INPUT_STATE"
         assert [i["name"] for i in client.get_model_metadata("acc_oldest")["inputs"]] == ["INPUT"]
         assert "sequence" in client.get_server_metadata()["extensions"]
-    models = {m["name"]: m for m in daemon.inspect()["models"]}
+    inspect = daemon.inspect()
+    models = {m["name"]: m for m in inspect["models"]}
     assert models["acc_direct"]["sequences_in_slots"] >= 0 and models["acc_direct"]["sequences_in_backlog"] == 0
+    assert "waiting for one" in render_inspect(inspect)  # gpudctl inspect: a sequences line under each such model
     with urllib.request.urlopen(daemon.metrics_url, timeout=30) as r:
         metrics = r.read().decode()
     assert 'gpud_model_sequences{model="acc_direct",version="1",where="slot"}' in metrics
