@@ -67,6 +67,7 @@ from executor.types import ErrorKind, InferenceError
 QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
 BACKLOG_TIMEOUT_MESSAGE = "timeout of the corresponding sequence has been expired"
 _FORGET_AFTER = 10_000  # ids remembered with why they ended, for the error of a late request
+_REMEMBER_ID_CHARS = 256  # longer string ids are not remembered (so the memory this takes stays small)
 
 CorrelationId = Union[int, str]
 
@@ -499,6 +500,8 @@ class SequenceBatcher:
             heapq.heappush(self._deadlines, (seq.backlog_deadline_s, next(self._seq), seq))
 
     def _remember(self, cid: CorrelationId, why: str) -> None:
+        if isinstance(cid, str) and len(cid) > _REMEMBER_ID_CHARS:
+            return
         self._ended[cid] = why
         self._ended.move_to_end(cid)
         while len(self._ended) > _FORGET_AFTER:

@@ -44,6 +44,10 @@ SEQUENCE_ID, SEQUENCE_START, SEQUENCE_END = "sequence_id", "sequence_start", "se
 _UINT64_LIMIT = 2**64
 
 
+class _StateShapeError(ValueError):
+    """The model returned a state output of another shape than its state's dims."""
+
+
 def _bad(message: str) -> InferenceError:
     return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
 
@@ -56,6 +60,11 @@ def sequence_parameters(parameters: Mapping[str, Any]) -> tuple[CorrelationId, b
         raise _bad(f"request parameter '{SEQUENCE_ID}' must be an unsigned integer or a string, got {cid!r}")
     if isinstance(cid, int) and not 0 <= cid < _UINT64_LIMIT:
         raise _bad(f"request parameter '{SEQUENCE_ID}' must be an unsigned 64-bit integer or a string, got {cid}")
+    if isinstance(cid, str):
+        try:
+            cid.encode()
+        except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800: it could never reach a CORRID tensor
+            raise _bad(f"request parameter '{SEQUENCE_ID}' is not valid Unicode text") from None
     flags = []
     for key in (SEQUENCE_START, SEQUENCE_END):
         value = parameters.get(key, False)
@@ -321,6 +330,9 @@ class SequenceScheduler:
                 answers = self._keep_states_and_split(d, protocol.read_outputs(reply, inst.out_seg))
                 timings = (stage_ns + reply.input_ns, reply.infer_ns,
                            reply.output_ns + time.perf_counter_ns() - t0)
+            except _StateShapeError as exc:
+                log.warning("model %s version %s: %s", self.config.name, self.version, exc)
+                error = InferenceError(ErrorKind.INTERNAL, f"model '{self.config.name}' failed: {exc}")
             except Exception as exc:
                 log.exception("model %s: reading a batch's outputs failed", self.config.name)
                 error = InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")
@@ -343,6 +355,15 @@ class SequenceScheduler:
         """Each real row's state outputs become its sequence's state (dropped after END), and its requested outputs
         its answer."""
         batches = self.config.batches
+        produced = {name: arr.shape for name, _, arr in outputs}
+        for s in self.policy.states:  # a model that breaks its own state's shape must not poison its sequences
+            shape = produced[s.output_name]
+            dims = shape[1:] if batches else shape
+            if (len(shape) != len(s.dims) + batches or (batches and shape[0] != len(d.rows))
+                    or any(want >= 0 and got != want for got, want in zip(dims, s.dims))):
+                raise _StateShapeError(f"the model's state output '{s.output_name}' has shape {list(shape)}, not the "
+                                 f"state's dims {list(s.dims)}" + (f" for a batch of {len(d.rows)}" if batches else "")
+                                 + "; the sequences keep their previous state")
         per_row: list[list[InferTensor]] = []
         for i, row in enumerate(d.rows):
             req = row.request

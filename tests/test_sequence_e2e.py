@@ -240,6 +240,7 @@ def test_perf_analyzer_sequences(daemon, protocol):
     ({"sequence_id": 1, "sequence_start": "yes"}, "'sequence_start' must be a boolean"),
     ({"sequence_id": 1, "sequence_end": 1}, "'sequence_end' must be a boolean"),
     ({"sequence_start": True}, "must specify a non-zero or non-empty correlation ID"),
+    ({"sequence_id": "\ud800", "sequence_start": True}, ""),  # a lone surrogate: refused, by the JSON decoder or us
 ])
 def test_malformed_sequence_parameters_are_400s(daemon, parameters, message):
     body = json.dumps({"parameters": parameters,

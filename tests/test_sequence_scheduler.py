@@ -332,3 +332,35 @@ def test_a_model_that_does_not_batch_with_a_growing_state(made):
     assert [got.out(str(s)) for s in range(3)] == [3, 7, 12]
     assert got.got["2"].outputs[1].data.tolist() == [0, 3, 4, 5]  # the state the client may read: it grew
     assert [f["INPUT_STATE"].shape for f in inst.worker.feeds] == [(1,), (2,), (3,)]
+
+
+def test_a_state_output_of_the_wrong_shape_fails_the_batch_and_keeps_the_state(made):
+    """The model's file says [N, 1] but it returns [N, 2] on the second request: that batch fails, the sequence's
+    state stays what the first request left."""
+    scheduler, (inst,) = made("acc", accumulator_model(), accumulator_config())
+    got = Answers()
+    real = inst.worker.session.run
+
+    def broken(names, feed):
+        out = real(names, feed)
+        return [np.concatenate([o, o], axis=1) if n == "OUTPUT_STATE" else o for n, o in zip(names, out)]
+
+    async def go():
+        scheduler.submit(request("acc", 5, 1, start=True), got("1"))
+        inst.worker.finish(inst)
+        inst.worker.session = type("S", (), {"run": staticmethod(broken)})()
+        scheduler.submit(request("acc", 7, 1), got("2"))
+        inst.worker.finish(inst)
+        inst.worker.session = type("S", (), {"run": staticmethod(real)})()
+        scheduler.submit(request("acc", 1, 1), got("3"))
+        inst.worker.finish(inst)
+
+    run(go)
+    assert "state output 'OUTPUT_STATE' has shape [1, 2], not the state's dims [1]" in got.got["2"].message
+    assert (got.out("1"), got.out("3")) == (5, 6)
+
+
+def test_string_ids_must_be_text():
+    with pytest.raises(InferenceError) as e:
+        sequence_parameters({"sequence_id": "\ud800", "sequence_start": True})
+    assert "not valid Unicode text" in e.value.message
