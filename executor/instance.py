@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from executor.model_config import ModelConfig
 from executor.protocol import DEFAULT_SEGMENT_BYTES, Loaded, LoadFailed, tensor_region_bytes
+from executor.sequence_config import execution_config
 from executor.shm import Segment, new_segment_name
 
 if TYPE_CHECKING:
@@ -45,8 +46,9 @@ class InstanceHandle:
     def open_segments(self) -> None:
         """Create its input and output regions, one full batch each (or a default that grows, for variable
         shapes)."""
-        self.in_seg = Segment.create(new_segment_name("in"), tensor_region_bytes(self.config, self.config.inputs))
-        self.out_seg = Segment.create(new_segment_name("out"), tensor_region_bytes(self.config, self.config.outputs))
+        config = execution_config(self.config)  # a sequence model's control and state tensors travel there too
+        self.in_seg = Segment.create(new_segment_name("in"), tensor_region_bytes(config, config.inputs))
+        self.out_seg = Segment.create(new_segment_name("out"), tensor_region_bytes(config, config.outputs))
 
     def ensure_capacity(self, input_bytes: int) -> Segment:
         """The input region, grown first when a batch does not fit (variable-size inputs; the worker drops the old

@@ -7,8 +7,12 @@ endpoints.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from executor.sequence_config import SequenceBatching
 
 # KServe v2 datatype -> (Triton TYPE_ enum name, numpy dtype or None for BYTES)
 _DATATYPES: dict[str, tuple[str, object]] = {
@@ -112,6 +116,7 @@ class ModelConfig:
     outputs: tuple[TensorSpec, ...] = ()
     instance_groups: tuple[InstanceGroup, ...] = (InstanceGroup(),)
     dynamic_batching: DynamicBatching | None = None
+    sequence_batching: SequenceBatching | None = None  # executor.sequence_config; set: a stateful (sequence) model
     # Triton's optimization.execution_accelerators.gpu_execution_accelerator names, e.g. ("tensorrt",)
     gpu_execution_accelerators: tuple[str, ...] = ()
     parameters: dict[str, str] = field(default_factory=dict)

@@ -72,6 +72,10 @@ class _Pending:
 class ModelScheduler:
     """Queues, batches and runs the requests of one model version on its instances."""
 
+    # Sequences live only in a sequence model's scheduler (executor.sequence_scheduler), which has the same face.
+    live_sequences = 0
+    instances_needed = 0  # the fewest instances whose slots hold the live sequences
+
     def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
                  unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
         self.config = config

@@ -31,6 +31,7 @@ from executor.device import WorkerDevice
 from executor.instance import InstanceHandle
 from executor.protocol import (Exit, ForgetSegments, FromWorker, Hello, Infer, Load, Loaded, LoadFailed, ToWorker,
                                Unload, Unloaded)
+from executor.sequence_config import execution_config
 from executor.types import ErrorKind, InferenceError
 
 log = logging.getLogger("gpud.executor")
@@ -271,7 +272,7 @@ class WorkerSupervisor:
         """Load `inst` (one of self.instances) on the worker; it is ready after, or `inst.error` says why not."""
         loop = asyncio.get_running_loop()
         inst._load_future = loop.create_future()
-        self.send(Load(inst.key, inst.model_path, inst.config))
+        self.send(Load(inst.key, inst.model_path, execution_config(inst.config)))  # a sequence model's controls too
         reply = await inst._load_future
         inst._load_future = None
         if isinstance(reply, Loaded):

@@ -28,7 +28,8 @@ from telemetry.serving import ModelState, ServingSnapshot
 log = logging.getLogger("gpud")
 
 # Only what gpud really implements: clients use this list to decide what to call.
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data", "schedule_policy"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data", "schedule_policy",
+              "sequence", "sequence(string_id)"]
 
 
 class GpudCore:

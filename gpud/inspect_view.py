@@ -67,6 +67,8 @@ def _version(v: VersionView) -> dict[str, Any]:
         "queue_seconds_avg": st.queue.ns / n / 1e9 if n else None,
         "compute_seconds_avg": (st.compute_input.ns + st.compute_infer.ns + st.compute_output.ns) / n / 1e9
         if n else None,
+        **({} if v.sequences_in_slots is None else
+           {"sequences_in_slots": v.sequences_in_slots, "sequences_in_backlog": v.sequences_in_backlog}),
         "instances": [{"index": i.index, "device": i.device_id, "ready": i.ready, "memory_bytes": i.footprint_bytes,
                        "measured_by": i.measured_by or "estimate", "provider": i.provider,
                        "load_seconds": i.load_seconds, "error": i.error}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from executor.pool import InstanceHandle
 from executor.scheduler import ModelScheduler
+from executor.sequence_scheduler import SequenceScheduler
 from executor.types import ErrorKind, InferenceError
 from gpud.controller import InstanceBounds, instance_bounds
 from gpud.model_control import check_model_name
@@ -30,7 +31,7 @@ class RegisteredVersion:
     name: str
     version: str
     entry: ModelEntry
-    scheduler: ModelScheduler
+    scheduler: ModelScheduler | SequenceScheduler
     estimate_bytes: int = 0  # one instance's footprint estimated from the model file
     bounds: InstanceBounds = InstanceBounds(1, None)  # how few and how many instances the controller may run
     compute_fraction: float = 0.0  # of a device's compute, per instance (gpud_compute_fraction); 0: not limited
@@ -47,6 +48,12 @@ class RegisteredVersion:
     def scaled_to_zero(self) -> bool:
         """Served, with no instance now: its next request loads one (a cold start)."""
         return self.state is ModelState.READY and not self.instances
+
+    @property
+    def minimum_instances(self) -> int:
+        """Its bound (gpud_min_instances), or more while its live sequences need more instances' slots: the
+        controller and evictions never take a sequence model below it (its sequences would wait in the backlog)."""
+        return max(self.bounds.minimum, self.scheduler.instances_needed)
 
     @property
     def last_used_unix_s(self) -> float:
@@ -77,9 +84,12 @@ class RegisteredVersion:
         kinds = frozenset(k for g in self.entry.config.instance_groups for k in candidate_kinds(g.kind, has_gpus))
         instances = tuple(InstanceView(i.index, i.device_id, i.ready, i.memory_bytes, i.estimate_bytes,
                                        i.measured_by, i.load_seconds, i.provider, i.error) for i in self.instances)
+        s = self.scheduler
+        in_backlog = s.backlog_sequences if isinstance(s, SequenceScheduler) else 0
         return VersionView(self.name, self.version, state, reason, self.entry.config.max_batch_size, kinds,
-                           self.scheduler.pending_requests, instances, self.scheduler.stats,
-                           self.bounds.minimum, self.bounds.maximum, self.last_used_unix_s)
+                           s.pending_requests, instances, s.stats, self.minimum_instances, self.bounds.maximum,
+                           self.last_used_unix_s,
+                           s.live_sequences - in_backlog if isinstance(s, SequenceScheduler) else None, in_backlog)
 
 
 @dataclass(eq=False)
@@ -117,8 +127,9 @@ class Registry:
         for version in entry.versions:
             v = str(version)
             try:
-                scheduler = ModelScheduler(entry.config, v, unready_wait_s=self.unready_wait_s,
-                                           default_max_queue_size=self.default_max_queue_size)
+                make = SequenceScheduler if entry.config.sequence_batching is not None else ModelScheduler
+                scheduler = make(entry.config, v, unready_wait_s=self.unready_wait_s,
+                                 default_max_queue_size=self.default_max_queue_size)
                 bounds = instance_bounds(entry.config)
                 compute = compute_fraction(entry.config)
             except ValueError as exc:  # a batching policy, bounds or compute share the repository let through

@@ -183,14 +183,20 @@ def _gauge_families() -> list[GaugeMetricFamily]:
                           "run included, seconds.", labels=INSTANCE_LABELS),
         GaugeMetricFamily("gpud_model_instance_ready", "1 while the instance serves, 0 while it is not ready "
                           "(e.g. its worker is restarting).", labels=INSTANCE_LABELS),
+        GaugeMetricFamily("gpud_model_sequences", "Live sequences of a sequence model: holding a slot of an "
+                          "instance (where=slot), or waiting for one (where=backlog).",
+                          labels=("model", "version", "where")),
     ]
 
 
 def _collect_gauges(versions: list[VersionView]) -> list[GaugeMetricFamily]:
     families = _gauge_families()
-    pending_fam, instances_fam, memory_fam, load_fam, ready_fam = families
+    pending_fam, instances_fam, memory_fam, load_fam, ready_fam, sequences_fam = families
     for v in versions:
         pending_fam.add_metric([v.model, v.version], float(v.pending_requests))
+        if v.sequences_in_slots is not None:
+            sequences_fam.add_metric([v.model, v.version, "slot"], float(v.sequences_in_slots))
+            sequences_fam.add_metric([v.model, v.version, "backlog"], float(v.sequences_in_backlog))
         per_device: dict[str, int] = {}
         for i in v.instances:
             if i.ready:

@@ -54,6 +54,9 @@ class VersionView:
     min_instances: int = 1  # the controller's bounds (config.pbtxt gpud_min_instances / gpud_max_instances)
     max_instances: int | None = None  # None: as many as the node has room for
     last_used_unix_s: float = 0.0  # the later of its last executed batch and its last load; 0: never
+    # A sequence model's live sequences: holding a slot, and waiting in the backlog for one (None: not a sequence model)
+    sequences_in_slots: int | None = None
+    sequences_in_backlog: int = 0
 
     @property
     def ready_instances(self) -> int:

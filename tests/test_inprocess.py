@@ -366,3 +366,24 @@ def test_stop_answers_every_caller(tmp_path):
         queued.result(timeout=60)
     assert caught.value.kind is ErrorKind.UNAVAILABLE
     callers.shutdown()
+
+
+def test_a_sequence_model_in_process(tmp_path):
+    """Request parameters reach the core as the front ends pass them: a sequence model's id, start and end."""
+    from tests.sequence_models import accumulator_config, accumulator_model
+
+    save(accumulator_model(), tmp_path, "acc", accumulator_config())
+    with gpud.Server(tmp_path, node=NODE) as s:
+        def step(seq: int, value: int, start: bool = False, end: bool = False) -> int:
+            out = s.infer("acc", {"INPUT": np.array([[value]], np.int32)},
+                          parameters={"sequence_id": seq, "sequence_start": start, "sequence_end": end})
+            return int(out["OUTPUT"][0, 0])
+
+        # two interleaved sequences keep their own running sums: 1, 1+2; 10, 10+20, 10+20+30
+        assert [step(1, 1, start=True), step(2, 10, start=True), step(1, 2, end=True), step(2, 20),
+                step(2, 30, end=True)] == [1, 10, 3, 30, 60]
+        with pytest.raises(InferenceError) as exc:
+            step(1, 5)  # finished: a new request of it must START
+        assert exc.value.kind is ErrorKind.INVALID_ARGUMENT
+        with pytest.raises(InferenceError):
+            s.infer("acc", {"INPUT": np.array([[1]], np.int32)}, parameters=["not", "a", "mapping"])

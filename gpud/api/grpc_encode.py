@@ -12,6 +12,7 @@ from executor.model_config import QueuePolicy, TensorSpec, triton_type
 from executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
+from gpud.api.sequence_encode import sequence_batching_message
 from gpud.repository.config import VersionPolicy
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2 as mc
@@ -109,6 +110,8 @@ def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
         _queue_policy(db.default_queue_policy, batching.default_queue_policy)
         for level, policy in sorted(db.priority_queue_policy.items()):
             _queue_policy(policy, batching.priority_queue_policy[level])
+    if config.sequence_batching is not None:
+        sequence_batching_message(config.sequence_batching, message.sequence_batching)
     return message
 
 

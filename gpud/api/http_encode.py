@@ -15,6 +15,7 @@ from executor.stats import Duration, ModelStats
 from executor.types import ErrorKind, InferenceError
 from gpud.core_api import (Applied, ModelMetadata, RequestedPlacement, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
+from gpud.api.sequence_encode import sequence_batching_json
 from gpud.repository.config import VersionPolicy
 
 
@@ -117,6 +118,8 @@ def model_config_json(served: ServedModelConfig) -> dict[str, Any]:
                 str(level): _queue_policy_json(p) for level, p in sorted(db.priority_queue_policy.items())
             },
         }
+    if config.sequence_batching is not None:
+        d["sequence_batching"] = sequence_batching_json(config.sequence_batching)
     return d
 
 

@@ -70,6 +70,9 @@ def render_inspect(data: dict[str, Any]) -> str:
                      f"{_ms(m.get('compute_seconds_avg')):>10}")
         if m.get("reason"):
             lines.append(f"      reason: {m['reason']}")
+        if "sequences_in_slots" in m:  # a sequence model
+            lines.append(f"      sequences: {m['sequences_in_slots']} in slots, {m['sequences_in_backlog']} waiting "
+                         "for one")
     lines += _render_workers(data.get("workers") or [])
     lines += _render_hints(data.get("hints"))
     lines += _render_controller(data.get("controller"), data.get("time_unix_s"))

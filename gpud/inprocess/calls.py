@@ -45,9 +45,14 @@ def kserve_datatype_of(array: np.ndarray, name: str, model: str) -> str:
 
 
 def make_request(model: str, inputs: Mapping[str, Any], version: str | int = "",
-                 outputs: Iterable[str] | None = None, priority: int = 0) -> InferRequest:
+                 outputs: Iterable[str] | None = None, priority: int = 0,
+                 parameters: Mapping[str, Any] | None = None) -> InferRequest:
     """The core's request for `inputs` (name -> array; anything else is converted with np.asarray). The arrays are
-    referenced, not copied: they are read when the batch is written to shared memory."""
+    referenced, not copied: they are read when the batch is written to shared memory. `parameters`: the request's
+    parameters as the front ends pass them (a sequence model's `sequence_id`, `sequence_start`, `sequence_end`)."""
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                             f"parameters must be a mapping of name to value, got {type(parameters).__name__}")
     if not isinstance(model, str) or not model:
         raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"model must be a non-empty name, got {model!r}")
     if not isinstance(inputs, Mapping):
@@ -60,7 +65,8 @@ def make_request(model: str, inputs: Mapping[str, Any], version: str | int = "",
     if isinstance(outputs, str):  # one name given alone, not a list of its characters
         outputs = (outputs,)
     requested = None if outputs is None else [RequestedOutput(str(o)) for o in outputs]
-    return InferRequest(model, tensors, str(version), outputs=requested, priority=int(priority))
+    return InferRequest(model, tensors, str(version), outputs=requested, priority=int(priority),
+                        parameters=dict(parameters or {}))
 
 
 def outputs_of(response: InferResponse) -> dict[str, np.ndarray]:

@@ -229,13 +229,14 @@ class Server:
     # --- inference --------------------------------------------------------------------------------------------
     def infer(self, model: str, inputs: Mapping[str, Any], version: str | int = "",
               outputs: Iterable[str] | None = None, timeout: float | None = None,
-              priority: int = 0) -> dict[str, np.ndarray]:
+              priority: int = 0, parameters: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """Run `inputs` (input name -> numpy array, batch dimension first where the model batches) through
         `model` and return every output (or those named in `outputs`) by name. Blocks the calling thread; safe
         from many threads at once (their requests batch together). `version` "": the version policy's choice.
         `timeout` seconds (None: no limit) raises InferenceTimeout. `priority`: the model's priority level (0:
-        its default). Raises InferenceError as the front ends answer it."""
-        request = make_request(model, inputs, version, outputs, priority)
+        its default). `parameters`: as a front end's request parameters, e.g. a sequence model's
+        {"sequence_id": 7, "sequence_start": True}. Raises InferenceError as the front ends answer it."""
+        request = make_request(model, inputs, version, outputs, priority, parameters)
         waiter = Waiter(self._waiting)
         self._send(self._submit, request, waiter)
         if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
@@ -248,10 +249,10 @@ class Server:
 
     async def infer_async(self, model: str, inputs: Mapping[str, Any], version: str | int = "",
                           outputs: Iterable[str] | None = None, timeout: float | None = None,
-                          priority: int = 0) -> dict[str, np.ndarray]:
+                          priority: int = 0, parameters: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
         """`infer` for asyncio code: awaits the answer without blocking the caller's loop. Cancelling the awaiting
         task withdraws a request that is still queued."""
-        request = make_request(model, inputs, version, outputs, priority)
+        request = make_request(model, inputs, version, outputs, priority, parameters)
         waiter = AsyncWaiter(asyncio.get_running_loop(), self._waiting)
         self._send(self._submit, request, waiter)
         try:

@@ -155,7 +155,7 @@ def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion]
             candidates.append(EvictionCandidate(
                 other.name, other.version, inst.index, inst.device_id, inst.footprint_bytes,
                 other.last_used_unix_s, other.scheduler.pending_requests > 0, len(other.instances),
-                other.bounds.minimum))
+                other.minimum_instances))
     return [handles[(c.model, c.version, c.index, c.device_id)] for c in eviction_order(candidates)]
 
 

@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from executor.model_config import DynamicBatching, ModelConfig, TensorSpec, triton_type
 from gpud.repository.config import WILDCARD_DIM, ModelConfigError
+from gpud.repository.sequence_config import check_sequence_tensors, sequence_tensor_names
 
 # Triton's --backend-config=onnxruntime,default-max-batch-size (4 unless set): what an auto-completed model that
 # can batch gets as max_batch_size.
@@ -162,11 +163,14 @@ def complete_config(
     `default_max_batch_size`, and a model with max_batch_size > 1 and no scheduler gets an empty dynamic_batching.
     Missing inputs/outputs are filled in from the ONNX file.
     """
+    # A sequence model's control and state inputs (and unlisted state outputs) are gpud's to fill in and read:
+    # they are never the client's, so auto-complete leaves them out (Triton's would list them).
+    hidden_inputs, hidden_outputs = sequence_tensor_names(config)
     if not (config.inputs and config.outputs):
         if signature.can_batch:
             if config.max_batch_size == 0:
                 config = replace(config, max_batch_size=max(default_max_batch_size, 0))
-            if config.max_batch_size > 1 and config.dynamic_batching is None:
+            if config.max_batch_size > 1 and config.dynamic_batching is None and config.sequence_batching is None:
                 config = replace(config, dynamic_batching=DynamicBatching())
         elif config.max_batch_size != 0:
             fixed = next(t for t in signature.inputs + signature.outputs if not t.batch_capable)
@@ -176,16 +180,21 @@ def complete_config(
                 f"has shape {list(fixed.shape)}, not a variable first dimension",
             )
         if not config.inputs:
-            config = replace(config, inputs=tuple(_from_onnx(t, config.batches) for t in signature.inputs))
+            config = replace(config, inputs=tuple(_from_onnx(t, config.batches) for t in signature.inputs
+                                                  if t.name not in hidden_inputs))
         if not config.outputs:
-            config = replace(config, outputs=tuple(_from_onnx(t, config.batches) for t in signature.outputs))
+            config = replace(config, outputs=tuple(_from_onnx(t, config.batches) for t in signature.outputs
+                                                   if t.name not in hidden_outputs))
+            hidden_inputs, hidden_outputs = sequence_tensor_names(config)
 
     input_names = [t.name for t in signature.inputs]
     for spec in config.inputs:
         _check_against_onnx(
             spec, signature.input(spec.name), "input", input_names, config.max_batch_size, config_path, model_path
         )
-    missing = [n for n in input_names if config.input(n) is None]
+    check_sequence_tensors(config, {t.name: (t.datatype, t.shape) for t in signature.inputs},
+                           {t.name: (t.datatype, t.shape) for t in signature.outputs}, config_path, model_path)
+    missing = [n for n in input_names if config.input(n) is None and n not in hidden_inputs]
     if missing:
         raise ModelConfigError(config_path, f"inputs {missing} of {model_path} are not in the config's inputs")
     output_names = [t.name for t in signature.outputs]

@@ -237,8 +237,14 @@ def config_from_proto(message: pb.ModelConfig, model_name: str, path: str) -> tu
     if message.max_batch_size < 0:
         raise ModelConfigError(path, f"max_batch_size {message.max_batch_size} must be >= 0")
     scheduling = message.WhichOneof("scheduling_choice")
-    if scheduling in ("sequence_batching", "ensemble_scheduling"):
+    if scheduling == "ensemble_scheduling":
         raise ModelConfigError(path, f"{scheduling} is not supported by gpud")
+    sequence_batching = None
+    if scheduling == "sequence_batching":
+        from gpud.repository.sequence_config import sequence_batching_from_proto  # it imports this module
+
+        sequence_batching = sequence_batching_from_proto(message.sequence_batching, model_name,
+                                                         os.path.dirname(path), path)
     if message.batch_input or message.batch_output:
         raise ModelConfigError(path, "batch_input / batch_output are not supported by gpud")
     if message.model_transaction_policy.decoupled:
@@ -255,6 +261,7 @@ def config_from_proto(message: pb.ModelConfig, model_name: str, path: str) -> tu
         outputs=_tensor_specs(message.output, "output", path),
         instance_groups=_instance_groups(message.instance_group, model_name, path),
         dynamic_batching=_dynamic_batching(message.dynamic_batching) if scheduling == "dynamic_batching" else None,
+        sequence_batching=sequence_batching,
         gpu_execution_accelerators=accelerators,
         parameters={k: v.string_value for k, v in message.parameters.items()},
         default_model_filename=message.default_model_filename or DEFAULT_MODEL_FILENAME,
@@ -268,6 +275,10 @@ def validate_model_config(config: ModelConfig, path: str) -> None:
         raise ModelConfigError(path, "the model has no inputs")
     if not config.outputs:
         raise ModelConfigError(path, "the model has no outputs")
+    if config.sequence_batching is not None:
+        from gpud.repository.sequence_config import validate_sequence_batching
+
+        validate_sequence_batching(config, path)
     if config.batches:
         for spec in config.inputs:
             if spec.optional:
