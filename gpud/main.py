@@ -229,11 +229,12 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 
 def _example_repository() -> str:
-    from gpud.examples import write_example_repository
+    from gpud.examples import write_example_repository, write_pipeline_example
 
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     path = os.path.join(base, "gpud", "example-models")
     write_example_repository(path)
+    write_pipeline_example(path)
     return path
 
 

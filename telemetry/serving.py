@@ -41,6 +41,19 @@ class InstanceView:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineStep:
+    """One step of an ensemble: the model that serves it and how the ensemble's tensors flow through it."""
+
+    index: int  # in the ensemble's config
+    model: str
+    version: str  # as configured: "-1" (the newest served) or a version number
+    serving_version: str  # the version that serves it now; "" when none does
+    ready: bool
+    inputs: tuple[tuple[str, str], ...]  # (the model's input, the ensemble tensor it reads)
+    outputs: tuple[tuple[str, str], ...]  # (the model's output, the ensemble tensor it writes)
+
+
+@dataclass(frozen=True, slots=True)
 class VersionView:
     model: str
     version: str
@@ -54,6 +67,12 @@ class VersionView:
     min_instances: int = 1  # the controller's bounds (config.pbtxt gpud_min_instances / gpud_max_instances)
     max_instances: int | None = None  # None: as many as the node has room for
     last_used_unix_s: float = 0.0  # the later of its last executed batch and its last load; 0: never
+    # An ensemble's steps (platform "ensemble"): it has no instances; its steps' models are placed and scaled.
+    pipeline: tuple[PipelineStep, ...] = ()
+
+    @property
+    def is_ensemble(self) -> bool:
+        return bool(self.pipeline)
 
     @property
     def ready_instances(self) -> int:

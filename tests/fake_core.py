@@ -132,7 +132,7 @@ class FakeCore:
     async def load_model(self, name: str) -> None:
         self._model(name).ready = True
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
         self._model(name).ready = False
 
     # --- inference -----------------------------------------------------------------------------------------------

@@ -70,10 +70,29 @@ def render_inspect(data: dict[str, Any]) -> str:
                      f"{_ms(m.get('compute_seconds_avg')):>10}")
         if m.get("reason"):
             lines.append(f"      reason: {m['reason']}")
+    lines += _render_pipelines(data["models"])
     lines += _render_workers(data.get("workers") or [])
     lines += _render_hints(data.get("hints"))
     lines += _render_controller(data.get("controller"), data.get("time_unix_s"))
     return "\n".join(lines)
+
+
+def _render_pipelines(models: list[dict[str, Any]]) -> list[str]:
+    """PIPELINES: each ensemble's steps, the model version serving each and how the tensors flow through it."""
+    ensembles = [m for m in models if m.get("pipeline")]
+    if not ensembles:
+        return []
+    lines = ["", "PIPELINES (ensembles; the models of their steps are placed and scaled, not the ensemble)"]
+    for m in ensembles:
+        lines.append(f"  {m['name']}:{m['version']} {m['state']}")
+        for s in m["pipeline"]:
+            wanted = "newest" if s["version"] == "-1" else f"version {s['version']}"
+            serving = f"{s['model']}:{s['serving_version']}" if s["serving_version"] else f"{s['model']}:-"
+            inputs = ", ".join(f"{t}->{i}" for i, t in s["inputs"].items())
+            outputs = ", ".join(f"{o}->{t}" for o, t in s["outputs"].items())
+            state = "ready" if s["ready"] else "NOT READY"
+            lines.append(f"    step {s['step']}  {serving:<24} ({wanted}) {state:<9}  in: {inputs}  out: {outputs}")
+    return lines
 
 
 def _render_workers(workers: list[dict[str, Any]]) -> list[str]:
