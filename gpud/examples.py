@@ -209,11 +209,11 @@ def make_preprocess() -> onnx.ModelProto:
     return _finish(graph, "preprocess")
 
 
-def make_classifier(seed: int = 2, hidden: int = 64, layers: int = 1) -> onnx.ModelProto:
+def make_classifier(seed: int = 2, hidden: int = 64, layers: int = 1, classes: int = CLASSES) -> onnx.ModelProto:
     """FP32 "features" [batch, 16] -> FP32 "logits" [batch, 4]: `layers` MatMul+Add+Relu of width `hidden`, then
     one MatMul+Add (the benchmark makes it wider and deeper to make it the pipeline's slowest step)."""
     rng = np.random.default_rng(seed)
-    widths = [PIXELS] + [hidden] * layers + [CLASSES]
+    widths = [PIXELS] + [hidden] * layers + [classes]
     nodes: list[onnx.NodeProto] = []
     inits: list[TensorProto] = []
     x = "features"
@@ -227,7 +227,7 @@ def make_classifier(seed: int = 2, hidden: int = 64, layers: int = 1) -> onnx.Mo
             x = f"act{i}"
     graph = helper.make_graph(
         nodes, "classifier", [helper.make_tensor_value_info("features", TensorProto.FLOAT, [BATCH_DIM, PIXELS])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH_DIM, CLASSES])], initializer=inits)
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH_DIM, classes])], initializer=inits)
     return _finish(graph, "classifier")
 
 

@@ -63,7 +63,7 @@ def render_inspect(data: dict[str, Any]) -> str:
               f"  {'model':<20} {'ver':>3} {'state':<12} {'inst':>4} {'pending':>7} {'ok':>8} {'failed':>6} "
               f"{'queue ms':>9} {'compute ms':>10}"]
     for m in data["models"]:
-        ready = sum(1 for i in m["instances"] if i["ready"])
+        ready = "-" if m.get("pipeline") else sum(1 for i in m["instances"] if i["ready"])  # an ensemble has none
         lines.append(f"  {m['name']:<20} {m['version']:>3} {m['state']:<12} {ready:>4} "
                      f"{m.get('pending_requests', 0):>7} {m.get('requests_success', 0):>8} "
                      f"{m.get('requests_failed', 0):>6} {_ms(m.get('queue_seconds_avg')):>9} "
