@@ -166,3 +166,12 @@ class TestAgainstSteps:
     def test_an_optional_input_may_stay_unmapped(self):
         check_against_steps(ENS, [model("a", [("x", "FP32", (4,)), ("opt", "FP32", (4,), True)],
                                         [("y", "FP32", (4,))]), B])
+
+
+def test_the_readmes_ensemble_example_is_the_pipeline_scripts_run_serves():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Ensembles: pipelines in one request"):]
+    block = section[section.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    assert read(block, "pipeline") == read(PIPELINE_CONFIG_PBTXT, "pipeline")

@@ -210,3 +210,16 @@ def test_in_poll_mode_a_request_for_a_new_ensemble_registers_its_steps_too(tmp_p
         assert STEPS <= set(core.registry.models)  # its steps too: scaled to zero, each loads on its first request
         assert core.model_ready("pipeline")
     run(scenario())
+
+
+def test_an_offline_plan_of_a_repository_with_ensembles_plans_their_steps_only(tmp_path, capsys):
+    from gpud.cli.place import repository_demands
+    from gpud.placing.inputs import planning_devices
+
+    repo = write_ensemble_repository(tmp_path / "repo")
+    (tmp_path / "node.yaml").write_text(NODE)
+    devices = planning_devices(SimulatedBackend.from_file(tmp_path / "node.yaml").leaf_devices(),
+                               device_reserve_bytes=0)
+    demands = {d.name for d in repository_demands(str(repo), devices, 4)}
+    assert demands == STEPS | {"classifier_b", "add", "embed"}
+    assert capsys.readouterr().err == ""  # an ensemble is no model "left out": it has nothing to place
