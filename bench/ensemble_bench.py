@@ -11,23 +11,27 @@ batching with a 3 ms delay, as bench/serving):
   post  FP32 [-1, 16] -> softmax [-1, 16] and argmax [-1, 1]
   pipe_mlp = pre -> mlp -> post, pipe_heavy = pre -> heavy -> post (ensembles)
 
-1. Concurrency 1 on pipe_mlp, one request at a time from a Python client (http.client, KServe binary tensors,
-   keep-alive): the pipeline; each step alone, fed what the pipeline feeds it; and the client chaining the three
-   steps itself (what one does without an ensemble). p50 of --requests after 300 warm-up, best of --repeat rounds.
-   - Ensemble overhead per step, inside gpud (the target): (the ensemble's request time - the sum of its steps'
-     request times), per request, from the statistics of the same requests, / 3 steps. A step's request time runs
-     from its request reaching the model's scheduler to its answer (queue, staging into shared memory, the worker
-     round trip, onnxruntime, copying the outputs out); what is left is the ensemble's: checking its request,
-     building each step's, routing, handing tensors on, answering.
-   - The same against the steps served alone: (pipeline p50 - (sum of the steps' p50 alone - 2 x the front end's
-     round trip)) / 3, the front end's round trip being a step's p50 alone minus its time inside gpud.
+1. Concurrency 1 on pipe_mlp, inside gpud: the bench builds gpud's core in its own process (the daemon's registry,
+   placement service and worker pool; no network, no front end) and times `core.infer`, one request at a time,
+   rows interleaved in blocks, medians over all blocks:
+   - the pipeline; each step alone, fed what the pipeline feeds it; and the three steps chained by hand through the
+     same core (each answer's output made the next request's input), which is what the ensemble does for a client;
+   - ensemble overhead per step (the target): (pipeline - the three steps chained by hand) / 3, and against the
+     sum of the steps alone: (pipeline - sum) / 3. Every step's own path (its queue, staging into shared memory,
+     the worker round trip, onnxruntime, copying the outputs out) is in both sides; what is left is the ensemble's:
+     checking its request, building each step's, routing, handing tensors on, answering.
+   Also over HTTP (the daemon; Python http.client, KServe binary tensors, keep-alive): the pipeline against the
+   client chaining the three steps itself over the network.
 2. Concurrency 64 (wrk -t1 -c64, binary): requests/s of pipe_heavy against heavy served alone (the slowest step,
-   fed what the pipeline feeds it), each --seconds after 2 s of warm-up; best of --repeat rounds; the ratio.
-Every round starts a fresh gpud and measures the rows interleaved. Client and server share the machine's cores.
+   fed what the pipeline feeds it), alternating, each --seconds after 2 s of warm-up, --repeat pairs on one daemon;
+   the ratio of each pair (pairs are adjacent in time, so load from elsewhere on the machine hits both alike), and
+   their median.
+Client and server share the machine's cores.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -201,53 +205,98 @@ def per_request_us(before: dict, after: dict, model: str, field: int = 1) -> flo
     return (after[model][field] - before[model][field]) / max(1, n) / 1e3
 
 
-# --- concurrency 1 ------------------------------------------------------------------------------------------------
-def bodies(rng: np.random.Generator) -> dict[str, tuple[bytes, int]]:
-    """What each row sends: the pipeline's image, and each step fed what the pipeline feeds it."""
+# --- concurrency 1 ---------------------------------------------------------------------------------------------
+def bodies(rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, tuple[bytes, int]]]:
+    """What each row sends: the pipeline's image, and each step fed what the pipeline feeds it (arrays, and the
+    same as KServe binary bodies)."""
     image = rng.integers(0, 256, (1, WIDTH), dtype=np.uint8)
     x = (image.astype(np.float32) * np.float32(2 / 255) - 1).astype(np.float32)
     logits = rng.standard_normal((1, CLASSES)).astype(np.float32)
-    return {"pipe_mlp": binary_body({"IMAGE": image}, ["PROBS", "LABEL"]),
-            "pipe_heavy": binary_body({"IMAGE": image}, ["PROBS", "LABEL"]),
-            "pre": binary_body({"raw": image}, ["x"]), "mlp": binary_body({"input": x}, ["output"]),
-            "heavy": binary_body({"input": x}, ["output"]), "post": binary_body({"logits": logits}, ["probs", "label"]),
-            "image": (image.tobytes(), 0)}
+    arrays = {"image": image, "pre": image, "mlp": x, "heavy": x, "post": logits}
+    return arrays, {"pipe_mlp": binary_body({"IMAGE": image}, ["PROBS", "LABEL"]),
+                    "pipe_heavy": binary_body({"IMAGE": image}, ["PROBS", "LABEL"]),
+                    "pre": binary_body({"raw": image}, ["x"]), "mlp": binary_body({"input": x}, ["output"]),
+                    "heavy": binary_body({"input": x}, ["output"]),
+                    "post": binary_body({"logits": logits}, ["probs", "label"])}
 
 
-def latency_row(client: Client, model: str, body: tuple[bytes, int], n: int) -> tuple[float, dict, dict]:
-    for _ in range(300):
-        client.post(model, *body)
-    before = request_ns(client)
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.post(model, *body)
-        lat.append(time.perf_counter() - t0)
-    return statistics.median(lat) * 1e3, before, request_ns(client)
+async def inprocess_ms(repo: str, arrays: dict[str, np.ndarray], n: int, blocks: int) -> dict[str, float]:
+    """Median latency of `core.infer` per row, in gpud's core built in this process; rows interleaved in blocks."""
+    from executor.pool import ExecutorPool
+    from executor.types import InferRequest, InferTensor
+    from gpud.core import GpudCore
+    from gpud.placing.inputs import has_gpus
+    from gpud.placing.service import PlacementService
+    from gpud.registry import Registry
+    from gpud.repository.layout import ModelRepository
+    from telemetry.discovery import discover
+
+    def tensor(name: str, a: np.ndarray) -> InferTensor:
+        return InferTensor(name, _KSERVE[a.dtype], a.shape, a)
+
+    pool = ExecutorPool()
+    backend = discover(None, pool)
+    registry = Registry(has_gpus=has_gpus(backend.leaf_devices()))
+    core = GpudCore(ModelRepository(repo), registry, PlacementService(backend, pool, registry), pool)
+    await core.start()
+    requests = {"pipe_mlp": InferRequest("pipe_mlp", [tensor("IMAGE", arrays["image"])]),
+                "pre": InferRequest("pre", [tensor("raw", arrays["pre"])]),
+                "mlp": InferRequest("mlp", [tensor("input", arrays["mlp"])]),
+                "post": InferRequest("post", [tensor("logits", arrays["post"])])}
+
+    async def chained() -> None:
+        x = (await core.infer(requests["pre"])).outputs[0]
+        out = (await core.infer(InferRequest("mlp", [InferTensor("input", x.datatype, x.shape, x.data)]))).outputs[0]
+        await core.infer(InferRequest("post", [InferTensor("logits", out.datatype, out.shape, out.data)]))
+
+    rows = {name: (lambda r=r: core.infer(r)) for name, r in requests.items()}
+    rows["chain"] = chained
+    samples: dict[str, list[float]] = {name: [] for name in rows}
+    try:
+        for call in rows.values():
+            for _ in range(300):
+                await call()
+        for _ in range(blocks):
+            for name, call in rows.items():
+                for _ in range(max(1, n // blocks)):
+                    t0 = time.perf_counter()
+                    await call()
+                    samples[name].append(time.perf_counter() - t0)
+    finally:
+        await core.shutdown()
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
 
 
-def chain_row(client: Client, image: np.ndarray, n: int) -> float:
-    """The client runs pre -> mlp -> post itself: three requests, the tensors through the client."""
-    def once() -> None:
+def http_ms(port: int, bodies_: dict[str, tuple[bytes, int]], image: np.ndarray, n: int,
+            blocks: int) -> dict[str, float]:
+    """Over HTTP, one request at a time: the pipeline, and the client chaining the three steps itself."""
+    client = Client(port)
+
+    def chained() -> None:
         x = client.post("pre", *binary_body({"raw": image}, ["x"]))["x"]
         out = client.post("mlp", *binary_body({"input": x}, ["output"]))["output"]
         client.post("post", *binary_body({"logits": np.array(out)}, ["probs", "label"]))
-    for _ in range(300):
-        once()
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        once()
-        lat.append(time.perf_counter() - t0)
-    return statistics.median(lat) * 1e3
+
+    rows = {"pipe_mlp": lambda: client.post("pipe_mlp", *bodies_["pipe_mlp"]), "chain": chained}
+    samples: dict[str, list[float]] = {name: [] for name in rows}
+    for call in rows.values():
+        for _ in range(300):
+            call()
+    for _ in range(blocks):
+        for name, call in rows.items():
+            for _ in range(max(1, n // blocks)):
+                t0 = time.perf_counter()
+                call()
+                samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
 
 
-def raw_compute_ms(files: dict[str, str], body_arrays: dict[str, np.ndarray], n: int) -> dict[str, float]:
+def raw_compute_ms(files: dict[str, str], arrays: dict[str, np.ndarray], n: int) -> dict[str, float]:
     """onnxruntime in-process, batch 1, with gpud's worker's session settings: each step's own compute."""
     out = {}
     for name in STEPS:
         sess = make_session(files[name])
-        feed = {sess.get_inputs()[0].name: body_arrays[name]}
+        feed = {sess.get_inputs()[0].name: arrays[name]}
         for _ in range(200):
             sess.run(None, feed)
         lat = []
@@ -302,86 +351,75 @@ def start_gpud(workdir: str, repo: str) -> tuple[subprocess.Popen, dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=2000, help="measured requests per concurrency-1 row")
-    p.add_argument("--repeat", type=int, default=2, help="rounds (a fresh gpud each); best of them kept")
+    p.add_argument("--blocks", type=int, default=10, help="concurrency 1: blocks the rows are interleaved in")
+    p.add_argument("--repeat", type=int, default=3, help="concurrency 64: pairs (pipeline, slowest step alone)")
     p.add_argument("--seconds", type=float, default=6.0, help="each concurrency-64 point")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     wrk = serving_run.ensure_wrk()
-    rng = np.random.default_rng(0)
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="gpud-ensemble-bench-") as workdir:
         repo = os.path.join(workdir, "models")
         files = write_repository(repo)
-        body = bodies(rng)
-        image = np.frombuffer(body["image"][0], np.uint8).reshape(1, WIDTH)
-        arrays = {"pre": image, "mlp": (image.astype(np.float32) * np.float32(2 / 255) - 1).astype(np.float32),
-                  "post": rng.standard_normal((1, CLASSES)).astype(np.float32)}
+        arrays, body = bodies(np.random.default_rng(0))
         raw = raw_compute_ms(files, arrays, args.requests)
-        best: dict[str, float] = {}
-        inside: dict[str, float] = {}  # the best round's figures inside gpud (us per request)
-        throughput: dict[str, dict] = {}
-        for _ in range(args.repeat):
-            proc, ports = start_gpud(workdir, repo)
-            try:
-                client = Client(ports["http"])
-                p50, before, after = latency_row(client, "pipe_mlp", body["pipe_mlp"], args.requests)
-                if p50 < best.get("pipe_mlp", float("inf")):
-                    best["pipe_mlp"] = p50
-                    inside["ensemble"] = per_request_us(before, after, "pipe_mlp")
-                    for s in STEPS:
-                        inside[f"{s} in the pipeline"] = per_request_us(before, after, s)
-                        inside[f"{s} tensors in and out"] = per_request_us(before, after, s, field=2)
-                for s in STEPS:
-                    p50, before, after = latency_row(client, s, body[s], args.requests)
-                    if p50 < best.get(s, float("inf")):
-                        best[s] = p50
-                        inside[f"{s} alone"] = per_request_us(before, after, s)
-                best["chain"] = min(best.get("chain", float("inf")), chain_row(client, image, args.requests))
-                procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-                for model in ("pipe_heavy", "heavy"):
-                    row = throughput_row(wrk, ports["http"], model, body[model], args.seconds, workdir, procs)
-                    if row["req_s"] > throughput.get(model, {}).get("req_s", 0):
-                        throughput[model] = row
-            finally:
-                proc.terminate()
-                proc.wait(30)
-    overhead_inside_ms = (inside["ensemble"] - sum(inside[f"{s} in the pipeline"] for s in STEPS)) / 3 / 1e3
-    front_ms = statistics.median(best[s] - inside[f"{s} alone"] / 1e3 for s in STEPS)
-    overhead_alone_ms = (best["pipe_mlp"] - (sum(best[s] for s in STEPS) - 2 * front_ms)) / 3
-    ratio = throughput["pipe_heavy"]["req_s"] / throughput["heavy"]["req_s"]
-    cpu = os.cpu_count()
-    print(f"# {platform.node()}: {cpu} cores, {platform.processor() or platform.machine()}, Python "
-          f"{platform.python_version()}; gpud {_git_describe()}")
-    print(f"# .venv/bin/python bench/ensemble_bench.py --requests {args.requests} --repeat {args.repeat} "
-          f"--seconds {args.seconds:g}")
-    print(f"# concurrency 1 (pipe_mlp = pre -> mlp -> post), Python http.client, binary tensors; best p50 of "
-          f"{args.repeat} rounds")
-    print(f"{'row':34s} {'p50 ms':>8s} {'in gpud us':>11s} {'onnxruntime us':>15s} {'tensors in+out us':>18s}")
-    print(f"{'pipeline (ensemble)':34s} {best['pipe_mlp']:8.3f} {inside['ensemble']:11.0f} "
-          f"{sum(raw.values()) * 1e3:15.0f}")
+        inproc = asyncio.run(inprocess_ms(repo, arrays, args.requests, args.blocks))
+        proc, ports = start_gpud(workdir, repo)
+        try:
+            over_http = http_ms(ports["http"], body, arrays["image"], args.requests, args.blocks)
+            client = Client(ports["http"])
+            before = request_ns(client)
+            for _ in range(200):
+                client.post("pipe_mlp", *body["pipe_mlp"])
+            after = request_ns(client)
+            copies = {s: per_request_us(before, after, s, field=2) for s in STEPS}
+            procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            pairs = []
+            for _ in range(args.repeat):
+                pairs.append({model: throughput_row(wrk, ports["http"], model, body[model], args.seconds, workdir,
+                                                    procs) for model in ("pipe_heavy", "heavy")})
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    steps_alone = sum(inproc[s] for s in STEPS)
+    overhead_ms = (inproc["pipe_mlp"] - inproc["chain"]) / 3
+    overhead_vs_alone_ms = (inproc["pipe_mlp"] - steps_alone) / 3
+    ratios = [pair["pipe_heavy"]["req_s"] / pair["heavy"]["req_s"] for pair in pairs]
+    ratio = statistics.median(ratios)
+    print(f"# {platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
+          f"{platform.python_version()}; gpud {_git_describe()}; load average (1, 5, 15 min) before: "
+          f"{' '.join(f'{x:.1f}' for x in load_before)}, after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"# .venv/bin/python bench/ensemble_bench.py --requests {args.requests} --blocks {args.blocks} "
+          f"--repeat {args.repeat} --seconds {args.seconds:g}")
+    print(f"# concurrency 1, pipe_mlp = pre -> mlp -> post: gpud's core in-process (core.infer), medians of "
+          f"{args.requests} requests per row in {args.blocks} interleaved blocks")
+    print(f"{'row':40s} {'p50 ms':>8s} {'onnxruntime ms':>15s} {'tensors in+out us':>18s}")
+    print(f"{'pipeline (ensemble)':40s} {inproc['pipe_mlp']:8.3f} {sum(raw.values()):15.3f}")
+    print(f"{'the three steps chained by hand':40s} {inproc['chain']:8.3f}")
     for s in STEPS:
-        print(f"{'  ' + s + ' (its step, in the pipeline)':34s} {'':>8s} {inside[s + ' in the pipeline']:11.0f} "
-              f"{raw[s] * 1e3:15.0f} {inside[s + ' tensors in and out']:18.0f}")
-    for s in STEPS:
-        print(f"{s + ' alone':34s} {best[s]:8.3f} {inside[s + ' alone']:11.0f} {raw[s] * 1e3:15.0f}")
-    print(f"{'client chains the 3 steps':34s} {best['chain']:8.3f}")
-    print(f"ensemble overhead per step, inside gpud: {overhead_inside_ms:.4f} ms (target < {OVERHEAD_TARGET_MS} ms: "
-          f"{'PASS' if overhead_inside_ms < OVERHEAD_TARGET_MS else 'FAIL'})")
-    print(f"ensemble overhead per step against the steps served alone: {overhead_alone_ms:.4f} ms (front end's "
-          f"round trip {front_ms:.3f} ms)")
-    print(f"pipeline p50 / client chaining the steps: {best['pipe_mlp'] / best['chain']:.2f}")
-    print(f"# concurrency 64 (wrk -t1 -c64, binary, {args.seconds:g} s after 2 s warm-up), best of {args.repeat}")
-    print(f"{'row':34s} {'req/s':>8s} {'p50 ms':>8s} {'front us/req':>13s} {'workers us/req':>15s} {'errors':>7s}")
-    for model, label in (("pipe_heavy", "pipeline (pre -> heavy -> post)"), ("heavy", "heavy alone")):
-        r = throughput[model]
-        print(f"{label:34s} {r['req_s']:8.0f} {r['p50_ms']:8.2f} {r['front_us']:13.0f} {r['workers_us']:15.0f} "
-              f"{r['errors']:7d}")
-    print(f"pipeline / slowest step alone: {ratio:.3f} (target >= {THROUGHPUT_TARGET}: "
-          f"{'PASS' if ratio >= THROUGHPUT_TARGET else 'FAIL'})")
+        print(f"{s + ' alone':40s} {inproc[s]:8.3f} {raw[s]:15.3f} {copies[s]:18.0f}")
+    print(f"ensemble overhead per step: {overhead_ms:.4f} ms against its steps chained by hand, "
+          f"{overhead_vs_alone_ms:.4f} ms against the sum of its steps alone (target < {OVERHEAD_TARGET_MS} ms: "
+          f"{'PASS' if max(overhead_ms, overhead_vs_alone_ms) < OVERHEAD_TARGET_MS else 'FAIL'})")
+    print(f"# over HTTP (Python http.client, binary tensors, keep-alive), medians in {args.blocks} interleaved blocks")
+    print(f"{'pipeline (ensemble)':40s} {over_http['pipe_mlp']:8.3f}")
+    print(f"{'the client chaining the three steps':40s} {over_http['chain']:8.3f}")
+    print(f"pipeline / client chaining: {over_http['pipe_mlp'] / over_http['chain']:.2f}")
+    print(f"# concurrency 64 (wrk -t1 -c64, binary, {args.seconds:g} s after 2 s warm-up), {args.repeat} pairs")
+    print(f"{'row':40s} {'req/s':>8s} {'p50 ms':>8s} {'front us/req':>13s} {'workers us/req':>15s} {'errors':>7s}")
+    for k, pair in enumerate(pairs):
+        for model, label in (("pipe_heavy", "pipeline (pre -> heavy -> post)"), ("heavy", "heavy alone")):
+            r = pair[model]
+            print(f"{f'{k + 1}: {label}':40s} {r['req_s']:8.0f} {r['p50_ms']:8.2f} {r['front_us']:13.0f} "
+                  f"{r['workers_us']:15.0f} {r['errors']:7d}")
+    print(f"pipeline / slowest step alone, per pair: {', '.join(f'{x:.3f}' for x in ratios)}; median {ratio:.3f} "
+          f"(target >= {THROUGHPUT_TARGET}: {'PASS' if ratio >= THROUGHPUT_TARGET else 'FAIL'})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"p50_ms": best, "inside_us": inside, "onnxruntime_ms": raw, "throughput": throughput,
-                       "overhead_per_step_inside_ms": overhead_inside_ms,
-                       "overhead_per_step_vs_alone_ms": overhead_alone_ms, "throughput_ratio": ratio}, f, indent=2)
+            json.dump({"inprocess_ms": inproc, "http_ms": over_http, "onnxruntime_ms": raw,
+                       "tensors_in_out_us": copies, "throughput": pairs, "overhead_per_step_ms": overhead_ms,
+                       "overhead_per_step_vs_alone_ms": overhead_vs_alone_ms, "throughput_ratios": ratios}, f,
+                      indent=2)
     return 0
 
 

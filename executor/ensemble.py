@@ -59,8 +59,9 @@ class _Step:
     version: str  # "" = the newest served (-1)
     inputs: tuple[tuple[str, str], ...]  # (model input, ensemble tensor)
     outputs: tuple[tuple[str, str], ...]  # (model output, ensemble tensor): only those something reads
-    requested: tuple[RequestedOutput, ...]
+    requested: list[RequestedOutput]  # shared by every request of this step: read, never changed
     label: str
+    tensor_of: dict[str, str]  # model output -> ensemble tensor (`outputs` as a mapping)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class _Route:
     waits: tuple[tuple[int, int], ...]  # (step index, how many distinct tensors it waits for)
     consumers: dict[str, tuple[int, ...]]  # ensemble tensor -> the steps that read it
     outputs: tuple[str, ...]  # the ensemble outputs, in the order answered
+    by_index: dict[int, _Step]
 
 
 def plan_route(steps: Sequence[EnsembleStep], outputs: Sequence[str]) -> _Route:
@@ -94,11 +96,13 @@ def plan_route(steps: Sequence[EnsembleStep], outputs: Sequence[str]) -> _Route:
         s = steps[i]
         outs = tuple((o, t) for o, t in s.output_map if t in needed_tensors)
         planned.append(_Step(i, s.model_name, "" if s.model_version < 0 else str(s.model_version), s.input_map,
-                             outs, tuple(RequestedOutput(o) for o, _ in outs), f"step {i} (model '{s.model_name}')"))
+                             outs, [RequestedOutput(o) for o, _ in outs], f"step {i} (model '{s.model_name}')",
+                             dict(outs)))
         for tensor in dict.fromkeys(t for _, t in s.input_map):
             consumers.setdefault(tensor, []).append(i)
     waits = tuple((s.index, len({t for _, t in s.inputs})) for s in planned)
-    return _Route(tuple(planned), waits, {t: tuple(c) for t, c in consumers.items()}, tuple(outputs))
+    return _Route(tuple(planned), waits, {t: tuple(c) for t, c in consumers.items()}, tuple(outputs),
+                  {s.index: s for s in planned})
 
 
 class _Run:
@@ -121,7 +125,7 @@ class _Run:
         self.compute = [0, 0, 0]
         self.submitting = True
         self.error: InferenceError | None = None  # a failure while submitting: submit() raises it
-        self.steps = {s.index: s for s in route.steps}
+        self.steps = route.by_index
 
 
 class EnsembleScheduler:
@@ -143,6 +147,7 @@ class EnsembleScheduler:
         self._routes: dict[tuple[str, ...], _Route] = {}
         self._all_outputs = tuple(o.name for o in config.outputs)
         self._input_types = {s.name: s.datatype for s in config.inputs}
+        self._signatures: dict[tuple, tuple] = {}
 
     @property
     def steps(self) -> tuple[EnsembleStep, ...]:
@@ -225,14 +230,25 @@ class EnsembleScheduler:
     def _send(self, run: _Run, step: _Step) -> None:
         tensors = run.tensors
         inputs = []
+        key: list = [step.model, *[o.name for o in step.requested]]
         for model_input, tensor in step.inputs:
             got = tensors.get(tensor)
             if got is not None:  # absent: an optional ensemble input the client left out
                 datatype, array = got
                 inputs.append(InferTensor(model_input, datatype, array.shape, array))
+                key += (model_input, datatype, array.shape)
         r = run.request
-        request = InferRequest(step.model, inputs, step.version, id=r.id, outputs=list(step.requested),
-                               priority=r.priority, timeout_us=r.timeout_us, parameters=r.parameters)
+        # Requests of a step with the same input names, datatypes and shapes and the same requested outputs share a
+        # signature, so the step model's scheduler checks them once (executor.validation.PreparedCache): what the
+        # check finds depends on nothing else (the cache is the step model version's own).
+        signature = self._signatures.get(key_t := tuple(key))
+        if signature is None:
+            if len(self._signatures) >= 1024:  # shapes churn (variable dims): start over
+                self._signatures.clear()
+            signature = self._signatures[key_t] = (self, key_t)
+        request = InferRequest(step.model, inputs, step.version, id=r.id, outputs=step.requested,
+                               priority=r.priority, timeout_us=r.timeout_us, parameters=r.parameters,
+                               signature=signature)
         # In flight before it is submitted: a scheduler may answer inside submit() (it handles replies already
         # waiting on its worker's pipe), and that answer must find the step in flight to take it out.
         run.in_flight[step.index] = _SENDING
@@ -261,7 +277,7 @@ class EnsembleScheduler:
             self._fail(run, step, result if isinstance(result, InferenceError)
                        else InferenceError(ErrorKind.INTERNAL, str(result)))
             return
-        names = dict(step.outputs)
+        names = step.tensor_of
         compute = run.compute
         ci, cf, co = result.compute_ns
         compute[0] += ci
