@@ -16,7 +16,10 @@ Rules:
    model only for the outputs something reads.
 3. A step that fails (refused at once, or answered with an error) fails the request: the error keeps the step's
    kind and says `in ensemble 'E', step i (model 'M'): ...`; the request's other steps still queued are cancelled.
-4. Statistics (Triton's): per request, one execution of its batch size; queue is the time before its first step
+4. `max_inflight_requests` (Triton's, beta there): at most that many requests of each step in flight across the
+   ensemble's requests; a step over it waits, first come first served, for one of that step's requests to be
+   answered. Backpressure: a fast step cannot pile up work in front of a slow one without bound.
+5. Statistics (Triton's): per request, one execution of its batch size; queue is the time before its first step
    was sent, request the time to its answer, and the compute phases the sums of its steps' (the batch each step
    ran in, as that model records it). The steps' models record the steps in their own statistics.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +42,7 @@ log = logging.getLogger("gpud.executor")
 
 Done = Callable[[Any], None]
 _SENDING = (None, None)  # a step's place in `in_flight` while its submit() runs
+_QUEUED = (None, "queued")  # ... while it waits for a slot (max_inflight_requests)
 
 
 class StepTarget(Protocol):
@@ -109,7 +114,7 @@ class _Run:
     """One ensemble request on its way through the steps."""
 
     __slots__ = ("request", "done", "route", "rows", "arrival_ns", "sent_ns", "tensors", "waiting", "in_flight",
-                 "finished", "compute", "submitting", "error", "steps")
+                 "finished", "compute", "submitting", "error", "steps", "holding")
 
     def __init__(self, request: InferRequest, done: Done, route: _Route, rows: int, arrival_ns: int):
         self.request = request
@@ -126,6 +131,7 @@ class _Run:
         self.submitting = True
         self.error: InferenceError | None = None  # a failure while submitting: submit() raises it
         self.steps = route.by_index
+        self.holding: set[int] = set()  # steps holding one of their step's slots (max_inflight_requests)
 
 
 class EnsembleScheduler:
@@ -148,6 +154,11 @@ class EnsembleScheduler:
         self._all_outputs = tuple(o.name for o in config.outputs)
         self._input_types = {s.name: s.datatype for s in config.inputs}
         self._signatures: dict[tuple, tuple] = {}
+        # max_inflight_requests: each step's requests in flight, across the ensemble's requests; those over the limit
+        # wait, first come first served, until one of the step's requests is answered.
+        self._limit = config.ensemble.max_inflight_requests
+        self._inflight = [0] * len(config.ensemble.steps)
+        self._queued: list[deque[tuple[_Run, _Step]]] = [deque() for _ in config.ensemble.steps]
 
     @property
     def steps(self) -> tuple[EnsembleStep, ...]:
@@ -193,7 +204,7 @@ class EnsembleScheduler:
         run.sent_ns = time.perf_counter_ns()
         try:
             for index in sorted(first):
-                self._send(run, run.steps[index])
+                self._launch(run, run.steps[index])
                 if run.finished:
                     break
         finally:
@@ -227,6 +238,33 @@ class EnsembleScheduler:
             raise
 
     # --- steps -----------------------------------------------------------------------------------------------
+    def _launch(self, run: _Run, step: _Step) -> None:
+        """Send a step whose inputs are all there, or, at its max_inflight_requests, queue it behind the others."""
+        if self._limit:
+            index = step.index
+            if self._inflight[index] >= self._limit:
+                run.in_flight[index] = _QUEUED
+                self._queued[index].append((run, step))
+                return
+            self._inflight[index] += 1
+            run.holding.add(index)
+        self._send(run, step)
+
+    def _release(self, run: _Run, index: int) -> None:
+        """The step's request is answered or cancelled: its slot goes to the next queued request of the step."""
+        if index not in run.holding:
+            return
+        run.holding.discard(index)
+        self._inflight[index] -= 1
+        queued = self._queued[index]
+        while queued and self._inflight[index] < self._limit:
+            waiting, step = queued.popleft()
+            if waiting.finished or waiting.in_flight.get(index) is not _QUEUED:
+                continue  # failed or cancelled meanwhile
+            self._inflight[index] += 1
+            waiting.holding.add(index)
+            self._send(waiting, step)
+
     def _send(self, run: _Run, step: _Step) -> None:
         tensors = run.tensors
         inputs = []
@@ -257,19 +295,24 @@ class EnsembleScheduler:
             handle = target.submit(request, lambda result: self._on_step(run, step, result))
         except InferenceError as exc:
             run.in_flight.pop(step.index, None)
+            self._release(run, step.index)
             self._fail(run, step, exc)
             return
         except Exception as exc:  # noqa: BLE001 - a bug in a step's path must fail this request, not the loop
             run.in_flight.pop(step.index, None)
+            self._release(run, step.index)
             log.exception("ensemble %s: sending %s failed", self.config.name, step.label)
             self._fail(run, step, InferenceError(ErrorKind.INTERNAL, str(exc)))
             return
         if run.finished:  # the request failed meanwhile (another step): this one need not run
             target.cancel(handle)
+            self._release(run, step.index)
         elif step.index in run.in_flight:  # not answered yet
             run.in_flight[step.index] = (target, handle)
 
     def _on_step(self, run: _Run, step: _Step, result: Any) -> None:
+        if self._limit:
+            self._release(run, step.index)
         if run.finished:
             return
         run.in_flight.pop(step.index, None)
@@ -295,7 +338,7 @@ class EnsembleScheduler:
                 left = run.waiting[index] - 1
                 run.waiting[index] = left
                 if left == 0:
-                    self._send(run, run.steps[index])
+                    self._launch(run, run.steps[index])
                     if run.finished:
                         return
         if not run.in_flight and not run.finished:
@@ -340,13 +383,15 @@ class EnsembleScheduler:
         """Cancel the run's steps still queued (their answers are not waited for) and forget the run."""
         for target, handle in run.in_flight.values():
             if target is None:
-                continue  # being submitted: its submit() is still on the stack and sees the run finished
+                continue  # being submitted (its submit() is on the stack and sees the run finished), or queued
             try:
                 target.cancel(handle)
             except Exception:  # noqa: BLE001
                 log.exception("ensemble %s: cancelling a step failed", self.config.name)
         run.in_flight.clear()
         self._runs.discard(run)
+        for index in list(run.holding):
+            self._release(run, index)
         self._notify_if_idle()
 
     def _answer(self, run: _Run, result: Any) -> None:

@@ -119,6 +119,7 @@ class EnsembleScheduling:
     """Triton's ensemble_scheduling: the steps of a pipeline whose data flow the ensemble scheduler follows."""
 
     steps: tuple[EnsembleStep, ...]
+    max_inflight_requests: int = 0  # per step, across all of the ensemble's requests; 0 = no limit
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,8 @@ CONFIGS = {
         name="ens", platform="ensemble", backend="", max_batch_size=4, inputs=(TensorSpec("IN", "UINT8", (16,)),),
         outputs=(TensorSpec("OUT", "FP32", (4,)),), instance_groups=(), default_model_filename="",
         ensemble=EnsembleScheduling((EnsembleStep("a", -1, (("x", "IN"),), (("y", "mid"), ("z", "mid2"))),
-                                     EnsembleStep("b", 3, (("x", "mid"), ("w", "mid2")), (("y", "OUT"),)))))),
+                                     EnsembleStep("b", 3, (("x", "mid"), ("w", "mid2")), (("y", "OUT"),))),
+                                    max_inflight_requests=16))),
     "scalar, no batching, no instance group": ServedModelConfig(
         ModelConfig(name="scalar", inputs=(TensorSpec("x", "FP64", ()),), outputs=(TensorSpec("y", "UINT8", ()),),
                     instance_groups=()),

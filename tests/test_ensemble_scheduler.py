@@ -59,11 +59,12 @@ class ScriptedModel:
         p.done(error)
 
 
-def ensemble(steps: list[EnsembleStep], inputs=("IN",), outputs=("OUT",), max_batch_size: int = 8) -> ModelConfig:
+def ensemble(steps: list[EnsembleStep], inputs=("IN",), outputs=("OUT",), max_batch_size: int = 8,
+             max_inflight_requests: int = 0) -> ModelConfig:
     return ModelConfig(name="ens", platform=ENSEMBLE_PLATFORM, backend="", max_batch_size=max_batch_size,
                        inputs=tuple(TensorSpec(n, "FP32", (2,)) for n in inputs),
                        outputs=tuple(TensorSpec(n, "FP32", (2,)) for n in outputs), instance_groups=(),
-                       ensemble=EnsembleScheduling(tuple(steps)))
+                       ensemble=EnsembleScheduling(tuple(steps), max_inflight_requests))
 
 
 def s(model: str, inputs: dict[str, str], outputs: dict[str, str], version: int = -1) -> EnsembleStep:
@@ -293,3 +294,44 @@ def test_wait_idle_returns_once_the_requests_inside_are_answered_and_fail_all_qu
         assert h.models["a"].pending[-1].cancelled
         await asyncio.wait_for(h.scheduler.wait_idle(), 1)
     run(scenario())
+
+
+class TestMaxInflightRequests:
+    def test_a_step_at_its_limit_waits_for_one_of_its_requests_to_be_answered(self):
+        async def scenario():
+            h = Harness(CHAIN, max_inflight_requests=1)
+            h.submit()
+            h.submit()
+            assert h.log == ["sent a"]  # the second request's step a waits for the first's
+            h.models["a"].answer()
+            assert h.log == ["sent a", "answered a", "sent a", "sent b"]  # its slot went to the waiting one
+            h.models["b"].answer()
+            h.models["a"].answer()
+            h.models["b"].answer()
+            assert [type(r).__name__ for r in h.results] == ["InferResponse", "InferResponse"]
+            assert h.scheduler._inflight == [0, 0]
+        run(scenario())
+
+    def test_a_queued_request_cancelled_or_failed_gives_no_slot_away_and_a_failure_frees_its_slot(self):
+        async def scenario():
+            h = Harness(CHAIN, max_inflight_requests=1)
+            h.submit()
+            second = h.submit()
+            h.submit()
+            h.scheduler.cancel(second)  # queued: nothing was sent for it
+            h.models["a"].fail(InferenceError(ErrorKind.INTERNAL, "boom"))  # the first fails: the third goes
+            assert h.log == ["sent a", "sent a"]
+            assert len(h.models["a"].pending) == 1 and h.scheduler.pending_requests == 1
+            h.scheduler.fail_all_queued("going away")
+            assert h.scheduler._inflight == [0, 0] and h.scheduler.pending_requests == 0
+        run(scenario())
+
+    def test_the_limit_is_read_from_the_config(self, tmp_path):
+        from gpud.repository.config import parse_config_text
+        from gpud.repository.ensemble import ensemble_config_from_proto
+        from tests.ensemble_models import ensemble_config, step
+        text = ensemble_config("ens", [("IN", "TYPE_FP32", [2])], [("OUT", "TYPE_FP32", [2])],
+                               [step("a", {"x": "IN"}, {"y": "OUT"})]).replace(
+            "ensemble_scheduling {\n", "ensemble_scheduling {\n  max_inflight_requests: 16\n")
+        config, _ = ensemble_config_from_proto(parse_config_text(text, "c"), "ens", "c")
+        assert config.ensemble.max_inflight_requests == 16

@@ -99,6 +99,7 @@ def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
             accelerators.add(name=name)
     if config.ensemble is not None:
         message.ensemble_scheduling.SetInParent()
+        message.ensemble_scheduling.max_inflight_requests = config.ensemble.max_inflight_requests
         for step in config.ensemble.steps:
             added = message.ensemble_scheduling.step.add(model_name=step.model_name, model_version=step.model_version)
             added.input_map.update(dict(step.input_map))

@@ -107,7 +107,7 @@ def model_config_json(served: ServedModelConfig) -> dict[str, Any]:
         d["ensemble_scheduling"] = {"step": [
             {"model_name": s.model_name, "model_version": s.model_version, "input_map": dict(s.input_map),
              "output_map": dict(s.output_map), "model_namespace": ""}
-            for s in config.ensemble.steps]}
+            for s in config.ensemble.steps], "max_inflight_requests": config.ensemble.max_inflight_requests}
     db = config.dynamic_batching
     if db is not None:
         d["dynamic_batching"] = {

@@ -76,7 +76,8 @@ def ensemble_config_from_proto(message: pb.ModelConfig, model_name: str, path: s
     config = ModelConfig(name=model_name, platform=ENSEMBLE_PLATFORM, backend="", max_batch_size=message.max_batch_size,
                          inputs=inputs, outputs=outputs, instance_groups=(),
                          parameters={k: v.string_value for k, v in message.parameters.items()},
-                         default_model_filename="", ensemble=EnsembleScheduling(steps))
+                         default_model_filename="",
+                         ensemble=EnsembleScheduling(steps, message.ensemble_scheduling.max_inflight_requests))
     return config, _version_policy(message.version_policy, path)
 
 
