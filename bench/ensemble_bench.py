@@ -7,7 +7,8 @@ Models (a temporary Triton-layout repository; every instance on the CPU worker; 
 batching with a 3 ms delay, as bench/serving):
   pre   UINT8 "raw" [-1, 256] -> FP32 "x" [-1, 256] (pixels scaled to [-1, 1])
   mlp   gpud.examples.make_mlp: FP32 [-1, 256] -> [-1, 16] (tiny: the serving path, not the engine, is measured)
-  heavy bench/serving/models.py's compute-bound model (~1 ms of CPU per row): FP32 [-1, 256] -> [-1, 16]
+  heavy bench/serving/models.py's compute-bound model (0.4-1 ms of CPU per row; deeper with --heavy-layers):
+        FP32 [-1, 256] -> [-1, 16]
   post  FP32 [-1, 16] -> softmax [-1, 16] and argmax [-1, 1]
   pipe_mlp = pre -> mlp -> post, pipe_heavy = pre -> heavy -> post (ensembles)
 
@@ -119,12 +120,12 @@ def _tensor(name: str, dtype: str, dims: int) -> str:
     return f'{{ name: "{name}", data_type: {dtype}, dims: [ {dims} ] }}'
 
 
-def write_repository(repo: str) -> dict[str, str]:
+def write_repository(repo: str, heavy_layers: int = serving_models.HEAVY_LAYERS) -> dict[str, str]:
     """The four step models and the two ensembles; returns each step model's file."""
     steps = {
         "pre": (make_pre(), [_tensor("raw", "TYPE_UINT8", WIDTH)], [_tensor("x", "TYPE_FP32", WIDTH)]),
         "mlp": (make_mlp(), [_tensor("input", "TYPE_FP32", WIDTH)], [_tensor("output", "TYPE_FP32", CLASSES)]),
-        "heavy": (serving_models.make_heavy(), [_tensor("input", "TYPE_FP32", WIDTH)],
+        "heavy": (serving_models.make_heavy(heavy_layers), [_tensor("input", "TYPE_FP32", WIDTH)],
                   [_tensor("output", "TYPE_FP32", CLASSES)]),
         "post": (make_post(), [_tensor("logits", "TYPE_FP32", CLASSES)],
                  [_tensor("probs", "TYPE_FP32", CLASSES), _tensor("label", "TYPE_INT64", 1)]),
@@ -291,6 +292,48 @@ def http_ms(port: int, bodies_: dict[str, tuple[bytes, int]], image: np.ndarray,
     return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
 
 
+def orchestration_us(n: int) -> float:
+    """The ensemble scheduler's own cost per 3-step request: its steps answered at once by scripted models (no
+    scheduler, no worker; each checks its request as a model's scheduler would, through its signature cache)."""
+    from executor.ensemble import EnsembleScheduler
+    from executor.model_config import (ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig,
+                                       TensorSpec)
+    from executor.types import InferRequest, InferResponse, InferTensor
+    from executor.validation import PreparedCache
+
+    spec = (TensorSpec("x", "FP32", (WIDTH,)),)
+
+    class Answering:
+        def __init__(self) -> None:
+            self.prepare = PreparedCache(ModelConfig(name="m", max_batch_size=64, inputs=spec,
+                                                     outputs=(TensorSpec("y", "FP32", (WIDTH,)),))).prepare
+
+        def submit(self, request, done):
+            self.prepare(request)
+            x = request.inputs[0].data
+            done(InferResponse(request.model_name, "1", [InferTensor("y", "FP32", x.shape, x)]))
+
+        def cancel(self, handle) -> None:
+            pass
+
+    steps = tuple(EnsembleStep(f"s{i}", -1, (("x", f"t{i}"),), (("y", f"t{i + 1}"),)) for i in range(3))
+    config = ModelConfig(name="e", platform=ENSEMBLE_PLATFORM, backend="", max_batch_size=64,
+                         inputs=(TensorSpec("t0", "FP32", (WIDTH,)),), outputs=(TensorSpec("t3", "FP32", (WIDTH,)),),
+                         instance_groups=(), ensemble=EnsembleScheduling(steps))
+    targets = {s.model_name: Answering() for s in steps}
+    scheduler = EnsembleScheduler(config, "1", lambda r: targets[r.model_name])
+    x = np.zeros((1, WIDTH), np.float32)
+    request = InferRequest("e", [InferTensor("t0", "FP32", x.shape, x)], signature=object())
+    answers: list = []
+    for _ in range(1000):
+        scheduler.submit(request, answers.append)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        scheduler.submit(request, answers.append)
+    assert len(answers) == n + 1000 and isinstance(answers[-1], InferResponse)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def raw_compute_ms(files: dict[str, str], arrays: dict[str, np.ndarray], n: int) -> dict[str, float]:
     """onnxruntime in-process, batch 1, with gpud's worker's session settings: each step's own compute."""
     out = {}
@@ -354,15 +397,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=10, help="concurrency 1: blocks the rows are interleaved in")
     p.add_argument("--repeat", type=int, default=3, help="concurrency 64: pairs (pipeline, slowest step alone)")
     p.add_argument("--seconds", type=float, default=6.0, help="each concurrency-64 point")
+    p.add_argument("--heavy-layers", type=int, default=serving_models.HEAVY_LAYERS,
+                   help="the slowest step's depth (bench/serving's heavy: 44; its CPU per row grows with it)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     wrk = serving_run.ensure_wrk()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="gpud-ensemble-bench-") as workdir:
         repo = os.path.join(workdir, "models")
-        files = write_repository(repo)
+        files = write_repository(repo, args.heavy_layers)
         arrays, body = bodies(np.random.default_rng(0))
         raw = raw_compute_ms(files, arrays, args.requests)
+        own_us = orchestration_us(10 * args.requests)
         inproc = asyncio.run(inprocess_ms(repo, arrays, args.requests, args.blocks))
         proc, ports = start_gpud(workdir, repo)
         try:
@@ -390,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{platform.python_version()}; gpud {_git_describe()}; load average (1, 5, 15 min) before: "
           f"{' '.join(f'{x:.1f}' for x in load_before)}, after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"# .venv/bin/python bench/ensemble_bench.py --requests {args.requests} --blocks {args.blocks} "
-          f"--repeat {args.repeat} --seconds {args.seconds:g}")
+          f"--repeat {args.repeat} --seconds {args.seconds:g} --heavy-layers {args.heavy_layers}")
     print(f"# concurrency 1, pipe_mlp = pre -> mlp -> post: gpud's core in-process (core.infer), medians of "
           f"{args.requests} requests per row in {args.blocks} interleaved blocks")
     print(f"{'row':40s} {'p50 ms':>8s} {'onnxruntime ms':>15s} {'tensors in+out us':>18s}")
@@ -401,6 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ensemble overhead per step: {overhead_ms:.4f} ms against its steps chained by hand, "
           f"{overhead_vs_alone_ms:.4f} ms against the sum of its steps alone (target < {OVERHEAD_TARGET_MS} ms: "
           f"{'PASS' if max(overhead_ms, overhead_vs_alone_ms) < OVERHEAD_TARGET_MS else 'FAIL'})")
+    print(f"the ensemble scheduler's own cost (scripted steps answering at once): {own_us:.1f} us per 3-step request")
     print(f"# over HTTP (Python http.client, binary tensors, keep-alive), medians in {args.blocks} interleaved blocks")
     print(f"{'pipeline (ensemble)':40s} {over_http['pipe_mlp']:8.3f}")
     print(f"{'the client chaining the three steps':40s} {over_http['chain']:8.3f}")
@@ -416,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= {THROUGHPUT_TARGET}: {'PASS' if ratio >= THROUGHPUT_TARGET else 'FAIL'})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"inprocess_ms": inproc, "http_ms": over_http, "onnxruntime_ms": raw,
+            json.dump({"orchestration_us": own_us, "inprocess_ms": inproc, "http_ms": over_http, "onnxruntime_ms": raw,
                        "tensors_in_out_us": copies, "throughput": pairs, "overhead_per_step_ms": overhead_ms,
                        "overhead_per_step_vs_alone_ms": overhead_vs_alone_ms, "throughput_ratios": ratios}, f,
                       indent=2)
