@@ -104,6 +104,28 @@ class InstanceGroup:
     name: str = ""
 
 
+ENSEMBLE_PLATFORM = "ensemble"
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    """One step of Triton's ModelEnsembling: a served model, and which ensemble tensors feed its inputs and take its
+    outputs (input_map / output_map: the model's tensor name -> the ensemble's)."""
+
+    model_name: str
+    model_version: int = -1  # -1: the newest version served
+    input_map: tuple[tuple[str, str], ...] = ()  # (model input, ensemble tensor), in the config's order
+    output_map: tuple[tuple[str, str], ...] = ()  # (model output, ensemble tensor)
+
+
+@dataclass(frozen=True)
+class EnsembleScheduling:
+    """Triton's ensemble_scheduling: the steps of a pipeline whose data flow the ensemble scheduler follows."""
+
+    steps: tuple[EnsembleStep, ...]
+    max_inflight_requests: int = 0  # per step, across all of the ensemble's requests; 0 = no limit
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A model's configuration, Triton's ModelConfig reduced to what gpud uses (plus pass-through parameters)."""
@@ -121,6 +143,7 @@ class ModelConfig:
     gpu_execution_accelerators: tuple[str, ...] = ()
     parameters: dict[str, str] = field(default_factory=dict)
     default_model_filename: str = "model.onnx"
+    ensemble: EnsembleScheduling | None = None  # platform "ensemble": no model file, no instances; its steps run
 
     @property
     def batches(self) -> bool:

@@ -298,6 +298,7 @@ class ModelScheduler:
         request_ns: list[int] = []
         name, version = self.config.name, self.version
         all_outputs = len(self.config.outputs)
+        compute_ns = (input_ns, infer_ns, output_ns)
         for p, tensors in zip(batch, per_request):
             prepared = p.prepared
             rows += prepared.batch_rows
@@ -306,7 +307,7 @@ class ModelScheduler:
                 tensors = [t for t in tensors if t.name in wanted]
             queue_ns.append(p.dispatch_ns - p.arrival_ns)
             request_ns.append(now_ns - p.arrival_ns)
-            p.finish(InferResponse(name, version, tensors, id=p.request.id))
+            p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
 
     def _split(self, batch: list[_Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:

@@ -74,3 +74,6 @@ class InferResponse:
     outputs: list[InferTensor]
     id: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    # The compute phases (input, infer, output; ns) of the batch that answered it, which every request of the batch
+    # shares: what an ensemble adds up over its steps for its own statistics (as Triton's ensemble scheduler does).
+    compute_ns: tuple[int, int, int] = (0, 0, 0)

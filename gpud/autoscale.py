@@ -56,6 +56,8 @@ def read_counters(snapshot: ServingSnapshot, now_s: float) -> dict[Key, tuple[Mo
     read from (executor.stats)."""
     out = {}
     for v in snapshot.versions():
+        if v.is_ensemble:
+            continue  # no instances to scale: its steps' models are scaled by their own load
         st = v.stats
         per_size = tuple((rows, b.compute_infer.count,
                           b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns)

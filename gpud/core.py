@@ -17,6 +17,7 @@ from executor.types import ErrorKind, InferenceError, InferRequest, InferRespons
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
+from gpud.ensembles import log_ensembles, models_to_load
 from gpud.inspect_view import InspectView, inspect_document
 from gpud.lifecycle import ModelLifecycle, names_in
 from gpud.model_control import ModelControl, check_model_name
@@ -44,6 +45,7 @@ class GpudCore:
         self.placement = placement
         self.pool = pool
         self.lifecycle = ModelLifecycle(repository, registry, placement)
+        registry.step_router = self._route_step  # an ensemble's steps are routed as clients' requests are
         self.views = dict(views or {})  # sections of inspect() from other parts: "hints", "controller"
         self.server_name = server_name
         self.started = False
@@ -58,10 +60,13 @@ class GpudCore:
         """Read the repository and load every model it holds; bad models are logged and reported, not fatal.
         All instances are planned together, so the engine packs the whole node at once."""
         new: list[RegisteredVersion] = []
-        for name, result in self.repository.scan().items():
-            if self.control.loads_at_start(name):
-                new += self.registry.register(name, result)
+        scanned = self.repository.scan()
+        # The models chosen, and the models their ensembles' steps name (loaded as dependencies, as in Triton).
+        for name, explicit in models_to_load(scanned, filter(self.control.loads_at_start, scanned)).items():
+            new += self.registry.register(name, scanned[name])
+            self.registry.models[name].explicit = explicit
         await self.placement.place(new)
+        log_ensembles(self.registry)
         self.started = True
         ready = sum(1 for v in self.registry.versions() if v.ready)
         log.info("%d model version(s) ready, %d model(s) not ready", ready,
@@ -87,10 +92,10 @@ class GpudCore:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         await self.lifecycle.load(name)
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
         check_model_name(name)
         self.control.check_api("unload", name)
-        await self.lifecycle.unload(name)
+        await self.lifecycle.unload(name, unload_dependents=unload_dependents)
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
         return await self.placement.apply_requested(requested)
@@ -154,8 +159,8 @@ class GpudCore:
         index.sort(key=lambda r: r.name)  # stable: a model's versions keep their order
         return index
 
-    def _ready_scheduler(self, request: InferRequest) -> ModelScheduler:
-        if self.stopping:
+    def _ready_scheduler(self, request: InferRequest, *, accepted: bool = False) -> ModelScheduler:
+        if self.stopping and not accepted:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         vs = self._served_version(request.model_name, request.model_version)
         if vs.scaled_to_zero:  # the request waits in its queue while an instance loads (bounded: unready_wait_s)
@@ -169,6 +174,11 @@ class GpudCore:
                                  f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "
                                  f"state: {why}")
         return vs.scheduler
+
+    def _route_step(self, request: InferRequest) -> ModelScheduler:
+        """An ensemble's step, routed as a client's request is, also while shutting down: the ensemble's request
+        was accepted before, and accepted requests finish."""
+        return self._ready_scheduler(request, accepted=True)
 
     def _served_version(self, name: str, version: str) -> RegisteredVersion:
         """The version a request is for. In poll mode a model new in the repository since the last poll is

@@ -7,6 +7,9 @@ Weights come from a seeded generator, so the same call writes byte-identical fil
 - `cnn`: FP32 [-1, 3, 32, 32] -> FP32 [-1, 10] logits, no config.pbtxt: it is auto-completed from the ONNX file.
 - `two_input`: INT64 "ids" [-1, 4] and FP32 "scale" [-1, 4] -> FP32 "out" [-1, 4], with a config.pbtxt, where
   out = p + rowsum(p) and p = Cast(ids) * scale (rowsum broadcast over the 4 columns).
+- the pipeline (`write_pipeline_example`): the ensemble `pipeline`, UINT8 "IMAGE" [-1, 16] -> FP32 "PROBABILITIES"
+  [-1, 4] and INT64 "LABEL" [-1, 1], whose steps are `preprocess` (scale the pixels), `classifier` (an MLP) and
+  `postprocess` (softmax and argmax).
 """
 from __future__ import annotations
 
@@ -184,6 +187,137 @@ def two_input_reference(ids: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """What `two_input` computes, in numpy: for checking a served result."""
     p = ids.astype(np.float32) * scale.astype(np.float32)
     return p + p.sum(axis=1, keepdims=True)
+
+
+# --- a pipeline: an ensemble of three models (what `./scripts/run` serves beside the models above) -------------------
+PIXELS = 16  # the pipeline's "image": 16 UINT8 pixels
+CLASSES = 4
+
+
+def make_preprocess() -> onnx.ModelProto:
+    """UINT8 "raw" [batch, 16] -> FP32 "features" [batch, 16] = raw * 2/255 - 1 (pixels scaled to [-1, 1])."""
+    nodes = [
+        helper.make_node("Cast", ["raw"], ["raw_f"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["raw_f", "scale"], ["scaled"]),
+        helper.make_node("Sub", ["scaled", "one"], ["features"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "preprocess", [helper.make_tensor_value_info("raw", TensorProto.UINT8, [BATCH_DIM, PIXELS])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, [BATCH_DIM, PIXELS])],
+        initializer=[numpy_helper.from_array(np.array(2 / 255, dtype=np.float32), "scale"),
+                     numpy_helper.from_array(np.array(1, dtype=np.float32), "one")])
+    return _finish(graph, "preprocess")
+
+
+def make_classifier(seed: int = 2, hidden: int = 64, layers: int = 1, classes: int = CLASSES) -> onnx.ModelProto:
+    """FP32 "features" [batch, 16] -> FP32 "logits" [batch, 4]: `layers` MatMul+Add+Relu of width `hidden`, then
+    one MatMul+Add (the benchmark makes it wider and deeper to make it the pipeline's slowest step)."""
+    rng = np.random.default_rng(seed)
+    widths = [PIXELS] + [hidden] * layers + [classes]
+    nodes: list[onnx.NodeProto] = []
+    inits: list[TensorProto] = []
+    x = "features"
+    for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
+        inits += [_weight(rng, f"w{i}", (fan_in, fan_out), fan_in), _bias(rng, f"b{i}", fan_out)]
+        last = i == len(widths) - 2
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"]))
+        nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], ["logits" if last else f"pre{i}"]))
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"pre{i}"], [f"act{i}"]))
+            x = f"act{i}"
+    graph = helper.make_graph(
+        nodes, "classifier", [helper.make_tensor_value_info("features", TensorProto.FLOAT, [BATCH_DIM, PIXELS])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH_DIM, classes])], initializer=inits)
+    return _finish(graph, "classifier")
+
+
+def make_postprocess() -> onnx.ModelProto:
+    """FP32 "logits" [batch, 4] -> FP32 "probabilities" [batch, 4] (softmax), INT64 "label" [batch, 1] (argmax)."""
+    nodes = [
+        helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
+        helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "postprocess", [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH_DIM, CLASSES])],
+        [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [BATCH_DIM, CLASSES]),
+         helper.make_tensor_value_info("label", TensorProto.INT64, [BATCH_DIM, 1])])
+    return _finish(graph, "postprocess")
+
+
+def _step_config(name: str, inputs: list[tuple[str, str, int]], outputs: list[tuple[str, str, int]]) -> str:
+    def tensors(specs: list[tuple[str, str, int]]) -> str:
+        return ",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: [ {d} ] }}' for n, t, d in specs)
+    return (f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: 16\ninput [\n{tensors(inputs)}\n]\n'
+            f'output [\n{tensors(outputs)}\n]\ndynamic_batching {{ }}\n')
+
+
+PIPELINE_CONFIG_PBTXT = """\
+# An ensemble: one request runs preprocess -> classifier -> postprocess inside gpud; the tensors between the
+# steps never leave it. Each step's model batches, is placed and scaled on its own.
+name: "pipeline"
+platform: "ensemble"
+max_batch_size: 16
+input [ { name: "IMAGE", data_type: TYPE_UINT8, dims: [ 16 ] } ]
+output [
+  { name: "PROBABILITIES", data_type: TYPE_FP32, dims: [ 4 ] },
+  { name: "LABEL", data_type: TYPE_INT64, dims: [ 1 ] }
+]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "preprocess"
+      model_version: -1
+      input_map { key: "raw" value: "IMAGE" }
+      output_map { key: "features" value: "features" }
+    },
+    {
+      model_name: "classifier"
+      model_version: -1
+      input_map { key: "features" value: "features" }
+      output_map { key: "logits" value: "logits" }
+    },
+    {
+      model_name: "postprocess"
+      model_version: -1
+      input_map { key: "logits" value: "logits" }
+      output_map [
+        { key: "probabilities" value: "PROBABILITIES" },
+        { key: "label" value: "LABEL" }
+      ]
+    }
+  ]
+}
+"""
+
+# name -> (builder or None for an ensemble (no model file), config.pbtxt text)
+PIPELINE_EXAMPLES: dict[str, tuple[Callable[[], onnx.ModelProto] | None, str]] = {
+    "preprocess": (make_preprocess, _step_config("preprocess", [("raw", "TYPE_UINT8", PIXELS)],
+                                                 [("features", "TYPE_FP32", PIXELS)])),
+    "classifier": (make_classifier, _step_config("classifier", [("features", "TYPE_FP32", PIXELS)],
+                                                 [("logits", "TYPE_FP32", CLASSES)])),
+    "postprocess": (make_postprocess, _step_config("postprocess", [("logits", "TYPE_FP32", CLASSES)],
+                                                   [("probabilities", "TYPE_FP32", CLASSES),
+                                                    ("label", "TYPE_INT64", 1)])),
+    "pipeline": (None, PIPELINE_CONFIG_PBTXT),
+}
+
+
+def write_pipeline_example(out_dir: str | os.PathLike[str]) -> list[str]:
+    """Write the pipeline (`pipeline`, an ensemble of `preprocess`, `classifier` and `postprocess`) into a
+    repository; the ensemble's version directory is empty, as Triton has it. Returns the written paths."""
+    written: list[str] = []
+    for name, (build, config_text) in PIPELINE_EXAMPLES.items():
+        version_dir = os.path.join(os.fspath(out_dir), name, "1")
+        os.makedirs(version_dir, exist_ok=True)
+        if build is not None:
+            model_path = os.path.join(version_dir, "model.onnx")
+            onnx.save_model(build(), model_path)
+            written.append(model_path)
+        config_path = os.path.join(os.fspath(out_dir), name, "config.pbtxt")
+        with open(config_path, "w", encoding="utf-8") as f:
+            f.write(config_text)
+        written.append(config_path)
+    return written
 
 
 # name -> (builder, config.pbtxt text or None for "auto-complete from the ONNX file")

@@ -73,4 +73,8 @@ def _version(v: VersionView) -> dict[str, Any]:
                        "measured_by": i.measured_by or "estimate", "provider": i.provider,
                        "load_seconds": i.load_seconds, "error": i.error}
                       for i in v.instances],
+        # an ensemble: its steps, in config order (it has no instances; its steps' models do)
+        "pipeline": [{"step": s.index, "model": s.model, "version": s.version, "serving_version": s.serving_version,
+                      "ready": s.ready, "inputs": {m: t for m, t in s.inputs}, "outputs": {m: t for m, t in s.outputs}}
+                     for s in v.pipeline] if v.is_ensemble else None,
     }

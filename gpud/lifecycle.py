@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from executor.types import ErrorKind, InferenceError
+from gpud.ensembles import step_models, step_names_of, unload_candidates
 from gpud.model_control import check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, Registry
@@ -22,8 +23,10 @@ class ModelLifecycle:
         self.registry = registry
         self.placement = placement
 
-    async def load(self, name: str) -> None:
-        """Load (or reload) model `name` from the repository; InferenceError says why it does not serve."""
+    async def load(self, name: str, *, explicit: bool = True, _chain: tuple[str, ...] = ()) -> None:
+        """Load (or reload) model `name` from the repository; InferenceError says why it does not serve. An
+        ensemble's step models that are not loaded load first, as its dependencies (`explicit` False: loaded only
+        for it, which unload_dependents may unload with it)."""
         try:
             result: ModelEntry | ModelLoadError = self.repository.load(name)
         except ModelConfigError as exc:
@@ -31,7 +34,11 @@ class ModelLifecycle:
                 raise InferenceError(ErrorKind.NOT_FOUND, f"failed to load '{name}', no version is available") \
                     from None
             result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
+        if isinstance(result, ModelEntry):
+            await self._load_steps(result, (*_chain, name))
+        fresh = name not in self.registry.models or not self.registry.models[name].versions
         model = self.registry.models.setdefault(name, RegisteredModel(name))
+        model.explicit = explicit if fresh else (model.explicit or explicit)
         async with model.lock:
             await self._reload(model, result)
         if isinstance(result, ModelLoadError):
@@ -69,11 +76,14 @@ class ModelLifecycle:
                         model.name, ", ".join(v.version for v in no_room))
             await self.placement.place(no_room)
 
-    async def unload(self, name: str) -> None:
-        """Stop routing to every version of `name`; each finishes what it accepted, then its instances stop."""
+    async def unload(self, name: str, *, unload_dependents: bool = False) -> None:
+        """Stop routing to every version of `name`; each finishes what it accepted, then its instances stop. With
+        `unload_dependents`, an ensemble's step models loaded only as its dependencies, which no other loaded
+        ensemble uses, unload after it (and theirs after them), as Triton's unload_dependents does."""
         model = self.registry.models.get(name)
         if model is None:
             raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
+        steps = step_names_of(model)
         async with model.lock:
             versions = list(model.versions.values())
             for vs in versions:
@@ -81,6 +91,24 @@ class ModelLifecycle:
             await self.placement.retire(versions)
             model.versions.clear()
         log.info("model %s unloaded", name)
+        if unload_dependents:
+            for step in unload_candidates(self.registry.models, steps):
+                log.info("model %s: unloaded with ensemble %s (unload_dependents; it was loaded as its step)",
+                         step, name)
+                await self.unload(step, unload_dependents=True)
+
+    async def _load_steps(self, entry: ModelEntry, chain: tuple[str, ...]) -> None:
+        """Load the models an ensemble's steps name that are not loaded (a model already served is left as it is,
+        as Triton does). One that fails is logged; the ensemble then says which step is not ready."""
+        for step in step_models(entry.config):
+            model = self.registry.models.get(step)
+            if step in chain or (model is not None and model.versions):
+                continue  # a cycle (the ensemble reports it) or already served
+            log.info("ensemble %s: loading model %s for its steps", entry.name, step)
+            try:
+                await self.load(step, explicit=False, _chain=chain)
+            except InferenceError as exc:
+                log.error("ensemble %s: model %s of its steps did not load: %s", entry.name, step, exc.message)
 
     def register_new(self, name: str) -> None:
         """A model in the repository that gpud has not registered (new since the last poll): register it with no
@@ -96,6 +124,9 @@ class ModelLifecycle:
             vs.state = ModelState.READY  # scaled to zero: the request loads it
         self.registry.install(staged)
         log.info("model %s: new in the repository; registered, and loaded on its first request", name)
+        if isinstance(result, ModelEntry):  # an ensemble's steps: registered too, so that it can serve
+            for step in step_models(result.config):
+                self.register_new(step)
 
 
 def names_in(repository: ModelRepository) -> list[str]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from executor.pool import InstanceHandle
 from executor.scheduler import ModelScheduler
 from executor.sequence_scheduler import SequenceScheduler
-from executor.types import ErrorKind, InferenceError
+from executor.types import ErrorKind, InferenceError, InferRequest
 from gpud.controller import InstanceBounds, instance_bounds
 from gpud.model_control import check_model_name
 from gpud.placing.inputs import VersionDemand, candidate_kinds, compute_fraction
@@ -97,6 +98,7 @@ class RegisteredModel:
     name: str
     versions: dict[str, RegisteredVersion] = field(default_factory=dict)
     error: str = ""  # the repository error when the model could not be read at all
+    explicit: bool = True  # loaded for itself, not only as an ensemble's step (unload_dependents keeps it)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload of this model at a time
 
 
@@ -106,6 +108,9 @@ class Registry:
         self.has_gpus = has_gpus  # KIND_AUTO means GPUs on such a node
         self.unready_wait_s = unready_wait_s  # how long requests wait while no instance of their version is ready
         self.default_max_queue_size = default_max_queue_size  # queue bound where a model's config sets none
+        # How an ensemble's steps reach their models: the core's routing (GpudCore sets it). None: straight to the
+        # version's scheduler.
+        self.step_router: Callable[[InferRequest], Any] | None = None
 
     def register(self, name: str, result: ModelEntry | ModelLoadError) -> list[RegisteredVersion]:
         """Register the model's versions (nothing loaded yet) and return those that can be placed; the others are
@@ -123,6 +128,9 @@ class Registry:
             log.error("model %s: %s", name, result.reason)
             return model, []
         entry = result
+        if entry.config.ensemble is not None:  # no instances to place: its scheduler runs its steps
+            from gpud.ensembles import stage_ensemble  # builds on this module
+            return model, stage_ensemble(self, model, entry)
         placeable: list[RegisteredVersion] = []
         for version in entry.versions:
             v = str(version)

@@ -41,6 +41,19 @@ class InstanceView:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineStep:
+    """One step of an ensemble: the model that serves it and how the ensemble's tensors flow through it."""
+
+    index: int  # in the ensemble's config
+    model: str
+    version: str  # as configured: "-1" (the newest served) or a version number
+    serving_version: str  # the version that serves it now; "" when none does
+    ready: bool
+    inputs: tuple[tuple[str, str], ...]  # (the model's input, the ensemble tensor it reads)
+    outputs: tuple[tuple[str, str], ...]  # (the model's output, the ensemble tensor it writes)
+
+
+@dataclass(frozen=True, slots=True)
 class VersionView:
     model: str
     version: str
@@ -57,6 +70,12 @@ class VersionView:
     # A sequence model's live sequences: holding a slot, and waiting in the backlog for one (None: not a sequence model)
     sequences_in_slots: int | None = None
     sequences_in_backlog: int = 0
+    # An ensemble's steps (platform "ensemble"): it has no instances; its steps' models are placed and scaled.
+    pipeline: tuple[PipelineStep, ...] = ()
+
+    @property
+    def is_ensemble(self) -> bool:
+        return bool(self.pipeline)
 
     @property
     def ready_instances(self) -> int:

@@ -76,6 +76,7 @@ class FakeCore:
     live: bool = True
     ready: bool = True
     last_request: InferRequest | None = None
+    unloads: list[tuple[str, bool]] = field(default_factory=list)  # (model, unload_dependents), in order
 
     @classmethod
     def with_models(cls, models: Iterable[FakeModel]) -> FakeCore:
@@ -132,7 +133,8 @@ class FakeCore:
     async def load_model(self, name: str) -> None:
         self._model(name).ready = True
 
-    async def unload_model(self, name: str) -> None:
+    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
+        self.unloads.append((name, unload_dependents))
         self._model(name).ready = False
 
     # --- inference -----------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 
-from executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorSpec
+from executor.model_config import (DynamicBatching, EnsembleScheduling, EnsembleStep, InstanceGroup, ModelConfig,
+                                   QueuePolicy, TensorSpec)
 from executor.stats import BatchStats, Duration, ModelStats
 from gpud.api import grpc_encode, http_encode
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
@@ -40,6 +41,12 @@ CONFIGS = {
                     dynamic_batching=DynamicBatching()),
         VersionPolicy(kind="all")),
     "every field": ServedModelConfig(FULL, VersionPolicy(kind="specific", versions=(1, 3))),
+    "ensemble": ServedModelConfig(ModelConfig(
+        name="ens", platform="ensemble", backend="", max_batch_size=4, inputs=(TensorSpec("IN", "UINT8", (16,)),),
+        outputs=(TensorSpec("OUT", "FP32", (4,)),), instance_groups=(), default_model_filename="",
+        ensemble=EnsembleScheduling((EnsembleStep("a", -1, (("x", "IN"),), (("y", "mid"), ("z", "mid2"))),
+                                     EnsembleStep("b", 3, (("x", "mid"), ("w", "mid2")), (("y", "OUT"),))),
+                                    max_inflight_requests=16))),
     "scalar, no batching, no instance group": ServedModelConfig(
         ModelConfig(name="scalar", inputs=(TensorSpec("x", "FP64", ()),), outputs=(TensorSpec("y", "UINT8", ()),),
                     instance_groups=()),

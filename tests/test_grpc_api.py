@@ -455,6 +455,18 @@ class TestStatisticsAndRepository:
         client.load_model("identity_int64", client_timeout=TIMEOUT_S)
         assert client.is_model_ready("identity_int64", client_timeout=TIMEOUT_S)
 
+    def test_unload_dependents_reaches_the_core_and_must_be_a_bool_param(self, core, client, stub):
+        client.unload_model("identity_int64", unload_dependents=True, client_timeout=TIMEOUT_S)
+        client.unload_model("identity_int64", client_timeout=TIMEOUT_S)
+        assert core.unloads == [("identity_int64", True), ("identity_int64", False)]
+        request = triton_pb.RepositoryModelUnloadRequest(model_name="identity_int64")
+        request.parameters["unload_dependents"].int64_param = 1
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RepositoryModelUnload(request, timeout=TIMEOUT_S)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "invalid value type for 'unload_dependents' parameter, expected bool_param" in e.value.details()
+        assert len(core.unloads) == 2
+
     def test_load_unknown_model_is_not_found(self, client):
         with pytest.raises(InferenceServerException) as exc_info:
             client.load_model("no_such_model", client_timeout=TIMEOUT_S)

@@ -191,6 +191,15 @@ class TestStatisticsAndRepository:
         assert client.is_model_ready("add_sub")
         client.infer("add_sub", inputs)
 
+    def test_unload_dependents_reaches_the_core_and_must_be_a_boolean(self, core, server, client):
+        client.unload_model("add_sub", unload_dependents=True)  # tritonclient's body: {"parameters": {...: true}}
+        client.unload_model("add_sub")
+        assert core.unloads == [("add_sub", True), ("add_sub", False)]
+        status, _, body = server.post_json("/v2/repository/models/add_sub/unload",
+                                           {"parameters": {"unload_dependents": "yes"}})
+        assert status == 400 and "unload_dependents" in orjson.loads(body)["error"]
+        assert len(core.unloads) == 2  # refused: nothing unloaded
+
     def test_load_unknown_model_is_404(self, client):
         with pytest.raises(InferenceServerException) as e:
             client.load_model("nope")

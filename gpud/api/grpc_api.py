@@ -383,9 +383,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_unary
     async def RepositoryModelUnload(self, request, context):
-        # "unload_dependents" only matters for ensembles, which gpud does not serve: accepted and ignored.
         self._check_admin(context, f"unloading model '{request.model_name}'")
-        await self._core.unload_model(request.model_name)
+        dependents = False
+        if "unload_dependents" in request.parameters:
+            param = request.parameters["unload_dependents"]
+            if param.WhichOneof("parameter_choice") != "bool_param":
+                raise _invalid("invalid value type for 'unload_dependents' parameter, expected bool_param.")
+            dependents = param.bool_param
+        await self._core.unload_model(request.model_name, unload_dependents=dependents)
         return pb.RepositoryModelUnloadResponse()
 
     @_unary

@@ -98,6 +98,13 @@ def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
         accelerators = message.optimization.execution_accelerators.gpu_execution_accelerator
         for name in config.gpu_execution_accelerators:
             accelerators.add(name=name)
+    if config.ensemble is not None:
+        message.ensemble_scheduling.SetInParent()
+        message.ensemble_scheduling.max_inflight_requests = config.ensemble.max_inflight_requests
+        for step in config.ensemble.steps:
+            added = message.ensemble_scheduling.step.add(model_name=step.model_name, model_version=step.model_version)
+            added.input_map.update(dict(step.input_map))
+            added.output_map.update(dict(step.output_map))
     db = config.dynamic_batching
     if db is not None:
         batching = message.dynamic_batching

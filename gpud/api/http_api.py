@@ -235,11 +235,14 @@ class HttpApi:
         return run()
 
     def unload(self, request: HttpRequest, respond: Respond, name: str) -> Awaitable[_Reply]:
-        # The body ({"parameters": {"unload_dependents": ...}}) is read and ignored: gpud has no ensembles.
         self.admin.check(request.headers.get("authorization"), f"unloading model '{name}'", request.peer)
+        doc = _optional_json_object(request.body, "model unload request")
+        dependents = parameters_object(doc.get("parameters"), "unload request").get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise invalid(f"Unable to parse 'unload_dependents': expected a boolean, got {dependents!r}")
 
         async def run() -> _Reply:
-            await self.core.unload_model(name)
+            await self.core.unload_model(name, unload_dependents=dependents)
             return 200, b""
         return run()
 

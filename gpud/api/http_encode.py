@@ -104,6 +104,11 @@ def model_config_json(served: ServedModelConfig) -> dict[str, Any]:
                 "gpu_execution_accelerator": [{"name": n} for n in config.gpu_execution_accelerators]
             }
         }
+    if config.ensemble is not None:
+        d["ensemble_scheduling"] = {"step": [
+            {"model_name": s.model_name, "model_version": s.model_version, "input_map": dict(s.input_map),
+             "output_map": dict(s.output_map), "model_namespace": ""}
+            for s in config.ensemble.steps], "max_inflight_requests": config.ensemble.max_inflight_requests}
     db = config.dynamic_batching
     if db is not None:
         d["dynamic_batching"] = {

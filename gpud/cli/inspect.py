@@ -63,7 +63,7 @@ def render_inspect(data: dict[str, Any]) -> str:
               f"  {'model':<20} {'ver':>3} {'state':<12} {'inst':>4} {'pending':>7} {'ok':>8} {'failed':>6} "
               f"{'queue ms':>9} {'compute ms':>10}"]
     for m in data["models"]:
-        ready = sum(1 for i in m["instances"] if i["ready"])
+        ready = "-" if m.get("pipeline") else sum(1 for i in m["instances"] if i["ready"])  # an ensemble has none
         lines.append(f"  {m['name']:<20} {m['version']:>3} {m['state']:<12} {ready:>4} "
                      f"{m.get('pending_requests', 0):>7} {m.get('requests_success', 0):>8} "
                      f"{m.get('requests_failed', 0):>6} {_ms(m.get('queue_seconds_avg')):>9} "
@@ -73,10 +73,29 @@ def render_inspect(data: dict[str, Any]) -> str:
         if "sequences_in_slots" in m:  # a sequence model
             lines.append(f"      sequences: {m['sequences_in_slots']} in slots, {m['sequences_in_backlog']} waiting "
                          "for one")
+    lines += _render_pipelines(data["models"])
     lines += _render_workers(data.get("workers") or [])
     lines += _render_hints(data.get("hints"))
     lines += _render_controller(data.get("controller"), data.get("time_unix_s"))
     return "\n".join(lines)
+
+
+def _render_pipelines(models: list[dict[str, Any]]) -> list[str]:
+    """PIPELINES: each ensemble's steps, the model version serving each and how the tensors flow through it."""
+    ensembles = [m for m in models if m.get("pipeline")]
+    if not ensembles:
+        return []
+    lines = ["", "PIPELINES (ensembles; the models of their steps are placed and scaled, not the ensemble)"]
+    for m in ensembles:
+        lines.append(f"  {m['name']}:{m['version']} {m['state']}")
+        for s in m["pipeline"]:
+            wanted = "newest" if s["version"] == "-1" else f"version {s['version']}"
+            serving = f"{s['model']}:{s['serving_version']}" if s["serving_version"] else f"{s['model']}:-"
+            inputs = ", ".join(f"{t}->{i}" for i, t in s["inputs"].items())
+            outputs = ", ".join(f"{o}->{t}" for o, t in s["outputs"].items())
+            state = "ready" if s["ready"] else "NOT READY"
+            lines.append(f"    step {s['step']}  {serving:<24} ({wanted}) {state:<9}  in: {inputs}  out: {outputs}")
+    return lines
 
 
 def _render_workers(workers: list[dict[str, Any]]) -> list[str]:

@@ -125,7 +125,7 @@ def repository_demands(path: str, devices: list[Device], default_max_batch_size:
     for name, result in scanned.items():
         placeable = registry.register(name, result)
         for vs in registry.models[name].versions.values():
-            if vs not in placeable:
+            if vs not in placeable and vs.entry.config.ensemble is None:  # an ensemble has nothing to place
                 print(f"gpudctl place: warning: model {name} version {vs.version} left out: {vs.reason}",
                       file=sys.stderr)
         if registry.models[name].error:

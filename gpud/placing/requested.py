@@ -34,6 +34,11 @@ def resolve_versions(requested: Sequence[RequestedPlacement], registry: Registry
                 vs = registry.version(p.model)
             else:
                 vs = registry.version(model, version.partition(":")[0])
+            if vs.entry.config.ensemble is not None:
+                steps = ", ".join(dict.fromkeys(s.model_name for s in vs.entry.config.ensemble.steps))
+                raise InferenceError(ErrorKind.INVALID_ARGUMENT,
+                                     f"{where}: '{vs.name}' is an ensemble: it has no instances of its own; place "
+                                     f"the models of its steps ({steps})")
             if vs.state not in (ModelState.READY, ModelState.UNAVAILABLE):
                 raise InferenceError(ErrorKind.UNAVAILABLE,
                                      f"{where}: model '{vs.name}' is {vs.state.value.lower()}")

@@ -24,6 +24,7 @@ from gpud.repository.config import (
     read_config_pbtxt,
     validate_model_config,
 )
+from gpud.repository.ensemble import ensemble_config_from_proto, is_ensemble
 
 CONFIG_FILENAME = "config.pbtxt"
 
@@ -113,16 +114,21 @@ def load_model(
     message = read_config_pbtxt(config_path) if has_config else pb.ModelConfig()
     # Problems without a config file are the model directory's: there is no file to blame but the ONNX one.
     blame = config_path if has_config else model_dir
-    config, policy = config_from_proto(message, name, blame)
+    ensemble = is_ensemble(message)
+    config, policy = (ensemble_config_from_proto if ensemble else config_from_proto)(message, name, blame)
 
     present = available_versions(model_dir)
     if not present:
-        raise ModelConfigError(model_dir, f"no version directory (expected e.g. 1/{config.default_model_filename})")
+        expected = "an empty directory 1/ for an ensemble" if ensemble else f"1/{config.default_model_filename}"
+        raise ModelConfigError(model_dir, f"no version directory (expected e.g. {expected})")
     versions = policy.select(present)
     if not versions:
         raise ModelConfigError(
             blame, f"version_policy {{ {policy} }} selects none of the versions present {list(present)}"
         )
+    if ensemble:  # no model file: the config is complete as written (gpud.repository.ensemble checked it)
+        return ModelEntry(name=name, path=model_dir, versions=versions, model_paths={}, config=config,
+                          version_policy=policy, config_path=config_path)
     model_paths = {}
     for v in versions:
         version_dir = os.path.join(model_dir, str(v))

@@ -11,7 +11,7 @@ import math
 import os
 
 from executor.model_config import ModelConfig, kserve_datatype, numpy_dtype
-from executor.sequence_config import (BOOLEAN_CONTROLS, CORRID, CORRID_DATATYPES, DEFAULT_MAX_SEQUENCE_IDLE_US, DIRECT,
+from executor.sequence_config import (CORRID, CORRID_DATATYPES, DEFAULT_MAX_SEQUENCE_IDLE_US, DIRECT,
                                       OLDEST, ControlInput, SequenceBatching, StateSpec)
 from gpud.proto import model_config_pb2 as pb
 from gpud.repository.config import WILDCARD_DIM, ModelConfigError

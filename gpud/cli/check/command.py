@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import sys
 import tempfile
 import urllib.error
