@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from executor.model_config import EnsembleStep, ModelConfig
 from executor.stats import ModelStats
+from executor.scheduler import infer_through
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from executor.validation import PreparedCache
 
@@ -224,21 +225,7 @@ class EnsembleScheduler:
         self._drop(run)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        future = asyncio.get_running_loop().create_future()
-
-        def done(result: Any) -> None:
-            if not future.done():
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-        run = self.submit(request, done)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.cancel(run)
-            raise
+        return await infer_through(self, request)
 
     # --- steps -----------------------------------------------------------------------------------------------
     def _launch(self, run: _Run, step: _Step) -> None:

@@ -172,21 +172,7 @@ class ModelScheduler:
             self._notify_if_idle()  # the queue may just have emptied: a shutdown waiting for idle goes on
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        future = asyncio.get_running_loop().create_future()
-
-        def done(result: Any) -> None:
-            if not future.done():
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-        pending = self.submit(request, done)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.cancel(pending)
-            raise
+        return await infer_through(self, request)
 
     def _step(self) -> None:
         for q in self.queue.expire():
@@ -356,3 +342,23 @@ class ModelScheduler:
     def fail_all_queued(self, message: str) -> None:
         self._fail([q.payload for q in self.queue.drain()], InferenceError(ErrorKind.UNAVAILABLE, message))
         self._step()
+
+
+async def infer_through(scheduler: Any, request: InferRequest) -> InferResponse:
+    """`scheduler.submit` as a coroutine (any scheduler with submit(request, done) and cancel(handle)): the answer,
+    or the error raised; cancelling the awaiting task withdraws the request."""
+    future = asyncio.get_running_loop().create_future()
+
+    def done(result: Any) -> None:
+        if not future.done():
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    handle = scheduler.submit(request, done)
+    try:
+        return await future
+    except asyncio.CancelledError:
+        scheduler.cancel(handle)
+        raise

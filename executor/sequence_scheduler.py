@@ -29,7 +29,7 @@ from executor import protocol
 from executor.batcher import Wait
 from executor.instance import InstanceHandle
 from executor.model_config import ModelConfig
-from executor.scheduler import Done, _Pending, batching_mode
+from executor.scheduler import Done, _Pending, batching_mode, infer_through
 from executor.sequence_batcher import (CorrelationId, SequenceBatcher, SequenceDispatch, SequenceRequest,
                                        describe_id)
 from executor.sequence_config import CORRID, END, READY, START, control_value, execution_config, initial_state
@@ -200,21 +200,7 @@ class SequenceScheduler:
         pending.finished = True
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        future = asyncio.get_running_loop().create_future()
-
-        def done(result: Any) -> None:
-            if not future.done():
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-
-        pending = self.submit(request, done)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            self.cancel(pending)
-            raise
+        return await infer_through(self, request)
 
     def _step(self) -> None:
         expired = self.batcher.expire()
