@@ -69,15 +69,19 @@ class _Pending:
             log.exception("answering request %r of model %s failed", self.request.id, self.request.model_name)
 
 
-class ModelScheduler:
-    """Queues, batches and runs the requests of one model version on its instances."""
 
-    # Sequences live only in a sequence model's scheduler (executor.sequence_scheduler), which has the same face.
+class SchedulerBase:
+    """What a model version's scheduler does whatever decides its batches (the dynamic batcher here, the sequence
+    batcher in executor.sequence_scheduler): its instances' readiness, one step timer, the wait for a ready instance,
+    answering and failing requests into the statistics record, and waiting until idle. A subclass provides
+    `_step()` (decide and dispatch) and `_queued_requests()`."""
+
+    # Sequences live only in a sequence model's scheduler, which overrides these.
     live_sequences = 0
     instances_needed = 0  # the fewest instances whose slots hold the live sequences
+    _unready_note = ""  # added to the message of requests failed for want of a ready instance
 
-    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
+    def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float):
         self.config = config
         self.version = version
         self.clock = clock
@@ -86,20 +90,140 @@ class ModelScheduler:
         self.unready_wait_s = unready_wait_s
         self._unready_timer: asyncio.TimerHandle | None = None
         self.stats = ModelStats()  # the one record of this version's requests (executor.stats): others read it
-        adaptive = batching_mode(config) == "adaptive"
-        self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
-                                clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive,
-                                default_max_queue_size=default_max_queue_size)
         self.instances: list[InstanceHandle] = []
-        self._free: deque[InstanceHandle] = deque()
-        self._running: dict[InstanceHandle, list[_Pending]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s: float | None = None
         self._idle_waiters: list[asyncio.Future] = []
         self._answering = 0  # batches whose answers are being delivered (not running, not yet answered)
+        self._running: dict[InstanceHandle, Any] = {}  # the batch each busy instance runs
+        self._prepare = PreparedCache(config).prepare
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _queued_requests(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def ready_instances(self) -> int:
+        return sum(1 for i in self.instances if i.ready)
+
+    @property
+    def has_ready_instance(self) -> bool:
+        """Whether any instance is ready: asked on every request, so it stops at the first."""
+        for inst in self.instances:
+            if inst.ready:
+                return True
+        return False
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        return await infer_through(self, request)
+
+    # --- the step timer and idleness ---------------------------------------------------------------------------
+    def _notify_if_idle(self) -> None:
+        if not self._running and not self._queued_requests() and not self._answering:
+            for fut in self._idle_waiters:
+                if not fut.done():
+                    fut.set_result(None)
+            self._idle_waiters.clear()
+
+    def _arm_timer(self, until_s: float | None) -> None:
+        if until_s == self._timer_at_s:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at_s = until_s
+        if until_s is not None:
+            loop = asyncio.get_running_loop()
+            # The batcher's clock is time.monotonic, which is also what the event loop's clock reads.
+            self._timer = loop.call_at(loop.time() + max(0.0, until_s - self.clock()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at_s = None
+        self._step()
+
+    # --- no instance ready -------------------------------------------------------------------------------------
+    def _arm_unready_deadline(self) -> None:
+        if self._unready_timer is None and not self.has_ready_instance:
+            self._unready_timer = asyncio.get_running_loop().call_later(self.unready_wait_s, self._on_unready_deadline)
+
+    def _cancel_unready_deadline(self) -> None:
+        if self._unready_timer is not None:
+            self._unready_timer.cancel()
+            self._unready_timer = None
+
+    def _on_unready_deadline(self) -> None:
+        """No instance became ready within unready_wait_s of a request waiting for one: fail what waits."""
+        self._unready_timer = None
+        if self.has_ready_instance or not self._queued_requests():
+            return
+        self.fail_all_queued(f"no instance of model '{self.config.name}' version {self.version} became ready within "
+                             f"{self.unready_wait_s:g} s (its worker is restarting, or the model is being placed "
+                             f"on another device){self._unready_note}")
+
+    # --- answers -----------------------------------------------------------------------------------------------
+    def _reply_error(self, reply: protocol.Done | protocol.Failed | InferenceError) -> InferenceError | None:
+        """The error a worker's reply stands for (a lost worker, a failed run), or None for its outputs."""
+        if isinstance(reply, Exception):
+            return reply
+        if isinstance(reply, protocol.Failed):
+            kind = ErrorKind[reply.kind] if reply.kind in ErrorKind.__members__ else ErrorKind.INTERNAL
+            return InferenceError(kind, f"model '{self.config.name}' failed: {reply.error}")
+        return None
+
+    def _answer(self, batch: list[_Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
+                output_ns: int, now_ns: int) -> None:
+        rows = 0
+        queue_ns: list[int] = []
+        request_ns: list[int] = []
+        name, version = self.config.name, self.version
+        all_outputs = len(self.config.outputs)
+        compute_ns = (input_ns, infer_ns, output_ns)
+        for p, tensors in zip(batch, per_request):
+            prepared = p.prepared
+            rows += prepared.batch_rows
+            if len(prepared.output_names) != all_outputs:
+                wanted = set(prepared.output_names)
+                tensors = [t for t in tensors if t.name in wanted]
+            queue_ns.append(p.dispatch_ns - p.arrival_ns)
+            request_ns.append(now_ns - p.arrival_ns)
+            p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
+        self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
+
+    def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
+        now_ns = time.perf_counter_ns()
+        for p in batch:
+            self.stats.record_failure(now_ns - p.arrival_ns)
+            p.finish(exc)
+
+    # --- shutdown / unload -------------------------------------------------------------------------------------
+    async def wait_idle(self) -> None:
+        """Returns when nothing is queued or running: every accepted request has its answer."""
+        if not self._running and not self._queued_requests():
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(fut)
+        await fut
+
+class ModelScheduler(SchedulerBase):
+    """Queues, batches and runs the requests of one model version on its instances."""
+
+    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
+                 unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
+        super().__init__(config, version, clock, unready_wait_s)
+        adaptive = batching_mode(config) == "adaptive"
+        self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
+                                clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive,
+                                default_max_queue_size=default_max_queue_size)
+        self._free: deque[InstanceHandle] = deque()
+        self._running: dict[InstanceHandle, list[_Pending]] = {}
         self._polled_s = 0.0
         self._output_types = {o.name: o.datatype for o in config.outputs}
-        self._prepare = PreparedCache(config).prepare
+
+    def _queued_requests(self) -> int:
+        return len(self.queue)
 
     # --- instances -------------------------------------------------------------------------------------------
     def add_instance(self, inst: InstanceHandle) -> None:
@@ -126,18 +250,6 @@ class ModelScheduler:
             self._free.remove(inst)
 
     @property
-    def ready_instances(self) -> int:
-        return sum(1 for i in self.instances if i.ready)
-
-    @property
-    def has_ready_instance(self) -> bool:
-        """Whether any instance is ready: asked on every request, so it stops at the first."""
-        for inst in self.instances:
-            if inst.ready:
-                return True
-        return False
-
-    @property
     def pending_requests(self) -> int:
         return len(self.queue) + sum(len(b) for b in self._running.values())
 
@@ -153,8 +265,8 @@ class ModelScheduler:
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
         self._step()
-        if not self._free and self._unready_timer is None and not self.has_ready_instance:
-            self._unready_timer = asyncio.get_running_loop().call_later(self.unready_wait_s, self._on_unready_deadline)
+        if not self._free:
+            self._arm_unready_deadline()
         if self._running:
             now_s = time.perf_counter()
             if now_s - self._polled_s >= _POLL_INTERVAL_S:
@@ -171,9 +283,6 @@ class ModelScheduler:
             pending.queued = None
             self._notify_if_idle()  # the queue may just have emptied: a shutdown waiting for idle goes on
 
-    async def infer(self, request: InferRequest) -> InferResponse:
-        return await infer_through(self, request)
-
     def _step(self) -> None:
         for q in self.queue.expire():
             self._fail([q.payload], timeout_error())
@@ -189,30 +298,6 @@ class ModelScheduler:
             self._arm_timer(decision.until_s if isinstance(decision, Wait) else None)
             break
         self._notify_if_idle()
-
-    def _notify_if_idle(self) -> None:
-        if not self._running and not len(self.queue) and not self._answering:
-            for fut in self._idle_waiters:
-                if not fut.done():
-                    fut.set_result(None)
-            self._idle_waiters.clear()
-
-    def _arm_timer(self, until_s: float | None) -> None:
-        if until_s == self._timer_at_s:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at_s = until_s
-        if until_s is not None:
-            loop = asyncio.get_running_loop()
-            # The batcher's clock is time.monotonic, which is also what the event loop's clock reads.
-            self._timer = loop.call_at(loop.time() + max(0.0, until_s - self.clock()), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at_s = None
-        self._step()
 
     # --- one batch -------------------------------------------------------------------------------------------
     def _run(self, inst: InstanceHandle, batch: list[_Pending]) -> None:
@@ -240,14 +325,9 @@ class ModelScheduler:
     def _on_reply(self, inst: InstanceHandle, batch: list[_Pending],
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
         self._running.pop(inst, None)
-        error: InferenceError | None = None
         answers = None
-        if isinstance(reply, Exception):
-            error = reply
-        elif isinstance(reply, protocol.Failed):
-            kind = ErrorKind[reply.kind] if reply.kind in ErrorKind.__members__ else ErrorKind.INTERNAL
-            error = InferenceError(kind, f"model '{self.config.name}' failed: {reply.error}")
-        else:
+        error = self._reply_error(reply)
+        if error is None:
             try:
                 answers = self._collect(inst, batch, reply, stage_ns)
             except Exception as exc:
@@ -277,25 +357,6 @@ class ModelScheduler:
         now_ns = time.perf_counter_ns()
         return (per_request, stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + (now_ns - t0), now_ns)
 
-    def _answer(self, batch: list[_Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
-                output_ns: int, now_ns: int) -> None:
-        rows = 0
-        queue_ns: list[int] = []
-        request_ns: list[int] = []
-        name, version = self.config.name, self.version
-        all_outputs = len(self.config.outputs)
-        compute_ns = (input_ns, infer_ns, output_ns)
-        for p, tensors in zip(batch, per_request):
-            prepared = p.prepared
-            rows += prepared.batch_rows
-            if len(prepared.output_names) != all_outputs:
-                wanted = set(prepared.output_names)
-                tensors = [t for t in tensors if t.name in wanted]
-            queue_ns.append(p.dispatch_ns - p.arrival_ns)
-            request_ns.append(now_ns - p.arrival_ns)
-            p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
-        self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
-
     def _split(self, batch: list[_Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:
         """Each request's rows of every output: views into the batch's outputs (already copied out of shm)."""
         if not self.config.batches or len(batch) == 1:
@@ -310,35 +371,7 @@ class ModelScheduler:
                 per_request[i].append(InferTensor(name, datatype, part.shape, part))
         return per_request
 
-    def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
-        now_ns = time.perf_counter_ns()
-        for p in batch:
-            self.stats.record_failure(now_ns - p.arrival_ns)
-            p.finish(exc)
-
-    def _cancel_unready_deadline(self) -> None:
-        if self._unready_timer is not None:
-            self._unready_timer.cancel()
-            self._unready_timer = None
-
-    def _on_unready_deadline(self) -> None:
-        """No instance became ready within unready_wait_s of a request waiting for one: fail what waits."""
-        self._unready_timer = None
-        if self.has_ready_instance or not len(self.queue):
-            return
-        self.fail_all_queued(f"no instance of model '{self.config.name}' version {self.version} became ready within "
-                             f"{self.unready_wait_s:g} s (its worker is restarting, or the model is being placed "
-                             "on another device)")
-
     # --- shutdown / unload -----------------------------------------------------------------------------------
-    async def wait_idle(self) -> None:
-        """Returns when nothing is queued or running: every accepted request has its answer."""
-        if not self._running and not len(self.queue):
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(fut)
-        await fut
-
     def fail_all_queued(self, message: str) -> None:
         self._fail([q.payload for q in self.queue.drain()], InferenceError(ErrorKind.UNAVAILABLE, message))
         self._step()

@@ -17,7 +17,6 @@ input and output; a large state (a KV cache of hundreds of MB) would want it kep
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -29,13 +28,11 @@ from executor import protocol
 from executor.batcher import Wait
 from executor.instance import InstanceHandle
 from executor.model_config import ModelConfig
-from executor.scheduler import Done, _Pending, batching_mode, infer_through
+from executor.scheduler import Done, SchedulerBase, _Pending, batching_mode
 from executor.sequence_batcher import (CorrelationId, SequenceBatcher, SequenceDispatch, SequenceRequest,
                                        describe_id)
 from executor.sequence_config import CORRID, END, READY, START, control_value, execution_config, initial_state
-from executor.stats import ModelStats
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
-from executor.validation import PreparedCache
+from executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 
 log = logging.getLogger("gpud.executor")
 
@@ -74,32 +71,23 @@ def sequence_parameters(parameters: Mapping[str, Any]) -> tuple[CorrelationId, b
     return cid, flags[0], flags[1]
 
 
-class SequenceScheduler:
+class SequenceScheduler(SchedulerBase):
     """Queues, batches and runs the requests of one sequence model version on its instances. The same face as
     executor.scheduler.ModelScheduler (the registry, the placement service and the core use either)."""
+
+    _unready_note = "; its sequences keep their state"
 
     def __init__(self, config: ModelConfig, version: str, *, clock=time.monotonic, unready_wait_s: float = 30.0,
                  default_max_queue_size: int = 0):
         if config.sequence_batching is None:
             raise ValueError(f"model '{config.name}' has no sequence_batching")
-        self.config = config
-        self.version = version
-        self.clock = clock
-        self.unready_wait_s = unready_wait_s
+        super().__init__(config, version, clock, unready_wait_s)
         self.policy = policy = config.sequence_batching
         self.exec_config = execution_config(config)
-        self.stats = ModelStats()
         self.batcher = SequenceBatcher(policy, model_name=config.name, max_batch_size=config.max_batch_size,
                                        clock=clock, max_queued=default_max_queue_size,
                                        adaptive=batching_mode(config) == "adaptive")
-        self.instances: list[InstanceHandle] = []
         self._running: dict[InstanceHandle, SequenceDispatch] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at_s: float | None = None
-        self._unready_timer: asyncio.TimerHandle | None = None
-        self._idle_waiters: list[asyncio.Future] = []
-        self._answering = 0
-        self._prepare = PreparedCache(config).prepare
         self._output_types = {o.name: o.datatype for o in self.exec_config.outputs}
         batches = config.batches
         # (input name, kind, its false tensor, its true tensor) of START, END and READY: the same arrays every row
@@ -141,13 +129,8 @@ class SequenceScheduler:
                             self.config.name, self.version, inst.key, len(moved))
         self._step()
 
-    @property
-    def ready_instances(self) -> int:
-        return sum(1 for i in self.instances if i.ready)
-
-    @property
-    def has_ready_instance(self) -> bool:
-        return any(i.ready for i in self.instances)
+    def _queued_requests(self) -> int:
+        return self.batcher.queued_requests
 
     @property
     def pending_requests(self) -> int:
@@ -190,17 +173,13 @@ class SequenceScheduler:
         if warning:
             log.warning("%s", warning)
         self._step()
-        if self._unready_timer is None and not self.has_ready_instance:
-            self._unready_timer = asyncio.get_running_loop().call_later(self.unready_wait_s, self._on_unready_deadline)
+        self._arm_unready_deadline()
         return pending
 
     def cancel(self, pending: _Pending) -> None:
         """The client went away. Its request still runs when its turn comes (the sequence's state goes through it,
         as through every request the sequence accepted); only its answer is dropped."""
         pending.finished = True
-
-    async def infer(self, request: InferRequest) -> InferResponse:
-        return await infer_through(self, request)
 
     def _step(self) -> None:
         expired = self.batcher.expire()
@@ -219,29 +198,6 @@ class SequenceScheduler:
                 until_s = decision.until_s if until_s is None else min(until_s, decision.until_s)
         self._arm_timer(until_s)
         self._notify_if_idle()
-
-    def _notify_if_idle(self) -> None:
-        if not self._running and not self.batcher.queued_requests and not self._answering:
-            for fut in self._idle_waiters:
-                if not fut.done():
-                    fut.set_result(None)
-            self._idle_waiters.clear()
-
-    def _arm_timer(self, until_s: float | None) -> None:
-        if until_s == self._timer_at_s:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at_s = until_s
-        if until_s is not None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(loop.time() + max(0.0, until_s - self.clock()), self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at_s = None
-        self._step()
 
     # --- one batch -------------------------------------------------------------------------------------------
     def _rows(self, d: SequenceDispatch) -> list[dict[str, np.ndarray]]:
@@ -302,20 +258,15 @@ class SequenceScheduler:
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
         self._running.pop(inst, None)
         batch = [row.request.payload for row in d.rows if row.request is not None]
-        error: InferenceError | None = None
         answers: list[list[InferTensor]] = []
-        timings = (0, 0, 0)
-        if isinstance(reply, Exception):
-            error = reply
-        elif isinstance(reply, protocol.Failed):
-            kind = ErrorKind[reply.kind] if reply.kind in ErrorKind.__members__ else ErrorKind.INTERNAL
-            error = InferenceError(kind, f"model '{self.config.name}' failed: {reply.error}")
-        else:
+        timings = (0, 0, 0, 0)
+        error = self._reply_error(reply)
+        if error is None:
             try:
                 t0 = time.perf_counter_ns()
                 answers = self._keep_states_and_split(d, protocol.read_outputs(reply, inst.out_seg))
-                timings = (stage_ns + reply.input_ns, reply.infer_ns,
-                           reply.output_ns + time.perf_counter_ns() - t0)
+                now_ns = time.perf_counter_ns()
+                timings = (stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + now_ns - t0, now_ns)
             except _StateShapeError as exc:
                 log.warning("model %s version %s: %s", self.config.name, self.version, exc)
                 error = InferenceError(ErrorKind.INTERNAL, f"model '{self.config.name}' failed: {exc}")
@@ -363,44 +314,7 @@ class SequenceScheduler:
             per_row.append([InferTensor(n, part[n][0], part[n][1].shape, part[n][1]) for n in wanted])
         return per_row
 
-    def _answer(self, batch: list[_Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
-                output_ns: int) -> None:
-        now_ns = time.perf_counter_ns()
-        queue_ns, request_ns = [], []
-        for p, tensors in zip(batch, per_request):
-            queue_ns.append(p.dispatch_ns - p.arrival_ns)
-            request_ns.append(now_ns - p.arrival_ns)
-            p.finish(InferResponse(self.config.name, self.version, tensors, id=p.request.id))
-        self.stats.record_batch(len(batch), queue_ns, request_ns, input_ns, infer_ns, output_ns,
-                                int(time.time() * 1000))
-
-    def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
-        now_ns = time.perf_counter_ns()
-        for p in batch:
-            self.stats.record_failure(now_ns - p.arrival_ns)
-            p.finish(exc)
-
-    def _cancel_unready_deadline(self) -> None:
-        if self._unready_timer is not None:
-            self._unready_timer.cancel()
-            self._unready_timer = None
-
-    def _on_unready_deadline(self) -> None:
-        self._unready_timer = None
-        if self.has_ready_instance or not self.batcher.queued_requests:
-            return
-        self.fail_all_queued(f"no instance of model '{self.config.name}' version {self.version} became ready within "
-                             f"{self.unready_wait_s:g} s (its worker is restarting, or the model is being placed "
-                             "on another device); its sequences keep their state")
-
     # --- shutdown / unload -----------------------------------------------------------------------------------
-    async def wait_idle(self) -> None:
-        if not self._running and not self.batcher.queued_requests:
-            return
-        fut = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(fut)
-        await fut
-
     def fail_all_queued(self, message: str) -> None:
         self._fail([r.payload for r in self.batcher.drain()], InferenceError(ErrorKind.UNAVAILABLE, message))
         self._step()
