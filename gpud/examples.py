@@ -104,21 +104,25 @@ def _finish(graph: onnx.GraphProto, producer: str) -> onnx.ModelProto:
     return model
 
 
-def make_mlp(seed: int = 0) -> onnx.ModelProto:
-    """FP32 "input" [batch, 256] -> "output" [batch, 16]: three MatMul+Add layers, Relu after the first two."""
-    rng = np.random.default_rng(seed)
-    widths = [256, 1024, 1024, 16]
+def _dense_layers(rng: np.random.Generator, widths: list[int], x: str,
+                  out: str) -> tuple[list[onnx.NodeProto], list[TensorProto]]:
+    """MatMul+Add layers of the given widths from input `x` to output `out`, Relu between them."""
     nodes: list[onnx.NodeProto] = []
     inits: list[TensorProto] = []
-    x = "input"
     for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
         inits += [_weight(rng, f"w{i}", (fan_in, fan_out), fan_in), _bias(rng, f"b{i}", fan_out)]
         last = i == len(widths) - 2
         nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"]))
-        nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], ["output" if last else f"pre{i}"]))
+        nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], [out if last else f"pre{i}"]))
         if not last:
             nodes.append(helper.make_node("Relu", [f"pre{i}"], [f"act{i}"]))
             x = f"act{i}"
+    return nodes, inits
+
+
+def make_mlp(seed: int = 0) -> onnx.ModelProto:
+    """FP32 "input" [batch, 256] -> "output" [batch, 16]: three MatMul+Add layers, Relu after the first two."""
+    nodes, inits = _dense_layers(np.random.default_rng(seed), [256, 1024, 1024, 16], "input", "output")
     graph = helper.make_graph(
         nodes,
         "mlp",
@@ -212,19 +216,8 @@ def make_preprocess() -> onnx.ModelProto:
 def make_classifier(seed: int = 2, hidden: int = 64, layers: int = 1, classes: int = CLASSES) -> onnx.ModelProto:
     """FP32 "features" [batch, 16] -> FP32 "logits" [batch, 4]: `layers` MatMul+Add+Relu of width `hidden`, then
     one MatMul+Add (the benchmark makes it wider and deeper to make it the pipeline's slowest step)."""
-    rng = np.random.default_rng(seed)
-    widths = [PIXELS] + [hidden] * layers + [classes]
-    nodes: list[onnx.NodeProto] = []
-    inits: list[TensorProto] = []
-    x = "features"
-    for i, (fan_in, fan_out) in enumerate(zip(widths, widths[1:])):
-        inits += [_weight(rng, f"w{i}", (fan_in, fan_out), fan_in), _bias(rng, f"b{i}", fan_out)]
-        last = i == len(widths) - 2
-        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"mm{i}"]))
-        nodes.append(helper.make_node("Add", [f"mm{i}", f"b{i}"], ["logits" if last else f"pre{i}"]))
-        if not last:
-            nodes.append(helper.make_node("Relu", [f"pre{i}"], [f"act{i}"]))
-            x = f"act{i}"
+    nodes, inits = _dense_layers(np.random.default_rng(seed), [PIXELS] + [hidden] * layers + [classes], "features",
+                                 "logits")
     graph = helper.make_graph(
         nodes, "classifier", [helper.make_tensor_value_info("features", TensorProto.FLOAT, [BATCH_DIM, PIXELS])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [BATCH_DIM, classes])], initializer=inits)
