@@ -128,7 +128,6 @@ class Serving:
         self.memory_bytes = 0  # GPU memory held by instances now
         self.memory_byte_seconds = 0.0  # its integral over the measured time
         self._memory_since_s = 0.0
-        self.batches = 0
         for m in models:
             self.dispatch(m)  # a wake-up at its first arrival
 
@@ -258,7 +257,6 @@ class Serving:
     def _finish(self, b: Batch) -> None:
         inst, model = b.instance, b.instance.model
         inst.batch = None
-        self.batches += 1
         compute_ns = round((self.now_s - b.start_s) * NS)
         request_ns = [q + compute_ns for q in b.queue_ns]
         model.stats.record_batch(b.rows, b.queue_ns, request_ns, 0, compute_ns, 0,

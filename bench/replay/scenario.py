@@ -4,7 +4,7 @@ the same arguments replay the same requests."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,6 @@ class Scenario:
     trace_step_s: float
     node_file: Path = NODE_FILE
     seed: int = 0
-    notes: list[str] = field(default_factory=list)
 
     def kind_of(self, model: str) -> Kind:
         return self.kinds[self.specs[model].kind]
