@@ -3,18 +3,21 @@
     .venv/bin/python bench/inprocess.py [--requests 3000] [--repeat 3] [--threads 8] [--seconds 3]
 
 One 1x256 FP32 row per call on the serving benchmark's tiny MLP (bench/serving/models.py: 256 -> 1024 -> 1024 -> 16,
-max batch 64, dynamic batching with a 3 ms delay, one CPU instance), one caller at a time. Rows, interleaved
-round by round (each row's best median kept):
-  raw onnxruntime     session.run in this thread, built as gpud's worker builds it (bench/serving/ort_session.py)
-  Server.infer        gpud.Server, a synchronous call from this thread
-  Server.infer_async  the same from an asyncio loop (uvloop) in this thread
-  API floor           the same Server with its core answering at once from a cached response: the hand-off to the
-                      server's thread and back, and the request built from the arrays; no batcher, no worker
-  in-loop onnxruntime the same Server with its core running the session in the server's thread and answering at
-                      once: what executing the model in the application's process could cost at best (an estimate)
+max batch 64, dynamic batching with a 3 ms delay, one CPU instance), one caller at a time. Two servers in this
+process: one with the models in worker processes (the default, as the daemon) and one with `models_in_process=True`
+(executor.local_worker; a call that finds its model idle runs in the caller's thread, executor.direct). Rows,
+interleaved round by round (each row's best median kept):
+  raw onnxruntime          session.run in this thread, built as gpud's worker builds it (bench/serving/ort_session.py)
+  infer, workers           Server.infer, a synchronous call from this thread, the model in a worker process
+  infer_async, workers     the same from an asyncio loop (uvloop) in this thread
+  infer, in process        Server.infer with models_in_process=True
+  infer_async, in process  the same from an asyncio loop
+  API floor                the workers' server with its core answering at once from a cached response: the hand-off
+                           to the server's thread and back, and the request built from the arrays
 Then: where a served call's time goes (the model's statistics over the measured calls), what the copies in and out
-of shared memory cost at a few sizes, and `--threads` callers at once (the rows per batch that formed).
-Target: Server.infer p50 within 50 us of raw onnxruntime's.
+of shared memory cost at a few sizes, and `--threads` callers at once (the rows per batch that formed), both ways.
+Target: Server.infer p50 within 50 us of raw onnxruntime's (with the models in process: the worker processes cost
+a process round trip per call by design).
 """
 from __future__ import annotations
 
@@ -112,26 +115,6 @@ def _nothing() -> None:
     pass
 
 
-class InLoop(Floor):
-    """Makes the server's core run the session itself, in the server's thread, and answer at once: no batcher and no
-    worker process. What an instance executed in the application's process could cost at best (an estimate: gpud
-    has no such instance)."""
-
-    def __init__(self, server: gpud.Server, session):
-        super().__init__(server)
-        self.session = session
-
-    def __enter__(self):
-        from executor.types import InferResponse, InferTensor
-
-        def submit(request, done):
-            (out,) = self.session.run(None, {t.name: t.data for t in request.inputs})
-            done(InferResponse(request.model_name, "1", [InferTensor("output", "FP32", out.shape, out)]))
-            return _nothing
-        self.core.submit = submit
-        return self
-
-
 def stats_per_request_us(server: gpud.Server) -> dict[str, tuple[int, int]]:
     s = server.model_statistics(MODEL)[0].stats
     return {k: (d.count, d.ns) for k, d in (("queue", s.queue), ("compute_input", s.compute_input),
@@ -192,6 +175,11 @@ def threads_point(server: gpud.Server, threads: int, seconds: float) -> tuple[fl
     return sum(counts) / elapsed, rows / max(1, batches)
 
 
+ROWS = ("raw onnxruntime", "infer, workers", "infer_async, workers", "infer, in process", "infer_async, in process",
+        "API floor")
+PHASES = ("queue", "compute_input", "compute_infer", "compute_output", "success")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=3000, help="measured calls per row and round (after warm-up)")
@@ -201,6 +189,7 @@ def main() -> int:
     args = p.parse_args()
 
     x = np.random.default_rng(0).random((1, 256), dtype=np.float32)
+    options = dict(placement_control="off", load_model=[MODEL], model_control_mode="explicit")
     with tempfile.TemporaryDirectory(prefix="gpud-inprocess-bench-") as repo:
         paths = models.write_repository(repo)
         session = make_session(paths[MODEL])
@@ -209,37 +198,42 @@ def main() -> int:
             loop = uvloop.new_event_loop()
         except ImportError:
             loop = asyncio.new_event_loop()
-        with gpud.Server(repo, placement_control="off", load_model=[MODEL], model_control_mode="explicit") as server:
-            rows = {"raw onnxruntime": lambda n: time_raw(session, x, n),
-                    "Server.infer": lambda n: time_infer(server, x, n),
-                    "Server.infer_async": lambda n: time_infer_async(loop, server, x, n)}
+        with gpud.Server(repo, **options) as workers, gpud.Server(repo, models_in_process=True, **options) as local:
+            servers = {"workers": workers, "in process": local}
+            rows = {"raw onnxruntime": lambda n: time_raw(session, x, n)}
+            for way, server in servers.items():
+                rows[f"infer, {way}"] = lambda n, server=server: time_infer(server, x, n)
+                rows[f"infer_async, {way}"] = lambda n, server=server: time_infer_async(loop, server, x, n)
             best: dict[str, float] = {}
             means: dict[str, float] = {}
-            decomposition: dict[str, float] = {}
+            decomposition: dict[str, dict[str, float]] = {}
             for _ in range(args.repeat):
                 for label, measure in rows.items():
+                    server = servers.get(label.split(", ")[-1])
                     measure(300)
-                    before = stats_per_request_us(server)
+                    before = stats_per_request_us(server) if server else None
                     samples = measure(args.requests)
-                    after = stats_per_request_us(server)
-                    if label == "Server.infer" and _median_us(samples) <= best.get(label, float("inf")):
-                        decomposition = {k: (after[k][1] - before[k][1]) / max(1, after[k][0] - before[k][0]) / 1e3
-                                         for k in ("queue", "compute_input", "compute_infer", "compute_output",
-                                                   "success")}
-                        decomposition["rows per batch"] = ((after["rows"][0] - before["rows"][0])
-                                                           / max(1, after["batches"][0] - before["batches"][0]))
-                    if _median_us(samples) < best.get(label, float("inf")):
-                        best[label] = _median_us(samples)
-                        means[label] = statistics.fmean(samples) / 1e3
-                for label, patch in (("API floor", Floor(server)), ("in-loop onnxruntime", InLoop(server, session))):
-                    with patch:
-                        time_infer(server, x, 300)
-                        samples = time_infer(server, x, args.requests)
-                    if _median_us(samples) < best.get(label, float("inf")):
-                        best[label] = _median_us(samples)
-                        means[label] = statistics.fmean(samples) / 1e3
-            threads = threads_point(server, args.threads, args.seconds) if args.threads else None
-            single = threads_point(server, 1, args.seconds) if args.threads else None
+                    if _median_us(samples) >= best.get(label, float("inf")):
+                        continue
+                    best[label] = _median_us(samples)
+                    means[label] = statistics.fmean(samples) / 1e3
+                    if server is not None and label.startswith("infer,"):
+                        after = stats_per_request_us(server)
+                        decomposition[label] = {
+                            k: (after[k][1] - before[k][1]) / max(1, after[k][0] - before[k][0]) / 1e3 for k in PHASES}
+                        decomposition[label]["rows per batch"] = ((after["rows"][0] - before["rows"][0])
+                                                                  / max(1, after["batches"][0] - before["batches"][0]))
+                with Floor(workers):
+                    time_infer(workers, x, 300)
+                    samples = time_infer(workers, x, args.requests)
+                if _median_us(samples) < best.get("API floor", float("inf")):
+                    best["API floor"] = _median_us(samples)
+                    means["API floor"] = statistics.fmean(samples) / 1e3
+            points = {}
+            if args.threads:
+                for way, server in servers.items():
+                    points[way] = (threads_point(server, args.threads, args.seconds),
+                                   threads_point(server, 1, args.seconds))
         loop.close()
     copy_rows = copies([1024, 64, 3 * 224 * 224 * 4, 4 << 20])
 
@@ -249,27 +243,28 @@ def main() -> int:
           f"--seconds {args.seconds:g}")
     print(f"# model {MODEL} (bench/serving/models.py), one 1x256 FP32 row per call, one caller; best median of "
           f"{args.repeat} interleaved rounds")
-    print(f"{'row':20s} {'p50 us':>8s} {'mean us':>8s} {'/ raw':>7s} {'- raw us':>9s}")
-    for label in ("raw onnxruntime", "Server.infer", "Server.infer_async", "API floor", "in-loop onnxruntime"):
-        print(f"{label:20s} {best[label]:8.1f} {means[label]:8.1f} {best[label] / raw:7.2f} {best[label] - raw:9.1f}")
-    gap = best["Server.infer"] - raw
-    print(f"# target: Server.infer p50 within {TARGET_US:.0f} us of raw: {'PASS' if gap <= TARGET_US else 'FAIL'} "
-          f"({gap:.1f} us)")
-    print("# a served call, per request (model statistics, the best Server.infer round): "
-          + ", ".join(f"{k} {v:.1f}" + ("" if k == "rows per batch" else " us") for k, v in decomposition.items()))
-    phases = sum(decomposition.get(k, 0.0) for k in ("queue", "compute_input", "compute_infer", "compute_output"))
-    print(f"# where a Server.infer call goes: hand-off to the server's thread and back ~ API floor "
-          f"{best['API floor']:.1f} us; inside gpud (success) {decomposition.get('success', 0.0):.1f} us = the "
-          f"phases above {phases:.1f} us + {decomposition.get('success', 0.0) - phases:.1f} us the statistics do "
-          "not split (the worker round trip: two process wake-ups, the messages); the rest "
-          f"{best['Server.infer'] - best['API floor'] - decomposition.get('success', 0.0):.1f} us")
+    print(f"{'row':24s} {'p50 us':>8s} {'mean us':>8s} {'/ raw':>7s} {'- raw us':>9s}")
+    for label in ROWS:
+        print(f"{label:24s} {best[label]:8.1f} {means[label]:8.1f} {best[label] / raw:7.2f} {best[label] - raw:9.1f}")
+    for way in servers:
+        gap = best[f"infer, {way}"] - raw
+        print(f"# target: Server.infer ({way}) p50 within {TARGET_US:.0f} us of raw: "
+              f"{'PASS' if gap <= TARGET_US else 'FAIL'} ({gap:.1f} us)")
+    for label, phases in decomposition.items():
+        print(f"# {label}, per request (model statistics, its best round): "
+              + ", ".join(f"{k} {v:.1f}" + ("" if k == "rows per batch" else " us") for k, v in phases.items()))
+    phases = decomposition.get("infer, workers", {})
+    inside = sum(phases.get(k, 0.0) for k in PHASES[:-1])
+    print(f"# where a call with workers goes: hand-off to the server's thread and back ~ API floor "
+          f"{best['API floor']:.1f} us; inside gpud (success) {phases.get('success', 0.0):.1f} us = the phases above "
+          f"{inside:.1f} us + {phases.get('success', 0.0) - inside:.1f} us the statistics do not split (the worker "
+          "round trip: two process wake-ups, the messages)")
     print("# copies (shared memory in, out; medians):")
     for size, into, out_of in copy_rows:
         print(f"#   {size:>9d} bytes: in {into:7.2f} us, out {out_of:7.2f} us")
-    if threads is not None:
-        print(f"# {args.threads} threads calling infer at once: {threads[0]:.0f} req/s, {threads[1]:.1f} rows per "
-              f"batch; one thread: {single[0]:.0f} req/s, {single[1]:.1f} rows per batch "
-              f"({threads[0] / single[0]:.2f}x)")
+    for way, ((many, many_rows), (one, one_rows)) in points.items():
+        print(f"# {way}: {args.threads} threads calling infer at once: {many:.0f} req/s, {many_rows:.1f} rows per "
+              f"batch; one thread: {one:.0f} req/s, {one_rows:.1f} rows per batch ({many / one:.2f}x)")
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -12,7 +13,10 @@ from executor.sequence_config import execution_config
 from executor.shm import Segment, new_segment_name
 
 if TYPE_CHECKING:
+    from executor.local_worker import LocalWorker
     from executor.supervisor import WorkerSupervisor
+
+log = logging.getLogger("gpud.executor")
 
 
 @dataclass(eq=False)
@@ -27,7 +31,7 @@ class InstanceHandle:
     model_path: str
     config: ModelConfig
     estimate_bytes: int
-    worker: WorkerSupervisor | None = None
+    worker: WorkerSupervisor | LocalWorker | None = None
     ready: bool = False
     memory_bytes: int | None = None  # measured at load
     measured_by: str = ""
@@ -38,6 +42,25 @@ class InstanceHandle:
     out_seg: Segment | None = None
     on_ready_change: Callable[[InstanceHandle], None] | None = None
     _load_future: asyncio.Future[Loaded | LoadFailed] | None = None
+
+    def apply_load_reply(self, reply: Loaded | LoadFailed) -> None:
+        """The instance is loaded (ready, its footprint measured) or not (`error` says why); logged, and its
+        scheduler told."""
+        if isinstance(reply, Loaded):
+            self.memory_bytes = reply.memory_bytes
+            self.measured_by = reply.measured_by
+            self.load_seconds = reply.load_seconds
+            self.provider = reply.provider
+            self.error = ""
+            self.ready = True
+            log.info("instance %s on %s: loaded in %.2f s with %s, footprint %.1f MiB (%s)", self.key, self.device_id,
+                     self.load_seconds, self.provider, self.footprint_bytes / 2**20, self.measured_by)
+        else:
+            self.error = reply.error
+            self.ready = False
+            log.error("instance %s on %s: load failed: %s", self.key, self.device_id, self.error)
+        if self.on_ready_change:
+            self.on_ready_change(self)
 
     @property
     def footprint_bytes(self) -> int:

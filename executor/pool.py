@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from executor.device import WorkerDevice
 from executor.instance import InstanceHandle
+from executor.local_worker import LocalWorker
 from executor.supervisor import DEFAULT_WORKER_HANG_S, CrashLoop, WorkerSupervisor
 from executor.types import InferenceError
 
@@ -24,28 +25,35 @@ class ExecutorPool:
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
                  worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO,
-                 worker_hang_s: float = DEFAULT_WORKER_HANG_S, crash_loop: CrashLoop = CrashLoop()):
+                 worker_hang_s: float = DEFAULT_WORKER_HANG_S, crash_loop: CrashLoop = CrashLoop(),
+                 in_process: bool = False):
+        """`in_process`: devices without CUDA (the CPU, simulated GPUs) run their instances in this process
+        (executor.local_worker) instead of a worker process: the in-process server's option."""
+        self.in_process = in_process
         self.crash_loop = crash_loop  # deaths within a window after which a device's worker is given up on
         self.clock = clock
         self.worker_start_timeout_s = worker_start_timeout_s
         self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
         self.worker_log_level = worker_log_level
-        self.workers: dict[str, WorkerSupervisor] = {}
+        self.workers: dict[str, WorkerSupervisor | LocalWorker] = {}
         self._start_locks: dict[str, asyncio.Lock] = {}
 
-    async def _worker(self, device: WorkerDevice) -> WorkerSupervisor:
+    async def _worker(self, device: WorkerDevice) -> WorkerSupervisor | LocalWorker:
         lock = self._start_locks.setdefault(device.id, asyncio.Lock())
         async with lock:
             worker = self.workers.get(device.id)
             if worker is None:
-                worker = WorkerSupervisor(device, clock=self.clock,
-                                          start_timeout_s=self.worker_start_timeout_s, hang_s=self.worker_hang_s,
-                                          log_level=self.worker_log_level, crash_loop=self.crash_loop)
+                if self.in_process and not device.has_cuda:
+                    worker = LocalWorker(device, clock=self.clock)
+                else:
+                    worker = WorkerSupervisor(device, clock=self.clock, start_timeout_s=self.worker_start_timeout_s,
+                                              hang_s=self.worker_hang_s, log_level=self.worker_log_level,
+                                              crash_loop=self.crash_loop)
                 await worker.start()
                 self.workers[device.id] = worker
             return worker
 
-    async def start_worker(self, device: WorkerDevice) -> WorkerSupervisor:
+    async def start_worker(self, device: WorkerDevice) -> WorkerSupervisor | LocalWorker:
         """`device`'s worker, started first if it is not running (InferenceError when it cannot start)."""
         return await self._worker(device)
 

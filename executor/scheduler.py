@@ -17,6 +17,7 @@ import numpy as np
 
 from executor import protocol
 from executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
+from executor.direct import direct_capable
 from executor.instance import InstanceHandle
 from executor.model_config import ModelConfig
 from executor.stats import ModelStats
@@ -221,6 +222,7 @@ class ModelScheduler(SchedulerBase):
         self._running: dict[InstanceHandle, list[_Pending]] = {}
         self._polled_s = 0.0
         self._output_types = {o.name: o.datatype for o in config.outputs}
+        self.direct_capable = direct_capable(config)  # executor.direct may run a lone request in its caller
 
     def _queued_requests(self) -> int:
         return len(self.queue)
@@ -274,6 +276,35 @@ class ModelScheduler(SchedulerBase):
                 for inst in list(self._running):
                     inst.worker.poll()
         return pending
+
+    # --- a request run by its caller (executor.direct; the loop's lock held) -----------------------------------
+    def begin_direct(self, request: InferRequest, done: Done, inst: InstanceHandle) -> tuple[_Pending, bool]:
+        """Queue `request` as submit does and ask the batcher now; True when it dispatched this request alone, and
+        `inst` (the first free instance) is then taken for it. False: it stays queued for the loop."""
+        prepared = self._prepare(request)
+        pending = _Pending(request, prepared, done, time.perf_counter_ns())
+        queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
+                               priority=request.priority, timeout_us=request.timeout_us)
+        self.queue.enqueue(queued)
+        pending.queued = queued
+        decision = self.queue.decide(len(self._free))
+        if not isinstance(decision, Dispatch):
+            return pending, False
+        pending.queued = None
+        self._free.remove(inst)
+        self._running[inst] = [pending]
+        pending.dispatch_ns = time.perf_counter_ns()
+        return pending, True
+
+    def end_direct(self, inst: InstanceHandle) -> None:
+        """The caller's run on `inst` is over: the instance is free again (if it still serves)."""
+        self._running.pop(inst, None)
+        if inst.ready and inst in self.instances:
+            self._free.append(inst)
+
+    def needs_step(self) -> bool:
+        """Whether the loop has work after a caller's run: requests queued meanwhile, or a wait for idleness."""
+        return bool(self.queue) or bool(self._idle_waiters)
 
     def cancel(self, pending: _Pending) -> None:
         """The client went away: if the request is still queued it never runs; its callback is not called."""

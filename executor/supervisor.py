@@ -275,21 +275,7 @@ class WorkerSupervisor:
         self.send(Load(inst.key, inst.model_path, execution_config(inst.config)))  # a sequence model's controls too
         reply = await inst._load_future
         inst._load_future = None
-        if isinstance(reply, Loaded):
-            inst.memory_bytes = reply.memory_bytes
-            inst.measured_by = reply.measured_by
-            inst.load_seconds = reply.load_seconds
-            inst.provider = reply.provider
-            inst.error = ""
-            inst.ready = True
-            log.info("instance %s on %s: loaded in %.2f s with %s, footprint %.1f MiB (%s)", inst.key, inst.device_id,
-                     inst.load_seconds, inst.provider, inst.footprint_bytes / 2**20, inst.measured_by)
-        else:
-            inst.error = reply.error
-            inst.ready = False
-            log.error("instance %s on %s: load failed: %s", inst.key, inst.device_id, inst.error)
-        if inst.on_ready_change:
-            inst.on_ready_change(inst)
+        inst.apply_load_reply(reply)
 
     def send(self, msg: ToWorker) -> None:
         if self.channel is None:

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from executor.backend import Backends, LoadOptions, ModelInstance
 from executor.device import WorkerDevice
@@ -24,7 +25,7 @@ from executor.shm import Segment
 log = logging.getLogger("gpud.worker")
 
 
-class _SegmentCache:
+class SegmentCache:
     """Attached segments by name; a slot that got a new (bigger) segment drops its old mapping."""
 
     def __init__(self) -> None:
@@ -68,6 +69,54 @@ def _device_memory_used_bytes() -> int | None:
         return None
 
 
+def load_instance(backends: Backends, device: WorkerDevice, load_lock: threading.Lock,
+                  msg: Load) -> tuple[ModelInstance | None, Loaded | LoadFailed]:
+    """Load one instance and run it once; the model (None when the load failed) and the reply that says so. Its
+    footprint is what the device's memory (or, on the CPU, the process's RSS) grew by, one load at a time."""
+    config = msg.config
+    start_s = time.monotonic()
+    model = None
+    try:
+        backend = backends.for_config(config)  # an unsupported one fails the load, saying why
+        with load_lock:  # one load at a time, so memory deltas belong to this instance
+            before_dev = _device_memory_used_bytes() if device.has_cuda else None
+            before_rss = _rss_bytes()
+            model = backend.load(msg.model_path, config, device, LoadOptions(intra_op_threads=msg.intra_op_threads))
+            feed = model.warmup_feed()
+            if feed is not None:
+                # One warm-up run: the first request should not pay for allocator growth, and the footprint we
+                # measure should include the working memory of a real run.
+                model.run(feed, [o.name for o in config.outputs])
+            if before_dev is not None:
+                after_dev = _device_memory_used_bytes()
+                memory_bytes, measured_by = max(0, (after_dev or before_dev) - before_dev), "device_memory"
+            else:
+                memory_bytes, measured_by = max(0, _rss_bytes() - before_rss), "process_rss"
+    except Exception as exc:  # a bad model must not take down the worker
+        if model is not None:
+            model.close()
+        return None, LoadFailed(msg.key, f"{type(exc).__name__}: {exc}")
+    return model, Loaded(msg.key, memory_bytes, measured_by, time.monotonic() - start_s, model.provider)
+
+
+def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infer, key: str = "") -> Done | Failed:
+    """Run one batch whose inputs lie in shared memory (`segment(name)` maps a segment), its outputs written there;
+    Done with where they lie and what each phase took, or Failed saying why."""
+    try:
+        t0 = time.perf_counter_ns()
+        feed = read_inputs(segment(msg.in_seg), msg.inputs)
+        t1 = time.perf_counter_ns()
+        results = model.run(feed, msg.outputs)
+        t2 = time.perf_counter_ns()
+        outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results)
+        t3 = time.perf_counter_ns()
+    except Exception as exc:
+        kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
+        log.debug("instance %s: batch %s failed:\n%s", key or msg.key, msg.seq, traceback.format_exc())
+        return Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}")
+    return Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2)
+
+
 class _Instance:
     def __init__(self, key: str, worker: "Worker"):
         self.key = key
@@ -95,48 +144,11 @@ class _Instance:
                 self.queued -= 1
 
     def _load(self, msg: Load) -> None:
-        config = msg.config
-        start_s = time.monotonic()
-        try:
-            backend = self.worker.backends.for_config(config)  # an unsupported one fails the load, saying why
-            with self.worker.load_lock:  # one load at a time, so memory deltas belong to this instance
-                before_dev = _device_memory_used_bytes() if self.worker.device.has_cuda else None
-                before_rss = _rss_bytes()
-                self.model = backend.load(msg.model_path, config, self.worker.device,
-                                          LoadOptions(intra_op_threads=msg.intra_op_threads))
-                feed = self.model.warmup_feed()
-                if feed is not None:
-                    # One warm-up run: the first request should not pay for allocator growth, and the footprint we
-                    # measure should include the working memory of a real run.
-                    self.model.run(feed, [o.name for o in config.outputs])
-                if before_dev is not None:
-                    after_dev = _device_memory_used_bytes()
-                    memory_bytes, measured_by = max(0, (after_dev or before_dev) - before_dev), "device_memory"
-                else:
-                    memory_bytes, measured_by = max(0, _rss_bytes() - before_rss), "process_rss"
-        except Exception as exc:  # a bad model must not take down the worker
-            self.model = None
-            self.worker.send(LoadFailed(self.key, f"{type(exc).__name__}: {exc}"))
-            return
-        self.worker.send(Loaded(self.key, memory_bytes, measured_by, time.monotonic() - start_s,
-                                self.model.provider))
+        self.model, reply = load_instance(self.worker.backends, self.worker.device, self.worker.load_lock, msg)
+        self.worker.send(reply)
 
     def _infer(self, msg: Infer) -> None:
-        try:
-            t0 = time.perf_counter_ns()
-            feed = read_inputs(self.worker.segments.get(msg.in_seg), msg.inputs)
-            t1 = time.perf_counter_ns()
-            results = self.model.run(feed, msg.outputs)
-            t2 = time.perf_counter_ns()
-            outputs, ovf_seg = write_outputs(self.worker.segments.get(msg.out_seg), msg.outputs, msg.output_types,
-                                             results)
-            t3 = time.perf_counter_ns()
-        except Exception as exc:
-            kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
-            log.debug("instance %s: batch %s failed:\n%s", self.key, msg.seq, traceback.format_exc())
-            self.worker.send(Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}"))
-            return
-        self.worker.send(Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2))
+        self.worker.send(run_batch(self.model, self.worker.segments.get, msg, self.key))
 
 
 class Worker:
@@ -144,7 +156,7 @@ class Worker:
         self.conn = conn
         self.device = device
         self.backends = backends if backends is not None else Backends()
-        self.segments = _SegmentCache()
+        self.segments = SegmentCache()
         self.load_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.instances: dict[str, _Instance] = {}

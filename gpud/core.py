@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from executor.direct import DirectRun, start_direct
 from executor.pool import ExecutorPool
 from executor.scheduler import ModelScheduler
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
@@ -193,6 +194,25 @@ class GpudCore:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         return await self._ready_scheduler(request).infer(request)
+
+    def submit_direct(self, request: InferRequest, done,
+                      loop: asyncio.AbstractEventLoop) -> DirectRun | Callable[[], None] | None:
+        """The in-process server's call from its caller's thread, with the loop's lock held (executor.direct): a
+        DirectRun for the caller to execute; or the cancel of a request queued the loop's way (`done` answers it);
+        or None when the request was not taken (a model not served and ready here as a plain, idle one: the
+        caller submits it, and gets the loop's answer or error)."""
+        if self.stopping or request.model_name not in self.registry.models:
+            return None
+        try:
+            vs = self.registry.version(request.model_name, request.model_version)
+        except InferenceError:
+            return None
+        if vs.scaled_to_zero or not vs.ready:
+            return None
+        started = start_direct(vs.scheduler, request, done, loop)
+        if started is None or isinstance(started, DirectRun):
+            return started
+        return partial(vs.scheduler.cancel, started)
 
     # --- gpud's own views ------------------------------------------------------------------------------------
     def snapshot(self) -> ServingSnapshot:

@@ -101,7 +101,7 @@ def repository_path(configured: str | None) -> str:
 
 
 def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
-          worker_log_level: int | None = None) -> Components:
+          worker_log_level: int | None = None, models_in_process: bool = False) -> Components:
     """Every component, each from what exists before it; starts nothing. `views`: more sections of inspect (the
     daemon's reload). ValueError for a repository or node description it cannot use."""
     settings = prepared.settings
@@ -110,7 +110,8 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     # The pool reports what its instances hold and how busy its workers are: the simulated devices' and the CPU's
     # readings. It is described each device by the first instance placed there, so it comes first.
     pool = ExecutorPool(worker_log_level=logging.getLogger().level if worker_log_level is None else worker_log_level,
-                        worker_hang_s=settings.worker_hang_seconds, crash_loop=crash_loop)
+                        worker_hang_s=settings.worker_hang_seconds, crash_loop=crash_loop,
+                        in_process=models_in_process)
     devices = discover(settings.node, pool)
     leaves = devices.leaf_devices()
     metrics_registry = CollectorRegistry()

@@ -39,9 +39,12 @@ def repo(tmp_path_factory):
     return repo
 
 
-@pytest.fixture(scope="module")
-def server(repo):
-    with gpud.Server(repo, node=NODE, model_control_mode="explicit", load_model=["*"], metrics_port=0) as s:
+@pytest.fixture(scope="module", params=[False, True], ids=["worker-processes", "models-in-process"])
+def server(repo, request):
+    """Both ways of running the models: in the device worker processes (the default), and in this process
+    (models_in_process: executor.local_worker, with idle models' calls run in the caller's thread)."""
+    with gpud.Server(repo, node=NODE, model_control_mode="explicit", load_model=["*"], metrics_port=0,
+                     models_in_process=request.param) as s:
         yield s
 
 

@@ -87,7 +87,10 @@ class Waiter:
         self.waiting = waiting
 
     def done(self, result: InferResponse | InferenceError) -> None:
+        """The answer; a second one (the server stopping while a caller's own run ends) is dropped."""
         self.waiting.discard(self)
+        if self.result is not None:
+            return
         self.result = result
         self.lock.release()
 

@@ -1,0 +1,220 @@
+"""Models run in the application's process (gpud.Server(models_in_process=True): executor.local_worker) and calls that
+find their model idle run in the caller's thread (executor.direct): where each batch runs, that the answers and the
+statistics are the loop's, and that unload and stop wait for a caller's run."""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import gpud
+from executor.local_worker import LocalWorker, runs_inline
+from executor.types import ErrorKind, InferenceError
+from gpud.examples import write_example_repository
+from tests.daemon_harness import ROOT, SLOW_CONFIG, save, slow_model, wait_for
+
+pytestmark = pytest.mark.slow
+NODE = str(ROOT / "config/nodes/dgx-a100-2gpu-mig.yaml")
+ALONE_CONFIG = """
+max_batch_size: 64
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    write_example_repository(repo)
+    save(slow_model(width=512, layers=300), repo, "slow", SLOW_CONFIG)
+    save(slow_model(width=512, layers=3000), repo, "slow_alone", ALONE_CONFIG)  # 64 rows: about half a second
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    with gpud.Server(repo, node=NODE, placement_control="off", model_control_mode="explicit", load_model=["*"],
+                     models_in_process=True) as s:
+        yield s
+
+
+def _instance(server, model: str):
+    (inst,) = server._parts.registry.version(model, "").scheduler.instances
+    return inst
+
+
+class Recorder:
+    """Wraps an instance's model: the threads its batches ran on, and an error to raise once."""
+
+    def __init__(self, server, model: str):
+        self.inst = _instance(server, model)
+        self.model = self.inst.worker._local[self.inst.key].model
+        self.threads: list[str] = []
+        self.fail_next: Exception | None = None
+
+    def __enter__(self) -> Recorder:
+        real = type(self.model).run.__get__(self.model)
+
+        def run(feed, names):
+            self.threads.append(threading.current_thread().name)
+            if self.fail_next is not None:
+                exc, self.fail_next = self.fail_next, None
+                raise exc
+            return real(feed, names)
+        self.model.run = run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.run
+
+
+def _stats(server, model: str):
+    return server.model_statistics(model)[0].stats
+
+
+def _reference(repo, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, inputs)))
+
+
+def _pending(server, model: str) -> int:
+    return next(m["pending_requests"] for m in server.inspect()["models"] if m["name"] == model)
+
+
+def test_instances_run_in_this_process(server):
+    workers = server.inspect()["workers"]
+    assert workers and all(w["pid"] == os.getpid() and w["alive"] for w in workers)
+    assert all(isinstance(w, LocalWorker) for w in server._parts.pool.workers.values())
+
+
+def test_an_idle_models_call_runs_in_the_callers_thread(server, repo):
+    x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    before = _stats(server, "mlp")
+    with Recorder(server, "mlp") as rec:
+        got = server.infer("mlp", {"input": x})
+    assert rec.threads == [threading.current_thread().name]
+    np.testing.assert_allclose(got["output"], _reference(repo, "mlp", {"input": x})["output"], rtol=1e-5, atol=1e-6)
+    after = _stats(server, "mlp")
+    assert (after.inference_count - before.inference_count, after.execution_count - before.execution_count) == (1, 1)
+    assert after.success.count - before.success.count == 1
+    assert after.compute_infer.count - before.compute_infer.count == 1
+    assert _pending(server, "mlp") == 0
+
+
+def test_the_loops_path_runs_short_batches_on_the_loop_and_long_ones_on_the_instances_thread(server):
+    # A call with a timeout goes the loop's way (a caller's own run could not be given up on). The mlp's batch takes
+    # well under a millisecond: the loop's thread runs it. slow_alone's 64 rows take much longer: its own thread.
+    x = np.zeros((1, 256), np.float32)
+    with Recorder(server, "mlp") as rec:
+        server.infer("mlp", {"input": x}, timeout=60)
+    assert rec.threads == ["gpud-server"]
+    with Recorder(server, "slow_alone") as rec:
+        server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
+        server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
+    assert [t.startswith("instance-") for t in rec.threads] == [True, True], rec.threads
+
+
+def test_runs_inline_scales_the_last_batch_by_rows():
+    assert runs_inline(0.0002, 1, 1, 0.001)
+    assert runs_inline(0.0002, 1, 5, 0.001) and not runs_inline(0.0002, 1, 6, 0.001)
+    assert runs_inline(0.0008, 8, 4, 0.001)  # fewer rows than last time: never estimated below the last batch
+    assert not runs_inline(0.0012, 8, 1, 0.001)
+
+
+def test_a_failing_run_fails_that_request_only(server):
+    x = np.zeros((1, 256), np.float32)
+    before = _stats(server, "mlp")
+    with Recorder(server, "mlp") as rec:
+        rec.fail_next = RuntimeError("boom")
+        with pytest.raises(InferenceError, match="model 'mlp' failed: RuntimeError: boom") as caught:
+            server.infer("mlp", {"input": x})
+        assert caught.value.kind is ErrorKind.INTERNAL
+        assert server.infer("mlp", {"input": x})["output"].shape == (1, 16)
+    after = _stats(server, "mlp")
+    assert (after.fail.count - before.fail.count, after.success.count - before.success.count) == (1, 1)
+
+
+def test_threads_at_once_batch_and_each_gets_its_rows(server, repo):
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal((1, 512)).astype(np.float32) for _ in range(24)]
+    barrier = threading.Barrier(len(rows))
+    before = _stats(server, "slow")
+
+    def one(x: np.ndarray) -> np.ndarray:
+        barrier.wait(timeout=60)
+        return server.infer("slow", {"x": x})["y"]
+
+    with ThreadPoolExecutor(len(rows)) as pool:
+        got = list(pool.map(one, rows))
+    want = _reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-5)
+    after = _stats(server, "slow")
+    assert after.inference_count - before.inference_count == 24
+    assert after.execution_count - before.execution_count < 24, "nothing was batched"
+    assert _pending(server, "slow") == 0
+
+
+def test_unload_waits_for_a_callers_run(repo, tmp_path):
+    small = tmp_path / "repo"
+    save(slow_model(width=512, layers=3000), small, "slow_alone", ALONE_CONFIG)
+    x = np.random.default_rng(1).standard_normal((64, 512)).astype(np.float32)
+    with gpud.Server(small, node=NODE, placement_control="off", model_control_mode="explicit",
+                     load_model=["slow_alone"], models_in_process=True) as s:
+        with Recorder(s, "slow_alone") as rec, ThreadPoolExecutor(1) as caller:
+            caller_name = caller.submit(lambda: threading.current_thread().name).result()
+            running = caller.submit(s.infer, "slow_alone", {"x": x})
+            wait_for(lambda: _pending(s, "slow_alone") == 1, 60, "the caller's run to start")
+            s.unload_model("slow_alone")  # returns once the instance is closed: after the run
+            assert running.done()
+            np.testing.assert_allclose(running.result()["y"], _reference(small, "slow_alone", {"x": x})["y"],
+                                       rtol=1e-5, atol=1e-5)
+        assert rec.threads == [caller_name]
+        assert not s.model_ready("slow_alone")
+
+
+def test_stop_answers_a_callers_run_and_fails_what_queued(tmp_path):
+    small = tmp_path / "repo"
+    save(slow_model(width=512, layers=3000), small, "slow_alone", ALONE_CONFIG)
+    s = gpud.Server(small, node=NODE, placement_control="off", models_in_process=True).start()
+    callers = ThreadPoolExecutor(2)
+    rec = Recorder(s, "slow_alone").__enter__()
+    running = callers.submit(s.infer, "slow_alone", {"x": np.zeros((64, 512), np.float32)})
+    wait_for(lambda: _pending(s, "slow_alone") == 1, 60, "the first request to be in flight")
+    assert rec.threads and rec.threads[0].startswith("ThreadPoolExecutor")  # the caller's own run
+    queued = callers.submit(s.infer, "slow_alone", {"x": np.zeros((1, 512), np.float32)})
+    wait_for(lambda: _pending(s, "slow_alone") == 2, 60, "the second request to be queued")
+    s.stop(drain_timeout_s=0)
+    assert not s._thread.is_alive()
+    assert running.result(timeout=60)["y"].shape == (64, 512)
+    with pytest.raises(InferenceError, match="the server is shutting down"):
+        queued.result(timeout=60)
+    callers.shutdown()
+
+
+def test_a_pipeline_and_a_sequence_model_with_models_in_process(tmp_path):
+    """An ensemble's steps and a sequence model's batches go the loop's way, to instances in this process."""
+    from gpud.examples import write_pipeline_example
+    from tests.sequence_models import accumulator_config, accumulator_model
+
+    write_pipeline_example(tmp_path)
+    save(accumulator_model(), tmp_path, "acc", accumulator_config())
+    image = np.arange(32, dtype=np.uint8).reshape(2, 16)
+    with gpud.Server(tmp_path, node=NODE, placement_control="off", models_in_process=True) as s:
+        got = s.infer("pipeline", {"IMAGE": image})
+        features = s.infer("preprocess", {"raw": image})["features"]
+        logits = s.infer("classifier", {"features": features})["logits"]
+        want = s.infer("postprocess", {"logits": logits})
+        np.testing.assert_allclose(got["PROBABILITIES"], want["probabilities"], rtol=1e-6)
+        np.testing.assert_array_equal(got["LABEL"], want["label"])
+
+        def step(seq: int, value: int, start: bool = False, end: bool = False) -> int:
+            out = s.infer("acc", {"INPUT": np.array([[value]], np.int32)},
+                          parameters={"sequence_id": seq, "sequence_start": start, "sequence_end": end})
+            return int(out["OUTPUT"][0, 0])
+
+        assert [step(1, 1, start=True), step(2, 10, start=True), step(1, 2, end=True), step(2, 20),
+                step(2, 30, end=True)] == [1, 10, 3, 30, 60]
