@@ -210,6 +210,9 @@ def test_a_pipeline_and_a_sequence_model_with_models_in_process(tmp_path):
         want = s.infer("postprocess", {"logits": logits})
         np.testing.assert_allclose(got["PROBABILITIES"], want["probabilities"], rtol=1e-6)
         np.testing.assert_array_equal(got["LABEL"], want["label"])
+        only = s.infer("postprocess", {"logits": logits}, outputs=["label"])  # an idle model: the caller's run
+        assert list(only) == ["label"]
+        np.testing.assert_array_equal(only["label"], want["label"])
 
         def step(seq: int, value: int, start: bool = False, end: bool = False) -> int:
             out = s.infer("acc", {"INPUT": np.array([[value]], np.int32)},
