@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from typing import Any, Callable
@@ -45,6 +46,28 @@ def batching_mode(config: ModelConfig) -> str:
 
 Done = Callable[[Any], None]
 """Called once with the request's InferResponse or its InferenceError."""
+
+
+class _Delivery(threading.local):
+    """A batch's answers being delivered on this thread. A request one of them submits to another model (an
+    ensemble's next step) is queued at once but batched only when the last answer is out: stepping its scheduler
+    on the first would send that one alone to a free instance and the rest of the batch after it."""
+
+    depth = 0
+
+    def __init__(self) -> None:
+        self.deferred: dict[ModelScheduler, None] = {}  # schedulers to step, in the order their requests came
+
+
+_delivery = _Delivery()
+
+
+def _step_deferred() -> None:
+    deferred = _delivery.deferred
+    while deferred:
+        scheduler = next(iter(deferred))
+        del deferred[scheduler]
+        scheduler._step()
 
 
 class _Pending:
@@ -182,15 +205,21 @@ class SchedulerBase:
         name, version = self.config.name, self.version
         all_outputs = len(self.config.outputs)
         compute_ns = (input_ns, infer_ns, output_ns)
-        for p, tensors in zip(batch, per_request):
-            prepared = p.prepared
-            rows += prepared.batch_rows
-            if len(prepared.output_names) != all_outputs:
-                wanted = set(prepared.output_names)
-                tensors = [t for t in tensors if t.name in wanted]
-            queue_ns.append(p.dispatch_ns - p.arrival_ns)
-            request_ns.append(now_ns - p.arrival_ns)
-            p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
+        _delivery.depth += 1
+        try:
+            for p, tensors in zip(batch, per_request):
+                prepared = p.prepared
+                rows += prepared.batch_rows
+                if len(prepared.output_names) != all_outputs:
+                    wanted = set(prepared.output_names)
+                    tensors = [t for t in tensors if t.name in wanted]
+                queue_ns.append(p.dispatch_ns - p.arrival_ns)
+                request_ns.append(now_ns - p.arrival_ns)
+                p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
+        finally:
+            _delivery.depth -= 1
+            if not _delivery.depth and _delivery.deferred:
+                _step_deferred()
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
 
     def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
@@ -266,7 +295,10 @@ class ModelScheduler(SchedulerBase):
                                priority=request.priority, timeout_us=request.timeout_us)
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
-        self._step()
+        if _delivery.depth:
+            _delivery.deferred[self] = None  # batched once the answers being delivered are all out
+        else:
+            self._step()
         if not self._free:
             self._arm_unready_deadline()
         if self._running:

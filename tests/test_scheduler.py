@@ -217,3 +217,41 @@ class TestNoReadyInstance:
         assert isinstance(error, InferenceError) and error.kind is ErrorKind.UNAVAILABLE
         assert "no instance of model 'm' version 1 became ready within 0.01 s" in error.message
         assert log == [] and scheduler.stats.fail.count == 1
+
+
+def test_a_batchs_answers_that_feed_another_model_reach_it_as_one_batch(setup):
+    # As an ensemble's steps do: each answer of model a's batch is submitted to model b from its callback. b is free
+    # and would take the first alone; b's scheduler is stepped only once the whole batch is answered.
+    scheduler_a, inst_a, worker_a, log_a = setup
+    log_b: list = []
+    worker_b = ScriptedWorker(log_b)
+    inst_b = InstanceHandle(key="b/1/0", model="b", version="1", index=0, device_id="cpu", model_path="",
+                            config=CONFIG, estimate_bytes=0, worker=worker_b, ready=True,
+                            in_seg=Segment.create(new_segment_name("in"), 1 << 16),
+                            out_seg=Segment.create(new_segment_name("out"), 1 << 16))
+    scheduler_b = ModelScheduler(CONFIG, "1")
+    scheduler_b.add_instance(inst_b)
+    answers: list = []
+
+    def feed_b(result) -> None:
+        y = result.outputs[0].data
+        scheduler_b.submit(InferRequest("b", [InferTensor("x", "FP32", y.shape, y)]), answers.append)
+
+    async def run():
+        for value in (1.0, 2.0, 3.0, 4.0):
+            scheduler_a.submit(_request(value), feed_b)
+        assert log_a == [("dispatch", 1)]
+        worker_a.finish(inst_a)  # a: the next three go; the first answer goes to b, which takes it
+        assert log_a == [("dispatch", 1), ("dispatch", 3)] and log_b == [("dispatch", 1)]
+        worker_b.finish(inst_b)
+        worker_a.finish(inst_a)  # three answers to b at once: one batch
+        assert log_b == [("dispatch", 1), ("dispatch", 3)]
+        worker_b.finish(inst_b)
+        await scheduler_a.wait_idle()
+        await scheduler_b.wait_idle()
+
+    try:
+        asyncio.run(run())
+    finally:
+        inst_b.close_segments()
+    assert [float(a.outputs[0].data[0, 0]) for a in answers] == [4.0, 8.0, 12.0, 16.0]
