@@ -66,6 +66,14 @@ class TensorSpec:
     datatype: str  # KServe name: "FP32", "INT64", "BYTES", ...
     dims: tuple[int, ...]
     optional: bool = False
+    # Triton's reshape: the shape the model takes or gives (without the batch dimension) where it differs from
+    # `dims`, which is what clients send and get (executor.reshape). None: the model's shape is `dims`.
+    reshape: tuple[int, ...] | None = None
+
+    @property
+    def model_dims(self) -> tuple[int, ...]:
+        """The shape on the model's side (without the batch dimension)."""
+        return self.dims if self.reshape is None else self.reshape
 
 
 @dataclass(frozen=True)

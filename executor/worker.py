@@ -20,6 +20,7 @@ from executor.backend import Backends, LoadOptions, ModelInstance
 from executor.device import WorkerDevice
 from executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
+from executor.reshape import with_reshape
 from executor.shm import Segment
 
 log = logging.getLogger("gpud.worker")
@@ -81,7 +82,8 @@ def load_instance(backends: Backends, device: WorkerDevice, load_lock: threading
         with load_lock:  # one load at a time, so memory deltas belong to this instance
             before_dev = _device_memory_used_bytes() if device.has_cuda else None
             before_rss = _rss_bytes()
-            model = backend.load(msg.model_path, config, device, LoadOptions(intra_op_threads=msg.intra_op_threads))
+            model = with_reshape(backend.load(msg.model_path, config, device,
+                                              LoadOptions(intra_op_threads=msg.intra_op_threads)), config)
             feed = model.warmup_feed()
             if feed is not None:
                 # One warm-up run: the first request should not pay for allocator growth, and the footprint we

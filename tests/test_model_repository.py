@@ -274,7 +274,13 @@ class TestBadConfigs:
             ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 0 ] } ]', BATCHING, CONFIG,
              "each dimension must be >= 1, or -1"),
             ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 2, 2 ] } } ]', BATCHING,
-             CONFIG, "reshape is not supported"),
+             CONFIG, "input 'x': reshape [2, 2] do not match [4] (without the batch dimension)"),
+            ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 5 ] } } ]', BATCHING,
+             CONFIG, "input 'x': reshape [5] has 5 elements (its fixed dimensions), dims [4] 4"),
+            ('input [ { name: "x" data_type: TYPE_FP32 dims: [ -1 ] reshape { shape: [ 2, 2 ] } } ]', BATCHING,
+             CONFIG, "reshape [2, 2] must have as many variable dimensions (-1) as dims [-1]"),
+            ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 0, 4 ] } } ]', BATCHING,
+             CONFIG, "reshape [0, 4]: each dimension must be >= 1, or -1"),
             ('input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "x" data_type: TYPE_FP32 dims: [ 4 ] } ]',
              BATCHING, CONFIG, "input 'x' is listed twice"),
             ("version_policy { latest { } }", BATCHING, CONFIG, "num_versions >= 1"),
@@ -487,7 +493,7 @@ class TestJson:
     def test_scalar_per_item_uses_triton_reshape(self):
         # a batching model whose tensor is [-1]: Triton's auto-complete writes dims [1] and an empty reshape
         cfg = load_cfg_from(identity_model(("x", "y", TensorProto.FLOAT, [B])))
-        assert cfg.inputs[0].dims == ()
+        assert (cfg.inputs[0].dims, cfg.inputs[0].reshape, cfg.inputs[0].model_dims) == ((1,), (), ())
         d = model_config_json(ServedModelConfig(cfg))
         assert d["input"][0]["dims"] == [1] and d["input"][0]["reshape"] == {"shape": []}
         json_format.ParseDict(d, model_config_pb2.ModelConfig())

@@ -51,16 +51,13 @@ def _version_policy(policy: VersionPolicy, message: mc.ModelVersionPolicy) -> No
         message.latest.SetInParent()
 
 
-def _tensor(spec: TensorSpec, message: mc.ModelInput | mc.ModelOutput, batches: bool) -> None:
+def _tensor(spec: TensorSpec, message: mc.ModelInput | mc.ModelOutput) -> None:
     message.name = spec.name
     message.data_type = mc.DataType.Value(triton_type(spec.datatype))
-    if spec.dims:
-        message.dims.extend(spec.dims)
-    else:
-        # A scalar per batch item: Triton's auto-complete writes dims [1] with an empty reshape.
-        message.dims.append(1)
-        if batches:
-            message.reshape.SetInParent()
+    message.dims.extend(spec.dims)
+    if spec.reshape is not None:
+        message.reshape.shape.extend(spec.reshape)
+        message.reshape.SetInParent()  # present also when empty (a scalar per batch item)
     # format FORMAT_NONE, is_shape_tensor, allow_ragged_batch and label_filename are their defaults
 
 
@@ -85,10 +82,10 @@ def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
     _version_policy(served.version_policy, message.version_policy)
     for spec in config.inputs:
         tensor = message.input.add()
-        _tensor(spec, tensor, config.batches)
+        _tensor(spec, tensor)
         tensor.optional = spec.optional
     for spec in config.outputs:
-        _tensor(spec, message.output.add(), config.batches)
+        _tensor(spec, message.output.add())
     for g in config.instance_groups:
         message.instance_group.add(name=g.name or config.name, kind=mc.ModelInstanceGroup.Kind.Value(g.kind),
                                    count=g.count, gpus=g.gpus)

@@ -51,17 +51,13 @@ def version_policy_json(policy: VersionPolicy) -> dict[str, Any]:
     return {"latest": {"num_versions": policy.num_versions}}
 
 
-def _io_json(spec: TensorSpec, is_input: bool, batches: bool) -> dict[str, Any]:
+def _io_json(spec: TensorSpec, is_input: bool) -> dict[str, Any]:
     d: dict[str, Any] = {"name": spec.name, "data_type": triton_type(spec.datatype)}
     if is_input:
         d["format"] = "FORMAT_NONE"
-    if spec.dims:
-        d["dims"] = list(spec.dims)
-    else:
-        # A scalar per batch item: Triton's auto-complete writes dims [1] with an empty reshape.
-        d["dims"] = [1]
-        if batches:
-            d["reshape"] = {"shape": []}
+    d["dims"] = list(spec.dims)
+    if spec.reshape is not None:
+        d["reshape"] = {"shape": list(spec.reshape)}
     d["is_shape_tensor"] = False
     if is_input:
         d["allow_ragged_batch"] = False
@@ -89,8 +85,8 @@ def model_config_json(served: ServedModelConfig) -> dict[str, Any]:
         "backend": config.backend,
         "version_policy": version_policy_json(served.version_policy),
         "max_batch_size": config.max_batch_size,
-        "input": [_io_json(s, True, config.batches) for s in config.inputs],
-        "output": [_io_json(s, False, config.batches) for s in config.outputs],
+        "input": [_io_json(s, True) for s in config.inputs],
+        "output": [_io_json(s, False) for s in config.outputs],
         "instance_group": [
             {"name": g.name or config.name, "kind": g.kind, "count": g.count, "gpus": list(g.gpus)}
             for g in config.instance_groups

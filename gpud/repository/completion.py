@@ -111,8 +111,12 @@ def onnx_signature(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Onnx
 
 
 def _from_onnx(t: OnnxTensor, batches: bool) -> TensorSpec:
-    # A batching model's dims leave out the batch dimension, as Triton's auto-complete writes them.
-    return TensorSpec(name=t.name, datatype=t.datatype, dims=t.shape[1:] if batches else t.shape)
+    # A batching model's dims leave out the batch dimension, as Triton's auto-complete writes them; a scalar (per
+    # batch item) becomes dims [1] with an empty reshape, as there too: clients send [batch, 1] (or [1]).
+    dims = t.shape[1:] if batches else t.shape
+    if not dims:
+        return TensorSpec(name=t.name, datatype=t.datatype, dims=(1,), reshape=())
+    return TensorSpec(name=t.name, datatype=t.datatype, dims=dims)
 
 
 def _check_against_onnx(
@@ -137,19 +141,21 @@ def _check_against_onnx(
                 f"{model_path} is not a variable batch dimension",
             )
         shape = shape[1:]
-    if len(t.shape) == 0:
-        # A scalar tensor of a model that does not batch: Triton wants dims of all 1s for it.
-        if any(d != 1 for d in spec.dims):
+    dims = spec.model_dims  # a reshape is what the model has
+    if len(shape) == 0 and spec.reshape is None:
+        # A scalar tensor of a model that does not batch, without a reshape: Triton wants dims of all 1s for it.
+        if any(d != 1 for d in dims):
             raise ModelConfigError(config_path, f"{label}: {model_path} has a scalar; dims must be [1]")
         return
-    compatible = len(shape) == len(spec.dims) and all(
-        m == WILDCARD_DIM or c == WILDCARD_DIM or m == c for m, c in zip(shape, spec.dims)
+    compatible = len(shape) == len(dims) and all(
+        m == WILDCARD_DIM or c == WILDCARD_DIM or m == c for m, c in zip(shape, dims)
     )
     if not compatible:
         batch_note = " (without the batch dimension)" if max_batch_size > 0 else ""
+        what_dims = "dims" if spec.reshape is None else "reshape"
         raise ModelConfigError(
             config_path,
-            f"{label}: dims {list(spec.dims)} do not match {list(shape)}{batch_note} in {model_path}",
+            f"{label}: {what_dims} {list(dims)} do not match {list(shape)}{batch_note} in {model_path}",
         )
 
 

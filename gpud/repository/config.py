@@ -23,6 +23,7 @@ from executor.model_config import (
     TensorSpec,
     kserve_datatype,
 )
+from executor.reshape import check_reshape
 from gpud.proto import model_config_pb2 as pb
 
 DEFAULT_MODEL_FILENAME = "model.onnx"
@@ -129,9 +130,6 @@ def _tensor_spec(io: pb.ModelInput | pb.ModelOutput, what: str, path: str) -> Te
         datatype = kserve_datatype(type_name)
     except ValueError:
         raise ModelConfigError(path, f"{label}: data_type {type_name} is not supported by gpud") from None
-    if io.HasField("reshape"):
-        # The executor feeds tensors with the shape the client sent; a reshape would need support there.
-        raise ModelConfigError(path, f"{label}: reshape is not supported by gpud")
     if io.is_shape_tensor:
         raise ModelConfigError(path, f"{label}: is_shape_tensor is only meaningful for TensorRT plans")
     if isinstance(io, pb.ModelInput) and io.allow_ragged_batch:
@@ -143,8 +141,15 @@ def _tensor_spec(io: pb.ModelInput | pb.ModelOutput, what: str, path: str) -> Te
             raise ModelConfigError(
                 path, f"{label}: dims {list(io.dims)}: each dimension must be >= 1, or -1 for a variable size"
             )
+    reshape = None
+    if io.HasField("reshape"):
+        reshape = tuple(int(d) for d in io.reshape.shape)
+        problem = check_reshape(io.dims, reshape)
+        if problem:
+            raise ModelConfigError(path, f"{label}: {problem}")
     optional = bool(io.optional) if isinstance(io, pb.ModelInput) else False
-    return TensorSpec(name=io.name, datatype=datatype, dims=tuple(int(d) for d in io.dims), optional=optional)
+    return TensorSpec(name=io.name, datatype=datatype, dims=tuple(int(d) for d in io.dims), optional=optional,
+                      reshape=reshape)
 
 
 def _tensor_specs(ios: Iterable[pb.ModelInput | pb.ModelOutput], what: str, path: str) -> tuple[TensorSpec, ...]:

@@ -61,6 +61,10 @@ def ensemble_config_from_proto(message: pb.ModelConfig, model_name: str, path: s
         raise ModelConfigError(path, f"max_batch_size {message.max_batch_size} must be >= 0")
     inputs = _tensor_specs(message.input, "input", path)
     outputs = _tensor_specs(message.output, "output", path)
+    reshaped = [t.name for t in (*inputs, *outputs) if t.reshape is not None]
+    if reshaped:
+        raise ModelConfigError(path, f"ensemble '{model_name}', tensor '{reshaped[0]}': reshape on an ensemble's "
+                                     "tensors is not supported by gpud (its steps' models may reshape)")
     # Triton completes no ensemble config from a model file (there is none): the config declares its tensors.
     if not inputs:
         raise ModelConfigError(path, f"ensemble '{model_name}' must declare its inputs")
