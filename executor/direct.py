@@ -107,17 +107,20 @@ def wake(loop: asyncio.AbstractEventLoop, callback) -> None:
         pass
 
 
-def start_direct(scheduler: ModelScheduler, request: InferRequest, done: Done,
-                 loop: asyncio.AbstractEventLoop) -> DirectRun | _Pending | None:
+def start_direct(scheduler: ModelScheduler, request: InferRequest, done: Done, loop: asyncio.AbstractEventLoop,
+                 quick_only: bool = False) -> DirectRun | _Pending | None:
     """Phase 1, with the loop's lock held. A DirectRun for the caller to execute; or the request's handle when it
     was queued the loop's way (the batcher holds it for a batch; `done` answers it, `scheduler.cancel(handle)`
     withdraws it); or None when it was not taken (nothing queued: the caller submits it the loop's way). Bad input
-    raises as `submit` does."""
+    raises as `submit` does. `quick_only`: only a run expected to be as short as one the loop runs itself (a caller
+    on an event loop, which the run holds up)."""
     if not getattr(scheduler, "direct_capable", False) or scheduler.queue or not scheduler._free:
         return None
     inst = scheduler._free[0]
     claim = getattr(inst.worker, "claim_direct", None)
-    local = claim(inst.key) if inst.ready and claim is not None else None
+    rows = request.inputs[0].shape[0] if scheduler.config.batches and request.inputs and request.inputs[0].shape \
+        else 1
+    local = claim(inst.key, rows, quick_only) if inst.ready and claim is not None else None
     if local is None:
         return None
     try:

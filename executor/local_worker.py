@@ -156,11 +156,14 @@ class LocalWorker:
         return reply
 
     # --- runs in a caller's thread (executor.direct), with the loop's lock held ----------------------------------
-    def claim_direct(self, key: str) -> _Local | None:
-        """Instance `key`'s model for a caller to run a request in its own thread, or None when it is not loaded
-        here. Counted busy until release_direct; an unload waits for it."""
+    def claim_direct(self, key: str, rows: int = 1, quick_only: bool = False) -> _Local | None:
+        """Instance `key`'s model for a caller to run a request of `rows` in its own thread, or None when it is
+        not loaded here (or, `quick_only`, when the run is expected to take longer than a batch the loop runs
+        itself). Counted busy until release_direct; an unload waits for it."""
         local = self._local.get(key)
         if local is None or not self.alive:
+            return None
+        if quick_only and not runs_inline(local.last_run_s, local.last_rows, rows, self.inline_max_s):
             return None
         local.direct_runs += 1
         self.busy.begin()

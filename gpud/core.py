@@ -195,8 +195,8 @@ class GpudCore:
     async def infer(self, request: InferRequest) -> InferResponse:
         return await self._ready_scheduler(request).infer(request)
 
-    def submit_direct(self, request: InferRequest, done,
-                      loop: asyncio.AbstractEventLoop) -> DirectRun | Callable[[], None] | None:
+    def submit_direct(self, request: InferRequest, done, loop: asyncio.AbstractEventLoop,
+                      quick_only: bool = False) -> DirectRun | Callable[[], None] | None:
         """The in-process server's call from its caller's thread, with the loop's lock held (executor.direct): a
         DirectRun for the caller to execute; or the cancel of a request queued the loop's way (`done` answers it);
         or None when the request was not taken (a model not served and ready here as a plain, idle one: the
@@ -209,7 +209,7 @@ class GpudCore:
             return None
         if vs.scaled_to_zero or not vs.ready:
             return None
-        started = start_direct(vs.scheduler, request, done, loop)
+        started = start_direct(vs.scheduler, request, done, loop, quick_only)
         if started is None or isinstance(started, DirectRun):
             return started
         return partial(vs.scheduler.cancel, started)

@@ -71,6 +71,32 @@ class Recorder:
         del self.model.run
 
 
+def _until_direct(rec: Recorder, call, attempts: int = 200):
+    """`call()` again until one ran in this thread, and that call's result, and how many calls it took. A call runs
+    in its caller's thread when the server's loop is waiting for events as it comes, which is almost always; now and
+    then the loop is at work (a tick of the hints, the previous call's last callbacks) and the call goes its way."""
+    me = threading.current_thread().name
+    for calls in range(1, attempts + 1):
+        seen = len(rec.threads)
+        result = call()
+        if rec.threads[seen:] == [me]:
+            return result, calls
+    pytest.fail(f"no call of {attempts} ran in the caller's thread: {rec.threads[-5:]}")
+
+
+def _start_direct(server, rec: Recorder, pool: ThreadPoolExecutor, model: str, inputs, attempts: int = 50):
+    """A call started on `pool`'s thread, once one runs there (see _until_direct), still running."""
+    name = pool.submit(lambda: threading.current_thread().name).result()
+    for _ in range(attempts):
+        seen = len(rec.threads)
+        future = pool.submit(server.infer, model, inputs)
+        wait_for(lambda: len(rec.threads) > seen, 60, "the call's run to start")
+        if rec.threads[seen] == name:
+            return future
+        future.result(timeout=120)
+    pytest.fail(f"no call of {attempts} ran in the caller's thread: {rec.threads[-5:]}")
+
+
 def _stats(server, model: str):
     return server.model_statistics(model)[0].stats
 
@@ -95,13 +121,13 @@ def test_an_idle_models_call_runs_in_the_callers_thread(server, repo):
     x = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
     before = _stats(server, "mlp")
     with Recorder(server, "mlp") as rec:
-        got = server.infer("mlp", {"input": x})
-    assert rec.threads == [threading.current_thread().name]
+        got, calls = _until_direct(rec, lambda: server.infer("mlp", {"input": x}))
     np.testing.assert_allclose(got["output"], _reference(repo, "mlp", {"input": x})["output"], rtol=1e-5, atol=1e-6)
-    after = _stats(server, "mlp")
-    assert (after.inference_count - before.inference_count, after.execution_count - before.execution_count) == (1, 1)
-    assert after.success.count - before.success.count == 1
-    assert after.compute_infer.count - before.compute_infer.count == 1
+    after = _stats(server, "mlp")  # the statistics count a caller's run as any batch
+    assert (after.inference_count - before.inference_count,
+            after.execution_count - before.execution_count) == (calls, calls)
+    assert after.success.count - before.success.count == calls
+    assert after.compute_infer.count - before.compute_infer.count == calls
     assert _pending(server, "mlp") == 0
 
 
@@ -116,6 +142,23 @@ def test_the_loops_path_runs_short_batches_on_the_loop_and_long_ones_on_the_inst
         server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
         server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
     assert [t.startswith("instance-") for t in rec.threads] == [True, True], rec.threads
+
+
+def test_infer_async_runs_only_quick_calls_in_the_callers_loop(server):
+    # From an asyncio loop a caller's own run holds up that loop: only one as short as the loop's own (the mlp's);
+    # slow_alone's 64 rows go the loop's way, to the instance's thread.
+    import asyncio
+
+    x = np.zeros((1, 256), np.float32)
+    with Recorder(server, "mlp") as rec:
+        _until_direct(rec, lambda: server.infer("mlp", {"input": x}))  # its last run: quick
+        got, _ = _until_direct(rec, lambda: asyncio.run(server.infer_async("mlp", {"input": x})))
+    assert got["output"].shape == (1, 16)
+    rows = {"x": np.zeros((64, 512), np.float32)}
+    with Recorder(server, "slow_alone") as rec:
+        _until_direct(rec, lambda: server.infer("slow_alone", rows))  # its last run: long
+        asyncio.run(server.infer_async("slow_alone", rows))
+    assert rec.threads[-1].startswith("instance-"), rec.threads
 
 
 def test_runs_inline_scales_the_last_batch_by_rows():
@@ -165,14 +208,11 @@ def test_unload_waits_for_a_callers_run(repo, tmp_path):
     with gpud.Server(small, node=NODE, placement_control="off", model_control_mode="explicit",
                      load_model=["slow_alone"], models_in_process=True) as s:
         with Recorder(s, "slow_alone") as rec, ThreadPoolExecutor(1) as caller:
-            caller_name = caller.submit(lambda: threading.current_thread().name).result()
-            running = caller.submit(s.infer, "slow_alone", {"x": x})
-            wait_for(lambda: _pending(s, "slow_alone") == 1, 60, "the caller's run to start")
+            running = _start_direct(s, rec, caller, "slow_alone", {"x": x})
             s.unload_model("slow_alone")  # returns once the instance is closed: after the run
             assert running.done()
             np.testing.assert_allclose(running.result()["y"], _reference(small, "slow_alone", {"x": x})["y"],
                                        rtol=1e-5, atol=1e-5)
-        assert rec.threads == [caller_name]
         assert not s.model_ready("slow_alone")
 
 
@@ -180,12 +220,10 @@ def test_stop_answers_a_callers_run_and_fails_what_queued(tmp_path):
     small = tmp_path / "repo"
     save(slow_model(width=512, layers=3000), small, "slow_alone", ALONE_CONFIG)
     s = gpud.Server(small, node=NODE, placement_control="off", models_in_process=True).start()
-    callers = ThreadPoolExecutor(2)
+    callers, other = ThreadPoolExecutor(1), ThreadPoolExecutor(1)
     rec = Recorder(s, "slow_alone").__enter__()
-    running = callers.submit(s.infer, "slow_alone", {"x": np.zeros((64, 512), np.float32)})
-    wait_for(lambda: _pending(s, "slow_alone") == 1, 60, "the first request to be in flight")
-    assert rec.threads and rec.threads[0].startswith("ThreadPoolExecutor")  # the caller's own run
-    queued = callers.submit(s.infer, "slow_alone", {"x": np.zeros((1, 512), np.float32)})
+    running = _start_direct(s, rec, callers, "slow_alone", {"x": np.zeros((64, 512), np.float32)})
+    queued = other.submit(s.infer, "slow_alone", {"x": np.zeros((1, 512), np.float32)})
     wait_for(lambda: _pending(s, "slow_alone") == 2, 60, "the second request to be queued")
     s.stop(drain_timeout_s=0)
     assert not s._thread.is_alive()
@@ -193,6 +231,7 @@ def test_stop_answers_a_callers_run_and_fails_what_queued(tmp_path):
     with pytest.raises(InferenceError, match="the server is shutting down"):
         queued.result(timeout=60)
     callers.shutdown()
+    other.shutdown()
 
 
 def test_a_pipeline_and_a_sequence_model_with_models_in_process(tmp_path):

@@ -285,7 +285,19 @@ class Server:
         task withdraws a request that is still queued."""
         request = make_request(model, inputs, version, outputs, priority, parameters)
         waiter = AsyncWaiter(asyncio.get_running_loop(), self._waiting)
-        self._send(self._submit, request, waiter)
+        lock = self._loop_lock
+        if lock is not None and timeout is None and lock.acquire(blocking=False):
+            # As infer's, for a run as short as one the server's loop runs itself: it holds up this loop as long.
+            try:
+                run = self._submit_direct(request, waiter, quick_only=True)
+            finally:
+                lock.release()
+            if run is not None:
+                run.execute()
+                with lock:
+                    run.finish()
+        else:
+            self._send(self._submit, request, waiter)
         try:
             if timeout is None:
                 result = await waiter.future
@@ -311,13 +323,14 @@ class Server:
             log.exception("gpud.Server: submitting a request to model %s failed", request.model_name)
             waiter.done(InferenceError(ErrorKind.INTERNAL, f"submitting the request failed: {exc!r}"))
 
-    def _submit_direct(self, request: InferRequest, waiter: Waiter) -> DirectRun | None:
+    def _submit_direct(self, request: InferRequest, waiter: Waiter | AsyncWaiter,
+                       quick_only: bool = False) -> DirectRun | None:
         """With the loop's lock held, in the caller's thread: the request to the core's direct path; a DirectRun
         for the caller to execute, or None when the request was answered, queued, or sent the loop's way."""
         if self._state != "running":
             raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running())
         try:
-            started = self._parts.core.submit_direct(request, waiter.done, self._loop)
+            started = self._parts.core.submit_direct(request, waiter.done, self._loop, quick_only)
         except InferenceError as exc:
             waiter.done(exc)
             return None
