@@ -213,7 +213,6 @@ class LocalWorker:
                         self.device.id, timeout_s)
 
 
-
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)

@@ -16,8 +16,8 @@ builds the request in the caller's thread (the caller's numpy arrays are referen
 core's `submit` with one `call_soon_threadsafe`, and waits for the callback. Models run in the worker processes as
 they do under the daemon: the batch is copied once into shared memory (and the outputs once out of it). With
 `models_in_process=True` the CPU's and a simulated node's instances run in this process (executor.local_worker), and
-a synchronous call that finds its model idle runs it in the caller's thread (executor.direct, with the loop's lock:
-gpud.inprocess.loop_lock).
+a call that finds its model idle runs it in the caller's thread (executor.direct, with the loop's lock:
+gpud.inprocess.loop_lock; from `infer_async` only a run under 1 ms, which holds up the caller's loop).
 
 Errors are `executor.types.InferenceError` (also `gpud.InferenceError`), with the kind the front ends map to their
 status codes (`.kind`: INVALID_ARGUMENT for a wrong shape or datatype, NOT_FOUND for an unknown model, ...) and the
