@@ -169,7 +169,7 @@ class GpudCore:
             return vs.scheduler
         # A loaded version whose instances are down for now (a worker restarting, a device given up on and its
         # instances being placed elsewhere) queues the request: the scheduler bounds the wait (unready_wait_s).
-        if not vs.ready and not (vs.state is ModelState.READY and vs.instances):
+        if not vs.accepts_requests:
             why = vs.reason or "no instance is ready"
             raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "

@@ -96,15 +96,22 @@ class RegisteredEnsemble(RegisteredVersion):
     def footprint_bytes(self) -> int:
         return 0
 
-    def unready_reason(self) -> str:
-        """"" while every step's model serves and fits the ensemble; else the first step that does not and why."""
+    @property
+    def accepts_requests(self) -> bool:
+        """Loaded, and every step's model accepts requests (also one whose instances are down for now: the step's
+        request waits in its queue as a client's would, bounded by its unready_wait_s)."""
+        return self.state is ModelState.READY and not self.unready_reason(accepting=True)
+
+    def unready_reason(self, accepting: bool = False) -> str:
+        """"" while every step's model serves (`accepting`: accepts requests) and fits the ensemble; else the first
+        step that does not and why."""
         if self._checking:
             return f"circular dependency between ensembles: '{self.name}' reaches itself through its steps"
         self._checking = True
         try:
             configs = []
             for i, step in enumerate(self.entry.config.ensemble.steps):  # type: ignore[union-attr]
-                vs, why = self._step_version(step.model_name, step.model_version)
+                vs, why = self._step_version(step.model_name, step.model_version, accepting)
                 if vs is None:
                     return f"{step_label(i, step.model_name)}: {why}"
                 configs.append(vs.entry.config)
@@ -122,8 +129,9 @@ class RegisteredEnsemble(RegisteredVersion):
             checked = self._checked = (key, problem)
         return checked[1]
 
-    def _step_version(self, model: str, version: int) -> tuple[RegisteredVersion | None, str]:
-        """The version that serves a step, or None and why none does."""
+    def _step_version(self, model: str, version: int,
+                      accepting: bool = False) -> tuple[RegisteredVersion | None, str]:
+        """The version that serves a step (`accepting`: accepts its requests), or None and why none does."""
         registry = self.registry
         m = registry.models.get(model) if registry is not None else None
         if m is None:
@@ -137,8 +145,8 @@ class RegisteredEnsemble(RegisteredVersion):
             if vs is None:
                 return None, (f"version {version} of model '{model}' is not loaded (loaded: "
                               f"{', '.join(sorted(m.versions, key=int))})")
-        if vs.ready or vs.scaled_to_zero:  # scaled to zero serves: its next request loads it
-            return vs, ""
+        if vs.ready or vs.scaled_to_zero or (accepting and vs.accepts_requests):
+            return vs, ""  # scaled to zero serves: its next request loads it
         why = vs.reason or "no instance is ready"
         return None, f"model '{model}' version {vs.version} is not ready: {why}"
 

@@ -46,6 +46,12 @@ class RegisteredVersion:
         return self.state is ModelState.READY and self.scheduler.has_ready_instance
 
     @property
+    def accepts_requests(self) -> bool:
+        """Whether a request is queued for it: ready, or loaded with its instances down for now (a worker
+        restarting, instances being placed elsewhere), whose scheduler bounds the wait (unready_wait_s)."""
+        return self.ready or (self.state is ModelState.READY and bool(self.instances))
+
+    @property
     def scaled_to_zero(self) -> bool:
         """Served, with no instance now: its next request loads one (a cold start)."""
         return self.state is ModelState.READY and not self.instances

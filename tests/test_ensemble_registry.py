@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
@@ -89,6 +90,29 @@ def test_readiness_follows_the_steps_and_a_refused_request_names_the_step(tmp_pa
         assert [p.ready for p in view.pipeline] == [True, False, True]
         await core.load_model("classifier")  # it serves again: so does the ensemble
         assert core.model_ready("pipeline") and index(core)["pipeline"] == ("READY", "")
+    run(scenario())
+
+
+def test_a_request_waits_while_a_steps_instances_are_down_for_now_as_a_clients_would(tmp_path):
+    # A step model loaded but with no ready instance for now (its worker restarting): the ensemble is not ready (its
+    # readiness says so) but accepts requests, whose step waits in that model's queue, bounded by its
+    # unready_wait_s, as a request sent to the model itself does.
+    async def scenario():
+        core, _, _ = make_core(tmp_path)
+        await core.start()
+        pre = core.registry.version("preprocess")
+        for inst in pre.instances:
+            inst.ready = False
+            inst.on_ready_change(inst)
+        assert not core.model_ready("pipeline") and not core.model_ready("preprocess")
+        assert core.registry.version("pipeline").accepts_requests
+        image = np.zeros((1, PIXELS), np.uint8)
+        request = InferRequest("pipeline", [InferTensor("IMAGE", "UINT8", image.shape, image)])
+        answers: list = []
+        cancel = core.submit(request, answers.append)
+        assert pre.scheduler.pending_requests == 1 and answers == []
+        cancel()  # the client goes away: its step's request leaves the queue
+        assert pre.scheduler.pending_requests == 0 and answers == []
     run(scenario())
 
 
