@@ -108,7 +108,8 @@ class ExecutorPool:
 
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"device": w.device.id, "pid": w.pid, "alive": w.alive, "restarts": w.restarts,
-                 "failures": dict(w.failures), "unhealthy_reason": w.unhealthy_reason}
+                 "failures": dict(w.failures), "unhealthy_reason": w.unhealthy_reason,
+                 "in_process": isinstance(w, LocalWorker)}
                 for w in self.workers.values()]
 
     async def shutdown(self) -> None:

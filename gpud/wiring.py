@@ -117,7 +117,9 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     metrics_registry = CollectorRegistry()
     ProcessCollector(registry=metrics_registry, namespace="gpud")
     DeviceCollector(devices, registry=metrics_registry)
-    HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info() if w["alive"] and w["pid"]},
+    # Instances run in this process (the in-process server's option) have no worker process of their own to report.
+    HostCollector(lambda: {w["device"]: w["pid"] for w in pool.worker_info()
+                           if w["alive"] and w["pid"] and not w["in_process"]},
                   registry=metrics_registry)
     WorkerCollector(pool.worker_info, registry=metrics_registry)
     # The registry and the placement service, the readers of the registry's snapshot (model metrics at scrape time,

@@ -113,8 +113,11 @@ def _pending(server, model: str) -> int:
 
 def test_instances_run_in_this_process(server):
     workers = server.inspect()["workers"]
-    assert workers and all(w["pid"] == os.getpid() and w["alive"] for w in workers)
+    assert workers and all(w["pid"] == os.getpid() and w["alive"] and w["in_process"] for w in workers)
     assert all(isinstance(w, LocalWorker) for w in server._parts.pool.workers.values())
+    # No worker process of their own: no per-worker host series (the process's own gpud_process_* cover them).
+    assert "gpud_worker_cpu_seconds_total{" not in server.metrics_text()
+    assert 'gpud_worker_up{device="' in server.metrics_text()
 
 
 def test_an_idle_models_call_runs_in_the_callers_thread(server, repo):
