@@ -20,6 +20,14 @@ def test_workers_section_shows_pid_state_and_losses_by_cause():
     assert mig == ["gpu1/mig1.0", "-", "restarting", "0", "2"]
 
 
+def test_instances_in_the_servers_own_process_say_so():
+    text = render_inspect(BASE | {"workers": [
+        {"device": "cpu", "pid": 99, "alive": True, "restarts": 0, "failures": {"died": 0, "hung": 0},
+         "in_process": True}]})
+    lines = text.splitlines()
+    assert lines[lines.index("WORKERS") + 2].split() == ["cpu", "99", "in-process", "0", "0"]
+
+
 def test_no_workers_no_section():
     assert "WORKERS" not in render_inspect(BASE | {"workers": []})
     assert "WORKERS" not in render_inspect(BASE)

@@ -106,8 +106,8 @@ def _render_workers(workers: list[dict[str, Any]]) -> list[str]:
     for w in sorted(workers, key=lambda w: w["device"]):
         failures = w.get("failures") or {}
         state = "up" if w.get("alive") else "crashloop" if w.get("unhealthy_reason") else "restarting"
-        if w.get("in_process"):
-            state += " (in process)"
+        if w.get("in_process"):  # the in-process server's models_in_process: no worker process of its own
+            state = "in-process" if w.get("alive") else "stopped"
         lines.append(f"  {w['device']:<14} {w.get('pid') or '-':>8} {state:<10} {failures.get('died', 0):>5} "
                      f"{failures.get('hung', 0):>5}")
     return lines
