@@ -149,3 +149,24 @@ def test_an_ensembles_own_tensors_cannot_reshape(tmp_path):
                                                                                    '\noutput'))
     with pytest.raises(ModelConfigError, match="reshape on an ensemble's tensors is not supported"):
         load_model_config(d)
+
+
+@pytest.mark.parametrize("model", ["flat", "scalar", "variable"])
+def test_the_config_endpoints_say_the_reshape_and_read_back_the_same(repo, model):
+    from google.protobuf import json_format
+
+    from gpud.api.grpc_encode import model_config_message
+    from gpud.core_api import ServedModelConfig
+    from gpud.proto import model_config_pb2
+    from gpud.repository.config import config_from_proto
+    from gpud.repository.layout import load_model
+
+    entry = load_model(repo / model)
+    served = ServedModelConfig(entry.config, entry.version_policy)
+    d = model_config_json(served)
+    assert d["input"][0]["reshape"] == {"shape": list(entry.config.inputs[0].reshape)}
+    again, _ = config_from_proto(json_format.ParseDict(d, model_config_pb2.ModelConfig()), model, "<json>")
+    assert (again.inputs, again.outputs) == (entry.config.inputs, entry.config.outputs)
+    message = model_config_message(served)
+    assert message.input[0].HasField("reshape")
+    assert list(message.input[0].reshape.shape) == list(entry.config.inputs[0].reshape)
