@@ -60,7 +60,7 @@ class DirectRun:
         self.input_ns = self.infer_ns = self.output_ns = 0
 
     def execute(self) -> None:
-        """Run the model in this thread (without the lock)."""
+        """Run the model in this thread (without the lock). `finish` must follow, whatever this raises."""
         config = self.scheduler.config
         prepared = self.pending.prepared
         try:
@@ -78,6 +78,9 @@ class DirectRun:
                 ErrorKind.INTERNAL
             self.error = InferenceError(kind, f"model '{config.name}' failed: {type(exc).__name__}: {exc}")
             return
+        except BaseException:  # the caller interrupted (KeyboardInterrupt): finish() still frees the instance
+            self.error = InferenceError(ErrorKind.UNAVAILABLE, f"the call to model '{config.name}' was interrupted")
+            raise
         self.input_ns, self.infer_ns, self.output_ns = t1 - t0, t2 - t1, t3 - t2
 
     def finish(self) -> None:

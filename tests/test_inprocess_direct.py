@@ -54,12 +54,16 @@ class Recorder:
         self.model = self.inst.worker._local[self.inst.key].model
         self.threads: list[str] = []
         self.fail_next: Exception | None = None
+        self.interrupt_in: str | None = None  # a thread whose next run raises KeyboardInterrupt
 
     def __enter__(self) -> Recorder:
         real = type(self.model).run.__get__(self.model)
 
         def run(feed, names):
             self.threads.append(threading.current_thread().name)
+            if self.interrupt_in == threading.current_thread().name:
+                self.interrupt_in = None
+                raise KeyboardInterrupt
             if self.fail_next is not None:
                 exc, self.fail_next = self.fail_next, None
                 raise exc
@@ -179,7 +183,7 @@ def test_a_failing_run_fails_that_request_only(server):
         with pytest.raises(InferenceError, match="model 'mlp' failed: RuntimeError: boom") as caught:
             server.infer("mlp", {"input": x})
         assert caught.value.kind is ErrorKind.INTERNAL
-        assert server.infer("mlp", {"input": x})["output"].shape == (1, 16)
+        assert server.infer("mlp", {"input": x}, timeout=60)["output"].shape == (1, 16)
     after = _stats(server, "mlp")
     assert (after.fail.count - before.fail.count, after.success.count - before.success.count) == (1, 1)
 
@@ -263,3 +267,22 @@ def test_a_pipeline_and_a_sequence_model_with_models_in_process(tmp_path):
 
         assert [step(1, 1, start=True), step(2, 10, start=True), step(1, 2, end=True), step(2, 20),
                 step(2, 30, end=True)] == [1, 10, 3, 30, 60]
+
+
+def test_an_interrupted_callers_run_frees_the_instance(server):
+    # KeyboardInterrupt inside the model's run (Ctrl-C in the caller): the call raises it, the instance is free
+    # again and the next call is answered.
+    x = np.zeros((1, 256), np.float32)
+    with Recorder(server, "mlp") as rec:
+        _until_direct(rec, lambda: server.infer("mlp", {"input": x}))  # the loop is idle: the next call is likely own
+        for _ in range(200):
+            rec.interrupt_in = threading.current_thread().name  # only a run in this thread (never the loop's)
+            try:
+                server.infer("mlp", {"input": x})
+            except KeyboardInterrupt:
+                break
+        else:
+            pytest.fail("no call ran in the caller's thread")
+        rec.interrupt_in = None
+    assert _pending(server, "mlp") == 0
+    assert server.infer("mlp", {"input": x}, timeout=60)["output"].shape == (1, 16)

@@ -265,9 +265,11 @@ class Server:
             finally:
                 lock.release()
             if run is not None:
-                run.execute()  # the model runs here, without the lock
-                with lock:
-                    run.finish()  # answers the waiter
+                try:
+                    run.execute()  # the model runs here, without the lock
+                finally:
+                    with lock:
+                        run.finish()  # answers the waiter, frees the instance (also when interrupted)
         else:
             self._send(self._submit, request, waiter)
         if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
@@ -293,9 +295,11 @@ class Server:
             finally:
                 lock.release()
             if run is not None:
-                run.execute()
-                with lock:
-                    run.finish()
+                try:
+                    run.execute()
+                finally:
+                    with lock:
+                        run.finish()
         else:
             self._send(self._submit, request, waiter)
         try:
