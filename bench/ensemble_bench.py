@@ -1,10 +1,11 @@
 """Ensembles (issue 16): what a 3-step pipeline served by gpud costs beyond its steps, and its throughput against its
 slowest step served alone. One run, ratios against baselines measured in the same run.
 
-    .venv/bin/python bench/ensemble_bench.py [--requests 2000] [--repeat 2] [--seconds 6] [--json FILE]
+    .venv/bin/python bench/ensemble_bench.py [--requests 2000] [--repeat 2] [--seconds 6] [--kind cpu|gpu] [--json FILE]
 
-Models (a temporary Triton-layout repository; every instance on the CPU worker; max_batch_size 64 and dynamic
-batching with a 3 ms delay, as bench/serving):
+Models (a temporary Triton-layout repository; every instance on the CPU worker, or with --kind gpu on a GPU (a real
+one on a GPU node: scripts/gpu-validate runs it so); max_batch_size 64 and dynamic batching with a 3 ms delay, as
+bench/serving):
   pre   UINT8 "raw" [-1, 256] -> FP32 "x" [-1, 256] (pixels scaled to [-1, 1])
   mlp   gpud.examples.make_mlp: FP32 [-1, 256] -> [-1, 16] (tiny: the serving path, not the engine, is measured)
   heavy bench/serving/models.py's compute-bound model (0.4-1 ms of CPU per row; deeper with --heavy-layers):
@@ -70,7 +71,7 @@ backend: "onnxruntime"
 max_batch_size: 64
 input [ {inputs} ]
 output [ {outputs} ]
-instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+instance_group [ {{ count: 1, kind: {kind} }} ]
 dynamic_batching {{ max_queue_delay_microseconds: 3000 }}
 """
 ENSEMBLE_CONFIG = """\
@@ -120,8 +121,9 @@ def _tensor(name: str, dtype: str, dims: int) -> str:
     return f'{{ name: "{name}", data_type: {dtype}, dims: [ {dims} ] }}'
 
 
-def write_repository(repo: str, heavy_layers: int = serving_models.HEAVY_LAYERS) -> dict[str, str]:
-    """The four step models and the two ensembles; returns each step model's file."""
+def write_repository(repo: str, heavy_layers: int = serving_models.HEAVY_LAYERS,
+                     kind: str = "KIND_CPU") -> dict[str, str]:
+    """The four step models (instances of `kind`) and the two ensembles; returns each step model's file."""
     steps = {
         "pre": (make_pre(), [_tensor("raw", "TYPE_UINT8", WIDTH)], [_tensor("x", "TYPE_FP32", WIDTH)]),
         "mlp": (make_mlp(), [_tensor("input", "TYPE_FP32", WIDTH)], [_tensor("output", "TYPE_FP32", CLASSES)]),
@@ -136,7 +138,7 @@ def write_repository(repo: str, heavy_layers: int = serving_models.HEAVY_LAYERS)
         files[name] = os.path.join(repo, name, "1", "model.onnx")
         onnx.save(model, files[name])
         with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
-            f.write(STEP_CONFIG.format(name=name, inputs=", ".join(inputs), outputs=", ".join(outputs)))
+            f.write(STEP_CONFIG.format(name=name, inputs=", ".join(inputs), outputs=", ".join(outputs), kind=kind))
     for name, model in (("pipe_mlp", "mlp"), ("pipe_heavy", "heavy")):
         os.makedirs(os.path.join(repo, name, "1"))
         with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
@@ -399,13 +401,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=6.0, help="each concurrency-64 point")
     p.add_argument("--heavy-layers", type=int, default=serving_models.HEAVY_LAYERS,
                    help="the slowest step's depth (bench/serving's heavy: 44; its CPU per row grows with it)")
+    p.add_argument("--kind", choices=("cpu", "gpu"), default="cpu",
+                   help="the step models' instance kind: cpu (every step on the CPU worker, the default) or gpu "
+                        "(on a GPU node: the steps on a GPU, so the slowest step computes off the host cores)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     wrk = serving_run.ensure_wrk()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="gpud-ensemble-bench-") as workdir:
         repo = os.path.join(workdir, "models")
-        files = write_repository(repo, args.heavy_layers)
+        files = write_repository(repo, args.heavy_layers, f"KIND_{args.kind.upper()}")
         arrays, body = bodies(np.random.default_rng(0))
         raw = raw_compute_ms(files, arrays, args.requests)
         own_us = orchestration_us(10 * args.requests)
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{platform.python_version()}; gpud {_git_describe()}; load average (1, 5, 15 min) before: "
           f"{' '.join(f'{x:.1f}' for x in load_before)}, after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"# .venv/bin/python bench/ensemble_bench.py --requests {args.requests} --blocks {args.blocks} "
-          f"--repeat {args.repeat} --seconds {args.seconds:g} --heavy-layers {args.heavy_layers}")
+          f"--repeat {args.repeat} --seconds {args.seconds:g} --heavy-layers {args.heavy_layers} --kind {args.kind}")
     print(f"# concurrency 1, pipe_mlp = pre -> mlp -> post: gpud's core in-process (core.infer), medians of "
           f"{args.requests} requests per row in {args.blocks} interleaved blocks")
     print(f"{'row':40s} {'p50 ms':>8s} {'onnxruntime ms':>15s} {'tensors in+out us':>18s}")

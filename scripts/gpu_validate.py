@@ -89,6 +89,10 @@ def plan(args: argparse.Namespace) -> tuple[list[Step], str]:
                "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--ready-file", "{out}/gpud.ready"],
               [python, "-m", "gpud.cli.main", "check", "--url", "127.0.0.1:<http port>", "--metrics-url",
                "http://127.0.0.1:<metrics port>/metrics"]], "daemon.txt", run=run_daemon_step),
+        Step("ensemble", "issue 16's pipeline targets on the GPU: a 3-step ensemble against its slowest step alone "
+             "(needs wrk on the PATH)",
+             [[python, str(ROOT / "bench" / "ensemble_bench.py"), "--kind", "gpu", "--repeat", "1" if quick else "5",
+               "--json", "{out}/ensemble.json"]], "ensemble.txt"),
         Step("gpu-tests", "the gpu-marked tests", [[python, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests")]],
              "gpu-tests.txt"),
     ]

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["venv", "onnxruntime-gpu", "providers", "node", "check", "harness", "daemon", "gpu-tests", "report"]
+STEPS = ["venv", "onnxruntime-gpu", "providers", "node", "check", "harness", "daemon", "ensemble", "gpu-tests",
+         "report"]
 
 
 def test_dry_run_prints_every_step_and_runs_nothing(tmp_path):
@@ -24,6 +25,7 @@ def test_dry_run_prints_every_step_and_runs_nothing(tmp_path):
                   "-m gpud.cli.main check --expect-gpu",
                   "bench/serving/gpu.py --duration 5",
                   "--metrics-url 'http://127.0.0.1:<metrics port>/metrics'",
+                  "bench/ensemble_bench.py --kind gpu --repeat 5",
                   "-m pytest -q -m gpu",
                   f"{out}/report.md"):
         assert words in text, words
@@ -40,7 +42,7 @@ def test_without_a_gpu_the_report_says_what_failed_and_what_was_skipped(tmp_path
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = (out / "report.md").read_text()
     assert "| providers | onnxruntime offers the CUDA EP" in report and "FAILED (exit 1)" in report
-    for step in ("node", "check", "harness", "daemon", "gpu-tests"):
+    for step in ("node", "check", "harness", "daemon", "ensemble", "gpu-tests"):
         assert f"| {step} |" in report and report.split(f"| {step} |")[1].split("\n")[0].rstrip().endswith(
             "| skipped | 0 |"), step
     assert "CPUExecutionProvider" in (out / "providers.txt").read_text()
