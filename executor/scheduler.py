@@ -228,6 +228,27 @@ class SchedulerBase:
             self.stats.record_failure(now_ns - p.arrival_ns)
             p.finish(exc)
 
+    # --- a staged batch to its instance ------------------------------------------------------------------------
+    def _submit_batch(self, inst: InstanceHandle, batch: list[_Pending], handle: Any, inputs: tuple,
+                      output_names: tuple[str, ...], t0_ns: int,
+                      on_reply: Callable[[InstanceHandle, Any, Any, int], None]) -> InferenceError | None:
+        """Send a batch whose inputs are staged (since `t0_ns`) to its instance: each request's dispatch time, the
+        instance running `handle` (what `on_reply(inst, handle, reply, stage_ns)` gets back). The error when its
+        worker cannot be reached (the instance is then not running; the caller fails the batch)."""
+        msg = protocol.Infer(inst.key, inst.in_seg.name, inst.out_seg.name, inputs, output_names,
+                             tuple([self._output_types[n] for n in output_names]))
+        stage_ns = time.perf_counter_ns() - t0_ns
+        for p in batch:
+            p.dispatch_ns = t0_ns
+        self._running[inst] = handle
+        try:
+            inst.worker.submit(msg, lambda reply: on_reply(inst, handle, reply, stage_ns))
+        except (InferenceError, OSError) as exc:
+            self._running.pop(inst, None)
+            return exc if isinstance(exc, InferenceError) else \
+                InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}")
+        return None
+
     # --- shutdown / unload -------------------------------------------------------------------------------------
     async def wait_idle(self) -> None:
         """Returns when nothing is queued or running: every accepted request has its answer."""
@@ -285,16 +306,21 @@ class ModelScheduler(SchedulerBase):
         return len(self.queue) + sum(len(b) for b in self._running.values())
 
     # --- requests --------------------------------------------------------------------------------------------
-    def submit(self, request: InferRequest, done: Done) -> _Pending:
-        """Queue `request`; `done(response_or_error)` is called once when it is answered (from the event loop).
-        Bad input and a full queue raise InferenceError at once and change nothing. The returned handle is for
-        `cancel`. A callback, not a future: a front end that answers from it needs no task per request."""
+    def _enqueue(self, request: InferRequest, done: Done) -> _Pending:
+        """`request` checked and queued; bad input and a full queue raise InferenceError and change nothing."""
         prepared = self._prepare(request)
         pending = _Pending(request, prepared, done, time.perf_counter_ns())
         queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
                                priority=request.priority, timeout_us=request.timeout_us)
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
+        return pending
+
+    def submit(self, request: InferRequest, done: Done) -> _Pending:
+        """Queue `request`; `done(response_or_error)` is called once when it is answered (from the event loop).
+        Bad input and a full queue raise InferenceError at once and change nothing. The returned handle is for
+        `cancel`. A callback, not a future: a front end that answers from it needs no task per request."""
+        pending = self._enqueue(request, done)
         if _delivery.depth:
             _delivery.deferred[self] = None  # batched once the answers being delivered are all out
         else:
@@ -313,12 +339,7 @@ class ModelScheduler(SchedulerBase):
     def begin_direct(self, request: InferRequest, done: Done, inst: InstanceHandle) -> tuple[_Pending, bool]:
         """Queue `request` as submit does and ask the batcher now; True when it dispatched this request alone, and
         `inst` (the first free instance) is then taken for it. False: it stays queued for the loop."""
-        prepared = self._prepare(request)
-        pending = _Pending(request, prepared, done, time.perf_counter_ns())
-        queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
-                               priority=request.priority, timeout_us=request.timeout_us)
-        self.queue.enqueue(queued)
-        pending.queued = queued
+        pending = self._enqueue(request, done)
         decision = self.queue.decide(len(self._free))
         if not isinstance(decision, Dispatch):
             return pending, False
@@ -372,18 +393,9 @@ class ModelScheduler(SchedulerBase):
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
             return
         output_names = tuple(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
-        msg = protocol.Infer(inst.key, inst.in_seg.name, inst.out_seg.name, inputs, output_names,
-                             tuple([self._output_types[n] for n in output_names]))
-        stage_ns = time.perf_counter_ns() - t0
-        for p in batch:
-            p.dispatch_ns = t0
-        self._running[inst] = batch
-        try:
-            inst.worker.submit(msg, lambda reply: self._on_reply(inst, batch, reply, stage_ns))
-        except (InferenceError, OSError) as exc:
-            self._running.pop(inst, None)
-            self._fail(batch, exc if isinstance(exc, InferenceError) else
-                       InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}"))
+        error = self._submit_batch(inst, batch, batch, inputs, output_names, t0, self._on_reply)
+        if error is not None:
+            self._fail(batch, error)
 
     def _on_reply(self, inst: InstanceHandle, batch: list[_Pending],
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:

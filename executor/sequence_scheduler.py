@@ -240,19 +240,10 @@ class SequenceScheduler(SchedulerBase):
             return
         output_names = tuple(dict.fromkeys([n for p in batch for n in p.prepared.output_names]
                                            + list(self._state_outputs)))
-        msg = protocol.Infer(inst.key, inst.in_seg.name, inst.out_seg.name, inputs, output_names,
-                             tuple([self._output_types[n] for n in output_names]))
-        stage_ns = time.perf_counter_ns() - t0
-        for p in batch:
-            p.dispatch_ns = t0
-        self._running[inst] = d
-        try:
-            inst.worker.submit(msg, lambda reply: self._on_reply(inst, d, reply, stage_ns))
-        except (InferenceError, OSError) as exc:
-            self._running.pop(inst, None)
+        error = self._submit_batch(inst, batch, d, inputs, output_names, t0, self._on_reply)
+        if error is not None:
             self.batcher.complete(d)
-            self._fail(batch, exc if isinstance(exc, InferenceError) else
-                       InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}"))
+            self._fail(batch, error)
 
     def _on_reply(self, inst: InstanceHandle, d: SequenceDispatch,
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
