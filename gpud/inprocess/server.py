@@ -257,20 +257,7 @@ class Server:
         {"sequence_id": 7, "sequence_start": True}. Raises InferenceError as the front ends answer it."""
         request = make_request(model, inputs, version, outputs, priority, parameters)
         waiter = Waiter(self._waiting)
-        lock = self._loop_lock
-        if lock is not None and timeout is None and lock.acquire(blocking=False):
-            # The loop waits for events: this thread may act for it (executor.direct).
-            try:
-                run = self._submit_direct(request, waiter)
-            finally:
-                lock.release()
-            if run is not None:
-                try:
-                    run.execute()  # the model runs here, without the lock
-                finally:
-                    with lock:
-                        run.finish()  # answers the waiter, frees the instance (also when interrupted)
-        else:
+        if timeout is not None or not self._submit_here(request, waiter):
             self._send(self._submit, request, waiter)
         if not waiter.lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._withdraw(waiter)
@@ -287,20 +274,8 @@ class Server:
         task withdraws a request that is still queued."""
         request = make_request(model, inputs, version, outputs, priority, parameters)
         waiter = AsyncWaiter(asyncio.get_running_loop(), self._waiting)
-        lock = self._loop_lock
-        if lock is not None and timeout is None and lock.acquire(blocking=False):
-            # As infer's, for a run as short as one the server's loop runs itself: it holds up this loop as long.
-            try:
-                run = self._submit_direct(request, waiter, quick_only=True)
-            finally:
-                lock.release()
-            if run is not None:
-                try:
-                    run.execute()
-                finally:
-                    with lock:
-                        run.finish()
-        else:
+        # A caller's own run holds up this loop: only one as short as the server's loop runs itself.
+        if timeout is not None or not self._submit_here(request, waiter, quick_only=True):
             self._send(self._submit, request, waiter)
         try:
             if timeout is None:
@@ -326,6 +301,25 @@ class Server:
         except Exception as exc:  # a bug must not leave the caller waiting forever
             log.exception("gpud.Server: submitting a request to model %s failed", request.model_name)
             waiter.done(InferenceError(ErrorKind.INTERNAL, f"submitting the request failed: {exc!r}"))
+
+    def _submit_here(self, request: InferRequest, waiter: Waiter | AsyncWaiter, quick_only: bool = False) -> bool:
+        """With models in process, when the loop waits for events: act for it from this thread (executor.direct),
+        running the model here if the request is taken. True when the request was handled here (answered or
+        queued); False when it must go the loop's way (no models in process, or the loop is at work)."""
+        lock = self._loop_lock
+        if lock is None or not lock.acquire(blocking=False):
+            return False
+        try:
+            run = self._submit_direct(request, waiter, quick_only)
+        finally:
+            lock.release()
+        if run is not None:
+            try:
+                run.execute()  # the model runs here, without the lock
+            finally:
+                with lock:
+                    run.finish()  # answers the waiter, frees the instance (also when interrupted)
+        return True
 
     def _submit_direct(self, request: InferRequest, waiter: Waiter | AsyncWaiter,
                        quick_only: bool = False) -> DirectRun | None:
