@@ -8,30 +8,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 import gpud
 from executor.local_worker import LocalWorker, runs_inline
 from executor.types import ErrorKind, InferenceError
-from gpud.examples import write_example_repository
-from tests.daemon_harness import ROOT, SLOW_CONFIG, save, slow_model, wait_for
+from tests.daemon_harness import save, slow_model, wait_for
+# The repository (the examples, slow, slow_alone) and the helpers are test_inprocess's: the same models both ways.
+from tests.test_inprocess import ALONE_CONFIG, NODE, _pending, _reference, _stats, repo  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
-NODE = str(ROOT / "config/nodes/dgx-a100-2gpu-mig.yaml")
-ALONE_CONFIG = """
-max_batch_size: 64
-instance_group [ { count: 1, kind: KIND_CPU } ]
-"""
-
-
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    write_example_repository(repo)
-    save(slow_model(width=512, layers=300), repo, "slow", SLOW_CONFIG)
-    save(slow_model(width=512, layers=3000), repo, "slow_alone", ALONE_CONFIG)  # 64 rows: about half a second
-    return repo
 
 
 @pytest.fixture(scope="module")
@@ -99,20 +85,6 @@ def _start_direct(server, rec: Recorder, pool: ThreadPoolExecutor, model: str, i
             return future
         future.result(timeout=120)
     pytest.fail(f"no call of {attempts} ran in the caller's thread: {rec.threads[-5:]}")
-
-
-def _stats(server, model: str):
-    return server.model_statistics(model)[0].stats
-
-
-def _reference(repo, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, inputs)))
-
-
-def _pending(server, model: str) -> int:
-    return next(m["pending_requests"] for m in server.inspect()["models"] if m["name"] == model)
 
 
 def test_instances_run_in_this_process(server):

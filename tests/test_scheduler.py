@@ -41,16 +41,22 @@ class ScriptedWorker:
         callback(Done(msg.seq, (TensorMeta("y", "FP32", shape, 0, int(np.prod(shape)) * 4),), "", 1, 2, 3))
 
 
-@pytest.fixture
-def setup():
+def scripted(model: str) -> tuple[ModelScheduler, InstanceHandle, ScriptedWorker, list]:
+    """A scheduler for `model` with one ready instance on a scripted worker, and the worker's log."""
     log: list = []
     worker = ScriptedWorker(log)
-    inst = InstanceHandle(key="m/1/0", model="m", version="1", index=0, device_id="cpu", model_path="",
+    inst = InstanceHandle(key=f"{model}/1/0", model=model, version="1", index=0, device_id="cpu", model_path="",
                           config=CONFIG, estimate_bytes=0, worker=worker, ready=True,
                           in_seg=Segment.create(new_segment_name("in"), 1 << 16),
                           out_seg=Segment.create(new_segment_name("out"), 1 << 16))
     scheduler = ModelScheduler(CONFIG, "1")
     scheduler.add_instance(inst)
+    return scheduler, inst, worker, log
+
+
+@pytest.fixture
+def setup():
+    scheduler, inst, worker, log = scripted("m")
     yield scheduler, inst, worker, log
     inst.close_segments()
 
@@ -223,14 +229,7 @@ def test_a_batchs_answers_that_feed_another_model_reach_it_as_one_batch(setup):
     # As an ensemble's steps do: each answer of model a's batch is submitted to model b from its callback. b is free
     # and would take the first alone; b's scheduler is stepped only once the whole batch is answered.
     scheduler_a, inst_a, worker_a, log_a = setup
-    log_b: list = []
-    worker_b = ScriptedWorker(log_b)
-    inst_b = InstanceHandle(key="b/1/0", model="b", version="1", index=0, device_id="cpu", model_path="",
-                            config=CONFIG, estimate_bytes=0, worker=worker_b, ready=True,
-                            in_seg=Segment.create(new_segment_name("in"), 1 << 16),
-                            out_seg=Segment.create(new_segment_name("out"), 1 << 16))
-    scheduler_b = ModelScheduler(CONFIG, "1")
-    scheduler_b.add_instance(inst_b)
+    scheduler_b, inst_b, worker_b, log_b = scripted("b")
     answers: list = []
 
     def feed_b(result) -> None:
