@@ -54,6 +54,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(HERE, "serving"))
 sys.path.insert(0, ROOT)
 
+import floor  # noqa: E402  (bench/serving/floor.py: starting gpud)
 import models as serving_models  # noqa: E402
 import run as serving_run  # noqa: E402
 from ort_session import make_session  # noqa: E402
@@ -377,20 +378,8 @@ def throughput_row(wrk: str, port: int, model: str, body: tuple[bytes, int], sec
 
 
 def start_gpud(workdir: str, repo: str) -> tuple[subprocess.Popen, dict]:
-    ready = os.path.join(workdir, "ready")
-    if os.path.exists(ready):
-        os.remove(ready)
-    cmd = [sys.executable, "-m", "gpud.main", "--model-repository", repo, "--address", "127.0.0.1", "--http-port",
-           "0", "--grpc-port", "0", "--metrics-port", "0", "--log-level", "WARNING", "--ready-file", ready,
-           "--placement-control", "off"]  # the instance counts stay as configured: one per step model
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, "log"), "a"))
-    deadline = time.monotonic() + 120
-    while not os.path.exists(ready):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("gpud did not become ready: " + open(os.path.join(workdir, "log")).read()[-2000:])
-        time.sleep(0.1)
-    return proc, json.load(open(ready))
+    # The placement controller off: the instance counts stay as configured, one per step model.
+    return floor.start(workdir, repo, False, "--placement-control", "off")
 
 
 def main(argv: list[str] | None = None) -> int:

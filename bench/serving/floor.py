@@ -66,12 +66,14 @@ def serve_canned(argv: list[str]) -> int:
     return main(argv)
 
 
-def start(workdir: str, repo: str, canned: bool) -> tuple[subprocess.Popen, dict]:
+def start(workdir: str, repo: str, canned: bool = False, *extra_args: str) -> tuple[subprocess.Popen, dict]:
+    """gpud (or, `canned`, the floor server) on loopback with free ports, `extra_args` added; the process and the
+    ports its ready file lists, once it serves."""
     ready = os.path.join(workdir, "ready")
     if os.path.exists(ready):
         os.remove(ready)
     gpud_args = ["--model-repository", repo, "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0",
-                 "--metrics-port", "0", "--log-level", "WARNING", "--ready-file", ready]
+                 "--metrics-port", "0", "--log-level", "WARNING", "--ready-file", ready, *extra_args]
     cmd = [sys.executable, os.path.abspath(__file__), "--serve-canned", *gpud_args] if canned else \
         [sys.executable, "-m", "gpud.main", *gpud_args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(os.path.join(workdir, "log"), "a"))
