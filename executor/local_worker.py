@@ -133,7 +133,9 @@ class LocalWorker:
         if local is None or not self.alive:
             raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"instance {msg.key} is not loaded on device {self.device.id}")
-        rows = msg.inputs[0].shape[0] if msg.inputs and msg.inputs[0].shape else 1
+        # Rows as the batcher counts them (a model that does not batch runs one request: one row), as a caller's own
+        # run notes them too: the estimate compares like with like.
+        rows = msg.inputs[0].shape[0] if local.inst.config.batches and msg.inputs and msg.inputs[0].shape else 1
         self.busy.begin()
         if runs_inline(local.last_run_s, local.last_rows, rows, self.inline_max_s):
             reply = self._run(local, msg, rows)
