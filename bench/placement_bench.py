@@ -34,15 +34,7 @@ from placement.solver import EXACT_SOLVER, PlannerConfig, plan  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import placement_sets  # noqa: E402
 
-# 2-D sets: name -> (builder(seed) -> (devices, demands), known optimum or None)
-SETS_2D = {
-    "k25": (lambda seed: placement_sets.known_optimum(25, seed), 25),
-    "k50": (lambda seed: placement_sets.known_optimum(50, seed), 50),
-    "k100": (lambda seed: placement_sets.known_optimum(100, seed), 100),
-    "r100": (lambda seed: placement_sets.random_2d(100, seed), None),
-    "r200": (lambda seed: placement_sets.random_2d(200, seed), None),
-    "r100w": (lambda seed: placement_sets.random_2d(100, seed, 0.1, 0.7), None),
-}
+SETS_2D = placement_sets.SETS_2D
 
 # Proven optima (the OR-Library `best` column is wrong for four of these, see ../shared/data/README.md).
 OPTIMA = {
@@ -150,14 +142,20 @@ def run_2d(name: str, seeds: int, time_limit: float, use_highs: bool, verbose: b
     }
 
 
-def heuristics_timing_2d(n_items: int, repeats: int, seed: int) -> None:
-    devices, demands = placement_sets.random_2d(n_items, seed)
-    best, used = float("inf"), 0
+def _heuristics_only(devices, demands, repeats: int):
+    """The heuristics' plan (no search: time limit 0) and its best time of `repeats`, seconds."""
+    best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         p = plan(devices, demands, config=PlannerConfig(time_limit_seconds=0))
         best = min(best, time.perf_counter() - t0)
-        used = p.devices_used
+    return best, p
+
+
+def heuristics_timing_2d(n_items: int, repeats: int, seed: int) -> None:
+    devices, demands = placement_sets.random_2d(n_items, seed)
+    best, p = _heuristics_only(devices, demands, repeats)
+    used = p.devices_used
     print(f"heuristics only, {n_items} items (2-D: memory and compute uniform 1-50% of a GPU): {best * 1000:.1f} ms "
           f"(best of {repeats}), {used} devices, lower bound {p.lower_bound}, ratio to bound "
           f"{used / p.lower_bound:.3f}")
@@ -170,12 +168,8 @@ def heuristics_timing(n_items: int, repeats: int, seed: int) -> None:
                        ("uniform 20-100 of 150 (u-like)", lambda: rng.randint(20, 100) * (cap // 150))):
         weights = [gen() for _ in range(n_items)]
         devices, demands = to_problem(cap, weights)
-        best, used = float("inf"), 0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            p = plan(devices, demands, config=PlannerConfig(time_limit_seconds=0))
-            best = min(best, time.perf_counter() - t0)
-            used = p.devices_used
+        best, p = _heuristics_only(devices, demands, repeats)
+        used = p.devices_used
         print(f"heuristics only, {n_items} items ({label}): {best * 1000:.1f} ms (best of {repeats}), "
               f"{used} devices, lower bound {p.lower_bound}, ratio to bound {used / p.lower_bound:.3f}")
 

@@ -51,3 +51,14 @@ def random_2d(n: int, seed: int, low: float = 0.01, high: float = 0.5) -> tuple[
     demands = [ModelDemand(f"m{j}", int(GPU_MEMORY_BYTES * rng.uniform(low, high)), 1,
                            compute_fraction=round(rng.uniform(low, high), 6)) for j in range(n)]
     return [Device(f"gpu{j}", GPU_MEMORY_BYTES, 1.0) for j in range(n)], demands
+
+
+# The 2-D sets the placement benches run: name -> (builder(seed) -> (devices, demands), known optimum or None).
+SETS_2D = {
+    "k25": (lambda seed: known_optimum(25, seed), 25),
+    "k50": (lambda seed: known_optimum(50, seed), 50),
+    "k100": (lambda seed: known_optimum(100, seed), 100),
+    "r100": (lambda seed: random_2d(100, seed), None),
+    "r200": (lambda seed: random_2d(200, seed), None),
+    "r100w": (lambda seed: random_2d(100, seed, 0.1, 0.7), None),
+}

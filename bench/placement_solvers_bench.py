@@ -31,13 +31,7 @@ from placement.framework import NodeState, eligible_devices  # noqa: E402
 from placement.model import compute_units  # noqa: E402
 from placement.solver import PlannerConfig, _aggregated_mip, plan  # noqa: E402
 
-SETS = {
-    "k25": (lambda s: placement_sets.known_optimum(25, s), 25),
-    "k50": (lambda s: placement_sets.known_optimum(50, s), 50),
-    "k100": (lambda s: placement_sets.known_optimum(100, s), 100),
-    "r100": (lambda s: placement_sets.random_2d(100, s), None),
-    "r100w": (lambda s: placement_sets.random_2d(100, s, 0.1, 0.7), None),
-}
+SETS = {name: entry for name, entry in placement_sets.SETS_2D.items() if name != "r200"}
 
 
 def cpsat(devices, demands, greedy, time_limit: float, workers: int):
