@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from executor.model_config import ModelConfig, numpy_dtype
-from executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
+from executor.types import ErrorKind, InferenceError, InferRequest
 
 if TYPE_CHECKING:
     from executor.instance import InstanceHandle
@@ -85,20 +85,13 @@ class DirectRun:
 
     def finish(self) -> None:
         """Free the instance, record and answer (with the lock held again)."""
-        scheduler, inst = self.scheduler, self.inst
-        inst.worker.release_direct(self.local)
-        scheduler.end_direct(inst)
-        if self.error is not None:
-            scheduler._fail([self.pending], self.error)
-        else:
-            prepared = self.pending.prepared
-            self.local.note_run((self.input_ns + self.infer_ns + self.output_ns) / 1e9, prepared.batch_rows)
-            tensors = [InferTensor(name, scheduler._output_types[name], arr.shape, arr)
-                       for name, arr in zip(prepared.output_names, self.outputs)]
-            scheduler._answer([self.pending], [tensors], self.input_ns, self.infer_ns, self.output_ns,
-                              time.perf_counter_ns())
-        if scheduler.needs_step():
-            wake(self.loop, scheduler._step)
+        self.inst.worker.release_direct(self.local)
+        if self.error is None:
+            self.local.note_run((self.input_ns + self.infer_ns + self.output_ns) / 1e9,
+                                self.pending.prepared.batch_rows)
+        if self.scheduler.end_direct(self.inst, self.pending, self.outputs if self.error is None else self.error,
+                                     self.input_ns, self.infer_ns, self.output_ns):
+            wake(self.loop, self.scheduler._step)
 
 
 def wake(loop: asyncio.AbstractEventLoop, callback) -> None:
@@ -117,9 +110,9 @@ def start_direct(scheduler: ModelScheduler, request: InferRequest, done: Done, l
     withdraws it); or None when it was not taken (nothing queued: the caller submits it the loop's way). Bad input
     raises as `submit` does. `quick_only`: only a run expected to be as short as one the loop runs itself (a caller
     on an event loop, which the run holds up)."""
-    if not getattr(scheduler, "direct_capable", False) or scheduler.queue or not scheduler._free:
+    inst = scheduler.idle_instance() if getattr(scheduler, "direct_capable", False) else None
+    if inst is None:
         return None
-    inst = scheduler._free[0]
     claim = getattr(inst.worker, "claim_direct", None)
     rows = request.inputs[0].shape[0] if scheduler.config.batches and request.inputs and request.inputs[0].shape \
         else 1

@@ -336,6 +336,10 @@ class ModelScheduler(SchedulerBase):
         return pending
 
     # --- a request run by its caller (executor.direct; the loop's lock held) -----------------------------------
+    def idle_instance(self) -> InstanceHandle | None:
+        """The instance a caller may take for its request: the first free one while nothing is queued."""
+        return self._free[0] if self._free and not self.queue else None
+
     def begin_direct(self, request: InferRequest, done: Done, inst: InstanceHandle) -> tuple[_Pending, bool]:
         """Queue `request` as submit does and ask the batcher now; True when it dispatched this request alone, and
         `inst` (the first free instance) is then taken for it. False: it stays queued for the loop."""
@@ -349,14 +353,20 @@ class ModelScheduler(SchedulerBase):
         pending.dispatch_ns = time.perf_counter_ns()
         return pending, True
 
-    def end_direct(self, inst: InstanceHandle) -> None:
-        """The caller's run on `inst` is over: the instance is free again (if it still serves)."""
+    def end_direct(self, inst: InstanceHandle, pending: _Pending, outputs: list[np.ndarray] | InferenceError,
+                   input_ns: int, infer_ns: int, output_ns: int) -> bool:
+        """The caller's run on `inst` is over: the instance is free again (if it still serves), the request answered
+        with its outputs (in its requested outputs' order) or failed. True when the loop has work now (requests
+        queued meanwhile, a wait for idleness)."""
         self._running.pop(inst, None)
         if inst.ready and inst in self.instances:
             self._free.append(inst)
-
-    def needs_step(self) -> bool:
-        """Whether the loop has work after a caller's run: requests queued meanwhile, or a wait for idleness."""
+        if isinstance(outputs, InferenceError):
+            self._fail([pending], outputs)
+        else:
+            names = pending.prepared.output_names
+            tensors = [InferTensor(n, self._output_types[n], a.shape, a) for n, a in zip(names, outputs)]
+            self._answer([pending], [tensors], input_ns, infer_ns, output_ns, time.perf_counter_ns())
         return bool(self.queue) or bool(self._idle_waiters)
 
     def cancel(self, pending: _Pending) -> None:
