@@ -1,7 +1,8 @@
 """Ensembles (issue 16): what a 3-step pipeline served by gpud costs beyond its steps, and its throughput against its
 slowest step served alone. One run, ratios against baselines measured in the same run.
 
-    .venv/bin/python bench/ensemble_bench.py [--requests 2000] [--repeat 2] [--seconds 6] [--kind cpu|gpu] [--json FILE]
+    .venv/bin/python bench/ensemble_bench.py [--requests 2000] [--repeat 2] [--seconds 6] [--kind cpu|gpu]
+                                             [--throughput-only] [--json FILE]
 
 Models (a temporary Triton-layout repository; every instance on the CPU worker, or with --kind gpu on a GPU (a real
 one on a GPU node: scripts/gpu-validate runs it so); max_batch_size 64 and dynamic batching with a 3 ms delay, as
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kind", choices=("cpu", "gpu"), default="cpu",
                    help="the step models' instance kind: cpu (every step on the CPU worker, the default) or gpu "
                         "(on a GPU node: the steps on a GPU, so the slowest step computes off the host cores)")
+    p.add_argument("--throughput-only", action="store_true",
+                   help="only the concurrency-64 pairs (part 2), not the concurrency-1 rows")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     wrk = serving_run.ensure_wrk()
@@ -401,18 +404,21 @@ def main(argv: list[str] | None = None) -> int:
         repo = os.path.join(workdir, "models")
         files = write_repository(repo, args.heavy_layers, f"KIND_{args.kind.upper()}")
         arrays, body = bodies(np.random.default_rng(0))
-        raw = raw_compute_ms(files, arrays, args.requests)
-        own_us = orchestration_us(10 * args.requests)
-        inproc = asyncio.run(inprocess_ms(repo, arrays, args.requests, args.blocks))
+        first = not args.throughput_only
+        if first:
+            raw = raw_compute_ms(files, arrays, args.requests)
+            own_us = orchestration_us(10 * args.requests)
+            inproc = asyncio.run(inprocess_ms(repo, arrays, args.requests, args.blocks))
         proc, ports = start_gpud(workdir, repo)
         try:
-            over_http = http_ms(ports["http"], body, arrays["image"], args.requests, args.blocks)
-            client = Client(ports["http"])
-            before = request_ns(client)
-            for _ in range(200):
-                client.post("pipe_mlp", *body["pipe_mlp"])
-            after = request_ns(client)
-            copies = {s: per_request_us(before, after, s, field=2) for s in STEPS}
+            if first:
+                over_http = http_ms(ports["http"], body, arrays["image"], args.requests, args.blocks)
+                client = Client(ports["http"])
+                before = request_ns(client)
+                for _ in range(200):
+                    client.post("pipe_mlp", *body["pipe_mlp"])
+                after = request_ns(client)
+                copies = {s: per_request_us(before, after, s, field=2) for s in STEPS}
             procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
             pairs = []
             for _ in range(args.repeat):
@@ -421,31 +427,33 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             proc.terminate()
             proc.wait(30)
-    steps_alone = sum(inproc[s] for s in STEPS)
-    overhead_ms = (inproc["pipe_mlp"] - inproc["chain"]) / 3
-    overhead_vs_alone_ms = (inproc["pipe_mlp"] - steps_alone) / 3
     ratios = [pair["pipe_heavy"]["req_s"] / pair["heavy"]["req_s"] for pair in pairs]
     ratio = statistics.median(ratios)
     print(f"# {platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python "
           f"{platform.python_version()}; gpud {_git_describe()}; load average (1, 5, 15 min) before: "
           f"{' '.join(f'{x:.1f}' for x in load_before)}, after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"# .venv/bin/python bench/ensemble_bench.py --requests {args.requests} --blocks {args.blocks} "
-          f"--repeat {args.repeat} --seconds {args.seconds:g} --heavy-layers {args.heavy_layers} --kind {args.kind}")
-    print(f"# concurrency 1, pipe_mlp = pre -> mlp -> post: gpud's core in-process (core.infer), medians of "
-          f"{args.requests} requests per row in {args.blocks} interleaved blocks")
-    print(f"{'row':40s} {'p50 ms':>8s} {'onnxruntime ms':>15s} {'tensors in+out us':>18s}")
-    print(f"{'pipeline (ensemble)':40s} {inproc['pipe_mlp']:8.3f} {sum(raw.values()):15.3f}")
-    print(f"{'the three steps chained by hand':40s} {inproc['chain']:8.3f}")
-    for s in STEPS:
-        print(f"{s + ' alone':40s} {inproc[s]:8.3f} {raw[s]:15.3f} {copies[s]:18.0f}")
-    print(f"ensemble overhead per step: {overhead_ms:.4f} ms against its steps chained by hand, "
-          f"{overhead_vs_alone_ms:.4f} ms against the sum of its steps alone (target < {OVERHEAD_TARGET_MS} ms: "
-          f"{'PASS' if max(overhead_ms, overhead_vs_alone_ms) < OVERHEAD_TARGET_MS else 'FAIL'})")
-    print(f"the ensemble scheduler's own cost (scripted steps answering at once): {own_us:.1f} us per 3-step request")
-    print(f"# over HTTP (Python http.client, binary tensors, keep-alive), medians in {args.blocks} interleaved blocks")
-    print(f"{'pipeline (ensemble)':40s} {over_http['pipe_mlp']:8.3f}")
-    print(f"{'the client chaining the three steps':40s} {over_http['chain']:8.3f}")
-    print(f"pipeline / client chaining: {over_http['pipe_mlp'] / over_http['chain']:.2f}")
+          f"--repeat {args.repeat} --seconds {args.seconds:g} --heavy-layers {args.heavy_layers} --kind {args.kind}"
+          + (" --throughput-only" if args.throughput_only else ""))
+    if first:
+        steps_alone = sum(inproc[s] for s in STEPS)
+        overhead_ms = (inproc["pipe_mlp"] - inproc["chain"]) / 3
+        overhead_vs_alone_ms = (inproc["pipe_mlp"] - steps_alone) / 3
+        print(f"# concurrency 1, pipe_mlp = pre -> mlp -> post: gpud's core in-process (core.infer), medians of "
+              f"{args.requests} requests per row in {args.blocks} interleaved blocks")
+        print(f"{'row':40s} {'p50 ms':>8s} {'onnxruntime ms':>15s} {'tensors in+out us':>18s}")
+        print(f"{'pipeline (ensemble)':40s} {inproc['pipe_mlp']:8.3f} {sum(raw.values()):15.3f}")
+        print(f"{'the three steps chained by hand':40s} {inproc['chain']:8.3f}")
+        for s in STEPS:
+            print(f"{s + ' alone':40s} {inproc[s]:8.3f} {raw[s]:15.3f} {copies[s]:18.0f}")
+        print(f"ensemble overhead per step: {overhead_ms:.4f} ms against its steps chained by hand, "
+              f"{overhead_vs_alone_ms:.4f} ms against the sum of its steps alone (target < {OVERHEAD_TARGET_MS} ms: "
+              f"{'PASS' if max(overhead_ms, overhead_vs_alone_ms) < OVERHEAD_TARGET_MS else 'FAIL'})")
+        print(f"the ensemble scheduler's own cost (scripted steps answering at once): {own_us:.1f} us per 3-step request")
+        print(f"# over HTTP (Python http.client, binary tensors, keep-alive), medians in {args.blocks} interleaved blocks")
+        print(f"{'pipeline (ensemble)':40s} {over_http['pipe_mlp']:8.3f}")
+        print(f"{'the client chaining the three steps':40s} {over_http['chain']:8.3f}")
+        print(f"pipeline / client chaining: {over_http['pipe_mlp'] / over_http['chain']:.2f}")
     print(f"# concurrency 64 (wrk -t1 -c64, binary, {args.seconds:g} s after 2 s warm-up), {args.repeat} pairs")
     print(f"{'row':40s} {'req/s':>8s} {'p50 ms':>8s} {'front us/req':>13s} {'workers us/req':>15s} {'errors':>7s}")
     for k, pair in enumerate(pairs):
@@ -457,10 +465,12 @@ def main(argv: list[str] | None = None) -> int:
           f"(target >= {THROUGHPUT_TARGET}: {'PASS' if ratio >= THROUGHPUT_TARGET else 'FAIL'})")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"orchestration_us": own_us, "inprocess_ms": inproc, "http_ms": over_http, "onnxruntime_ms": raw,
-                       "tensors_in_out_us": copies, "throughput": pairs, "overhead_per_step_ms": overhead_ms,
-                       "overhead_per_step_vs_alone_ms": overhead_vs_alone_ms, "throughput_ratios": ratios}, f,
-                      indent=2)
+            results = {"throughput": pairs, "throughput_ratios": ratios}
+            if first:
+                results |= {"orchestration_us": own_us, "inprocess_ms": inproc, "http_ms": over_http,
+                            "onnxruntime_ms": raw, "tensors_in_out_us": copies, "overhead_per_step_ms": overhead_ms,
+                            "overhead_per_step_vs_alone_ms": overhead_vs_alone_ms}
+            json.dump(results, f, indent=2)
     return 0
 
 
