@@ -22,6 +22,16 @@ Rules:
 5. Statistics (Triton's): per request, one execution of its batch size; queue is the time before its first step
    was sent, request the time to its answer, and the compute phases the sums of its steps' (the batch each step
    ran in, as that model records it). The steps' models record the steps in their own statistics.
+6. Steps go to their models in groups where they can: the first steps of the requests that arrive in one turn of
+   the event loop (what the front ends read in one go) are sent at the end of that turn, and the steps that one
+   batch's answers make ready once those answers are all out. The requests of one group for the same step, with
+   the same input shapes past the batch dimension, priority, timeout and parameters, go as one request: their rows
+   concatenated (a view when they lie in order in one array, as a batch's answers do), at most the model's
+   max_batch_size rows each, counted as that many requests in the model's statistics. Only for a model that would
+   batch them anyway (it batches, with dynamic batching; not a sequence model or an ensemble); any other is sent
+   each request on its own. What each answer carries is the same; what this spares is the front end's per-request
+   work at every step, most of an ensemble's cost beyond its steps'. So a first step refused (a full queue, a
+   model not served) fails the request through its callback, not by raising from submit.
 """
 from __future__ import annotations
 
@@ -33,9 +43,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from executor.model_config import EnsembleStep, ModelConfig
 from executor.stats import ModelStats
-from executor.scheduler import infer_through
+from executor.scheduler import after_delivery, delivering, gathering, infer_through
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from executor.validation import PreparedCache
 
@@ -135,6 +147,52 @@ class _Run:
         self.holding: set[int] = set()  # steps holding one of their step's slots (max_inflight_requests)
 
 
+class _Group:
+    """One step's requests sent as one (rule 6): the runs, their step's input tensors and rows. It is the target
+    in each run's `in_flight` entry, so cancelling a run (`cancel(run)`) leaves it out; the group's own request is
+    withdrawn when no run is left in it."""
+
+    __slots__ = ("step", "members", "live", "target", "handle", "answered")
+
+    def __init__(self, step: _Step):
+        self.step = step
+        self.members: list[tuple[_Run, list[InferTensor], int]] = []
+        self.live = 0
+        self.target: StepTarget | None = None
+        self.handle: Any = None
+        self.answered = False
+
+    def add(self, run: _Run, inputs: list[InferTensor], rows: int) -> None:
+        self.members.append((run, inputs, rows))
+        self.live += 1
+        run.in_flight[self.step.index] = (self, run)
+
+    def cancel(self, run: _Run) -> None:
+        self.live -= 1
+        if self.live <= 0 and self.handle is not None:
+            self.target.cancel(self.handle)
+            self.handle = None
+
+
+def _joined(arrays: list[Any]) -> Any:
+    """The arrays one after the other along the batch dimension: a view when they lie so in one array (a batch's
+    answers split per request do), else a copy. (Object arrays, BYTES elements, are always copied: their memory
+    holds references.)"""
+    first = arrays[0]
+    base = first.base
+    if isinstance(base, np.ndarray) and base.flags.c_contiguous and not first.dtype.hasobject:
+        address = first.ctypes.data
+        for a in arrays:
+            if a.base is not base or a.dtype != first.dtype or not a.flags.c_contiguous or a.ctypes.data != address:
+                break
+            address += a.nbytes
+        else:
+            rows = sum(a.shape[0] for a in arrays)
+            return np.ndarray((rows,) + first.shape[1:], first.dtype, buffer=base,
+                              offset=first.ctypes.data - base.ctypes.data)
+    return np.concatenate(arrays, axis=0)
+
+
 class EnsembleScheduler:
     """Runs the requests of one ensemble version (rules in the module docstring). Has the interface of
     executor.scheduler.ModelScheduler that the core, the registry and shutdown use: submit / cancel / infer,
@@ -158,6 +216,8 @@ class EnsembleScheduler:
         self._all_outputs = tuple(o.name for o in config.outputs)
         self._input_types = {s.name: s.datatype for s in config.inputs}
         self._signatures: dict[tuple, tuple] = {}
+        self._forming: dict[tuple, _Group] = {}  # rule 6: steps gathered while a batch's answers are delivered
+        self._intake: list[tuple[_Run, list[int]]] = []  # rule 6: requests of this turn, their first steps
         # max_inflight_requests: each step's requests in flight, across the ensemble's requests; those over the limit
         # wait, first come first served, until one of the step's requests is answered.
         self._limit = config.ensemble.max_inflight_requests
@@ -188,7 +248,9 @@ class EnsembleScheduler:
 
     def submit(self, request: InferRequest, done: Done) -> _Run:
         """Start `request` through the steps; `done(response_or_error)` is called once, from the event loop. A bad
-        request, or a first step refused at once, raises InferenceError here (and nothing of it goes on running)."""
+        request raises InferenceError here (and nothing of it runs). Its first steps are sent at the end of this
+        turn of the loop, with those of the other requests that came in it (rule 6); inside a batch's delivery,
+        when its answers are out (a first step refused at once there is raised here, as before rule 6)."""
         arrival_ns = time.perf_counter_ns()
         prepared = self._prepare(request)  # rule 1: raises INVALID_ARGUMENT at once
         route = self._route_for(prepared.output_names if request.outputs is not None else self._all_outputs)
@@ -205,9 +267,16 @@ class EnsembleScheduler:
                 waiting[index] -= 1
                 if waiting[index] == 0:
                     first.append(index)
+        first.sort()
+        if not delivering():
+            run.submitting = False
+            if not self._intake:
+                asyncio.get_running_loop().call_soon(self._send_intake)
+            self._intake.append((run, first))
+            return run
         run.sent_ns = time.perf_counter_ns()
         try:
-            for index in sorted(first):
+            for index in first:
                 self._launch(run, run.steps[index])
                 if run.finished:
                     break
@@ -216,6 +285,18 @@ class EnsembleScheduler:
         if run.error is not None:
             raise run.error
         return run
+
+    def _send_intake(self) -> None:
+        """The first steps of the requests that came in this turn of the loop, gathered (rule 6)."""
+        intake, self._intake = self._intake, []
+        now_ns = time.perf_counter_ns()
+        with gathering():
+            for run, first in intake:
+                run.sent_ns = now_ns
+                for index in first:
+                    if run.finished:  # cancelled, failed, or a parallel first step refused
+                        break
+                    self._launch(run, run.steps[index])
 
     def cancel(self, run: _Run) -> None:
         """The client went away: its steps still queued never run; its callback is not called."""
@@ -258,47 +339,167 @@ class EnsembleScheduler:
     def _send(self, run: _Run, step: _Step) -> None:
         tensors = run.tensors
         inputs = []
-        key: list = [step.model, *[o.name for o in step.requested]]
         for model_input, tensor in step.inputs:
             got = tensors.get(tensor)
             if got is not None:  # absent: an optional ensemble input the client left out
                 datatype, array = got
                 inputs.append(InferTensor(model_input, datatype, array.shape, array))
-                key += (model_input, datatype, array.shape)
-        r = run.request
+        if delivering() and self._join(run, step, inputs):
+            return
+        self._send_one(run, step, inputs)
+
+    def _signature(self, step: _Step, inputs: list[InferTensor]) -> tuple:
         # Requests of a step with the same input names, datatypes and shapes and the same requested outputs share a
         # signature, so the step model's scheduler checks them once (executor.validation.PreparedCache): what the
         # check finds depends on nothing else (the cache is the step model version's own).
+        key: list = [step.model, *[o.name for o in step.requested]]
+        for t in inputs:
+            key += (t.name, t.datatype, t.shape)
         signature = self._signatures.get(key_t := tuple(key))
         if signature is None:
             if len(self._signatures) >= 1024:  # shapes churn (variable dims): start over
                 self._signatures.clear()
             signature = self._signatures[key_t] = (self, key_t)
-        request = InferRequest(step.model, inputs, step.version, id=r.id, outputs=step.requested,
-                               priority=r.priority, timeout_us=r.timeout_us, parameters=r.parameters,
-                               signature=signature)
+        return signature
+
+    def _request(self, run: _Run, step: _Step, inputs: list[InferTensor]) -> InferRequest:
+        r = run.request
+        return InferRequest(step.model, inputs, step.version, id=r.id, outputs=step.requested, priority=r.priority,
+                            timeout_us=r.timeout_us, parameters=r.parameters, signature=self._signature(step, inputs))
+
+    def _send_one(self, run: _Run, step: _Step, inputs: list[InferTensor]) -> None:
+        request = self._request(run, step, inputs)
         # In flight before it is submitted: a scheduler may answer inside submit() (it handles replies already
         # waiting on its worker's pipe), and that answer must find the step in flight to take it out.
         run.in_flight[step.index] = _SENDING
         try:
             target = self.route(request)
             handle = target.submit(request, lambda result: self._on_step(run, step, result))
-        except InferenceError as exc:
-            run.in_flight.pop(step.index, None)
-            self._release(run, step.index)
-            self._fail(run, step, exc)
-            return
         except Exception as exc:  # noqa: BLE001 - a bug in a step's path must fail this request, not the loop
             run.in_flight.pop(step.index, None)
-            self._release(run, step.index)
-            log.exception("ensemble %s: sending %s failed", self.config.name, step.label)
-            self._fail(run, step, InferenceError(ErrorKind.INTERNAL, str(exc)))
+            self._refused(run, step, exc)
             return
         if run.finished:  # the request failed meanwhile (another step): this one need not run
             target.cancel(handle)
             self._release(run, step.index)
         elif step.index in run.in_flight:  # not answered yet
             run.in_flight[step.index] = (target, handle)
+
+    def _refused(self, run: _Run, step: _Step, exc: Exception) -> None:
+        """The step could not be sent (refused at once, or a bug on its way): the request fails (rule 3)."""
+        self._release(run, step.index)
+        if not isinstance(exc, InferenceError):
+            log.error("ensemble %s: sending %s failed", self.config.name, step.label, exc_info=exc)
+            exc = InferenceError(ErrorKind.INTERNAL, str(exc))
+        self._fail(run, step, exc)
+
+    # --- steps sent together (rule 6) ------------------------------------------------------------------------
+    def _join(self, run: _Run, step: _Step, inputs: list[InferTensor]) -> bool:
+        """Gather the step with the others that this batch's answers make ready (sent by `_flush` when they are
+        all out). False when it cannot go with others (no batch dimension): send it alone."""
+        if not inputs:
+            return False
+        r = run.request
+        rows = inputs[0].shape[0] if inputs[0].shape else 0
+        # Parameters: none, or the very same (a front end shares one mapping between requests of one header).
+        key: list = [step.index, r.priority, r.timeout_us, id(r.parameters) if r.parameters else 0]
+        for t in inputs:
+            shape = t.shape
+            if not shape or shape[0] != rows:
+                return False
+            key += (t.name, t.datatype, shape[1:])
+        if rows < 1:
+            return False
+        key_t = tuple(key)
+        group = self._forming.get(key_t)
+        if group is None:
+            if not self._forming:
+                after_delivery(self._flush)
+            group = self._forming[key_t] = _Group(step)
+        group.add(run, inputs, rows)
+        return True
+
+    def _flush(self) -> None:
+        forming, self._forming = self._forming, {}
+        for group in forming.values():
+            members = [m for m in group.members if not m[0].finished]
+            if len(members) > 1:
+                self._send_group(group.step, members)
+            elif members:
+                run, inputs, _ = members[0]
+                self._send_one(run, group.step, inputs)
+
+    def _send_group(self, step: _Step, members: list[tuple[_Run, list[InferTensor], int]]) -> None:
+        """The members' step as requests of at most the step model's max_batch_size rows each; each alone where
+        the model does not take groups (or is not there: each then fails as it would alone)."""
+        try:
+            target = self.route(InferRequest(step.model, [], step.version))
+        except Exception:  # noqa: BLE001 - each member's own send says why
+            target = None
+        if target is None or not getattr(target, "takes_groups", False):
+            for run, inputs, _ in members:
+                if not run.finished:
+                    self._send_one(run, step, inputs)
+            return
+        max_rows = target.config.max_batch_size
+        chunk: list[tuple[_Run, list[InferTensor], int]] = []
+        rows = 0
+        for member in members:
+            if chunk and rows + member[2] > max_rows:
+                self._submit_group(target, step, chunk)
+                chunk, rows = [], 0
+            chunk.append(member)
+            rows += member[2]
+        self._submit_group(target, step, chunk)
+
+    def _submit_group(self, target: Any, step: _Step, chunk: list[tuple[_Run, list[InferTensor], int]]) -> None:
+        chunk = [m for m in chunk if not m[0].finished]  # an earlier chunk's submit may have failed some
+        if len(chunk) < 2:
+            for run, inputs, _ in chunk:
+                self._send_one(run, step, inputs)
+            return
+        first_run, first_inputs, _ = chunk[0]
+        tensors = []
+        for i, t in enumerate(first_inputs):
+            data = _joined([m[1][i].data for m in chunk])
+            tensors.append(InferTensor(t.name, t.datatype, data.shape, data))
+        request = self._request(first_run, step, tensors)
+        group = _Group(step)
+        for run, inputs, rows in chunk:
+            group.add(run, inputs, rows)
+        try:
+            handle = target.submit(request, lambda result: self._on_group(group, result), members=len(chunk))
+        except Exception as exc:  # noqa: BLE001 - as _send_one: each member fails with the step named
+            for run, _, _ in chunk:
+                run.in_flight.pop(step.index, None)
+                self._refused(run, step, exc)
+            return
+        if group.live <= 0:  # every member failed meanwhile (another of its steps)
+            target.cancel(handle)
+        elif not group.answered:  # (a scheduler may answer inside submit)
+            group.target, group.handle = target, handle
+
+    def _on_group(self, group: _Group, result: Any) -> None:
+        """The group's answer, each member's rows to its run as its own step's answer would be."""
+        step = group.step
+        group.answered = True
+        group.target = group.handle = None  # no cycle: its handle's callback holds the group
+        if isinstance(result, BaseException):
+            for run, _, _ in group.members:
+                self._on_step(run, step, result)
+            return
+        outputs, compute_ns = result.outputs, result.compute_ns
+        start = 0
+        with gathering():  # the steps its answers make ready go on as a group in turn
+            for run, _, rows in group.members:
+                stop = start + rows
+                if self._limit:
+                    self._release(run, step.index)
+                if not run.finished:
+                    run.in_flight.pop(step.index, None)
+                    self._advance(run, step, [(t.name, t.datatype, t.data[start:stop]) for t in outputs],
+                                  compute_ns)
+                start = stop
 
     def _on_step(self, run: _Run, step: _Step, result: Any) -> None:
         if self._limit:
@@ -310,17 +511,22 @@ class EnsembleScheduler:
             self._fail(run, step, result if isinstance(result, InferenceError)
                        else InferenceError(ErrorKind.INTERNAL, str(result)))
             return
+        self._advance(run, step, [(t.name, t.datatype, t.data) for t in result.outputs], result.compute_ns)
+
+    def _advance(self, run: _Run, step: _Step, outputs: list[tuple[str, str, Any]],
+                 compute_ns: tuple[int, int, int]) -> None:
+        """A step's outputs become the run's tensors; the steps they complete are sent; the last answers it."""
         names = step.tensor_of
         compute = run.compute
-        ci, cf, co = result.compute_ns
+        ci, cf, co = compute_ns
         compute[0] += ci
         compute[1] += cf
         compute[2] += co
         ready: list[str] = []
-        for t in result.outputs:
-            tensor = names.get(t.name)
+        for name, datatype, data in outputs:
+            tensor = names.get(name)
             if tensor is not None:
-                run.tensors[tensor] = (t.datatype, t.data)
+                run.tensors[tensor] = (datatype, data)
                 ready.append(tensor)
         consumers = run.route.consumers
         for tensor in ready:

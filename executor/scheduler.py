@@ -51,30 +51,73 @@ Done = Callable[[Any], None]
 class _Delivery(threading.local):
     """A batch's answers being delivered on this thread. A request one of them submits to another model (an
     ensemble's next step) is queued at once but batched only when the last answer is out: stepping its scheduler
-    on the first would send that one alone to a free instance and the rest of the batch after it."""
+    on the first would send that one alone to a free instance and the rest of the batch after it. Whoever gathers
+    such requests to send them together (executor.ensemble) flushes them first (`after_delivery`)."""
 
     depth = 0
 
     def __init__(self) -> None:
         self.deferred: dict[ModelScheduler, None] = {}  # schedulers to step, in the order their requests came
+        self.flushes: dict[Callable[[], None], None] = {}  # to call when the answers are out, before stepping
 
 
 _delivery = _Delivery()
 
 
-def _step_deferred() -> None:
-    deferred = _delivery.deferred
-    while deferred:
-        scheduler = next(iter(deferred))
-        del deferred[scheduler]
-        scheduler._step()
+def delivering() -> bool:
+    """Whether a batch's answers are being delivered on this thread (see after_delivery)."""
+    return _delivery.depth > 0
+
+
+def after_delivery(flush: Callable[[], None]) -> None:
+    """Call `flush` once the answers being delivered on this thread are all out, before the schedulers they fed
+    are stepped (a request it submits is batched with the others). Registering the same callable twice calls it
+    once. Only while delivering()."""
+    _delivery.flushes[flush] = None
+
+
+class gathering:
+    """A context in which this thread acts as if delivering a batch's answers: requests submitted inside it are
+    batched, and gatherers flushed, when the outermost such context (or delivery) ends."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _delivery.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _delivery.depth -= 1
+        if not _delivery.depth and (_delivery.deferred or _delivery.flushes):
+            _finish_delivery()
+
+
+def _finish_delivery() -> None:
+    d = _delivery
+    while d.flushes or d.deferred:
+        d.depth += 1  # what a flush submits is stepped below, with the rest
+        try:
+            while d.flushes:
+                flush = next(iter(d.flushes))
+                del d.flushes[flush]
+                try:
+                    flush()
+                except Exception:  # noqa: BLE001 - one gatherer's bug must not strand the others' requests
+                    log.exception("flushing requests gathered during a batch's answers failed")
+        finally:
+            d.depth -= 1
+        while d.deferred and not d.flushes:
+            scheduler = next(iter(d.deferred))
+            del d.deferred[scheduler]
+            scheduler._step()
 
 
 class _Pending:
-    __slots__ = ("request", "prepared", "done", "arrival_ns", "dispatch_ns", "finished", "queued")
+    __slots__ = ("request", "prepared", "done", "arrival_ns", "dispatch_ns", "finished", "queued", "members")
 
-    def __init__(self, request: InferRequest, prepared: PreparedRequest, done: Done, arrival_ns: int):
+    def __init__(self, request: InferRequest, prepared: PreparedRequest, done: Done, arrival_ns: int,
+                 members: int = 1):
         self.request = request
+        self.members = members  # the requests it stands for in the statistics (ModelScheduler.submit)
         self.prepared = prepared
         self.done = done
         self.arrival_ns = arrival_ns
@@ -213,19 +256,24 @@ class SchedulerBase:
                 if len(prepared.output_names) != all_outputs:
                     wanted = set(prepared.output_names)
                     tensors = [t for t in tensors if t.name in wanted]
-                queue_ns.append(p.dispatch_ns - p.arrival_ns)
-                request_ns.append(now_ns - p.arrival_ns)
+                if p.members == 1:
+                    queue_ns.append(p.dispatch_ns - p.arrival_ns)
+                    request_ns.append(now_ns - p.arrival_ns)
+                else:
+                    queue_ns += [p.dispatch_ns - p.arrival_ns] * p.members
+                    request_ns += [now_ns - p.arrival_ns] * p.members
                 p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
         finally:
             _delivery.depth -= 1
-            if not _delivery.depth and _delivery.deferred:
-                _step_deferred()
+            if not _delivery.depth and (_delivery.deferred or _delivery.flushes):
+                _finish_delivery()
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
 
     def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
         now_ns = time.perf_counter_ns()
         for p in batch:
-            self.stats.record_failure(now_ns - p.arrival_ns)
+            for _ in range(p.members):
+                self.stats.record_failure(now_ns - p.arrival_ns)
             p.finish(exc)
 
     # --- a staged batch to its instance ------------------------------------------------------------------------
@@ -306,21 +354,29 @@ class ModelScheduler(SchedulerBase):
         return len(self.queue) + sum(len(b) for b in self._running.values())
 
     # --- requests --------------------------------------------------------------------------------------------
-    def _enqueue(self, request: InferRequest, done: Done) -> _Pending:
+    @property
+    def takes_groups(self) -> bool:
+        """Whether requests may come as groups (`submit(..., members=n)`): a model that batches them anyway."""
+        return self.config.batches and self.config.dynamic_batching is not None
+
+    def _enqueue(self, request: InferRequest, done: Done, members: int = 1) -> _Pending:
         """`request` checked and queued; bad input and a full queue raise InferenceError and change nothing."""
         prepared = self._prepare(request)
-        pending = _Pending(request, prepared, done, time.perf_counter_ns())
+        pending = _Pending(request, prepared, done, time.perf_counter_ns(), members)
         queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
                                priority=request.priority, timeout_us=request.timeout_us)
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
         return pending
 
-    def submit(self, request: InferRequest, done: Done) -> _Pending:
+    def submit(self, request: InferRequest, done: Done, members: int = 1) -> _Pending:
         """Queue `request`; `done(response_or_error)` is called once when it is answered (from the event loop).
         Bad input and a full queue raise InferenceError at once and change nothing. The returned handle is for
-        `cancel`. A callback, not a future: a front end that answers from it needs no task per request."""
-        pending = self._enqueue(request, done)
+        `cancel`. A callback, not a future: a front end that answers from it needs no task per request.
+        `members` > 1 (only where `takes_groups`): the request is that many requests' rows, concatenated (an
+        ensemble's step for several of its requests): it is batched and answered as one, and counted as that many
+        requests in the statistics."""
+        pending = self._enqueue(request, done, members)
         if _delivery.depth:
             _delivery.deferred[self] = None  # batched once the answers being delivered are all out
         else:

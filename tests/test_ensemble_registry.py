@@ -110,6 +110,7 @@ def test_a_request_waits_while_a_steps_instances_are_down_for_now_as_a_clients_w
         request = InferRequest("pipeline", [InferTensor("IMAGE", "UINT8", image.shape, image)])
         answers: list = []
         cancel = core.submit(request, answers.append)
+        await asyncio.sleep(0)  # one turn of the loop: the ensemble sends its first steps at its end
         assert pre.scheduler.pending_requests == 1 and answers == []
         cancel()  # the client goes away: its step's request leaves the queue
         assert pre.scheduler.pending_requests == 0 and answers == []

@@ -91,7 +91,14 @@ class Harness:
             raise InferenceError(ErrorKind.NOT_FOUND, f"Request for unknown model: '{request.model_name}' is not found")
         return self.models[request.model_name]
 
-    def submit(self, rows: int = 1, outputs: list[str] | None = None, **kw) -> Any:
+    async def submit(self, rows: int = 1, outputs: list[str] | None = None, **kw) -> Any:
+        """Submit a request and let the loop turn once: its first steps are sent at the end of the turn in which
+        it came (rule 6)."""
+        handle = self.submit_only(rows, outputs, **kw)
+        await asyncio.sleep(0)  # one turn of the loop (not a timed wait)
+        return handle
+
+    def submit_only(self, rows: int = 1, outputs: list[str] | None = None, **kw) -> Any:
         x = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
         inputs = [InferTensor(spec.name, "FP32", x.shape, x) for spec in self.scheduler.config.inputs]
         request = InferRequest("ens", inputs, id="r1", outputs=None if outputs is None else
@@ -106,7 +113,7 @@ def run(coro):
 def test_a_chain_sends_each_step_when_its_input_is_ready_and_answers_with_the_outputs():
     async def scenario():
         h = Harness(CHAIN)
-        h.submit(rows=2)
+        await h.submit(rows=2)
         assert h.log == ["sent a"] and h.scheduler.pending_requests == 1
         h.models["a"].answer(lambda x: x * 10)
         assert h.log == ["sent a", "answered a", "sent b"]
@@ -125,7 +132,7 @@ def test_a_chain_sends_each_step_when_its_input_is_ready_and_answers_with_the_ou
 def test_steps_whose_inputs_are_ready_together_run_in_parallel_and_a_join_waits_for_both():
     async def scenario():
         h = Harness(DIAMOND)
-        h.submit()
+        await h.submit()
         h.models["a"].answer()
         assert h.log == ["sent a", "answered a", "sent b", "sent c"]  # both before either answered
         h.models["c"].answer()
@@ -140,7 +147,7 @@ def test_steps_whose_inputs_are_ready_together_run_in_parallel_and_a_join_waits_
 def test_two_steps_reading_an_ensemble_input_start_at_once():
     async def scenario():
         h = Harness([s("a", {"x": "IN"}, {"y": "OUT"}), s("b", {"x": "IN"}, {"y": "OUT2"})], outputs=("OUT", "OUT2"))
-        h.submit()
+        await h.submit()
         assert h.log == ["sent a", "sent b"]
         h.models["b"].answer()
         h.models["a"].answer()
@@ -151,7 +158,7 @@ def test_two_steps_reading_an_ensemble_input_start_at_once():
 def test_only_the_steps_the_requested_outputs_need_run():
     async def scenario():
         h = Harness([s("a", {"x": "IN"}, {"y": "OUT"}), s("b", {"x": "IN"}, {"y": "OUT2"})], outputs=("OUT", "OUT2"))
-        h.submit(outputs=["OUT2"])
+        await h.submit(outputs=["OUT2"])
         assert h.log == ["sent b"]
         h.models["b"].answer()
         assert [t.name for t in h.results[0].outputs] == ["OUT2"]
@@ -163,7 +170,7 @@ def test_only_the_steps_the_requested_outputs_need_run():
 def test_a_step_failing_fails_the_request_naming_the_step_and_cancels_the_others():
     async def scenario():
         h = Harness(DIAMOND)
-        h.submit()
+        await h.submit()
         h.models["a"].answer()
         h.models["b"].fail(InferenceError(ErrorKind.INTERNAL, "model 'b' failed: boom"))
         (error,) = h.results
@@ -178,15 +185,15 @@ def test_a_step_failing_fails_the_request_naming_the_step_and_cancels_the_others
     run(scenario())
 
 
-def test_a_first_step_refused_at_once_is_raised_by_submit():
+def test_a_first_step_refused_at_once_fails_the_request_through_its_callback():
     async def scenario():
         h = Harness(CHAIN)
         h.models["a"].refuse = InferenceError(ErrorKind.UNAVAILABLE, "Exceeds maximum queue size")
-        with pytest.raises(InferenceError) as e:
-            h.submit()
-        assert e.value.kind is ErrorKind.UNAVAILABLE
-        assert e.value.message == "in ensemble 'ens', step 0 (model 'a'): Exceeds maximum queue size"
-        assert h.results == [] and h.scheduler.pending_requests == 0
+        await h.submit()
+        (error,) = h.results
+        assert error.kind is ErrorKind.UNAVAILABLE
+        assert error.message == "in ensemble 'ens', step 0 (model 'a'): Exceeds maximum queue size"
+        assert h.scheduler.pending_requests == 0 and h.scheduler.stats.fail.count == 1
     run(scenario())
 
 
@@ -194,8 +201,9 @@ def test_a_parallel_step_refused_at_once_cancels_the_one_already_sent():
     async def scenario():
         h = Harness([s("a", {"x": "IN"}, {"y": "OUT"}), s("b", {"x": "IN"}, {"y": "OUT2"})], outputs=("OUT", "OUT2"))
         h.models["b"].refuse = InferenceError(ErrorKind.INVALID_ARGUMENT, "unexpected shape")
-        with pytest.raises(InferenceError, match="step 1 \\(model 'b'\\): unexpected shape"):
-            h.submit()
+        await h.submit()
+        (error,) = h.results
+        assert error.kind is ErrorKind.INVALID_ARGUMENT and "step 1 (model 'b'): unexpected shape" in error.message
         assert h.models["a"].pending[0].cancelled
     run(scenario())
 
@@ -204,7 +212,7 @@ def test_a_later_step_refused_fails_through_the_callback_and_a_missing_model_is_
     async def scenario():
         h = Harness([s("a", {"x": "IN"}, {"y": "m"}), s("gone", {"x": "m"}, {"y": "OUT"})])
         del h.models["gone"]
-        h.submit()
+        await h.submit()
         h.models["a"].answer()
         (error,) = h.results
         assert error.kind is ErrorKind.NOT_FOUND
@@ -230,7 +238,7 @@ def test_a_step_answered_inside_submit_is_not_waited_for_again():
         h = Harness(CHAIN)
         h.models["a"].answer_at_once = lambda r: InferResponse("a", "1", [InferTensor("y", "FP32", (1, 2),
                                                                                       np.ones((1, 2), np.float32))])
-        h.submit()
+        await h.submit()
         assert h.log == ["sent a", "sent b"]
         h.models["b"].answer()
         assert isinstance(h.results[0], InferResponse) and h.scheduler.pending_requests == 0
@@ -240,7 +248,7 @@ def test_a_step_answered_inside_submit_is_not_waited_for_again():
 def test_statistics_count_one_execution_per_request_with_the_steps_compute_summed():
     async def scenario():
         h = Harness(CHAIN)
-        h.submit(rows=3)
+        await h.submit(rows=3)
         h.models["a"].answer(compute_ns=(1, 10, 100))
         h.models["b"].answer(compute_ns=(2, 20, 200))
         st = h.scheduler.stats
@@ -254,7 +262,7 @@ def test_statistics_count_one_execution_per_request_with_the_steps_compute_summe
 def test_priority_timeout_and_parameters_go_to_the_steps():
     async def scenario():
         h = Harness(CHAIN)
-        h.submit(priority=2, timeout_us=5000, parameters={"k": "v"})
+        await h.submit(priority=2, timeout_us=5000, parameters={"k": "v"})
         r = h.models["a"].pending[0].request
         assert (r.priority, r.timeout_us, r.parameters) == (2, 5000, {"k": "v"})
     run(scenario())
@@ -263,12 +271,13 @@ def test_priority_timeout_and_parameters_go_to_the_steps():
 def test_cancel_drops_the_queued_steps_and_infer_cancelled_does_too():
     async def scenario():
         h = Harness(CHAIN)
-        handle = h.submit()
+        handle = await h.submit()
         h.scheduler.cancel(handle)
         assert h.models["a"].pending[0].cancelled and h.scheduler.pending_requests == 0
         task = asyncio.ensure_future(h.scheduler.infer(InferRequest(
             "ens", [InferTensor("IN", "FP32", (1, 2), np.zeros((1, 2), np.float32))])))
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the task submits
+        await asyncio.sleep(0)  # the turn ends: its first step is sent
         assert len(h.models["a"].pending) == 2
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -277,17 +286,32 @@ def test_cancel_drops_the_queued_steps_and_infer_cancelled_does_too():
     run(scenario())
 
 
+def test_first_steps_go_at_the_end_of_the_turn_and_a_request_cancelled_before_sends_nothing():
+    async def scenario():
+        h = Harness(CHAIN)
+        first = h.submit_only()
+        second = h.submit_only()
+        assert h.log == [] and h.scheduler.pending_requests == 2  # accepted, not sent yet
+        h.scheduler.cancel(second)
+        await asyncio.sleep(0)
+        assert h.log == ["sent a"] and h.scheduler.pending_requests == 1
+        h.models["a"].answer()
+        h.models["b"].answer()
+        assert len(h.results) == 1 and first.finished
+    run(scenario())
+
+
 def test_wait_idle_returns_once_the_requests_inside_are_answered_and_fail_all_queued_fails_them():
     async def scenario():
         h = Harness(CHAIN)
-        h.submit()
+        await h.submit()
         idle = asyncio.ensure_future(h.scheduler.wait_idle())
         await asyncio.sleep(0)
         assert not idle.done()
         h.models["a"].answer()
         h.models["b"].answer()
         await asyncio.wait_for(idle, 1)
-        h.submit()
+        await h.submit()
         h.scheduler.fail_all_queued("the server is shutting down")
         assert h.results[-1].kind is ErrorKind.UNAVAILABLE
         assert h.results[-1].message == "in ensemble 'ens', the server is shutting down"
@@ -300,8 +324,8 @@ class TestMaxInflightRequests:
     def test_a_step_at_its_limit_waits_for_one_of_its_requests_to_be_answered(self):
         async def scenario():
             h = Harness(CHAIN, max_inflight_requests=1)
-            h.submit()
-            h.submit()
+            await h.submit()
+            await h.submit()
             assert h.log == ["sent a"]  # the second request's step a waits for the first's
             h.models["a"].answer()
             assert h.log == ["sent a", "answered a", "sent a", "sent b"]  # its slot went to the waiting one
@@ -315,9 +339,9 @@ class TestMaxInflightRequests:
     def test_a_queued_request_cancelled_or_failed_gives_no_slot_away_and_a_failure_frees_its_slot(self):
         async def scenario():
             h = Harness(CHAIN, max_inflight_requests=1)
-            h.submit()
-            second = h.submit()
-            h.submit()
+            await h.submit()
+            second = await h.submit()
+            await h.submit()
             h.scheduler.cancel(second)  # queued: nothing was sent for it
             h.models["a"].fail(InferenceError(ErrorKind.INTERNAL, "boom"))  # the first fails: the third goes
             assert h.log == ["sent a", "sent a"]

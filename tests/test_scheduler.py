@@ -254,3 +254,29 @@ def test_a_batchs_answers_that_feed_another_model_reach_it_as_one_batch(setup):
     finally:
         inst_b.close_segments()
     assert [float(a.outputs[0].data[0, 0]) for a in answers] == [4.0, 8.0, 12.0, 16.0]
+
+
+def test_a_group_is_batched_and_answered_as_one_request_and_counted_as_its_members(setup):
+    # An ensemble's step for several of its requests (executor.ensemble rule 6): one request of their rows,
+    # `members` requests in the statistics, whether it succeeds or fails.
+    scheduler, inst, worker, log = setup
+    assert scheduler.takes_groups
+
+    async def run():
+        results: list = []
+        scheduler.submit(_request(1.0, rows=3), results.append, members=3)
+        scheduler.submit(_request(2.0), results.append)
+        worker.finish(inst)
+        worker.finish(inst)
+        assert log == [("dispatch", 3), ("dispatch", 1)] and [r.outputs[0].shape for r in results] == [(3, 2), (1, 2)]
+        st = scheduler.stats
+        assert (st.success.count, st.queue.count, st.inference_count, st.execution_count) == (4, 4, 4, 2)
+        scheduler.submit(_request(1.0, rows=2), results.append, members=2)
+        _, callback = worker.pending.pop(0)
+        callback(Failed(2, "INTERNAL", "boom"))
+        assert isinstance(results[-1], InferenceError) and st.fail.count == 2
+
+    asyncio.run(run())
+    no_batching = ModelScheduler(ModelConfig(name="n", max_batch_size=8, inputs=CONFIG.inputs, outputs=CONFIG.outputs),
+                                 "1")
+    assert not no_batching.takes_groups  # each request a batch of its own: a group would change that
