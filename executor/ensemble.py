@@ -31,7 +31,8 @@ Rules:
    batch them anyway (it batches, with dynamic batching; not a sequence model or an ensemble); any other is sent
    each request on its own. What each answer carries is the same; what this spares is the front end's per-request
    work at every step, most of an ensemble's cost beyond its steps'. So a first step refused (a full queue, a
-   model not served) fails the request through its callback, not by raising from submit.
+   model not served) fails the request through its callback, not by raising from submit; and a group takes one
+   place in its model's queue (`max_queue_size` counts it once).
 """
 from __future__ import annotations
 

@@ -117,10 +117,10 @@ class _Pending:
     def __init__(self, request: InferRequest, prepared: PreparedRequest, done: Done, arrival_ns: int,
                  members: int = 1):
         self.request = request
-        self.members = members  # the requests it stands for in the statistics (ModelScheduler.submit)
         self.prepared = prepared
         self.done = done
         self.arrival_ns = arrival_ns
+        self.members = members  # the requests it stands for in the statistics (ModelScheduler.submit)
         self.dispatch_ns = 0
         self.finished = False
         self.queued: QueuedRequest | None = None
@@ -248,8 +248,7 @@ class SchedulerBase:
         name, version = self.config.name, self.version
         all_outputs = len(self.config.outputs)
         compute_ns = (input_ns, infer_ns, output_ns)
-        _delivery.depth += 1
-        try:
+        with gathering():  # what the answers submit to other models is batched once they are all out
             for p, tensors in zip(batch, per_request):
                 prepared = p.prepared
                 rows += prepared.batch_rows
@@ -263,10 +262,6 @@ class SchedulerBase:
                     queue_ns += [p.dispatch_ns - p.arrival_ns] * p.members
                     request_ns += [now_ns - p.arrival_ns] * p.members
                 p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
-        finally:
-            _delivery.depth -= 1
-            if not _delivery.depth and (_delivery.deferred or _delivery.flushes):
-                _finish_delivery()
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
 
     def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
