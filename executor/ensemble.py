@@ -25,14 +25,14 @@ Rules:
 6. Steps go to their models in groups where they can: the first steps of the requests that arrive in one turn of
    the event loop (what the front ends read in one go) are sent at the end of that turn, and the steps that one
    batch's answers make ready once those answers are all out. The requests of one group for the same step, with
-   the same input shapes past the batch dimension, priority, timeout and parameters, go as one request: their rows
-   concatenated (a view when they lie in order in one array, as a batch's answers do), at most the model's
-   max_batch_size rows each, counted as that many requests in the model's statistics. Only for a model that would
-   batch them anyway (it batches, with dynamic batching; not a sequence model or an ensemble); any other is sent
-   each request on its own. What each answer carries is the same; what this spares is the front end's per-request
-   work at every step, most of an ensemble's cost beyond its steps'. So a first step refused (a full queue, a
-   model not served) fails the request through its callback, not by raising from submit; and a group takes one
-   place in its model's queue (`max_queue_size` counts it once).
+   the same outputs wanted, input shapes past the batch dimension, priority, timeout and parameters, go as one
+   request: their rows concatenated (a view when they lie in order in one array, as a batch's answers do), at most
+   the model's max_batch_size rows each, counted as that many requests in the model's statistics. Only for a model
+   that would batch them anyway (it batches, with dynamic batching; not a sequence model or an ensemble); any
+   other is sent each request on its own. What each answer carries is the same; what this spares is the front
+   end's per-request work at every step, most of an ensemble's cost beyond its steps'. So a first step refused (a
+   full queue, a model not served) fails the request through its callback, not by raising from submit; and a
+   group takes one place in its model's queue (`max_queue_size` counts it once).
 """
 from __future__ import annotations
 
@@ -402,8 +402,10 @@ class EnsembleScheduler:
             return False
         r = run.request
         rows = inputs[0].shape[0] if inputs[0].shape else 0
-        # Parameters: none, or the very same (a front end shares one mapping between requests of one header).
-        key: list = [step.index, r.priority, r.timeout_us, id(r.parameters) if r.parameters else 0]
+        # The step of the same route (what it asks its model for depends on the outputs wanted: rule 2); parameters
+        # none, or the very same mapping (a front end shares one between the requests of one header). Ids are of
+        # objects the group holds, so none is reused while it forms.
+        key: list = [id(step), r.priority, r.timeout_us, id(r.parameters) if r.parameters else 0]
         for t in inputs:
             shape = t.shape
             if not shape or shape[0] != rows:

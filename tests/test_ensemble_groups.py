@@ -17,7 +17,7 @@ import gpud
 from executor.ensemble import _Group, _joined
 from executor.scheduler import gathering
 from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
-from tests.test_ensemble_scheduler import CHAIN, DIAMOND, Harness, ScriptedModel, run
+from tests.test_ensemble_scheduler import CHAIN, DIAMOND, Harness, ScriptedModel, run, s
 from tests.test_inprocess import NODE
 
 
@@ -246,4 +246,42 @@ def test_an_answered_group_is_freed_at_once_not_left_to_the_cyclic_collector():
             assert not [o for o in gc.get_objects() if type(o) is _Group]  # freed by reference counting alone
         finally:
             gc.enable()
+    run(scenario())
+
+
+def test_requests_that_want_different_outputs_of_a_step_go_apart():
+    # What a step asks its model for depends on the outputs its request wants (rule 2): requests that want
+    # different ones must not share a step's request.
+    steps = [s("a", {"x": "IN"}, {"y": "m", "z": "OUT2"}), s("b", {"x": "m"}, {"y": "OUT"})]
+
+    async def scenario():
+        h = grouping(Harness(steps, outputs=("OUT", "OUT2")), "a", "b")
+        h.submit_only(1, outputs=["OUT"])
+        h.submit_only(1)
+        await asyncio.sleep(0)
+        a = h.models["a"]
+        assert sorted([o.name for o in p.request.outputs] for p in a.pending) == [["y"], ["y", "z"]]
+        a.answer()
+        a.answer()
+        h.models["b"].answer()
+        h.models["b"].answer()
+        assert sorted(sorted(t.name for t in r.outputs) for r in h.results) == [["OUT"], ["OUT", "OUT2"]]
+    run(scenario())
+
+
+def test_a_step_at_its_max_inflight_requests_joins_a_group_when_a_slot_frees():
+    async def scenario():
+        h = grouping(Harness(CHAIN, max_inflight_requests=2), "a", "b")
+        for _ in range(3):
+            h.submit_only(1)
+        await asyncio.sleep(0)
+        a = h.models["a"]
+        assert a.members == [2]  # the third waits for a slot of step a
+        a.answer()  # two slots free: the third's step a goes; the two go on to b as one
+        assert a.members == [2, 1] and h.models["b"].members == [2]
+        a.answer()
+        h.models["b"].answer()
+        h.models["b"].answer()
+        assert len(h.results) == 3 and all(isinstance(r, InferResponse) for r in h.results)
+        assert h.scheduler._inflight == [0, 0]
     run(scenario())
