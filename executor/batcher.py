@@ -377,6 +377,10 @@ class BatchQueue:
     def __len__(self) -> int:
         return len(self._all)
 
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        """The queued requests, oldest first (not the dispatch order: see drain)."""
+        return iter(self._all)
+
     def __contains__(self, req: object) -> bool:
         return req in self._all
 

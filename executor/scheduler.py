@@ -346,7 +346,8 @@ class ModelScheduler(SchedulerBase):
 
     @property
     def pending_requests(self) -> int:
-        return len(self.queue) + sum(len(b) for b in self._running.values())
+        """Requests queued or running; a group (submit's `members`) counts as the requests it stands for."""
+        return sum(q.payload.members for q in self.queue) + sum(p.members for b in self._running.values() for p in b)
 
     # --- requests --------------------------------------------------------------------------------------------
     @property

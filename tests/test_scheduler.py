@@ -266,6 +266,7 @@ def test_a_group_is_batched_and_answered_as_one_request_and_counted_as_its_membe
         results: list = []
         scheduler.submit(_request(1.0, rows=3), results.append, members=3)
         scheduler.submit(_request(2.0), results.append)
+        assert scheduler.pending_requests == 4  # the group (running) as its three, and the one queued
         worker.finish(inst)
         worker.finish(inst)
         assert log == [("dispatch", 3), ("dispatch", 1)] and [r.outputs[0].shape for r in results] == [(3, 2), (1, 2)]
