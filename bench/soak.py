@@ -2,9 +2,10 @@
 
 Client processes (default 6, for 2 cores: the daemon and its device worker are kept busy) send, each on its own
 keep-alive connection and its own gRPC channel, a fixed weighted mix: good JSON, binary and gRPC inferences on the
-example `mlp`, 64-row JSON bodies (decoded in a child process: the soak offloads JSON over 64 KiB), health
+example `mlp` and on the example ensemble `pipeline` (its steps batched in groups: executor/ensemble.py rule 6),
+64-row JSON bodies (decoded in a child process: the soak offloads JSON over 64 KiB), health
 probes; and bad requests: unknown models,
-malformed JSON, huge declared shapes, traversal names, conflicting Content-Length, declared bodies over the limit,
+malformed JSON, huge declared shapes, a pipeline request over its batch size, traversal names, conflicting Content-Length, declared bodies over the limit,
 gzip bombs, gRPC messages that are no protobuf, bodies abandoned half-way (the client closes). Every request has an
 expected answer; one that gets no answer or another status is *lost*. A good inference answered 503 (a full queue:
 load shedding) is counted as shed, not lost.
@@ -42,7 +43,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpud.examples import write_example_repository  # noqa: E402
+from gpud.examples import write_example_repository, write_pipeline_example  # noqa: E402
 from gpud.proto import grpc_service_pb2 as pb  # noqa: E402
 from gpud.proto import grpc_service_pb2_grpc as pb_grpc  # noqa: E402
 from tests.daemon_harness import start_daemon  # noqa: E402
@@ -61,6 +62,12 @@ GOOD_BINARY = BIN_HEADER + ROW.tobytes()
 ROWS_BIG = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)  # mlp's max_batch_size
 BIG_JSON = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [64, 256], "data": ROWS_BIG}]},
                         option=orjson.OPT_SERIALIZE_NUMPY)  # ~180 KB; the soak's daemon offloads JSON over 64 KiB
+IMAGE = np.random.default_rng(2).integers(0, 256, (2, 16), dtype=np.uint8)  # the example pipeline's input
+GOOD_PIPELINE = orjson.dumps({"inputs": [{"name": "IMAGE", "datatype": "UINT8", "shape": [2, 16],
+                                          "data": IMAGE.ravel().tolist()}]})
+# A valid ensemble request of 17 rows: the pipeline takes max_batch_size 16, so the ensemble refuses it at once.
+BAD_PIPELINE = orjson.dumps({"inputs": [{"name": "IMAGE", "datatype": "UINT8", "shape": [17, 16],
+                                         "data": [0] * (17 * 16)}]})
 HUGE_SHAPE = orjson.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 10**12], "data": [1.0]}]})
 BOMB = gzip.compress(b"0" * (MAX_REQUEST_BYTES + 4096))
 
@@ -124,6 +131,8 @@ def make_kinds(http_port: int, stub) -> dict:
     good_grpc = pb.ModelInferRequest(model_name="mlp", inputs=[pb.ModelInferRequest.InferInputTensor(
         name="input", datatype="FP32", shape=[1, 256])], raw_input_contents=[ROW.tobytes()])
     bad_grpc_bytes = stub["raw"]
+    good_grpc_pipeline = pb.ModelInferRequest(model_name="pipeline", inputs=[pb.ModelInferRequest.InferInputTensor(
+        name="IMAGE", datatype="UINT8", shape=[2, 16])], raw_input_contents=[IMAGE.tobytes()])
 
     def grpc_code(fn, message) -> str:
         try:
@@ -138,6 +147,12 @@ def make_kinds(http_port: int, stub) -> dict:
         "good grpc": (15, lambda: grpc_code(stub["stub"].ModelInfer, good_grpc), {"OK"}, {"UNAVAILABLE"}),
         "big json (offloaded)": (2, lambda: c.request("POST", "/v2/models/mlp/infer", BIG_JSON, json_headers), {200},
                              {503}),
+        "good pipeline": (10, lambda: c.request("POST", "/v2/models/pipeline/infer", GOOD_PIPELINE, json_headers),
+                          {200}, {503}),
+        "good grpc pipeline": (5, lambda: grpc_code(stub["stub"].ModelInfer, good_grpc_pipeline), {"OK"},
+                               {"UNAVAILABLE"}),
+        "pipeline over its batch size": (2, lambda: c.request("POST", "/v2/models/pipeline/infer", BAD_PIPELINE,
+                                                              json_headers), {400}, set()),
         "health": (8, lambda: c.request("GET", "/v2/health/ready"), {200}, set()),
         "unknown model": (4, lambda: c.request("POST", "/v2/models/nope/infer", GOOD_JSON, json_headers), {404},
                           set()),
@@ -230,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="gpud-soak-"))
     write_example_repository(tmp / "repo", ["mlp"])
+    write_pipeline_example(tmp / "repo")
     daemon = start_daemon(tmp / "repo", tmp, "--max-request-bytes", str(MAX_REQUEST_BYTES),
                           "--json-offload-bytes", "65536", node=None)
     proc = psutil.Process(daemon.proc.pid)
