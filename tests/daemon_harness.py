@@ -132,3 +132,23 @@ max_batch_size: 64
 dynamic_batching { }
 instance_group [ { count: 1, kind: KIND_CPU } ]
 """
+
+
+def example_inputs(name: str, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """`rows` rows of random input for one of gpud.examples' models (mlp, cnn, two_input) or slow_model's."""
+    if name == "mlp":
+        return {"input": rng.standard_normal((rows, 256)).astype(np.float32)}
+    if name == "cnn":
+        return {"input": rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)}
+    if name in ("slow", "slow_alone"):
+        return {"x": rng.standard_normal((rows, 512)).astype(np.float32)}
+    return {"ids": rng.integers(-5, 5, (rows, 4)).astype(np.int64), "scale": rng.random((rows, 4)).astype(np.float32)}
+
+
+def onnxruntime_reference(repo: Path, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of model `name` (version 1 in `repo`) run by onnxruntime itself on the CPU, by name."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, inputs)))

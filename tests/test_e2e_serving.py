@@ -10,7 +10,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -18,7 +17,8 @@ from tritonclient.utils import InferenceServerException
 
 from gpud.examples import write_example_repository
 from tests.promtool_check import promtool_check
-from tests.daemon_harness import ROOT, SLOW_CONFIG, save, slow_model, start_daemon
+from tests.daemon_harness import (ROOT, SLOW_CONFIG, example_inputs, onnxruntime_reference, save, slow_model,
+                                  start_daemon)
 
 pytestmark = pytest.mark.slow
 MAX_REQUEST_BYTES = 4 * 2**20
@@ -46,20 +46,6 @@ def daemon(repo, tmp_path_factory):
     assert d.stop() == 0, d.log()
 
 
-def _inputs(name: str, rows: int, rng) -> dict[str, np.ndarray]:
-    if name == "mlp":
-        return {"input": rng.standard_normal((rows, 256)).astype(np.float32)}
-    if name == "cnn":
-        return {"input": rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)}
-    return {"ids": rng.integers(-5, 5, (rows, 4)).astype(np.int64), "scale": rng.random((rows, 4)).astype(np.float32)}
-
-
-def _reference(repo, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, inputs)))
-
-
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 @pytest.mark.parametrize("model", ["mlp", "cnn", "two_input"])
@@ -76,7 +62,7 @@ def test_tritonclient_infer_matches_onnxruntime(daemon, repo, protocol, binary, 
         config = {"config": {"max_batch_size": config.config.max_batch_size}}
     config = config.get("config", config)
     assert config["max_batch_size"] > 0
-    arrays = _inputs(model, 3, np.random.default_rng(7))
+    arrays = example_inputs(model, 3, np.random.default_rng(7))
     inputs = []
     for m in meta["inputs"]:
         arr = arrays[m["name"]]
@@ -89,7 +75,7 @@ def test_tritonclient_infer_matches_onnxruntime(daemon, repo, protocol, binary, 
     outputs = [mod.InferRequestedOutput(o["name"], binary_data=binary) if protocol == "http"
                else mod.InferRequestedOutput(o["name"]) for o in meta["outputs"]]
     result = client.infer(model, inputs, outputs=outputs)
-    expected = _reference(repo, model, arrays)
+    expected = onnxruntime_reference(repo, model, arrays)
     for name, want in expected.items():
         np.testing.assert_allclose(result.as_numpy(name), want, rtol=1e-5, atol=1e-5)
 
@@ -113,7 +99,7 @@ def test_concurrent_requests_are_batched(daemon, repo):
 
     with ThreadPoolExecutor(len(rows)) as pool:
         got = np.concatenate(list(pool.map(one, rows)))
-    want = _reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
+    want = onnxruntime_reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     after = httpclient.InferenceServerClient(daemon.http_url).get_inference_statistics("slow")["model_stats"][0]
     inferences = after["inference_count"] - before["inference_count"]

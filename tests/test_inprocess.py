@@ -10,7 +10,6 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tritonclient.http as httpclient
 
@@ -18,7 +17,8 @@ import gpud
 from executor.types import ErrorKind, InferenceError
 from gpud.api.http_api import HTTP_STATUS
 from gpud.examples import write_example_repository
-from tests.daemon_harness import ROOT, SLOW_CONFIG, save, slow_model, start_daemon, wait_for
+from tests.daemon_harness import (ROOT, SLOW_CONFIG, example_inputs, onnxruntime_reference, save, slow_model,
+                                  start_daemon, wait_for)
 
 pytestmark = pytest.mark.slow
 NODE = str(ROOT / "config/nodes/dgx-a100-2gpu-mig.yaml")
@@ -55,22 +55,6 @@ def daemon(repo, tmp_path_factory):
     assert d.stop() == 0, d.log()
 
 
-def _inputs(name: str, rows: int, rng) -> dict[str, np.ndarray]:
-    if name == "mlp":
-        return {"input": rng.standard_normal((rows, 256)).astype(np.float32)}
-    if name == "cnn":
-        return {"input": rng.standard_normal((rows, 3, 32, 32)).astype(np.float32)}
-    if name in ("slow", "slow_alone"):
-        return {"x": rng.standard_normal((rows, 512)).astype(np.float32)}
-    return {"ids": rng.integers(-5, 5, (rows, 4)).astype(np.int64), "scale": rng.random((rows, 4)).astype(np.float32)}
-
-
-def _reference(repo, name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    sess = ort.InferenceSession(str(repo / name / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, inputs)))
-
-
 def _stats(server, model: str):
     return server.model_statistics(model)[0].stats
 
@@ -82,7 +66,7 @@ def _pending(server, model: str) -> int:
 # --- the same answers as the daemon -------------------------------------------------------------------------------
 @pytest.mark.parametrize("model", ["mlp", "cnn", "two_input"])
 def test_outputs_equal_the_daemons_over_http(server, daemon, repo, model):
-    arrays = _inputs(model, 3, np.random.default_rng(11))
+    arrays = example_inputs(model, 3, np.random.default_rng(11))
     client = httpclient.InferenceServerClient(daemon.http_url)
     meta = client.get_model_metadata(model)
     inputs = []
@@ -96,13 +80,13 @@ def test_outputs_equal_the_daemons_over_http(server, daemon, repo, model):
     for name, got in in_process.items():
         np.testing.assert_array_equal(got, over_http.as_numpy(name))  # same engine, same batch: bit for bit
         assert got.dtype == over_http.as_numpy(name).dtype
-    for name, want in _reference(repo, model, arrays).items():
+    for name, want in onnxruntime_reference(repo, model, arrays).items():
         np.testing.assert_allclose(in_process[name], want, rtol=1e-5, atol=1e-5)
 
 
 def test_infer_async_and_requested_outputs(server, repo):
-    arrays = _inputs("two_input", 2, np.random.default_rng(3))
-    want = _reference(repo, "two_input", arrays)["out"]
+    arrays = example_inputs("two_input", 2, np.random.default_rng(3))
+    want = onnxruntime_reference(repo, "two_input", arrays)["out"]
     got = asyncio.run(server.infer_async("two_input", arrays, version=1, outputs=["out"]))
     assert list(got) == ["out"]
     np.testing.assert_allclose(got["out"], want, rtol=1e-6)
@@ -197,7 +181,7 @@ def test_threads_at_once_are_batched_and_each_gets_its_rows(server, repo):
         got = list(pool.map(one, rows))
         reading.set()
         assert reads.result() > 0
-    want = _reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
+    want = onnxruntime_reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-5)
     after = _stats(server, "slow")
     inferences = after.inference_count - before.inference_count
@@ -215,7 +199,8 @@ def test_asyncio_tasks_at_once_are_batched(server, repo):
         return await asyncio.gather(*(server.infer_async("slow", {"x": x}) for x in rows))
 
     got = np.concatenate([r["y"] for r in asyncio.run(main())])
-    np.testing.assert_allclose(got, _reference(repo, "slow", {"x": np.concatenate(rows)})["y"], rtol=1e-5, atol=1e-5)
+    want = onnxruntime_reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     after = _stats(server, "slow")
     assert after.inference_count - before.inference_count == 24
     assert after.execution_count - before.execution_count < 12
@@ -227,10 +212,10 @@ def test_a_timeout_withdraws_the_queued_request(server):
     # queues behind it, gives up after 20 ms, and must never run.
     before = _stats(server, "slow_alone")
     first = ThreadPoolExecutor(1)
-    running = first.submit(server.infer, "slow_alone", _inputs("slow_alone", 64, np.random.default_rng(1)))
+    running = first.submit(server.infer, "slow_alone", example_inputs("slow_alone", 64, np.random.default_rng(1)))
     wait_for(lambda: _pending(server, "slow_alone") == 1, 60, "the first request to be in flight")
     with pytest.raises(gpud.InferenceTimeout, match="no answer from model 'slow_alone' within 0.02 s") as caught:
-        server.infer("slow_alone", _inputs("slow_alone", 1, np.random.default_rng(2)), timeout=0.02)
+        server.infer("slow_alone", example_inputs("slow_alone", 1, np.random.default_rng(2)), timeout=0.02)
     assert isinstance(caught.value, TimeoutError) and caught.value.kind is ErrorKind.UNAVAILABLE
     assert running.result(timeout=120)["y"].shape == (64, 512)
     first.shutdown()
@@ -244,13 +229,12 @@ def test_cancelling_or_timing_out_infer_async_withdraws_it(server):
 
     async def main():
         # Tasks start in order: the first is in flight before the others are queued behind it.
-        first = asyncio.ensure_future(server.infer_async("slow_alone", _inputs("slow_alone", 64,
-                                                                             np.random.default_rng(1))))
-        cancelled = asyncio.ensure_future(server.infer_async("slow_alone", _inputs("slow_alone", 1,
-                                                                                 np.random.default_rng(2))))
-        timed_out = asyncio.ensure_future(server.infer_async("slow_alone", _inputs("slow_alone", 1,
-                                                                                 np.random.default_rng(3)),
-                                                             timeout=0.02))
+        def rows(n: int, seed: int) -> dict[str, np.ndarray]:
+            return example_inputs("slow_alone", n, np.random.default_rng(seed))
+
+        first = asyncio.ensure_future(server.infer_async("slow_alone", rows(64, 1)))
+        cancelled = asyncio.ensure_future(server.infer_async("slow_alone", rows(1, 2)))
+        timed_out = asyncio.ensure_future(server.infer_async("slow_alone", rows(1, 3), timeout=0.02))
         with pytest.raises(gpud.InferenceTimeout):
             await timed_out
         cancelled.cancel()
@@ -266,7 +250,7 @@ def test_cancelling_or_timing_out_infer_async_withdraws_it(server):
 
 # --- model control, inspect, statistics, metrics ---------------------------------------------------------------
 def test_unload_and_load_a_model(server):
-    x = _inputs("cnn", 1, np.random.default_rng(0))
+    x = example_inputs("cnn", 1, np.random.default_rng(0))
     server.unload_model("cnn")
     assert not server.model_ready("cnn")
     with pytest.raises(InferenceError, match="'cnn' has no available versions") as caught:
@@ -282,7 +266,7 @@ def test_unload_and_load_a_model(server):
 
 
 def test_metadata_inspect_statistics_and_metrics(server):
-    server.infer("two_input", _inputs("two_input", 1, np.random.default_rng(0)))
+    server.infer("two_input", example_inputs("two_input", 1, np.random.default_rng(0)))
     assert server.ready()
     meta = server.model_metadata("two_input")
     assert [(t.name, t.datatype, t.shape) for t in meta.inputs] == [("ids", "INT64", (-1, 4)),
@@ -326,7 +310,7 @@ def test_a_server_not_running_refuses_calls_and_model_control_follows_the_mode(r
     small = tmp_path / "repo"
     write_example_repository(small)
     s = gpud.Server(small, node=NODE, placement_control="off")  # model control mode none, as the daemon's default
-    x = _inputs("two_input", 1, np.random.default_rng(0))
+    x = example_inputs("two_input", 1, np.random.default_rng(0))
     with pytest.raises(InferenceError, match="not started") as caught:
         s.infer("two_input", x)
     assert caught.value.kind is ErrorKind.UNAVAILABLE
@@ -353,9 +337,9 @@ def test_stop_answers_every_caller(tmp_path):
     save(slow_model(width=512, layers=3000), small, "slow_alone", ALONE_CONFIG)
     s = gpud.Server(small, node=NODE, placement_control="off").start()
     callers = ThreadPoolExecutor(2)
-    running = callers.submit(s.infer, "slow_alone", _inputs("slow_alone", 64, np.random.default_rng(1)))
+    running = callers.submit(s.infer, "slow_alone", example_inputs("slow_alone", 64, np.random.default_rng(1)))
     wait_for(lambda: _pending(s, "slow_alone") == 1, 60, "the first request to be in flight")
-    queued = callers.submit(s.infer, "slow_alone", _inputs("slow_alone", 1, np.random.default_rng(2)))
+    queued = callers.submit(s.infer, "slow_alone", example_inputs("slow_alone", 1, np.random.default_rng(2)))
     wait_for(lambda: _pending(s, "slow_alone") == 2, 60, "the second request to be queued")
     stoppers = [threading.Thread(target=s.stop, kwargs={"drain_timeout_s": 0}) for _ in range(2)]  # at once
     for t in stoppers:
@@ -371,22 +355,28 @@ def test_stop_answers_every_caller(tmp_path):
     callers.shutdown()
 
 
+def acc_step(server, seq: int, value: int, start: bool = False, end: bool = False) -> int:
+    """One request of sequence `seq` to tests.sequence_models' accumulator `acc`: its running sum."""
+    out = server.infer("acc", {"INPUT": np.array([[value]], np.int32)},
+                       parameters={"sequence_id": seq, "sequence_start": start, "sequence_end": end})
+    return int(out["OUTPUT"][0, 0])
+
+
+def interleaved_sums(server) -> list[int]:
+    """Two interleaved sequences, each keeping its own running sum: 1, 1+2; 10, 10+20, 10+20+30."""
+    return [acc_step(server, 1, 1, start=True), acc_step(server, 2, 10, start=True), acc_step(server, 1, 2, end=True),
+            acc_step(server, 2, 20), acc_step(server, 2, 30, end=True)]
+
+
 def test_a_sequence_model_in_process(tmp_path):
     """Request parameters reach the core as the front ends pass them: a sequence model's id, start and end."""
     from tests.sequence_models import accumulator_config, accumulator_model
 
     save(accumulator_model(), tmp_path, "acc", accumulator_config())
     with gpud.Server(tmp_path, node=NODE) as s:
-        def step(seq: int, value: int, start: bool = False, end: bool = False) -> int:
-            out = s.infer("acc", {"INPUT": np.array([[value]], np.int32)},
-                          parameters={"sequence_id": seq, "sequence_start": start, "sequence_end": end})
-            return int(out["OUTPUT"][0, 0])
-
-        # two interleaved sequences keep their own running sums: 1, 1+2; 10, 10+20, 10+20+30
-        assert [step(1, 1, start=True), step(2, 10, start=True), step(1, 2, end=True), step(2, 20),
-                step(2, 30, end=True)] == [1, 10, 3, 30, 60]
+        assert interleaved_sums(s) == [1, 10, 3, 30, 60]
         with pytest.raises(InferenceError) as exc:
-            step(1, 5)  # finished: a new request of it must START
+            acc_step(s, 1, 5)  # finished: a new request of it must START
         assert exc.value.kind is ErrorKind.INVALID_ARGUMENT
         with pytest.raises(InferenceError):
             s.infer("acc", {"INPUT": np.array([[1]], np.int32)}, parameters=["not", "a", "mapping"])

@@ -13,9 +13,9 @@ import pytest
 import gpud
 from executor.local_worker import LocalWorker, runs_inline
 from executor.types import ErrorKind, InferenceError
-from tests.daemon_harness import save, slow_model, wait_for
+from tests.daemon_harness import onnxruntime_reference, save, slow_model, wait_for
 # The repository (the examples, slow, slow_alone) and the helpers are test_inprocess's: the same models both ways.
-from tests.test_inprocess import ALONE_CONFIG, NODE, _pending, _reference, _stats, repo  # noqa: F401 (a fixture)
+from tests.test_inprocess import ALONE_CONFIG, NODE, _pending, _stats, interleaved_sums, repo  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,8 @@ def test_an_idle_models_call_runs_in_the_callers_thread(server, repo):
     before = _stats(server, "mlp")
     with Recorder(server, "mlp") as rec:
         got, calls = _until_direct(rec, lambda: server.infer("mlp", {"input": x}))
-    np.testing.assert_allclose(got["output"], _reference(repo, "mlp", {"input": x})["output"], rtol=1e-5, atol=1e-6)
+    want = onnxruntime_reference(repo, "mlp", {"input": x})["output"]
+    np.testing.assert_allclose(got["output"], want, rtol=1e-5, atol=1e-6)
     after = _stats(server, "mlp")  # the statistics count a caller's run as any batch
     assert (after.inference_count - before.inference_count,
             after.execution_count - before.execution_count) == (calls, calls)
@@ -172,7 +173,7 @@ def test_threads_at_once_batch_and_each_gets_its_rows(server, repo):
 
     with ThreadPoolExecutor(len(rows)) as pool:
         got = list(pool.map(one, rows))
-    want = _reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
+    want = onnxruntime_reference(repo, "slow", {"x": np.concatenate(rows)})["y"]
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-5)
     after = _stats(server, "slow")
     assert after.inference_count - before.inference_count == 24
@@ -190,7 +191,7 @@ def test_unload_waits_for_a_callers_run(repo, tmp_path):
             running = _start_direct(s, rec, caller, "slow_alone", {"x": x})
             s.unload_model("slow_alone")  # returns once the instance is closed: after the run
             assert running.done()
-            np.testing.assert_allclose(running.result()["y"], _reference(small, "slow_alone", {"x": x})["y"],
+            np.testing.assert_allclose(running.result()["y"], onnxruntime_reference(small, "slow_alone", {"x": x})["y"],
                                        rtol=1e-5, atol=1e-5)
         assert not s.model_ready("slow_alone")
 
@@ -231,14 +232,7 @@ def test_a_pipeline_and_a_sequence_model_with_models_in_process(tmp_path):
         only = s.infer("postprocess", {"logits": logits}, outputs=["label"])  # an idle model: the caller's run
         assert list(only) == ["label"]
         np.testing.assert_array_equal(only["label"], want["label"])
-
-        def step(seq: int, value: int, start: bool = False, end: bool = False) -> int:
-            out = s.infer("acc", {"INPUT": np.array([[value]], np.int32)},
-                          parameters={"sequence_id": seq, "sequence_start": start, "sequence_end": end})
-            return int(out["OUTPUT"][0, 0])
-
-        assert [step(1, 1, start=True), step(2, 10, start=True), step(1, 2, end=True), step(2, 20),
-                step(2, 30, end=True)] == [1, 10, 3, 30, 60]
+        assert interleaved_sums(s) == [1, 10, 3, 30, 60]
 
 
 def test_an_interrupted_callers_run_frees_the_instance(server):
