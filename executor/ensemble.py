@@ -153,24 +153,27 @@ class _Group:
     in each run's `in_flight` entry, so cancelling a run (`cancel(run)`) leaves it out; the group's own request is
     withdrawn when no run is left in it."""
 
-    __slots__ = ("step", "members", "live", "target", "handle", "answered")
+    __slots__ = ("step", "members", "target", "handle", "answered")
 
     def __init__(self, step: _Step):
         self.step = step
         self.members: list[tuple[_Run, list[InferTensor], int]] = []
-        self.live = 0
         self.target: StepTarget | None = None
         self.handle: Any = None
         self.answered = False
 
     def add(self, run: _Run, inputs: list[InferTensor], rows: int) -> None:
         self.members.append((run, inputs, rows))
-        self.live += 1
         run.in_flight[self.step.index] = (self, run)
 
+    @property
+    def abandoned(self) -> bool:
+        """Every member's run is over (answered elsewhere, failed or cancelled): nobody waits for the answer."""
+        return all(run.finished for run, _, _ in self.members)
+
     def cancel(self, run: _Run) -> None:
-        self.live -= 1
-        if self.live <= 0 and self.handle is not None:
+        """`run` is over (the ensemble marks it finished first); the group's request goes once all its runs are."""
+        if self.handle is not None and self.abandoned:
             self.target.cancel(self.handle)
             self.handle = None
 
@@ -477,7 +480,7 @@ class EnsembleScheduler:
                 run.in_flight.pop(step.index, None)
                 self._refused(run, step, exc)
             return
-        if group.live <= 0:  # every member failed meanwhile (another of its steps)
+        if group.abandoned:  # every member failed meanwhile (another of its steps)
             target.cancel(handle)
         elif not group.answered:  # (a scheduler may answer inside submit)
             group.target, group.handle = target, handle
