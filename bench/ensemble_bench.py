@@ -227,14 +227,14 @@ def bodies(rng: np.random.Generator) -> tuple[dict[str, np.ndarray], dict[str, t
 
 async def inprocess_ms(repo: str, arrays: dict[str, np.ndarray], n: int, blocks: int) -> dict[str, float]:
     """Median latency of `core.infer` per row, in gpud's core built in this process; rows interleaved in blocks."""
-    from executor.pool import ExecutorPool
-    from executor.types import InferRequest, InferTensor
+    from gpud.executor.pool import ExecutorPool
+    from gpud.executor.types import InferRequest, InferTensor
     from gpud.core import GpudCore
     from gpud.placing.inputs import has_gpus
     from gpud.placing.service import PlacementService
     from gpud.registry import Registry
     from gpud.repository.layout import ModelRepository
-    from telemetry.discovery import discover
+    from gpud.telemetry.discovery import discover
 
     def tensor(name: str, a: np.ndarray) -> InferTensor:
         return InferTensor(name, _KSERVE[a.dtype], a.shape, a)
@@ -301,11 +301,11 @@ def orchestration_us(n: int) -> float:
     scheduler, no worker; each checks its request as a model's scheduler would, through its signature cache). One
     request per turn of an event loop (its first step is sent at the end of the turn: rule 6), less the cost of a
     bare turn, measured in the same run."""
-    from executor.ensemble import EnsembleScheduler
-    from executor.model_config import (ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig,
+    from gpud.executor.ensemble import EnsembleScheduler
+    from gpud.executor.model_config import (ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig,
                                        TensorSpec)
-    from executor.types import InferRequest, InferResponse, InferTensor
-    from executor.validation import PreparedCache
+    from gpud.executor.types import InferRequest, InferResponse, InferTensor
+    from gpud.executor.validation import PreparedCache
 
     spec = (TensorSpec("x", "FP32", (WIDTH,)),)
 

@@ -5,7 +5,7 @@
 One 1x256 FP32 row per call on the serving benchmark's tiny MLP (bench/serving/models.py: 256 -> 1024 -> 1024 -> 16,
 max batch 64, dynamic batching with a 3 ms delay, one CPU instance), one caller at a time. Two servers in this
 process: one with the models in worker processes (the default, as the daemon) and one with `models_in_process=True`
-(executor.local_worker; a call that finds its model idle runs in the caller's thread, executor.direct). Rows,
+(gpud.executor.local_worker; a call that finds its model idle runs in the caller's thread, gpud.executor.direct). Rows,
 interleaved round by round (each row's best median kept):
   raw onnxruntime          session.run in this thread, built as gpud's worker builds it (bench/serving/ort_session.py)
   infer, workers           Server.infer, a synchronous call from this thread, the model in a worker process
@@ -43,7 +43,7 @@ import models  # noqa: E402  (bench/serving/models.py)
 from ort_session import make_session  # noqa: E402
 
 import gpud  # noqa: E402
-from executor.shm import Segment, new_segment_name  # noqa: E402
+from gpud.executor.shm import Segment, new_segment_name  # noqa: E402
 
 MODEL = "mlp"
 TARGET_US = 50.0

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement.model import Device, ModelDemand  # noqa: E402
-from placement.solver import EXACT_SOLVER, PlannerConfig, plan  # noqa: E402
+from gpud.placement.model import Device, ModelDemand  # noqa: E402
+from gpud.placement.solver import EXACT_SOLVER, PlannerConfig, plan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import placement_sets  # noqa: E402

@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement import mig  # noqa: E402
-from placement.model import Constraints, ModelDemand  # noqa: E402
-from placement.solver import PlannerConfig  # noqa: E402
+from gpud.placement import mig  # noqa: E402
+from gpud.placement.model import Constraints, ModelDemand  # noqa: E402
+from gpud.placement.solver import PlannerConfig  # noqa: E402
 
 GiB = 2**30
 MIG_ONLY = Constraints(kinds=frozenset({"mig"}))

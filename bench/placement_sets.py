@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from placement.model import COMPUTE_UNITS, Device, ModelDemand
+from gpud.placement.model import COMPUTE_UNITS, Device, ModelDemand
 
 GiB = 2**30
 GPU_MEMORY_BYTES = 80 * GiB

@@ -4,7 +4,7 @@ bench/placement_sets.py, each from the same greedy incumbent (the engine at time
 - CP-SAT: the assignment model (x[i, b] instance i on device b, y[b] device b used, sum_i size x <= capacity y in
   memory and compute, y[b] >= y[b + 1], instance i only on devices <= i in decreasing size order: the usual symmetry
   breaking), the greedy plan as a hint, minimise sum y; `--workers` search workers (2: this machine's cores).
-- HiGHS aggregated MIP: gpud's exact stage alone (placement.solver._aggregated_mip, asked for one device fewer than
+- HiGHS aggregated MIP: gpud's exact stage alone (gpud.placement.solver._aggregated_mip, asked for one device fewer than
   the greedy; an infeasible answer proves the greedy optimal).
 - gpud: the whole engine (`placement.plan`: greedy, minimum-bin-slack restarts, elimination, HiGHS).
 
@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import placement_sets  # noqa: E402
-from placement.framework import NodeState, eligible_devices  # noqa: E402
-from placement.model import compute_units  # noqa: E402
-from placement.solver import PlannerConfig, _aggregated_mip, plan  # noqa: E402
+from gpud.placement.framework import NodeState, eligible_devices  # noqa: E402
+from gpud.placement.model import compute_units  # noqa: E402
+from gpud.placement.solver import PlannerConfig, _aggregated_mip, plan  # noqa: E402
 
 SETS = {name: entry for name, entry in placement_sets.SETS_2D.items() if name != "r200"}
 

@@ -26,13 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from gpud.api.metrics_server import exposition  # noqa: E402
-from telemetry.device_metrics import DeviceCollector  # noqa: E402
-from telemetry.host_metrics import HostCollector  # noqa: E402
-from executor.stats import ModelStats  # noqa: E402
-from telemetry.model_metrics import ModelMetrics  # noqa: E402
-from telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView  # noqa: E402
-from telemetry.nvml import NvmlBackend  # noqa: E402
-from telemetry.simulated import SimulatedBackend  # noqa: E402
+from gpud.telemetry.device_metrics import DeviceCollector  # noqa: E402
+from gpud.telemetry.host_metrics import HostCollector  # noqa: E402
+from gpud.executor.stats import ModelStats  # noqa: E402
+from gpud.telemetry.model_metrics import ModelMetrics  # noqa: E402
+from gpud.telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView  # noqa: E402
+from gpud.telemetry.nvml import NvmlBackend  # noqa: E402
+from gpud.telemetry.simulated import SimulatedBackend  # noqa: E402
 from tests.fake_nvml import hgx_h100_mig  # noqa: E402
 
 TARGET_MS = 50.0

@@ -4,7 +4,7 @@
     .venv/bin/python bench/sequence_bench.py [--state-elements 1,16384,262144] [--concurrency 8] [--quick]
 
 A stateful model without sequence batching makes the client carry its state: every request sends the state in and
-gets the new state back. With sequence batching gpud keeps it (executor.sequence_scheduler): the client sends only
+gets the new state back. With sequence batching gpud keeps it (gpud.executor.sequence_scheduler): the client sends only
 its input, and gpud stages the state through the instance's shared memory. One ONNX accumulator (state' =
 (START ? 0 : state) + INPUT * READY, the state FP32 of N elements), two models in one repository:
 
@@ -115,10 +115,10 @@ def measure(pa: str, url: str, model: str, concurrency: int, window_ms: int, ext
 def decision_cost_us(rounds: int = 3000) -> dict[str, float]:
     """In-process, no I/O: microseconds per request of the sequence batcher's decisions (enqueue, decide, complete;
     16 sequences on 2 instances of 8 slots) and of the dynamic batcher's for the same requests (the baseline)."""
-    from executor.batcher import BatchQueue, Dispatch, QueuedRequest
-    from executor.model_config import DynamicBatching
-    from executor.sequence_batcher import SequenceBatcher, SequenceDispatch, SequenceRequest
-    from executor.sequence_config import DIRECT, OLDEST, SequenceBatching
+    from gpud.executor.batcher import BatchQueue, Dispatch, QueuedRequest
+    from gpud.executor.model_config import DynamicBatching
+    from gpud.executor.sequence_batcher import SequenceBatcher, SequenceDispatch, SequenceRequest
+    from gpud.executor.sequence_config import DIRECT, OLDEST, SequenceBatching
 
     out = {}
     for strategy in (DIRECT, OLDEST):

@@ -2,7 +2,7 @@
 
 Client processes (default 6, for 2 cores: the daemon and its device worker are kept busy) send, each on its own
 keep-alive connection and its own gRPC channel, a fixed weighted mix: good JSON, binary and gRPC inferences on the
-example `mlp` and on the example ensemble `pipeline` (its steps batched in groups: executor/ensemble.py rule 6),
+example `mlp` and on the example ensemble `pipeline` (its steps batched in groups: gpud/executor/ensemble.py rule 6),
 64-row JSON bodies (decoded in a child process: the soak offloads JSON over 64 KiB), health
 probes; and bad requests: unknown models,
 malformed JSON, huge declared shapes, a pipeline request over its batch size, traversal names, conflicting Content-Length, declared bodies over the limit,

@@ -11,7 +11,7 @@ def __getattr__(name: str):
 
         return getattr(inprocess, name)
     if name in ("InferenceError", "ErrorKind"):
-        from executor import types
+        from gpud.executor import types
 
         return getattr(types, name)
     raise AttributeError(f"module 'gpud' has no attribute {name!r}")

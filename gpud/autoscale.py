@@ -1,5 +1,5 @@
 """Autoscaling hints in the daemon: samples the core on a fixed tick, turns counter deltas into observations, runs the
-pure policies of telemetry.hints, and exports the result (a Prometheus Collector, and `inspect()["hints"]`).
+pure policies of gpud.telemetry.hints, and exports the result (a Prometheus Collector, and `inspect()["hints"]`).
 
 Why a periodic tick and not sampling at scrape time: the policy's stabilization windows and the rate window are
 seconds of the injected clock, and the observations are deltas between samples. Riding on scrapes would make them
@@ -22,10 +22,10 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from executor.stats import ModelStats
-from telemetry.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
+from gpud.executor.stats import ModelStats
+from gpud.telemetry.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
                              ModelObservation, desired_instances, node_headroom, observe)
-from telemetry.serving import ServingSnapshot, SnapshotSource
+from gpud.telemetry.serving import ServingSnapshot, SnapshotSource
 
 log = logging.getLogger("gpud.autoscale")
 
@@ -53,7 +53,7 @@ class _Track:
 
 def read_counters(snapshot: ServingSnapshot, now_s: float) -> dict[Key, tuple[ModelStats, ModelCounters]]:
     """The cumulative counters of every served model version, keyed (model, version), with the record they are
-    read from (executor.stats)."""
+    read from (gpud.executor.stats)."""
     out = {}
     for v in snapshot.versions():
         if v.is_ensemble:
@@ -87,7 +87,7 @@ def model_footprints(snapshot: ServingSnapshot) -> list[ModelFootprint]:
 
 class HintsSampler(Collector):
     """Ticks every `interval_s` of `clock`; exports gpud_model_desired_instances and friends at scrape time.
-    `snapshot` is the serving core's (telemetry.serving); `free_devices` the free memory per leaf device as
+    `snapshot` is the serving core's (gpud.telemetry.serving); `free_devices` the free memory per leaf device as
     placement sees it."""
 
     def __init__(self, snapshot: SnapshotSource, free_devices: FreeDevicesSource, policy: HintPolicy, *,

@@ -22,8 +22,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpud.controller import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
                              VersionState, after_added, after_failed_load, after_removed, decide_target)
 from gpud.placing.results import ControlPlan, Step
-from telemetry.hints import HintDecision
-from telemetry.serving import SnapshotSource
+from gpud.telemetry.hints import HintDecision
+from gpud.telemetry.serving import SnapshotSource
 
 log = logging.getLogger("gpud.controller")
 

@@ -3,7 +3,7 @@ each model version should run, and why. `gpud.control_loop` feeds them and appli
 service; nothing here does I/O or reads a clock.
 
 Rules, per model version, each interval:
-1. The wanted count is the autoscaling hint's `desired_instances` (telemetry.hints: the HPA rule over queue time and
+1. The wanted count is the autoscaling hint's `desired_instances` (gpud.telemetry.hints: the HPA rule over queue time and
    load, already stabilized: a need for more must last the scale-up window, a lull the scale-down window). Without a
    hint yet (its first rate window), the wanted count is the current one: only the bounds are enforced.
 2. The target is the wanted count clamped to the version's bounds: `gpud_min_instances` (default: its instance_group
@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from executor.model_config import ModelConfig
+from gpud.executor.model_config import ModelConfig
 
 ControlMode = Literal["off", "advise", "on"]
 CONTROL_MODES: tuple[ControlMode, ...] = ("off", "advise", "on")

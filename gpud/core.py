@@ -1,7 +1,7 @@
 """gpud's inference core: the model registry and the routing of requests to each version's scheduler; the one
 implementation of InferenceCore that the HTTP and gRPC front ends adapt. Where instances go is the placement
 service's (gpud.placing.service), loading and unloading models gpud.lifecycle's; what the core looks like to others
-is its snapshot (telemetry.serving).
+is its snapshot (gpud.telemetry.serving).
 """
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from executor.direct import DirectRun, start_direct
-from executor.pool import ExecutorPool
-from executor.scheduler import ModelScheduler
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud.executor.direct import DirectRun, start_direct
+from gpud.executor.pool import ExecutorPool
+from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
@@ -25,7 +25,7 @@ from gpud.model_control import ModelControl, check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.serving import ModelState, ServingSnapshot
+from gpud.telemetry.serving import ModelState, ServingSnapshot
 
 log = logging.getLogger("gpud")
 
@@ -197,7 +197,7 @@ class GpudCore:
 
     def submit_direct(self, request: InferRequest, done, loop: asyncio.AbstractEventLoop,
                       quick_only: bool = False) -> DirectRun | Callable[[], None] | None:
-        """The in-process server's call from its caller's thread, with the loop's lock held (executor.direct): a
+        """The in-process server's call from its caller's thread, with the loop's lock held (gpud.executor.direct): a
         DirectRun for the caller to execute; or the cancel of a request queued the loop's way (`done` answers it);
         or None when the request was not taken (a model not served and ready here as a plain, idle one: the
         caller submits it, and gets the loop's answer or error)."""

@@ -1,7 +1,7 @@
 """The one inference core that the HTTP and gRPC front ends adapt, and the typed values it answers with.
 
 Front ends own their wire formats. The core returns the protocol-neutral values below and raises
-`executor.types.InferenceError`, whose kind each front end maps to its own status; `gpud.api.http_encode` writes them
+`gpud.executor.types.InferenceError`, whose kind each front end maps to its own status; `gpud.api.http_encode` writes them
 as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messages (a test checks the two agree).
 """
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from executor.model_config import ModelConfig, TensorSpec
-from executor.stats import ModelStats
-from executor.types import InferenceError, InferRequest, InferResponse
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.stats import ModelStats
+from gpud.executor.types import InferenceError, InferRequest, InferResponse
 from gpud.repository.config import VersionPolicy
-from telemetry.serving import ModelState
+from gpud.telemetry.serving import ModelState
 
 BATCH_DIM = -1  # the batch dimension in metadata shapes: any size up to max_batch_size
 
@@ -107,7 +107,7 @@ class Applied:
 
 
 class InferenceCore(Protocol):
-    """Every method raises `executor.types.InferenceError` for errors a client should see."""
+    """Every method raises `gpud.executor.types.InferenceError` for errors a client should see."""
 
     def server_live(self) -> bool: ...
 

@@ -1,4 +1,4 @@
-"""Ensembles in the registry: an ensemble version is served by an `executor.ensemble.EnsembleScheduler`, has no
+"""Ensembles in the registry: an ensemble version is served by an `gpud.executor.ensemble.EnsembleScheduler`, has no
 instances (placement and the controller never see it; its steps' models are placed and scaled by their own load),
 and is ready while every step's model serves and matches the ensemble's config.
 
@@ -21,14 +21,14 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from executor.ensemble import EnsembleScheduler, Route
-from executor.model_config import ModelConfig
-from executor.types import InferRequest
+from gpud.executor.ensemble import EnsembleScheduler, Route
+from gpud.executor.model_config import ModelConfig
+from gpud.executor.types import InferRequest
 from gpud.controller import InstanceBounds
 from gpud.registry import RegisteredModel, RegisteredVersion
 from gpud.repository.ensemble import check_against_steps, step_label
 from gpud.repository.layout import ModelEntry, ModelLoadError
-from telemetry.serving import ModelState, PipelineStep, VersionView
+from gpud.telemetry.serving import ModelState, PipelineStep, VersionView
 
 if TYPE_CHECKING:
     from gpud.registry import Registry

@@ -1,7 +1,7 @@
 """gpud's own view of itself (`GET /v2/gpud/inspect`, what `gpudctl inspect` shows): devices with a fresh reading
 each, model versions and their instances from the core's snapshot, the device workers, the sections other parts add
 (the autoscaling hints, the controller), and the placement service's planning inputs (devices, demands and the
-current placement, in `placement.spec`'s file formats: what `gpudctl place --devices live --models live --current
+current placement, in `gpud.placement.spec`'s file formats: what `gpudctl place --devices live --models live --current
 live` plans with, so an offline re-plan of a running gpud starts from exactly what the daemon would use).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 from gpud.core_api import ServerMetadata
 from gpud.placing.service import PlacementService
-from placement import spec
-from telemetry.serving import ModelState, ServingSnapshot, VersionView
+from gpud.placement import spec
+from gpud.telemetry.serving import ModelState, ServingSnapshot, VersionView
 
 
 class InspectView(Protocol):

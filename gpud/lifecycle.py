@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.ensembles import step_models, step_names_of, unload_candidates
 from gpud.model_control import check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, Registry
 from gpud.repository.config import ModelConfigError
 from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
-from telemetry.serving import ModelState
+from gpud.telemetry.serving import ModelState
 
 log = logging.getLogger("gpud")
 

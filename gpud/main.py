@@ -21,7 +21,7 @@ from gpud.model_control import ModelControl
 from gpud.reload import Prepared, Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.controller import CONTROL_MODES, ControlPolicy
-from telemetry.hints import HintPolicy
+from gpud.telemetry.hints import HintPolicy
 
 log = logging.getLogger("gpud")
 

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 
 log = logging.getLogger("gpud")
 

@@ -1,6 +1,6 @@
 """The model registry: every model the repository holds, its served versions with their schedulers and instances,
 and why a version is not ready. The core routes requests over it, the placement service starts and stops its
-instances, and everyone else reads it through `snapshot()` (telemetry.serving).
+instances, and everyone else reads it through `snapshot()` (gpud.telemetry.serving).
 """
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from executor.pool import InstanceHandle
-from executor.scheduler import ModelScheduler
-from executor.sequence_scheduler import SequenceScheduler
-from executor.types import ErrorKind, InferenceError, InferRequest
+from gpud.executor.pool import InstanceHandle
+from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.sequence_scheduler import SequenceScheduler
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 from gpud.controller import InstanceBounds, instance_bounds
 from gpud.model_control import check_model_name
 from gpud.placing.inputs import VersionDemand, candidate_kinds, compute_fraction
 from gpud.repository.config import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import ModelEntry, ModelLoadError
-from telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
+from gpud.telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
 
 log = logging.getLogger("gpud")
 
@@ -198,7 +198,7 @@ class Registry:
 
     # --- the read-only view -------------------------------------------------------------------------------------
     def snapshot(self) -> ServingSnapshot:
-        """Typed and frozen (telemetry.serving): what the metrics collectors, the hints and inspect read. Cheap: no
+        """Typed and frozen (gpud.telemetry.serving): what the metrics collectors, the hints and inspect read. Cheap: no
         device reads, so the collectors call it at every scrape."""
         return ServingSnapshot(tuple(
             ModelView(name, m.error, tuple(v.view(self.has_gpus)

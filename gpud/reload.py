@@ -26,7 +26,7 @@ from gpud.controller import ControlPolicy
 from gpud.model_control import ModelControl, RepositoryPoller
 from gpud.settings import Settings
 from gpud.systemd_notify import notify
-from telemetry.hints import HintPolicy
+from gpud.telemetry.hints import HintPolicy
 
 log = logging.getLogger("gpud")
 

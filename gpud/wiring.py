@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
-from executor.pool import ExecutorPool
-from executor.supervisor import CrashLoop
+from gpud.executor.pool import ExecutorPool
+from gpud.executor.supervisor import CrashLoop
 from gpud.autoscale import HintsSampler
 from gpud.control_loop import ControlLoop
 from gpud.core import GpudCore
@@ -26,14 +26,14 @@ from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.reload import Prepared
 from gpud.repository.layout import ModelRepository
-from placement.solver import EXACT_SOLVER
-from telemetry.device_metrics import DeviceCollector
-from telemetry.devices import DeviceBackend
-from telemetry.discovery import discover
-from telemetry.hints import DeviceFree
-from telemetry.host_metrics import HostCollector
-from telemetry.model_metrics import ModelMetrics
-from telemetry.worker_metrics import WorkerCollector
+from gpud.placement.solver import EXACT_SOLVER
+from gpud.telemetry.device_metrics import DeviceCollector
+from gpud.telemetry.devices import DeviceBackend
+from gpud.telemetry.discovery import discover
+from gpud.telemetry.hints import DeviceFree
+from gpud.telemetry.host_metrics import HostCollector
+from gpud.telemetry.model_metrics import ModelMetrics
+from gpud.telemetry.worker_metrics import WorkerCollector
 
 log = logging.getLogger("gpud")
 

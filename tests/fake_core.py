@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec, numpy_dtype
-from executor.stats import Duration, ModelStats
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+from gpud.executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec, numpy_dtype
+from gpud.executor.stats import Duration, ModelStats
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
-from telemetry.serving import ModelState
+from gpud.telemetry.serving import ModelState
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
 

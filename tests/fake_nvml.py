@@ -1,4 +1,4 @@
-"""A behavioural fake of the pynvml module, built from the data tables of real GPU models (placement.mig).
+"""A behavioural fake of the pynvml module, built from the data tables of real GPU models (gpud.placement.mig).
 
 Same function names, argument orders, return shapes and error classes as pynvml (NVMLError with `.value`,
 NVMLError_NotSupported, NVMLError_GpuIsLost, ...), so `NvmlBackend(nvml=FakeNvml(...))` runs the real code path.
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from placement.mig import GpuModel, MigProfile, gpu_model, place_layout
-from telemetry.power_model import POWER_SPECS
+from gpud.placement.mig import GpuModel, MigProfile, gpu_model, place_layout
+from gpud.telemetry.power_model import POWER_SPECS
 
-# The models the ready-made machines use; their data (NVML names, memory, MIG profiles) is placement.mig's table.
+# The models the ready-made machines use; their data (NVML names, memory, MIG profiles) is gpud.placement.mig's table.
 A100_SXM4_40GB = gpu_model("A100-SXM4-40GB")
 A100_SXM4_80GB = gpu_model("A100-SXM4-80GB")
 H100_SXM5_80GB = gpu_model("H100-80GB")

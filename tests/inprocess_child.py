@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 import gpud
-from executor.shm import _dir as shm_dir
+from gpud.executor.shm import _dir as shm_dir
 
 
 def report(server: gpud.Server) -> None:

@@ -1,11 +1,11 @@
-"""A serving core's snapshot for telemetry tests: model versions with real `executor.stats` records, filled the way
+"""A serving core's snapshot for telemetry tests: model versions with real `gpud.executor.stats` records, filled the way
 the scheduler fills them, and instances and queues set by the test."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from executor.stats import ModelStats
-from telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
+from gpud.executor.stats import ModelStats
+from gpud.telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
 
 
 def ns(seconds: float) -> int:

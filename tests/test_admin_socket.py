@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
 from gpud.api.http_api import start_http_server, start_http_unix_server
 from gpud.api.unix_socket import bind_unix_socket

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from google.protobuf import json_format
 
-from executor.model_config import (DynamicBatching, EnsembleScheduling, EnsembleStep, InstanceGroup, ModelConfig,
+from gpud.executor.model_config import (DynamicBatching, EnsembleScheduling, EnsembleStep, InstanceGroup, ModelConfig,
                                    QueuePolicy, TensorSpec)
-from executor.stats import BatchStats, Duration, ModelStats
+from gpud.executor.stats import BatchStats, Duration, ModelStats
 from gpud.api import grpc_encode, http_encode
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
@@ -17,7 +17,7 @@ from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2
 from gpud.repository.config import VersionPolicy
 from gpud.repository.layout import ModelEntry, ModelRepository
-from telemetry.serving import ModelState
+from gpud.telemetry.serving import ModelState
 
 FULL = ModelConfig(
     name="full", max_batch_size=16,

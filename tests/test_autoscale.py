@@ -1,13 +1,13 @@
-"""gpud.autoscale: the sampler between the core and telemetry.hints, driven by a fake clock and fake stats."""
+"""gpud.autoscale: the sampler between the core and gpud.telemetry.hints, driven by a fake clock and fake stats."""
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from executor.stats import ModelStats
+from gpud.executor.stats import ModelStats
 from gpud.autoscale import MIN_FOOTPRINT_BYTES, HintsSampler
 from gpud.cli.inspect import render_inspect
-from telemetry.hints import DeviceFree, HintPolicy
+from gpud.telemetry.hints import DeviceFree, HintPolicy
 from tests.promtool_check import promtool_check
 from tests.fakes import FakeClock
 from tests.serving_fakes import FakeServing, instance

@@ -1,6 +1,6 @@
-"""executor.backend: which backend runs a model, and a worker that runs every model through that protocol.
+"""gpud.executor.backend: which backend runs a model, and a worker that runs every model through that protocol.
 
-The worker (executor.worker.Worker) runs in a thread of this process over a socket pair, with a fake backend
+The worker (gpud.executor.worker.Worker) runs in a thread of this process over a socket pair, with a fake backend
 registered: no onnxruntime, no subprocess."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from executor import protocol
-from executor.backend import BACKENDS, BackendEntry, Backends, LoadOptions, UnsupportedBackend
-from executor.device import WorkerDevice
-from executor.model_config import ModelConfig, TensorSpec
-from executor.onnxruntime_backend import CPU_EP
-from executor.protocol import Done, Exit, Failed, Hello, Infer, Load, Loaded, LoadFailed, Unload, Unloaded
-from executor.shm import Segment, new_segment_name
-from executor.worker import Worker
+from gpud.executor import protocol
+from gpud.executor.backend import BACKENDS, BackendEntry, Backends, LoadOptions, UnsupportedBackend
+from gpud.executor.device import WorkerDevice
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.onnxruntime_backend import CPU_EP
+from gpud.executor.protocol import Done, Exit, Failed, Hello, Infer, Load, Loaded, LoadFailed, Unload, Unloaded
+from gpud.executor.shm import Segment, new_segment_name
+from gpud.executor.worker import Worker
 
 FAKE = ModelConfig(name="double", platform="", backend="fake", max_batch_size=4,
                    inputs=(TensorSpec("x", "FP32", (2,)),), outputs=(TensorSpec("y", "FP32", (2,)),))

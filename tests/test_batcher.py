@@ -1,4 +1,4 @@
-"""Deterministic tests of executor.batcher: a fake clock, no sleeps, no asyncio.
+"""Deterministic tests of gpud.executor.batcher: a fake clock, no sleeps, no asyncio.
 
 Times in comments are in seconds unless a name says otherwise; 1 ms = 1_000 us = 0.001 s.
 """
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from executor.batcher import (
+from gpud.executor.batcher import (
     QUEUE_FULL_MESSAGE,
     REQUEST_TIMEOUT_MESSAGE,
     BatchQueue,
@@ -25,8 +25,8 @@ from executor.batcher import (
     take_candidate,
     timeout_error,
 )
-from executor.model_config import DynamicBatching, QueuePolicy
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.model_config import DynamicBatching, QueuePolicy
+from gpud.executor.types import ErrorKind, InferenceError
 from tests.fakes import FakeClock
 
 

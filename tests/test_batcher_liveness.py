@@ -1,4 +1,4 @@
-"""executor.batcher's adaptive rules (rule 6 "not in a stream", rule 7a smoothed rows): liveness.
+"""gpud.executor.batcher's adaptive rules (rule 6 "not in a stream", rule 7a smoothed rows): liveness.
 
 A discrete-event simulation with a fake clock: one instance, requests arriving at chosen gaps, batches taking chosen
 times. Whatever the pattern, with the instance free a queued request is dispatched no later than its enqueue time +
@@ -10,8 +10,8 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.batcher import BatchQueue, Dispatch, Idle, QueuedRequest, Wait
-from executor.model_config import DynamicBatching
+from gpud.executor.batcher import BatchQueue, Dispatch, Idle, QueuedRequest, Wait
+from gpud.executor.model_config import DynamicBatching
 from tests.fakes import FakeClock
 
 DELAY_US = 2_000

@@ -1,5 +1,5 @@
-"""Device busy time -> utilization (executor.busy), with a fake clock."""
-from executor.busy import BusyTracker
+"""Device busy time -> utilization (gpud.executor.busy), with a fake clock."""
+from gpud.executor.busy import BusyTracker
 from tests.fakes import FakeClock
 
 

@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from executor.onnxruntime_backend import CPU_EP, CUDA_EP
+from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP
 from gpud.cli.check.command import check_main
 from gpud.cli.check.devices import Tolerances, compare_devices, observe, observed_from_metrics
 from gpud.cli.check.report import Row, Status
 from gpud.cli.check.serving import (ServingOptions, footprint_row, outputs_row, overlap_row, provider_row,
                                     throughput_row)
 from gpud.cli.check.smi import SmiError, parse_list, parse_query, query, subprocess_runner
-from telemetry.device_metrics import DeviceCollector
-from telemetry.nvml import NvmlBackend
+from gpud.telemetry.device_metrics import DeviceCollector
+from gpud.telemetry.nvml import NvmlBackend
 from tests.fake_nvidia_smi import runner, write_executable
 from tests.fake_nvml import FakeNvml, dgx_a100_2gpu_mig, hgx_h100_mig
 

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gpud.control_loop import ControlLoop
 from gpud.controller import ControlPolicy
 from gpud.placing.results import ControlPlan, Step, Unplaced
-from telemetry.hints import HintDecision
+from gpud.telemetry.hints import HintDecision
 from tests.fakes import FakeClock
 from tests.promtool_check import promtool_check
 from tests.serving_fakes import FakeServing, instance

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from executor.model_config import InstanceGroup, ModelConfig
+from gpud.executor.model_config import InstanceGroup, ModelConfig
 from gpud.controller import (ControlPolicy, EvictionCandidate, InstanceBounds, VersionObservation, VersionState,
                              after_added, after_failed_load, after_removed, decide_target, eviction_order,
                              instance_bounds)

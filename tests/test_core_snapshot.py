@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from executor.pool import InstanceHandle
+from gpud.executor.pool import InstanceHandle
 from gpud.examples import write_example_repository
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.serving import ModelState
+from gpud.telemetry.serving import ModelState
 
 
 @pytest.fixture

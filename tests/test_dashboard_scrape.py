@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.examples import write_example_repository
-from telemetry.simulated import DEFAULT_NODE_FILE
+from gpud.telemetry.simulated import DEFAULT_NODE_FILE
 from tests.daemon_harness import start_daemon, wait_for
 from tests.promql import dashboard_queries, metric_names, rule_exprs
 

@@ -8,10 +8,10 @@ from tests.promtool_check import promtool_problems
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.device_metrics import DeviceCollector, reason_states
-from telemetry.devices import WATCHED_XIDS, DeviceInfo, DeviceReading
-from telemetry.nvml import CLOCK_EVENT_REASONS, NvmlBackend
-from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
+from gpud.telemetry.device_metrics import DeviceCollector, reason_states
+from gpud.telemetry.devices import WATCHED_XIDS, DeviceInfo, DeviceReading
+from gpud.telemetry.nvml import CLOCK_EVENT_REASONS, NvmlBackend
+from gpud.telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
 from tests.fake_nvml import a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
 from tests.fakes import FakeClock
 

@@ -206,7 +206,7 @@ def test_every_panel_and_rule_against_real_prometheus(tools, tmp_path):
             assert not missing, f"rule {expr!r} uses metrics gpud does not export: {sorted(missing)}"
 
         # Every panel query returns data while load runs (bounded; polled, not slept), on the simulated node too:
-        # its boards draw power and warm up with the load (telemetry.power_model).
+        # its boards draw power and warm up with the load (gpud.telemetry.power_model).
         required = queries
         empty: dict[str, str] = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from executor.model_config import ENSEMBLE_PLATFORM, EnsembleStep, ModelConfig, TensorSpec
+from gpud.executor.model_config import ENSEMBLE_PLATFORM, EnsembleStep, ModelConfig, TensorSpec
 from gpud.examples import PIPELINE_CONFIG_PBTXT
 from gpud.repository.config import ModelConfigError, parse_config_text
 from gpud.repository.ensemble import check_against_steps, ensemble_config_from_proto, find_cycle

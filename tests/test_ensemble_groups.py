@@ -1,4 +1,4 @@
-"""executor.ensemble rule 6: the steps of several ensemble requests go to a model that batches as one request
+"""gpud.executor.ensemble rule 6: the steps of several ensemble requests go to a model that batches as one request
 (the first steps of the requests that came in one turn of the loop; the steps one batch's answers make ready),
 each request answered with its own rows. Against scripted step models (what is sent, when, with which rows) and
 through the real core and workers (answers equal the steps run by hand; the statistics count every request)."""
@@ -14,9 +14,9 @@ import onnxruntime as ort
 import pytest
 
 import gpud
-from executor.ensemble import _Group, _joined
-from executor.scheduler import gathering
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+from gpud.executor.ensemble import _Group, _joined
+from gpud.executor.scheduler import gathering
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from tests.test_ensemble_scheduler import CHAIN, DIAMOND, Harness, ScriptedModel, run, s
 from tests.test_inprocess import NODE
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 from gpud.autoscale import read_counters
 from gpud.cli.inspect import render_inspect
 from gpud.control_loop import ControlLoop
@@ -23,9 +23,9 @@ from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.hints import HintDecision
-from telemetry.serving import ModelState
-from telemetry.simulated import SimulatedBackend
+from gpud.telemetry.hints import HintDecision
+from gpud.telemetry.serving import ModelState
+from gpud.telemetry.simulated import SimulatedBackend
 from tests.ensemble_models import ensemble_config, model_config, save_model, step, write_ensemble_repository
 from tests.test_placement_service import NODE, ScriptedPool
 

@@ -1,4 +1,4 @@
-"""executor.ensemble.EnsembleScheduler against scripted step models: which steps are sent when (parallel when
+"""gpud.executor.ensemble.EnsembleScheduler against scripted step models: which steps are sent when (parallel when
 their inputs are ready, in order otherwise, only those the requested outputs need), what a failure looks like,
 statistics, cancellation and shutdown. Deterministic: the test answers each step when it chooses."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from executor.ensemble import EnsembleScheduler, plan_route
-from executor.model_config import ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig, TensorSpec
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.ensemble import EnsembleScheduler, plan_route
+from gpud.executor.model_config import ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig, TensorSpec
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 
 
 class Pending:

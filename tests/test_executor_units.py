@@ -4,13 +4,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from executor.model_config import ModelConfig, TensorSpec
-from executor.device import WorkerDevice
-from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers, tf32_allowed
-from executor.supervisor import WorkerSupervisor
-from executor.protocol import tensor_region_bytes
-from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from executor.shm import Segment, new_segment_name
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.device import WorkerDevice
+from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers, tf32_allowed
+from gpud.executor.supervisor import WorkerSupervisor
+from gpud.executor.protocol import tensor_region_bytes
+from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from gpud.executor.shm import Segment, new_segment_name
 
 GPU = WorkerDevice("gpu0", "gpu", "GPU-1234")
 MIG = WorkerDevice("gpu1/mig1.0", "mig", "MIG-abcd")

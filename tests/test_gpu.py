@@ -11,8 +11,8 @@ from gpud.cli.check.command import check_main
 from gpud.cli.check.devices import compare_devices, observe
 from gpud.cli.check.report import Status
 from gpud.cli.check.smi import SmiError, query, subprocess_runner
-from telemetry.devices import NoUsage
-from telemetry.discovery import open_nvml
+from gpud.telemetry.devices import NoUsage
+from gpud.telemetry.discovery import open_nvml
 
 
 def _gpu_or_reason() -> str | None:

@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2 as triton_pb  # noqa: E402 - Triton's 
 from tritonclient.grpc import service_pb2_grpc as triton_pb_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from executor.types import ErrorKind, InferenceError  # noqa: E402
+from gpud.executor.types import ErrorKind, InferenceError  # noqa: E402
 from gpud.api.grpc_api import decode_inputs, start_grpc_server  # noqa: E402
 from gpud.proto import grpc_service_pb2 as pb  # noqa: E402
 from tests.fake_core import FakeCore  # noqa: E402

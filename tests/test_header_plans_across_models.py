@@ -11,9 +11,9 @@ import orjson
 import pytest
 import tritonclient.http as httpclient
 
-from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.scheduler import ModelScheduler
-from executor.types import ErrorKind, InferenceError, InferResponse
+from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec
+from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.types import ErrorKind, InferenceError, InferResponse
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from tests.test_scheduler_edges import Worker, _instance
 
@@ -100,7 +100,7 @@ def test_one_header_for_two_models_is_validated_per_model_and_answered_per_reque
 def test_the_encoded_header_cache_is_per_model(schedulers):
     sched, worker = schedulers
     request = _decode([1, 2], "m")
-    from executor.types import InferTensor
+    from gpud.executor.types import InferTensor
     z = InferTensor("z", "FP32", (1, 2), np.array([[3, 4]], np.float32))
     first = encode_infer_response(InferResponse("m", "1", [z], id="same"), request)
     other = encode_infer_response(InferResponse("other", "1", [z], id="same"), _decode([1, 2], "other"))

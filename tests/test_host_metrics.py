@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from telemetry.host_metrics import CpuTimes, HostCollector, busy_ratio, cpu_times_split
+from gpud.telemetry.host_metrics import CpuTimes, HostCollector, busy_ratio, cpu_times_split
 from tests.promtool_check import promtool_check
 
 ScpuTimes = namedtuple("scputimes", "user nice system idle iowait irq softirq steal guest guest_nice")

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from executor.types import ErrorKind, InferenceError, InferResponse, InferTensor
+from gpud.executor.types import ErrorKind, InferenceError, InferResponse, InferTensor
 from gpud.api.http_api import start_http_server
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from tests.fake_core import FakeCore

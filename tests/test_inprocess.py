@@ -14,7 +14,7 @@ import pytest
 import tritonclient.http as httpclient
 
 import gpud
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.http_api import HTTP_STATUS
 from gpud.examples import write_example_repository
 from tests.daemon_harness import (ROOT, SLOW_CONFIG, example_inputs, onnxruntime_reference, save, slow_model,
@@ -42,7 +42,7 @@ def repo(tmp_path_factory):
 @pytest.fixture(scope="module", params=[False, True], ids=["worker-processes", "models-in-process"])
 def server(repo, request):
     """Both ways of running the models: in the device worker processes (the default), and in this process
-    (models_in_process: executor.local_worker, with idle models' calls run in the caller's thread)."""
+    (models_in_process: gpud.executor.local_worker, with idle models' calls run in the caller's thread)."""
     with gpud.Server(repo, node=NODE, model_control_mode="explicit", load_model=["*"], metrics_port=0,
                      models_in_process=request.param) as s:
         yield s

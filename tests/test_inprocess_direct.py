@@ -1,5 +1,5 @@
-"""Models run in the application's process (gpud.Server(models_in_process=True): executor.local_worker) and calls that
-find their model idle run in the caller's thread (executor.direct): where each batch runs, that the answers and the
+"""Models run in the application's process (gpud.Server(models_in_process=True): gpud.executor.local_worker) and calls that
+find their model idle run in the caller's thread (gpud.executor.direct): where each batch runs, that the answers and the
 statistics are the loop's, and that unload and stop wait for a caller's run."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import gpud
-from executor.local_worker import LocalWorker, runs_inline
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.local_worker import LocalWorker, runs_inline
+from gpud.executor.types import ErrorKind, InferenceError
 from tests.daemon_harness import onnxruntime_reference, save, slow_model, wait_for
 # The repository (the examples, slow, slow_alone) and the helpers are test_inprocess's: the same models both ways.
 from tests.test_inprocess import ALONE_CONFIG, NODE, _pending, _stats, interleaved_sums, repo  # noqa: F401 (a fixture)

@@ -12,7 +12,7 @@ import sys
 import psutil
 import pytest
 
-from executor.shm import _dir as shm_dir
+from gpud.executor.shm import _dir as shm_dir
 from gpud.examples import write_example_repository
 from tests.daemon_harness import ROOT
 
@@ -30,7 +30,7 @@ def repo(tmp_path_factory):
 def _worker_alive(pid: int) -> bool:
     try:
         proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and "executor.worker" in " ".join(proc.cmdline())
+        return proc.status() != psutil.STATUS_ZOMBIE and "gpud.executor.worker" in " ".join(proc.cmdline())
     except psutil.NoSuchProcess:
         return False
 

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpud.api.metrics_server import exposition, make_metrics_app, start_metrics_server
-from telemetry.host_metrics import HostCollector
-from telemetry.model_metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_SECONDS, ModelMetrics
+from gpud.telemetry.host_metrics import HostCollector
+from gpud.telemetry.model_metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_SECONDS, ModelMetrics
 from tests.promtool_check import promtool_check
 from tests.serving_fakes import FakeServing, instance
 from tests.test_model_metrics_triton import FakeDevices

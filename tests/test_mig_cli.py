@@ -10,7 +10,7 @@ import yaml
 from gpud.cli.main import main
 from gpud.cli.mig import mig_main
 from gpud.examples import write_example_repository
-from placement import mig
+from gpud.placement import mig
 
 MIX = {"models": [
     {"name": "embed", "memory": "2GiB", "compute": 0.1, "instances": 6},

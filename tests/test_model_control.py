@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth, read_token_file
 from gpud.model_control import ModelControl, check_model_name, model_fingerprint, repository_changes
 

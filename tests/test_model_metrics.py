@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from executor.stats import ModelStats
-from telemetry.model_metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_SECONDS, ModelMetrics
+from gpud.executor.stats import ModelStats
+from gpud.telemetry.model_metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS_SECONDS, ModelMetrics
 from tests.promtool_check import promtool_check
 from tests.serving_fakes import FakeServing, instance
 

@@ -6,8 +6,8 @@ import re
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from telemetry.devices import DeviceInfo, DeviceReading
-from telemetry.model_metrics import ModelMetrics
+from gpud.telemetry.devices import DeviceInfo, DeviceReading
+from gpud.telemetry.model_metrics import ModelMetrics
 from tests.promtool_check import promtool_check
 from tests.serving_fakes import FakeServing, instance
 

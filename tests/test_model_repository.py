@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import json_format
 from onnx import TensorProto, helper, numpy_helper
 
-from executor.model_config import DynamicBatching, InstanceGroup, QueuePolicy, TensorSpec
+from gpud.executor.model_config import DynamicBatching, InstanceGroup, QueuePolicy, TensorSpec
 from gpud.api.http_encode import model_config_json, model_metadata_json
 from gpud.core_api import ModelMetadata, ServedModelConfig
 from gpud.proto import model_config_pb2

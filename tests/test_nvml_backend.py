@@ -5,10 +5,10 @@ import logging
 
 import pytest
 
-from placement.mig import MIB
-from telemetry.devices import DeviceBackend, DeviceReading
-from telemetry.discovery import discover
-from telemetry.nvml import NA, NvmlBackend, NvmlSession, parse_mig_profile
+from gpud.placement.mig import MIB
+from gpud.telemetry.devices import DeviceBackend, DeviceReading
+from gpud.telemetry.discovery import discover
+from gpud.telemetry.nvml import NA, NvmlBackend, NvmlSession, parse_mig_profile
 from tests.fake_nvml import A100_SXM4_80GB, FakeNvml, a100_40gb_and_h100, dgx_a100_2gpu_mig, hgx_h100_mig
 from tests.fakes import FakeClock
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from placement import binpack1d as b
+from gpud.placement import binpack1d as b
 from tests.fakes import FakeClock
 
 DATA = Path(os.environ.get("GPUD_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")) / "binpacking"

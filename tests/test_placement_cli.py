@@ -109,8 +109,8 @@ def test_model_repository_estimates(tmp_path, capsys):
 
 
 def test_without_an_exact_solver_the_output_says_plans_are_unproven(files, capsys, monkeypatch):
-    import placement.solver as solver
-    from placement import binpack1d
+    import gpud.placement.solver as solver
+    from gpud.placement import binpack1d
 
     monkeypatch.setattr(solver, "EXACT_SOLVER", None)
     monkeypatch.setattr(binpack1d, "highs_available", lambda: False)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from placement import mig
-from placement.model import ModelDemand
-from placement.solver import PlannerConfig
+from gpud.placement import mig
+from gpud.placement.model import ModelDemand
+from gpud.placement.solver import PlannerConfig
 
 GiB = 2**30
 
-# Published values, written out from the sources rather than from placement/mig.py, for every GPU model and profile.
+# Published values, written out from the sources rather than from gpud/placement/mig.py, for every GPU model and profile.
 # Sources, by kind:
 # - whole-GPU MiB and NVML names: real `nvidia-smi` / `nvidia-smi -L` outputs ("NVIDIA A100-SXM4-80GB ... 81920MiB",
 #   "NVIDIA H100 80GB HBM3 ... 81559MiB", "NVIDIA H100 NVL ... 95830MiB", "NVIDIA H200 ... 143771MiB",
@@ -188,7 +188,7 @@ class TestRecommender:
         # 14 small models that require a MIG instance: MIG off cannot serve them at all. A 7g instance holds
         # 1.0 / 0.1 = 10 by compute, so 10 + 4 -> 2 GPUs
         demands = [ModelDemand(f"s{i}", 4 * GiB, 1, compute_fraction=0.1,
-                               constraints=__import__("placement").model.Constraints(kinds=frozenset({"mig"})))
+                               constraints=__import__("gpud.placement.model").placement.model.Constraints(kinds=frozenset({"mig"})))
                    for i in range(14)]
         cfg = PlannerConfig(time_limit_seconds=0)
         rec = mig.recommend_layouts(self.GPUS, demands, config=cfg)

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from executor.device import WorkerDevice
-from executor.pool import InstanceHandle
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.device import WorkerDevice
+from gpud.executor.pool import InstanceHandle
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.http_encode import placements_from_json
 from gpud.examples import write_example_repository
 from gpud.core_api import RequestedPlacement
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.serving import ModelState
-from telemetry.simulated import SimulatedBackend
+from gpud.telemetry.serving import ModelState
+from gpud.telemetry.simulated import SimulatedBackend
 
 MIB = 2**20
 NODE = """

@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from placement.framework import NodeState, score_least_allocated, score_most_allocated, scorer_for
-from placement.model import (
+from gpud.placement.framework import NodeState, score_least_allocated, score_most_allocated, scorer_for
+from gpud.placement.model import (
     Assignment, Constraints, ConstraintUnmet, Device, InsufficientResource, ModelDemand, compute_units,
     parse_memory_bytes,
 )
-from placement.solver import PlannerConfig, count_moves, diff, plan, relabel
+from gpud.placement.solver import PlannerConfig, count_moves, diff, plan, relabel
 from tests.fakes import FakeClock
 
 GiB = 2**30

@@ -10,11 +10,11 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from placement import binpack1d
-from placement.framework import NodeState, contention, eligible_devices
-from placement.model import COMPUTE_UNITS, Constraints, Device, ModelDemand, compute_units
-from placement.solver import PlannerConfig, plan
-from placement.vector import SlackParams, conflict_clique, dimension_bounds, min_bin_slack
+from gpud.placement import binpack1d
+from gpud.placement.framework import NodeState, contention, eligible_devices
+from gpud.placement.model import COMPUTE_UNITS, Constraints, Device, ModelDemand, compute_units
+from gpud.placement.solver import PlannerConfig, plan
+from gpud.placement.vector import SlackParams, conflict_clique, dimension_bounds, min_bin_slack
 from tests.fakes import FakeClock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -277,5 +277,5 @@ def test_the_exact_solver_is_a_main_dependency():
     names = [dep.split(">")[0].split("=")[0].split("<")[0].split(";")[0].strip().lower()
              for dep in project["dependencies"]]
     assert "scipy" in names
-    from placement.solver import EXACT_SOLVER
+    from gpud.placement.solver import EXACT_SOLVER
     assert EXACT_SOLVER == "highs"  # installed here, as pip installs it

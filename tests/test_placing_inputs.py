@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from executor.model_config import InstanceGroup, ModelConfig
+from gpud.executor.model_config import InstanceGroup, ModelConfig
 from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds, compute_fraction,
                                  demand_names, locate, pin_errors, planning_devices)
-from placement import Assignment, PlannerConfig, plan
-from telemetry.devices import DeviceInfo
+from gpud.placement import Assignment, PlannerConfig, plan
+from gpud.telemetry.devices import DeviceInfo
 
 GIB = 2**30
 MIB = 2**20

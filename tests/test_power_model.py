@@ -1,10 +1,10 @@
-"""The simulated node's power and thermal model (telemetry.power_model): pure functions of the load."""
+"""The simulated node's power and thermal model (gpud.telemetry.power_model): pure functions of the load."""
 from __future__ import annotations
 
 import pytest
 
-from placement.mig import GPU_MODELS
-from telemetry.power_model import POWER_SPECS, PowerSpec, power_spec, power_w, temperature_c
+from gpud.placement.mig import GPU_MODELS
+from gpud.telemetry.power_model import POWER_SPECS, PowerSpec, power_spec, power_w, temperature_c
 
 H100 = PowerSpec(idle_w=70.0, limit_w=700.0, idle_c=33.0, load_c=72.0)
 

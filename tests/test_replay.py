@@ -198,7 +198,7 @@ def test_verdicts_are_ratios_within_the_run():
 
 
 def test_the_validation_reads_both_sides_the_same_way():
-    from executor.stats import ModelStats
+    from gpud.executor.stats import ModelStats
     from replay.validate import figures_from_record, queue_share_from_metrics
 
     st = ModelStats()

@@ -13,7 +13,7 @@ import grpc
 import orjson
 import pytest
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.grpc_api import decode_inputs
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request
 from gpud.api.limits import DEFAULT_MAX_TENSOR_ELEMENTS, MAX_TENSOR_DIMS, check_shape

@@ -1,4 +1,4 @@
-"""Triton's reshape (executor/reshape.py): the config's checks, the shapes on both sides, and models served with it
+"""Triton's reshape (gpud/executor/reshape.py): the config's checks, the shapes on both sides, and models served with it
 (auto-completed scalars per batch item, fixed and variable reshapes, a step of an ensemble), by the worker processes
 and in process."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import gpud
-from executor.model_config import TensorSpec
-from executor.reshape import check_reshape, client_shape, model_shape, resolve
-from executor.types import InferenceError
+from gpud.executor.model_config import TensorSpec
+from gpud.executor.reshape import check_reshape, client_shape, model_shape, resolve
+from gpud.executor.types import InferenceError
 from gpud.api.http_encode import model_config_json
 from tests.daemon_harness import ROOT, save
 

@@ -14,8 +14,8 @@ from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.serving import ModelState
-from telemetry.simulated import SimulatedBackend
+from gpud.telemetry.serving import ModelState
+from gpud.telemetry.simulated import SimulatedBackend
 from tests.test_placement_service import MIB, ScriptedPool
 
 ONE_GPU = """

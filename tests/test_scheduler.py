@@ -1,4 +1,4 @@
-"""executor.scheduler.ModelScheduler against a scripted worker: the callback API, cancellation, and the order of
+"""gpud.executor.scheduler.ModelScheduler against a scripted worker: the callback API, cancellation, and the order of
 events when a batch finishes (the next batch goes to the instance before the finished one is answered)."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.instance import InstanceHandle
-from executor.protocol import Done, Failed, Infer, TensorMeta
-from executor.scheduler import ModelScheduler
-from executor.shm import Segment, new_segment_name
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
+from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.protocol import Done, Failed, Infer, TensorMeta
+from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.shm import Segment, new_segment_name
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 
 CONFIG = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)),),
                      outputs=(TensorSpec("y", "FP32", (2,)),), dynamic_batching=DynamicBatching())
@@ -257,7 +257,7 @@ def test_a_batchs_answers_that_feed_another_model_reach_it_as_one_batch(setup):
 
 
 def test_a_group_is_batched_and_answered_as_one_request_and_counted_as_its_members(setup):
-    # An ensemble's step for several of its requests (executor.ensemble rule 6): one request of their rows,
+    # An ensemble's step for several of its requests (gpud.executor.ensemble rule 6): one request of their rows,
     # `members` requests in the statistics, whether it succeeds or fails.
     scheduler, inst, worker, log = setup
     assert scheduler.takes_groups

@@ -1,4 +1,4 @@
-"""executor.scheduler's callback API (submit/cancel/_on_reply/_collect/_answer/_split).
+"""gpud.executor.scheduler's callback API (submit/cancel/_on_reply/_collect/_answer/_split).
 
 A scripted worker answers batches from the instance's real shared-memory segments; no sleeps, no processes."""
 from __future__ import annotations
@@ -10,13 +10,13 @@ import weakref
 import numpy as np
 import pytest
 
-from executor.bytes_tensor import encode_bytes_elements
-from executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from executor.instance import InstanceHandle
-from executor.protocol import Done, Infer, TensorMeta
-from executor.scheduler import ModelScheduler
-from executor.shm import Segment, align, new_segment_name
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.bytes_tensor import encode_bytes_elements
+from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.protocol import Done, Infer, TensorMeta
+from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.shm import Segment, align, new_segment_name
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 
 TWO_OUTPUTS = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)),),
                           outputs=(TensorSpec("y", "FP32", (2,)), TensorSpec("z", "FP32", (2,))),

@@ -1,4 +1,4 @@
-"""Deterministic tests of executor.sequence_batcher: a fake clock, events, no sleeps, no asyncio.
+"""Deterministic tests of gpud.executor.sequence_batcher: a fake clock, events, no sleeps, no asyncio.
 
 Times in comments are in seconds unless a name says otherwise; 1 ms = 1_000 us = 0.001 s.
 """
@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from executor.batcher import Idle, Wait
-from executor.sequence_batcher import (BACKLOG_TIMEOUT_MESSAGE, QUEUE_FULL_MESSAGE, SequenceBatcher,
+from gpud.executor.batcher import Idle, Wait
+from gpud.executor.sequence_batcher import (BACKLOG_TIMEOUT_MESSAGE, QUEUE_FULL_MESSAGE, SequenceBatcher,
                                        SequenceDispatch, SequenceRequest)
-from executor.sequence_config import DIRECT, OLDEST, SequenceBatching
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.sequence_config import DIRECT, OLDEST, SequenceBatching
+from gpud.executor.types import ErrorKind, InferenceError
 from tests.fakes import FakeClock
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import onnx
 import pytest
 
-from executor.sequence_config import (CORRID, DIRECT, END, OLDEST, READY, START, ControlInput, SequenceBatching,
+from gpud.executor.sequence_config import (CORRID, DIRECT, END, OLDEST, READY, START, ControlInput, SequenceBatching,
                                       StateSpec, control_value, execution_config, initial_state)
 from gpud.api import grpc_encode, http_encode
 from gpud.core_api import ServedModelConfig
@@ -227,7 +227,7 @@ SEQUENCE_CONFIGS = {
 
 @pytest.mark.parametrize("sb", SEQUENCE_CONFIGS.values(), ids=SEQUENCE_CONFIGS.keys())
 def test_config_endpoints_agree(sb, tmp_path):
-    from executor.model_config import ModelConfig, TensorSpec
+    from gpud.executor.model_config import ModelConfig, TensorSpec
 
     served = ServedModelConfig(ModelConfig(name="s", max_batch_size=4, inputs=(TensorSpec("x", "INT32", (1,)),),
                                            outputs=(TensorSpec("y", "INT32", (1,)),), sequence_batching=sb))

@@ -17,8 +17,8 @@ from gpud.placing.ondemand import eviction_candidates
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.hints import HintDecision
-from telemetry.simulated import SimulatedBackend
+from gpud.telemetry.hints import HintDecision
+from gpud.telemetry.simulated import SimulatedBackend
 from tests.daemon_harness import save
 from tests.fakes import FakeClock
 from tests.sequence_models import accumulator_config, accumulator_model

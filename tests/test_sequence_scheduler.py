@@ -1,4 +1,4 @@
-"""executor.sequence_scheduler.SequenceScheduler with the test's ONNX models run in-process by a scripted worker
+"""gpud.executor.sequence_scheduler.SequenceScheduler with the test's ONNX models run in-process by a scripted worker
 (the real shared-memory staging, onnxruntime computing, the test deciding when each batch finishes): the control
 tensors each row gets, the implicit state kept per sequence, null rows, failed batches, instances going away."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from executor.instance import InstanceHandle
-from executor.protocol import Done, Failed, read_inputs, write_outputs
-from executor.sequence_scheduler import SequenceScheduler, sequence_parameters
-from executor.shm import Segment, new_segment_name
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.protocol import Done, Failed, read_inputs, write_outputs
+from gpud.executor.sequence_scheduler import SequenceScheduler, sequence_parameters
+from gpud.executor.shm import Segment, new_segment_name
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.repository.layout import load_model
 from tests.daemon_harness import save
 from tests.sequence_models import (GROWING_CONFIG, accumulator_config, accumulator_model, controls_config,

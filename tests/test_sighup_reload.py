@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
 from gpud.main import prepare_settings
 from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan,

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.devices import DeviceBackend
-from placement.mig import GPU_MODELS, MIB, balanced_layout, gpu_model, place_layout
-from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend, load_node
+from gpud.telemetry.devices import DeviceBackend
+from gpud.placement.mig import GPU_MODELS, MIB, balanced_layout, gpu_model, place_layout
+from gpud.telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend, load_node
 
 REPO = Path(__file__).resolve().parent.parent
 A100_SXM4_40GB = gpu_model("NVIDIA A100-SXM4-40GB")  # node files name GPUs as NVML does
@@ -63,7 +63,7 @@ class TestDefaultNode:
 
     def test_packaged_copies_match_config(self):
         for f in (REPO / "config" / "nodes").glob("*.yaml"):
-            packaged = REPO / "telemetry" / "nodes" / f.name
+            packaged = REPO / "gpud" / "telemetry" / "nodes" / f.name
             assert packaged.is_file() and filecmp.cmp(f, packaged, shallow=False), f.name
 
     @pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "config" / "nodes").glob("*.yaml")))
@@ -154,7 +154,7 @@ class TestMigPlacement:
 
 
 class TestOneTable:
-    """The simulated node reads placement.mig, the planner's table: every model there is a valid node-file GPU."""
+    """The simulated node reads gpud.placement.mig, the planner's table: every model there is a valid node-file GPU."""
 
     @pytest.mark.parametrize("name", sorted(GPU_MODELS))
     def test_every_placement_model_loads_by_nvml_name(self, tmp_path, name):

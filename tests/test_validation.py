@@ -1,12 +1,12 @@
-"""Request validation against the model configuration (executor.validation): bad input never reaches a worker."""
+"""Request validation against the model configuration (gpud.executor.validation): bad input never reaches a worker."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from executor.model_config import ModelConfig, TensorSpec
-from executor.types import ErrorKind, InferenceError, InferRequest, InferTensor, RequestedOutput
-from executor.validation import PreparedCache, prepare
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor, RequestedOutput
+from gpud.executor.validation import PreparedCache, prepare
 
 BATCHING = ModelConfig(name="m", max_batch_size=8,
                        inputs=(TensorSpec("a", "FP32", (4,)), TensorSpec("b", "INT64", (-1,))),

@@ -1,4 +1,4 @@
-"""The hang watch on device workers (executor.supervisor): a batch left unanswered for hang_s kills its worker, so
+"""The hang watch on device workers (gpud.executor.supervisor): a batch left unanswered for hang_s kills its worker, so
 the requests in it fail with an error that says so instead of waiting forever. Driven with a fake clock over a
 socket pair; tests/test_e2e_lifecycle.py stops a real worker with SIGSTOP."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from executor.device import WorkerDevice
-from executor.protocol import Done, Infer
-from executor.supervisor import CrashLoop, WorkerSupervisor, in_crash_loop, seconds_until_hung
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.device import WorkerDevice
+from gpud.executor.protocol import Done, Infer
+from gpud.executor.supervisor import CrashLoop, WorkerSupervisor, in_crash_loop, seconds_until_hung
+from gpud.executor.types import ErrorKind, InferenceError
 
 
 class Clock:
@@ -126,7 +126,7 @@ def test_a_death_while_starting_is_not_a_lost_worker():
 def test_restarts_that_cannot_start_the_worker_count_towards_the_crash_loop(monkeypatch):
     """A broken device often kills its worker at CUDA init, before hello: those failed restarts are deaths too, so
     the device is given up on instead of being restarted forever."""
-    monkeypatch.setattr("executor.supervisor.RESTART_BACKOFF_S", (0.0,))
+    monkeypatch.setattr("gpud.executor.supervisor.RESTART_BACKOFF_S", (0.0,))
 
     async def run():
         ours, theirs = socket.socketpair()

@@ -1,4 +1,4 @@
-"""The daemon's reader of worker messages (executor.channel.WorkerChannel._on_readable): multiprocessing.Connection
+"""The daemon's reader of worker messages (gpud.executor.channel.WorkerChannel._on_readable): multiprocessing.Connection
 frames read with non-blocking recvs, however the bytes arrive."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from multiprocessing.connection import Connection
 
 import pytest
 
-from executor.busy import BusyTracker
-from executor.channel import WorkerChannel
-from executor.protocol import Done, Failed, Hello, Unloaded, dumps
+from gpud.executor.busy import BusyTracker
+from gpud.executor.channel import WorkerChannel
+from gpud.executor.protocol import Done, Failed, Hello, Unloaded, dumps
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from executor.pool import ExecutorPool
-from telemetry.worker_metrics import WorkerCollector
+from gpud.executor.pool import ExecutorPool
+from gpud.telemetry.worker_metrics import WorkerCollector
 from tests.promtool_check import promtool_check
 
 

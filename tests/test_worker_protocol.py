@@ -1,4 +1,4 @@
-"""executor.protocol: typed worker messages through the real framing, and the shared-memory staging of a batch."""
+"""gpud.executor.protocol: typed worker messages through the real framing, and the shared-memory staging of a batch."""
 from __future__ import annotations
 
 import select
@@ -10,14 +10,14 @@ from multiprocessing.connection import Connection
 import numpy as np
 import pytest
 
-from executor import protocol
-from executor.busy import BusyTracker
-from executor.channel import WorkerChannel
-from executor.model_config import ModelConfig, TensorSpec
-from executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
+from gpud.executor import protocol
+from gpud.executor.busy import BusyTracker
+from gpud.executor.channel import WorkerChannel
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                TensorMeta, Unload, Unloaded, dumps, loads, read_inputs, read_outputs,
                                write_inputs, write_outputs)
-from executor.shm import Segment, align, new_segment_name
+from gpud.executor.shm import Segment, align, new_segment_name
 
 CONFIG = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)), TensorSpec("s", "BYTES", (1,))),
                      outputs=(TensorSpec("y", "FP32", (2,)),))
@@ -88,7 +88,7 @@ def channel_and_worker_end():
 
 def test_messages_cross_the_real_framing_both_ways(channel_and_worker_end):
     channel, worker_end, seen = channel_and_worker_end
-    for msg in TO_WORKER:  # the daemon's send, the worker's read (executor.worker.Worker.serve)
+    for msg in TO_WORKER:  # the daemon's send, the worker's read (gpud.executor.worker.Worker.serve)
         channel.send(msg)
         _same(loads(worker_end.recv_bytes()), msg)
     replies = {}

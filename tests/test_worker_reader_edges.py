@@ -1,4 +1,4 @@
-"""executor.channel.WorkerChannel's non-blocking frame reader (_on_readable/_read/poll), and the supervisor's
+"""gpud.executor.channel.WorkerChannel's non-blocking frame reader (_on_readable/_read/poll), and the supervisor's
 handling of the end of the pipe."""
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from executor.busy import BusyTracker
-from executor.channel import READ_CHUNK_BYTES, WorkerChannel
-from executor.device import WorkerDevice
-from executor.instance import InstanceHandle
-from executor.model_config import ModelConfig, TensorSpec
-from executor.protocol import Done, Failed, dumps
-from executor.supervisor import WorkerSupervisor
-from executor.types import InferenceError
+from gpud.executor.busy import BusyTracker
+from gpud.executor.channel import READ_CHUNK_BYTES, WorkerChannel
+from gpud.executor.device import WorkerDevice
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.protocol import Done, Failed, dumps
+from gpud.executor.supervisor import WorkerSupervisor
+from gpud.executor.types import InferenceError
 
 
 def _frame(obj) -> bytes:

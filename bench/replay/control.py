@@ -18,17 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from executor.device import WorkerDevice
-from executor.pool import InstanceHandle
-from executor.scheduler import ModelScheduler
+from gpud.executor.device import WorkerDevice
+from gpud.executor.pool import InstanceHandle
+from gpud.executor.scheduler import ModelScheduler
 from gpud.control_loop import ControlLoop
 from gpud.controller import ControlPolicy
 from gpud.placing.results import ControlPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
 from gpud.repository.layout import ModelRepository
-from telemetry.devices import DeviceBackend
-from telemetry.hints import DeviceFree, HintPolicy
+from gpud.telemetry.devices import DeviceBackend
+from gpud.telemetry.hints import DeviceFree, HintPolicy
 
 from .des import Serving, SimInstance, SimModel
 

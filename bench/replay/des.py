@@ -15,7 +15,7 @@ Rules (the model's spec; tests/test_replay_des.py checks each):
 4. A request waits at most `timeout_s` in the queue: older ones fail when an instance would next take them (gpud's
    --unready-wait-secs while no instance is ready; under overload they stand for the requests a bounded queue sheds).
 5. An instance holds its memory from the start of its load until its last batch is done after it was removed.
-Each finished batch is written to the version's statistics record (executor.stats.ModelStats, the record the real
+Each finished batch is written to the version's statistics record (gpud.executor.stats.ModelStats, the record the real
 scheduler writes) with its queue and compute times, so gpud's hints read the simulation exactly as they read serving.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from executor.stats import ModelStats
+from gpud.executor.stats import ModelStats
 
 NS = 1_000_000_000
 

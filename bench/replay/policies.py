@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from executor.model_config import InstanceGroup
+from gpud.executor.model_config import InstanceGroup
 from gpud.controller import ControlPolicy
 from gpud.placing.inputs import VersionDemand, build_inputs, planning_devices
-from placement import PlannerConfig, plan
-from telemetry.hints import HintPolicy
-from telemetry.simulated import SimulatedBackend
+from gpud.placement import PlannerConfig, plan
+from gpud.telemetry.hints import HintPolicy
+from gpud.telemetry.simulated import SimulatedBackend
 
 from .control import ControlPlane, ControlSettings, instances_needed, scratch_dir
 from .des import Serving, SimDevice, memory_hours, slo_attainment

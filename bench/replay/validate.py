@@ -6,7 +6,7 @@ Three models (one of each kind, the real ONNX files of replay.kinds, one onnxrun
 this machine (a node with no GPU: one device, 2 cores). Open-loop Poisson arrivals from a rate schedule with a load
 step on one model are sent to a real gpud over HTTP (binary tensors) at their times; the same arrival times go
 through the discrete-event model with gpud's control plane (replay.control), the CPU as a device of capacity 2
-(cores) and each batch capped at 1 core (one thread). Both write the same statistics record (executor.stats), so
+(cores) and each batch capped at 1 core (one thread). Both write the same statistics record (gpud.executor.stats), so
 the figures compared are read the same way: requests, mean queue time, the share of requests queued under the SLO
 (from the queue-time histogram), mean rows per batch, instance-seconds and the controller's adds and removes.
 What the model leaves out shows as the difference: the front end's and the client's CPU on the same 2 cores, process
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from executor.stats import LATENCY_BUCKETS_SECONDS, ModelStats
-from telemetry.simulated import SimulatedBackend
+from gpud.executor.stats import LATENCY_BUCKETS_SECONDS, ModelStats
+from gpud.telemetry.simulated import SimulatedBackend
 
 from .control import ControlPlane, ControlSettings, ModelSpec, write_repository
 from .des import Kind, Serving, SimDevice, SimModel, poisson_arrivals

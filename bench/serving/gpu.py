@@ -7,7 +7,7 @@ batch 1..64 (issue 17: served >= 0.9x raw at the best batch size).
 
 What it does:
   1. writes the harness's models (models.py) with `instance_group [{ kind: KIND_GPU }]`;
-  2. raw onnxruntime-gpu in this process, with the session gpud's worker builds (executor.onnxruntime_backend: CUDA EP
+  2. raw onnxruntime-gpu in this process, with the session gpud's worker builds (gpud.executor.onnxruntime_backend: CUDA EP
      on the first visible GPU, its own stream, FP32): rows/s at each batch size with plain `run` (numpy in, numpy
      out: a host->device and a device->host copy per call, as gpud's worker does), and with IO binding (the input in
      a device buffer updated in place, the output left on the device and copied back once per call): how much a
@@ -64,8 +64,8 @@ def raw_rows_per_s(path: str, batch_sizes: list[int], seconds: float, cpu: bool)
     """(provider, rows/s with run(), rows/s with IO binding) per batch size."""
     import onnxruntime as ort
 
-    from executor.device import WorkerDevice
-    from executor.onnxruntime_backend import OnnxRuntimeInstance
+    from gpud.executor.device import WorkerDevice
+    from gpud.executor.onnxruntime_backend import OnnxRuntimeInstance
     from gpud.repository.layout import load_model
 
     entry = load_model(os.path.dirname(os.path.dirname(path)))

@@ -1,6 +1,6 @@
 """The one way every contestant builds its onnxruntime session, so the engine is configured identically everywhere.
 
-gpud's worker (executor/onnxruntime_backend.py) uses: no spin-waiting, inter_op 1, sequential execution, intra_op
+gpud's worker (gpud/executor/onnxruntime_backend.py) uses: no spin-waiting, inter_op 1, sequential execution, intra_op
 threads from the model config or onnxruntime's default. The raw in-process measurement and the peers' workers use the
 same settings through this module. It depends on onnxruntime only, so the peers' virtual environments can import it.
 """

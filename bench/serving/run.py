@@ -797,7 +797,7 @@ def _git_describe() -> str:
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no", "--",
-                                "gpud", "executor", "telemetry", "placement", "pyproject.toml"],
+                                "gpud", "pyproject.toml"],
                                capture_output=True, text=True).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

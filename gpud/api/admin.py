@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 
 
 def read_token_file(path: str) -> str:

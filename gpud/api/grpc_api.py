@@ -1,6 +1,6 @@
 """The gRPC front end: KServe v2 / Triton's GRPCInferenceService over one InferenceCore.
 
-A thin adapter: it translates protobuf messages to and from executor.types and the core's typed answers (those with
+A thin adapter: it translates protobuf messages to and from gpud.executor.types and the core's typed answers (those with
 `gpud.api.grpc_encode`), and maps InferenceError kinds to gRPC status codes. It decides nothing about models,
 batching or placement.
 
@@ -25,9 +25,9 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from executor.model_config import numpy_dtype
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from gpud.executor.model_config import numpy_dtype
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.admin import AdminAuth, grpc_peer_host
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,

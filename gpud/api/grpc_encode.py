@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from executor.model_config import QueuePolicy, TensorSpec, triton_type
-from executor.stats import Duration, ModelStats
+from gpud.executor.model_config import QueuePolicy, TensorSpec, triton_type
+from gpud.executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_message

@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
                                   placements_from_json, repository_index_json, server_metadata_json)
 from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request,

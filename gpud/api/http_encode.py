@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from executor.model_config import QueuePolicy, TensorSpec, triton_type
-from executor.stats import Duration, ModelStats
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.model_config import QueuePolicy, TensorSpec, triton_type
+from gpud.executor.stats import Duration, ModelStats
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import (Applied, ModelMetadata, RequestedPlacement, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_json

@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_infer import EncodedResponse, decode_infer_request, encode_infer_response, json_output_elements
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 
 DEFAULT_MAX_TENSOR_ELEMENTS = 2**28  # 4x the elements a 64 MiB body can carry even of 1-byte types
 MAX_TENSOR_DIMS = 32  # numpy 1.x's limit (numpy 2 allows 64); no model has more

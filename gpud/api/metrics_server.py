@@ -2,7 +2,7 @@
 read executor state without locks).
 
 The body is `generate_latest(registry)` followed by the text of each `text_sources` entry: exporters that write their
-own exposition because prometheus_client's would be too slow for them (telemetry/model_metrics.py: ~11 000 samples
+own exposition because prometheus_client's would be too slow for them (gpud/telemetry/model_metrics.py: ~11 000 samples
 for 100 models). Such a source must not also be registered in `registry`, or its families would appear twice.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 
 class TextSource(Protocol):
-    """Writes its families in the Prometheus text format (e.g. telemetry.model_metrics.ModelMetrics)."""
+    """Writes its families in the Prometheus text format (e.g. gpud.telemetry.model_metrics.ModelMetrics)."""
 
     registry: CollectorRegistry | None  # the registry it is registered in as a collector, if any
 

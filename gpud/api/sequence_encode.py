@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from executor.model_config import triton_type
-from executor.sequence_config import CORRID, OLDEST, ControlInput, SequenceBatching, StateSpec
+from gpud.executor.model_config import triton_type
+from gpud.executor.sequence_config import CORRID, OLDEST, ControlInput, SequenceBatching, StateSpec
 from gpud.proto import model_config_pb2 as mc
 
 _FALSE_TRUE_FIELD = {"INT32": "int32_false_true", "FP32": "fp32_false_true", "BOOL": "bool_false_true"}

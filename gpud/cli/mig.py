@@ -4,7 +4,7 @@
     gpudctl mig recommend --gpus PRESET|FILE --models FILE|REPO|live [-o table|json|mig-parted]
 
 `recommend` chooses per GPU a MIG layout (or MIG off) so the models' instances fit on the fewest GPUs
-(placement.mig.recommend_layouts), compares it with MIG off everywhere and with mig-parted's all-balanced layout, and
+(gpud.placement.mig.recommend_layouts), compares it with MIG off everywhere and with mig-parted's all-balanced layout, and
 with `-o mig-parted` prints a mig-parted config for `nvidia-mig-parted apply -f FILE -c gpud-recommended`. The
 models are read as `gpudctl place` reads them (a repository is estimated as gpud estimates it).
 """
@@ -18,9 +18,9 @@ from typing import Any, TextIO
 
 from gpud.cli.place import EXIT_INPUT, EXIT_OK, EXIT_UNPLACED, _Live, _load_file, load_models
 from gpud.settings import Settings
-from placement import mig, spec
-from placement.model import Device, ModelDemand, fmt_bytes
-from placement.solver import PlannerConfig
+from gpud.placement import mig, spec
+from gpud.placement.model import Device, ModelDemand, fmt_bytes
+from gpud.placement.solver import PlannerConfig
 
 _DEFAULTS = Settings()
 
@@ -111,7 +111,7 @@ def load_gpus(arg: str) -> list[tuple[str, str]]:
     else:
         raise ValueError(f"{arg}: no such file, and not a preset (presets: {', '.join(sorted(spec.PRESETS))})")
     if isinstance(data, dict) and isinstance(data.get("gpus"), list):  # a node description, as gpud --node takes
-        from telemetry.devices import gpu_device_id
+        from gpud.telemetry.devices import gpu_device_id
 
         rows = [(gpu_device_id(k), g.get("model") if isinstance(g, dict) else None) for k, g in enumerate(data["gpus"])]
         where = "gpus"

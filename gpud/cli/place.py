@@ -18,9 +18,9 @@ from gpud.cli.client import (Endpoint, GpudUnreachable, add_endpoint_arguments, 
                              post_json)
 from gpud.placing.inputs import build_inputs, has_gpus, pin_errors, planning_devices
 from gpud.settings import Settings
-from placement import spec
-from placement.model import Assignment, Device, ModelDemand, Plan, fmt_bytes
-from placement.solver import PlannerConfig, plan
+from gpud.placement import spec
+from gpud.placement.model import Assignment, Device, ModelDemand, Plan, fmt_bytes
+from gpud.placement.solver import PlannerConfig, plan
 
 EXIT_OK, EXIT_UNPLACED, EXIT_INPUT, EXIT_APPLY = 0, 1, 2, 3
 _BAR = 20
@@ -103,7 +103,7 @@ def load_devices(arg: str, live: _Live, reserve_bytes: int) -> list[Device]:
         raise ValueError(f"{arg}: no such file, and not a preset (presets: {', '.join(sorted(spec.PRESETS))}, live)")
     data = _load_file(arg)
     if isinstance(data, dict) and "gpus" in data:  # a node description, as gpud --node takes
-        from telemetry.simulated import SimulatedBackend
+        from gpud.telemetry.simulated import SimulatedBackend
 
         return planning_devices(SimulatedBackend.from_file(arg).leaf_devices(), device_reserve_bytes=reserve_bytes)
     return spec.devices_from_data(data, arg)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 
 # numpy (kind, itemsize) -> KServe datatype; by kind and size so that a big-endian array maps too (it is converted
 # to the native order when the batch is copied into shared memory).

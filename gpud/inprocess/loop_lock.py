@@ -1,7 +1,7 @@
 """The in-process server's loop lock: held by the server's thread except while its event loop waits for events.
 
 A thread that takes it (without blocking: if the loop is busy, the caller goes the loop's way) may touch what the
-loop owns, as if it ran on the loop, until it lets go: executor.direct runs an idle model's request in its caller's
+loop owns, as if it ran on the loop, until it lets go: gpud.executor.direct runs an idle model's request in its caller's
 thread that way, with no thread hand-off. asyncio's own loop (not uvloop) is used, because the lock is let go and
 taken again around its selector's wait: every callback, task step and timer of the loop runs with it held.
 """

@@ -15,11 +15,11 @@ in the daemon. `infer` may be called from any number of threads at once; `infer_
 builds the request in the caller's thread (the caller's numpy arrays are referenced, not copied), hands it to the
 core's `submit` with one `call_soon_threadsafe`, and waits for the callback. Models run in the worker processes as
 they do under the daemon: the batch is copied once into shared memory (and the outputs once out of it). With
-`models_in_process=True` the CPU's and a simulated node's instances run in this process (executor.local_worker), and
-a call that finds its model idle runs it in the caller's thread (executor.direct, with the loop's lock:
+`models_in_process=True` the CPU's and a simulated node's instances run in this process (gpud.executor.local_worker), and
+a call that finds its model idle runs it in the caller's thread (gpud.executor.direct, with the loop's lock:
 gpud.inprocess.loop_lock; from `infer_async` only a run under 1 ms, which holds up the caller's loop).
 
-Errors are `executor.types.InferenceError` (also `gpud.InferenceError`), with the kind the front ends map to their
+Errors are `gpud.executor.types.InferenceError` (also `gpud.InferenceError`), with the kind the front ends map to their
 status codes (`.kind`: INVALID_ARGUMENT for a wrong shape or datatype, NOT_FOUND for an unknown model, ...) and the
 same message. A call that gives up after `timeout` raises `InferenceTimeout` (an InferenceError and a TimeoutError).
 """
@@ -38,8 +38,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from executor.direct import DirectRun
-from executor.types import ErrorKind, InferenceError, InferRequest
+from gpud.executor.direct import DirectRun
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 from gpud.core_api import ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig
 from gpud.inprocess.calls import AsyncWaiter, InferenceTimeout, Waiter, make_request, outputs_of
 from gpud.inprocess.loop_lock import new_locked_loop
@@ -76,7 +76,7 @@ class Server:
       default): no endpoint (`metrics_text()` still gives the exposition).
     metrics_address: the metrics endpoint's address (default loopback).
     models_in_process: run the instances of devices without CUDA (the CPU, a simulated node's devices) in this
-      process instead of worker processes (executor.local_worker): a batch-1 call then costs tens of microseconds
+      process instead of worker processes (gpud.executor.local_worker): a batch-1 call then costs tens of microseconds
       less (no process round trip), but a crash in a model's runtime takes the application down and a hung batch
       cannot be killed. Instances on GPUs keep their worker processes either way.
     config: a YAML settings file as the daemon's --config; the settings that only the daemon's faces read (ports,
@@ -109,7 +109,7 @@ class Server:
             raise ValueError(f"gpud.Server: metrics_port must be 0..65535 or None, got {metrics_port}")
         self.settings = Settings(**values)
         self.models_in_process = bool(models_in_process)
-        # With models in process, calls that find their model idle run in the caller's thread (executor.direct):
+        # With models in process, calls that find their model idle run in the caller's thread (gpud.executor.direct):
         # the loop runs holding this lock but while it waits for events (gpud.inprocess.loop_lock).
         self._loop_lock: threading.Lock | None = threading.Lock() if self.models_in_process else None
         check_settings(self.settings)
@@ -303,7 +303,7 @@ class Server:
             waiter.done(InferenceError(ErrorKind.INTERNAL, f"submitting the request failed: {exc!r}"))
 
     def _submit_here(self, request: InferRequest, waiter: Waiter | AsyncWaiter, quick_only: bool = False) -> bool:
-        """With models in process, when the loop waits for events: act for it from this thread (executor.direct),
+        """With models in process, when the loop waits for events: act for it from this thread (gpud.executor.direct),
         running the model here if the request is taken. True when the request was handled here (answered or
         queued); False when it must go the loop's way (no models in process, or the loop is at work)."""
         lock = self._loop_lock

@@ -17,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from executor.model_config import InstanceGroup, ModelConfig
-from placement import Assignment, Constraints, Device, ModelDemand
-from placement.model import DeviceKind
-from telemetry.devices import DeviceInfo
+from gpud.executor.model_config import InstanceGroup, ModelConfig
+from gpud.placement import Assignment, Constraints, Device, ModelDemand
+from gpud.placement.model import DeviceKind
+from gpud.telemetry.devices import DeviceInfo
 
 GPU_KINDS: tuple[DeviceKind, ...] = ("gpu", "mig")
 GPU_INDEX_LABEL = "gpu_index"  # the NVML index of a device's physical GPU: what instance_group.gpus pins

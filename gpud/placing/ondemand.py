@@ -9,13 +9,13 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from executor.pool import InstanceHandle
+from gpud.executor.pool import InstanceHandle
 from gpud.controller import EvictionCandidate, eviction_order
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
 from gpud.placing.results import Step
 from gpud.registry import RegisteredVersion
-from placement import Plan, diff
-from telemetry.serving import ModelState
+from gpud.placement import Plan, diff
+from gpud.telemetry.serving import ModelState
 
 log = logging.getLogger("gpud")
 

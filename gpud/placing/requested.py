@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import RequestedPlacement
 from gpud.placing.inputs import PlacementInputs
 from gpud.registry import RegisteredVersion, Registry
-from placement import Assignment
-from placement.framework import static_reasons
-from placement.model import fmt_bytes
-from telemetry.serving import ModelState
+from gpud.placement import Assignment
+from gpud.placement.framework import static_reasons
+from gpud.placement.model import fmt_bytes
+from gpud.telemetry.serving import ModelState
 
 
 def resolve_versions(requested: Sequence[RequestedPlacement], registry: Registry,

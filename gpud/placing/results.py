@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from placement.model import DeviceKind, MoveKind
+from gpud.placement.model import DeviceKind, MoveKind
 
 
 @dataclass(frozen=True)

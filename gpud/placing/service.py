@@ -23,9 +23,9 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
-from executor.device import WorkerDevice
-from executor.pool import ExecutorPool, InstanceHandle
-from executor.types import ErrorKind, InferenceError
+from gpud.executor.device import WorkerDevice
+from gpud.executor.pool import ExecutorPool, InstanceHandle
+from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
 from gpud.placing.ondemand import OnDemand, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
@@ -33,9 +33,9 @@ from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, Versio
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import ControlPlan, DeviceRoom, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
-from placement import Assignment, Move, Plan, PlannerConfig, diff, plan
-from telemetry.devices import DeviceBackend, DeviceInfo
-from telemetry.serving import ModelState
+from gpud.placement import Assignment, Move, Plan, PlannerConfig, diff, plan
+from gpud.telemetry.devices import DeviceBackend, DeviceInfo
+from gpud.telemetry.serving import ModelState
 
 log = logging.getLogger("gpud")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import onnx
 from google.protobuf.message import DecodeError
 
-from executor.model_config import DynamicBatching, ModelConfig, TensorSpec, triton_type
+from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec, triton_type
 from gpud.repository.config import WILDCARD_DIM, ModelConfigError
 from gpud.repository.sequence_config import check_sequence_tensors, sequence_tensor_names
 

@@ -1,7 +1,7 @@
 """A model's config.pbtxt, read the way Triton reads it, as the executor's typed `ModelConfig`.
 
 `config.pbtxt` is parsed with protobuf's text_format against Triton's model_config.proto, so a Triton repository
-means the same thing here; the result is checked and turned into `executor.model_config.ModelConfig` plus the
+means the same thing here; the result is checked and turned into `gpud.executor.model_config.ModelConfig` plus the
 `VersionPolicy` (which versions are served). Filling in what the model file says (inputs, outputs, batching) is
 `gpud.repository.completion`'s job; `validate_model_config` then checks the complete configuration. Every problem is
 a `ModelConfigError` that names the file at fault.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from google.protobuf import text_format
 
-from executor.model_config import (
+from gpud.executor.model_config import (
     DynamicBatching,
     InstanceGroup,
     ModelConfig,
@@ -23,7 +23,7 @@ from executor.model_config import (
     TensorSpec,
     kserve_datatype,
 )
-from executor.reshape import check_reshape
+from gpud.executor.reshape import check_reshape
 from gpud.proto import model_config_pb2 as pb
 
 DEFAULT_MODEL_FILENAME = "model.onnx"

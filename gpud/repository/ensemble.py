@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from executor.model_config import (ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig, TensorSpec)
+from gpud.executor.model_config import (ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig, TensorSpec)
 from gpud.proto import model_config_pb2 as pb
 from gpud.repository.config import ModelConfigError, VersionPolicy, _tensor_specs, _version_policy
 

@@ -10,7 +10,7 @@ import os
 
 import onnx
 
-from executor.model_config import ModelConfig
+from gpud.executor.model_config import ModelConfig
 from gpud.repository.completion import load_onnx
 
 

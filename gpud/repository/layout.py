@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from executor.model_config import ModelConfig
+from gpud.executor.model_config import ModelConfig
 from gpud.proto import model_config_pb2 as pb
 from gpud.repository.completion import DEFAULT_MAX_BATCH_SIZE, complete_config, load_onnx, onnx_signature
 from gpud.repository.config import (

@@ -1,5 +1,5 @@
 """A model's `sequence_batching` (config.pbtxt), read and checked the way Triton reads it, as the executor's typed
-`executor.sequence_config.SequenceBatching`; and the check of its control and state tensors against the ONNX file.
+`gpud.executor.sequence_config.SequenceBatching`; and the check of its control and state tensors against the ONNX file.
 
 Triton's checks are model_config_utils.cc's (GetBooleanSequenceControlProperties, GetTypedSequenceControlProperties,
 ValidateModelConfig), sequence_batch_scheduler.cc's (GenerateInitialStateData) and the onnxruntime backend's
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 import os
 
-from executor.model_config import ModelConfig, kserve_datatype, numpy_dtype
-from executor.sequence_config import (CORRID, CORRID_DATATYPES, DEFAULT_MAX_SEQUENCE_IDLE_US, DIRECT,
+from gpud.executor.model_config import ModelConfig, kserve_datatype, numpy_dtype
+from gpud.executor.sequence_config import (CORRID, CORRID_DATATYPES, DEFAULT_MAX_SEQUENCE_IDLE_US, DIRECT,
                                       OLDEST, ControlInput, SequenceBatching, StateSpec)
 from gpud.proto import model_config_pb2 as pb
 from gpud.repository.config import WILDCARD_DIM, ModelConfigError
@@ -102,7 +102,7 @@ def _initial_data(init: pb.ModelSequenceBatching.InitialState, state: pb.ModelSe
             raise ModelConfigError(file, f"initial_state data_file for {label}: cannot read: {e.strerror or e}") \
                 from None
         if datatype == "BYTES":
-            from executor.bytes_tensor import decode_bytes_elements
+            from gpud.executor.bytes_tensor import decode_bytes_elements
 
             try:
                 decode_bytes_elements(data, count)

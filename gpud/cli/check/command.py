@@ -21,17 +21,17 @@ import urllib.error
 import urllib.request
 from typing import Any, TextIO
 
-from executor.pool import ExecutorPool
+from gpud.executor.pool import ExecutorPool
 from gpud.cli.check.devices import (Observed, Tolerances, compare_devices, health_row, observe,
                                     observed_from_inspect, observed_from_metrics)
 from gpud.cli.check.report import Report, Row, Status
 from gpud.cli.check.serving import RawRunner, ServingCheck, ServingOptions, provider_row, subprocess_raw
 from gpud.cli.check.smi import Runner, SmiError, query, subprocess_runner
 from gpud.cli.client import GpudUnreachable, base_url, endpoint, fetch_inspect
-from telemetry.devices import DeviceBackend
-from telemetry.discovery import open_nvml
-from telemetry.nvml import NA, NvmlBackend
-from telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
+from gpud.telemetry.devices import DeviceBackend
+from gpud.telemetry.discovery import open_nvml
+from gpud.telemetry.nvml import NA, NvmlBackend
+from gpud.telemetry.simulated import DEFAULT_NODE_FILE, SimulatedBackend
 
 log = logging.getLogger("gpud.check")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from gpud.cli.check.report import Row, Status
 from gpud.cli.check.smi import SmiGpu
-from telemetry.devices import DeviceInfo, DeviceReading
+from gpud.telemetry.devices import DeviceInfo, DeviceReading
 
 MIB = 2**20
 

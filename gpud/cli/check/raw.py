@@ -1,8 +1,8 @@
 """Raw onnxruntime on one device: the baseline `gpudctl check` holds gpud's served throughput against.
 
 Run as `python -m gpud.cli.check.raw --device JSON --model-dir DIR --batch-sizes 1,8 --seconds S` in the environment
-a worker for that device gets (executor.supervisor.worker_env: exactly that CUDA device visible). It builds the
-session exactly as gpud's worker does (executor.onnxruntime_backend: same providers, stream, threads, FP32 policy)
+a worker for that device gets (gpud.executor.supervisor.worker_env: exactly that CUDA device visible). It builds the
+session exactly as gpud's worker does (gpud.executor.onnxruntime_backend: same providers, stream, threads, FP32 policy)
 and runs batches back to back in one thread, nothing else: the limit a server can approach. Prints one JSON object:
 {"provider": ..., "rows_per_s": {"<batch>": rows/s}}.
 """
@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from executor.device import WorkerDevice
-from executor.model_config import numpy_dtype
-from executor.onnxruntime_backend import OnnxRuntimeInstance
+from gpud.executor.device import WorkerDevice
+from gpud.executor.model_config import numpy_dtype
+from gpud.executor.onnxruntime_backend import OnnxRuntimeInstance
 from gpud.repository.layout import load_model
 
 
@@ -45,7 +45,7 @@ def measure(instance: OnnxRuntimeInstance, batch_sizes: list[int], seconds: floa
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpud-check-raw", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", required=True, help="the device (executor.device.WorkerDevice as JSON)")
+    parser.add_argument("--device", required=True, help="the device (gpud.executor.device.WorkerDevice as JSON)")
     parser.add_argument("--model-dir", required=True, help="a model directory of a Triton-layout repository")
     parser.add_argument("--batch-sizes", required=True, help="comma list, e.g. 1,8,64")
     parser.add_argument("--seconds", type=float, default=1.0, help="per batch size")

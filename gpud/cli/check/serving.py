@@ -2,7 +2,7 @@
 onnxruntime on the CPU computes, takes the memory gpud says it takes, serves about as fast as raw onnxruntime on the
 same device, overlaps with a second instance, and runs on the execution provider the device calls for.
 
-Everything here is the daemon's code (executor.pool, executor.scheduler, the worker); only the HTTP front end is
+Everything here is the daemon's code (gpud.executor.pool, gpud.executor.scheduler, the worker); only the HTTP front end is
 left out, so what is measured is the pool and the batcher, not a client.
 """
 from __future__ import annotations
@@ -20,19 +20,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from executor.device import WorkerDevice
-from executor.instance import InstanceHandle
-from executor.model_config import ModelConfig, numpy_dtype
-from executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP
-from executor.pool import ExecutorPool
-from executor.scheduler import ModelScheduler
-from executor.supervisor import worker_env
-from executor.types import InferenceError, InferRequest, InferTensor
+from gpud.executor.device import WorkerDevice
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.model_config import ModelConfig, numpy_dtype
+from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP
+from gpud.executor.pool import ExecutorPool
+from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.supervisor import worker_env
+from gpud.executor.types import InferenceError, InferRequest, InferTensor
 from gpud.cli.check.report import Row, Status
 from gpud.examples import write_example_repository
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import ModelEntry, load_model
-from telemetry.devices import DeviceInfo
+from gpud.telemetry.devices import DeviceInfo
 
 log = logging.getLogger("gpud.check")
 

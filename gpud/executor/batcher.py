@@ -1,0 +1,594 @@
+"""The dynamic batcher's queue and dispatch decisions: a synchronous, deterministic state machine.
+
+It knows nothing of HTTP, asyncio, processes or tensors. Time comes from an injected monotonic clock (seconds), so
+every decision can be replayed in a test by advancing a fake clock. A driver (asyncio) owns one `BatchQueue` per
+model and calls it on three events:
+
+    request arrives       q.enqueue(req)                   # may raise InferenceError: fail that request at once
+    instance becomes free  (nothing to tell the queue)
+    timer fires            (nothing to tell the queue)
+
+and after each event runs the same step:
+
+    for req in q.expire():                                  # REJECT timeouts, removed from the queue
+        fail(req, timeout_error())                          # UNAVAILABLE "Request timeout expired"
+    while True:
+        d = q.decide(free_instances)
+        if isinstance(d, Dispatch):                         # requests already removed from the queue
+            send(d.requests); free_instances -= 1; continue
+        arm_timer(d.until_s) if isinstance(d, Wait) else disarm_timer()   # Idle: wait for the next event
+        break
+
+`decide()` never dispatches a request whose REJECT deadline has passed, even when `expire()` was not called first;
+such a request makes `decide()` answer `Wait(until_s <= now)`, i.e. "run the step again now", which collects it.
+
+Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`, plus one gpud rule):
+  1. No free instance: no dispatch. `Wait(earliest deadline)` so timeouts still fire, else `Idle()`.
+  2. Candidate batch: requests in priority order (level 1 before 2 ...; within a level FIFO, and requests delayed
+     by a DELAY timeout after the others), from the head, taking following requests with the same `shape_key` while
+     the rows fit in max_batch_size; the first request that does not fit or has another key ends it ("blocked").
+     A model that does not batch (max_batch_size 0) or has no dynamic_batching: each batch is one request, at once.
+  3. Preferred sizes: while the queue delay has not run out, dispatch the longest prefix of the candidate whose
+     rows equal a preferred size (with max_queue_delay 0 too, as Triton does).
+  4. Full: dispatch the whole candidate if it is blocked or its rows reach the largest preferred size
+     (max_batch_size when none is configured, which is what Triton normalizes an empty list to).
+  5. Delay: dispatch the whole candidate when max_queue_delay_us is 0, or once the OLDEST queued request has
+     waited max_queue_delay_us (Ray Serve and Triton both time the window from the first request, not the last).
+  6. gpud, no pointless waiting: when the queue holds this one request only and an instance is free, dispatch it
+     (nothing can join it sooner than a new request arrives; at low load we must not pay the batching delay).
+     With quiet_dispatch, not when it arrived in a stream (less than rule 7b's quiet time after the previous
+     arrival): under a flood the queue empties for a moment between batches, and dispatching the first newcomer
+     alone would occupy the instance with a batch of one while the rest of the stream queues behind it; rule 7
+     then dispatches it within the quiet time, or with the others.
+  7. gpud, nobody else is coming soon (only with quiet_dispatch=True), with an instance free: dispatch instead of
+     waiting out the delay when (a) the queue holds at least as many rows as recent batches had (smoothed, the
+     newest weighing 0.2: in a closed loop, the clients answered by those batches have all come back), or (b) no
+     request has arrived for `quiet_factor` times the typical gap between arrivals that queued behind others (an
+     EWMA). Closed-loop clients fewer than the preferred batch size would otherwise pay the full max_queue_delay on
+     every batch.
+  8. Otherwise `Wait(until_s = min(oldest enqueue + max_queue_delay, quiet time, earliest deadline))`.
+
+Queue policy (Triton's ModelQueuePolicy, per priority level, `core/src/scheduler_utils.cc`):
+  - max_queue_size counts the level's queued requests, delayed ones included; 0 = the daemon's default bound
+    (`default_max_queue_size`; itself 0 = unbounded, Triton's behaviour). A request over it is
+    refused at once with UNAVAILABLE "Exceeds maximum queue size" and leaves the queue unchanged.
+  - deadline = enqueue + default_timeout_us; with allow_timeout_override a request's own nonzero timeout_us applies
+    when it is shorter (it may shorten the timeout, never lengthen it). 0 = no timeout.
+  - timeout_action REJECT: `expire()` removes the request, the driver fails it with "Request timeout expired"
+    (UNAVAILABLE). DELAY: `expire()` marks it delayed; it stays queued, behind its level's undelayed requests.
+  - priority 0 or above priority_levels -> default_priority_level, as Triton's InferenceRequest::SetPriority does.
+
+Where gpud differs from Triton on purpose:
+  - a deadline passes at `now >= deadline_s` (Triton: `>`), so that `Wait(until_s=deadline)` always makes progress;
+  - allow_timeout_override with default_timeout_us 0 lets a request set a timeout (Triton's code then ignores it;
+    its documentation says a request may set a timeout shorter than the default, and "no timeout" is the longest);
+  - rule 6 above.
+
+`max_batch_size` and the dynamic-batching policy are read once per decision (`reconfigure()` replaces both).
+"""
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from gpud.executor.model_config import DynamicBatching, QueuePolicy
+from gpud.executor.types import ErrorKind, InferenceError
+
+# Triton's exact texts: clients and Triton's own tests match on them.
+QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
+REQUEST_TIMEOUT_MESSAGE = "Request timeout expired"
+
+_TIMEOUT_ACTIONS = ("REJECT", "DELAY")
+_BATCH_ROWS_SMOOTHING = 0.2  # EWMA weight of the newest batch in rule 7a's "rows of recent batches"
+
+
+def timeout_error() -> InferenceError:
+    """The error a driver fails an expired (REJECT) request with."""
+    return InferenceError(ErrorKind.UNAVAILABLE, REQUEST_TIMEOUT_MESSAGE)
+
+
+@dataclass(eq=False)  # identity semantics: two requests with equal fields are still two requests
+class QueuedRequest:
+    payload: Any  # opaque to the batcher (the driver's request + future)
+    batch_rows: int  # rows this request contributes (its batch dim; 1 for a model that does not batch)
+    shape_key: Hashable  # requests batch together only with the same key (non-batch dims / dtypes)
+    priority: int = 0  # 0 = default level; else 1..priority_levels, 1 highest
+    timeout_us: int = 0  # 0 = the level's default_timeout_us
+    # Set by the batcher on enqueue:
+    enqueue_time_s: float = field(default=0.0, init=False)
+    deadline_s: float | None = field(default=None, init=False)  # None = no timeout
+    level: int = field(default=0, init=False)  # the priority level it is queued at (0 when levels are off)
+    delayed: bool = field(default=False, init=False)  # its DELAY timeout passed: it now goes after the others
+    _deadline_seq: int = field(default=-1, init=False, repr=False)  # matches its live deadline-heap entry
+
+
+class DispatchReason(enum.Enum):
+    UNBATCHED = "unbatched"  # the model does not batch, or has no dynamic batching
+    PREFERRED = "preferred"  # the rows reached a preferred batch size
+    FULL = "full"  # blocked (next request does not fit / other shape) or reached the largest preferred size
+    DELAY = "delay"  # the oldest request waited max_queue_delay (or the delay is 0)
+    LONE = "lone"  # the only queued request and an instance is free (gpud rule)
+    QUIET = "quiet"  # no arrival for several typical gaps while an instance is free (gpud rule)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Send these requests, in this order, as one batch. They are already removed from the queue."""
+
+    requests: tuple[QueuedRequest, ...]
+    rows: int
+    reason: DispatchReason
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to send now; call decide() again at `until_s` (clock seconds) or on the next event."""
+
+    until_s: float
+
+
+@dataclass(frozen=True)
+class Idle:
+    """Nothing to send and no timer needed: wait for the next event."""
+
+
+Decision = Union[Dispatch, Wait, Idle]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def resolve_level(priority: int, priority_levels: int, default_priority_level: int) -> int:
+    """The level a request queues at. Out-of-range priorities get the default level, as in Triton."""
+    if priority < 0:
+        raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"priority must be >= 0, got {priority}")
+    if priority_levels == 0:
+        return 0
+    if priority == 0 or priority > priority_levels:
+        return default_priority_level
+    return priority
+
+
+def effective_timeout_us(request_timeout_us: int, policy: QueuePolicy) -> int:
+    """The queue timeout a request gets (0 = none): the level's default, or the request's own if shorter and allowed."""
+    if request_timeout_us < 0:
+        raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"timeout must be >= 0 microseconds, got {request_timeout_us}")
+    timeout_us = policy.default_timeout_us
+    if policy.allow_timeout_override and request_timeout_us > 0:
+        # A request may shorten its timeout, never lengthen it; "no default" counts as the longest.
+        if timeout_us == 0 or request_timeout_us < timeout_us:
+            timeout_us = request_timeout_us
+    return timeout_us
+
+
+def take_candidate(ordered: Iterable[QueuedRequest], max_rows: int) -> tuple[list[QueuedRequest], bool]:
+    """The candidate batch from requests in dispatch order, and whether it is blocked.
+
+    Takes the head and the following requests with the head's shape_key while the rows fit in max_rows. Blocked:
+    a next request exists that cannot join (too many rows or another key), so the batch cannot grow any more, since
+    Triton keeps order and never reaches past it. The head is taken even if it alone exceeds max_rows (possible only
+    after reconfigure() shrank max_batch_size): it must leave the queue somehow, and the model will reject it.
+    """
+    batch: list[QueuedRequest] = []
+    rows = 0
+    for req in ordered:
+        if batch and (req.shape_key != batch[0].shape_key or rows + req.batch_rows > max_rows):
+            return batch, True
+        batch.append(req)
+        rows += req.batch_rows
+    return batch, False
+
+
+def preferred_prefix_len(rows: Sequence[int], preferred_batch_sizes: Iterable[int]) -> int:
+    """How many leading requests form the longest prefix whose cumulative rows is a preferred size (0 = none)."""
+    preferred = frozenset(preferred_batch_sizes)
+    best = 0
+    cumulative = 0
+    for i, r in enumerate(rows, start=1):
+        cumulative += r
+        if cumulative in preferred:
+            best = i
+    return best
+
+
+def choose_dispatch(
+    rows: Sequence[int],
+    *,
+    blocked: bool,
+    max_batch_size: int,
+    preferred_batch_sizes: Sequence[int],
+    max_queue_delay_us: int,
+    delay_exceeded: bool,
+    lone: bool,
+    quiet: bool = False,
+) -> tuple[int, DispatchReason] | None:
+    """How many leading candidate requests to dispatch now and why, or None to wait. Rules 3-6 of the module doc.
+
+    The order follows Triton's GetDynamicBatch: a preferred prefix wins while the delay has not run out; once it
+    has, the whole candidate goes (a late batch should be as large as it can be, not cut back to a preferred size).
+    """
+    if not delay_exceeded:
+        n = preferred_prefix_len(rows, preferred_batch_sizes)
+        if n:
+            return n, DispatchReason.PREFERRED
+    largest_preferred = max(preferred_batch_sizes, default=max_batch_size)
+    if blocked or sum(rows) >= largest_preferred:
+        return len(rows), DispatchReason.FULL
+    if delay_exceeded or max_queue_delay_us == 0:
+        return len(rows), DispatchReason.DELAY
+    if lone:
+        return len(rows), DispatchReason.LONE
+    if quiet:
+        return len(rows), DispatchReason.QUIET
+    return None
+
+
+def quiet_wait_s(gap_ewma_s: float | None, quiet_factor: float, min_quiet_s: float) -> float | None:
+    """How long without an arrival means "nobody else is coming" (None: no gap observed yet)."""
+    if gap_ewma_s is None:
+        return None
+    return max(min_quiet_s, quiet_factor * gap_ewma_s)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration snapshot
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Config:
+    max_batch_size: int
+    dynamic_batching: DynamicBatching | None
+    dispatch_lone_request: bool
+    default_max_queue_size: int = 0  # the bound where the model's queue policy sets none (0: none either)
+
+    @property
+    def batches_dynamically(self) -> bool:
+        return self.max_batch_size > 0 and self.dynamic_batching is not None
+
+    @property
+    def priority_levels(self) -> int:
+        return self.dynamic_batching.priority_levels if self.dynamic_batching else 0
+
+    def policy(self, level: int) -> QueuePolicy:
+        # Without dynamic batching Triton has no queue policy: no size limit, no timeouts.
+        return self.dynamic_batching.queue_policy(level) if self.dynamic_batching else QueuePolicy()
+
+
+def _validate(max_batch_size: int, db: DynamicBatching | None) -> None:
+    """ValueError at once for a configuration Triton would refuse to load."""
+    if max_batch_size < 0:
+        raise ValueError(f"max_batch_size must be >= 0, got {max_batch_size}")
+    if db is None:
+        return
+    if db.max_queue_delay_us < 0:
+        raise ValueError(f"max_queue_delay_us must be >= 0, got {db.max_queue_delay_us}")
+    if max_batch_size > 0:
+        bad = [s for s in db.preferred_batch_sizes if not 1 <= s <= max_batch_size]
+        if bad:
+            raise ValueError(f"preferred_batch_sizes {bad} outside 1..max_batch_size ({max_batch_size})")
+    if db.priority_levels < 0:
+        raise ValueError(f"priority_levels must be >= 0, got {db.priority_levels}")
+    if db.priority_levels > 0 and not 1 <= db.default_priority_level <= db.priority_levels:
+        raise ValueError(
+            f"default_priority_level must be in 1..{db.priority_levels} when priority_levels is set, "
+            f"got {db.default_priority_level}"
+        )
+    bad_levels = sorted(lvl for lvl in db.priority_queue_policy if not 1 <= lvl <= db.priority_levels)
+    if bad_levels:
+        raise ValueError(f"priority_queue_policy levels {bad_levels} outside 1..priority_levels ({db.priority_levels})")
+    for policy in (db.default_queue_policy, *db.priority_queue_policy.values()):
+        if policy.timeout_action not in _TIMEOUT_ACTIONS:
+            raise ValueError(f"timeout_action must be one of {_TIMEOUT_ACTIONS}, got {policy.timeout_action!r}")
+        if policy.max_queue_size < 0 or policy.default_timeout_us < 0:
+            raise ValueError(f"max_queue_size and default_timeout_us must be >= 0: {policy}")
+
+
+class _Level:
+    """One priority level: undelayed requests FIFO, then delayed ones in the order their timeouts passed.
+
+    dicts keyed by request (identity hash) are ordered sets: O(1) removal of a cancelled request, ordered iteration.
+    """
+
+    __slots__ = ("waiting", "delayed")
+
+    def __init__(self) -> None:
+        self.waiting: dict[QueuedRequest, None] = {}
+        self.delayed: dict[QueuedRequest, None] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.delayed)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        yield from self.waiting
+        yield from self.delayed
+
+    def discard(self, req: QueuedRequest) -> None:
+        self.waiting.pop(req, None)
+        self.delayed.pop(req, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The queue
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class BatchQueue:
+    """One model's request queue and dispatch decisions. Not thread-safe: one driver (one event loop) owns it."""
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int,
+        dynamic_batching: DynamicBatching | None,
+        clock: Callable[[], float],
+        dispatch_lone_request: bool = True,
+        quiet_dispatch: bool = False,
+        default_max_queue_size: int = 0,
+        quiet_factor: float = 4.0,
+        min_quiet_s: float = 50e-6,
+        gap_smoothing: float = 0.2,
+    ):
+        """dispatch_lone_request: gpud's rule 6; quiet_dispatch: rule 7. Both False give Triton's behaviour."""
+        _validate(max_batch_size, dynamic_batching)
+        if default_max_queue_size < 0:
+            raise ValueError(f"default_max_queue_size must be >= 0, got {default_max_queue_size}")
+        self._config = _Config(max_batch_size, dynamic_batching, dispatch_lone_request, default_max_queue_size)
+        self._clock = clock
+        self._quiet_dispatch = quiet_dispatch
+        self._quiet_factor = quiet_factor
+        self._min_quiet_s = min_quiet_s
+        self._gap_smoothing = gap_smoothing
+        self._last_arrival_s: float | None = None
+        self._gap_ewma_s: float | None = None  # typical gap between arrivals that found others queued
+        self._lone_gap_s: float | None = None  # gap between the latest arrival and the one before it
+        self._last_batch_rows = 0.0  # rows of recent batches, smoothed (rule 7a); 0 = none yet
+        self._levels: dict[int, _Level] = {}
+        self._all: dict[QueuedRequest, None] = {}  # every queued request in enqueue order: first = oldest
+        self._pending_rows = 0
+        # (deadline_s, seq, request) of undelayed requests with a timeout. Lazy deletion: entries of requests that
+        # left the queue or were delayed stay until they reach the top (or a compaction), and are skipped there.
+        self._deadlines: list[tuple[float, int, QueuedRequest]] = []
+        self._seq = itertools.count()
+
+    # -- configuration ---------------------------------------------------------------------------------------
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._config.max_batch_size
+
+    @property
+    def dynamic_batching(self) -> DynamicBatching | None:
+        return self._config.dynamic_batching
+
+    def reconfigure(self, *, max_batch_size: int, dynamic_batching: DynamicBatching | None) -> None:
+        """New limits for the next decisions. Queued requests keep their level and deadline."""
+        _validate(max_batch_size, dynamic_batching)
+        self._config = _Config(max_batch_size, dynamic_batching, self._config.dispatch_lone_request)
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __iter__(self) -> Iterator[QueuedRequest]:
+        """The queued requests, oldest first (not the dispatch order: see drain)."""
+        return iter(self._all)
+
+    def __contains__(self, req: object) -> bool:
+        return req in self._all
+
+    @property
+    def pending_rows(self) -> int:
+        return self._pending_rows
+
+    @property
+    def oldest_enqueue_time_s(self) -> float | None:
+        return next(iter(self._all)).enqueue_time_s if self._all else None
+
+    def level_sizes(self) -> dict[int, int]:
+        """Queued requests per priority level (for metrics and `gpudctl inspect`)."""
+        return {lvl: len(q) for lvl, q in sorted(self._levels.items()) if len(q)}
+
+    # -- events ------------------------------------------------------------------------------------------------
+
+    def enqueue(self, req: QueuedRequest) -> None:
+        """Queue a request, or raise InferenceError and change nothing."""
+        cfg = self._config
+        if req in self._all:
+            raise ValueError("request is already queued")
+        if req.batch_rows < 1:
+            raise InferenceError(
+                ErrorKind.INVALID_ARGUMENT, f"inference request batch-size must be >= 1, got {req.batch_rows}"
+            )
+        max_rows = max(1, cfg.max_batch_size)  # a model that does not batch takes one "row": the whole request
+        if req.batch_rows > max_rows:
+            raise InferenceError(
+                ErrorKind.INVALID_ARGUMENT, f"inference request batch-size must be <= {max_rows}, got {req.batch_rows}"
+            )
+        db = cfg.dynamic_batching
+        level = resolve_level(req.priority, cfg.priority_levels, db.default_priority_level if db else 0)
+        policy = cfg.policy(level)
+        timeout_us = effective_timeout_us(req.timeout_us, policy)
+        queue = self._levels.get(level)
+        queued_at_level = len(queue) if queue else 0
+        limit = policy.max_queue_size or cfg.default_max_queue_size
+        if limit and queued_at_level >= limit:
+            raise InferenceError(
+                ErrorKind.UNAVAILABLE,
+                f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level {level}"
+                + ("" if policy.max_queue_size else "; the daemon's --default-max-queue-size") + ")",
+            )
+
+        now_s = self._clock()
+        self._lone_gap_s = None if self._last_arrival_s is None else now_s - self._last_arrival_s
+        if self._all and self._last_arrival_s is not None:
+            # Only gaps inside a burst (others still queued) say how fast requests join a forming batch.
+            gap_s = max(0.0, now_s - self._last_arrival_s)
+            a = self._gap_smoothing
+            self._gap_ewma_s = gap_s if self._gap_ewma_s is None else (1 - a) * self._gap_ewma_s + a * gap_s
+        self._last_arrival_s = now_s
+        req.enqueue_time_s = now_s
+        req.level = level
+        req.delayed = False
+        req.deadline_s = now_s + timeout_us / 1e6 if timeout_us else None
+        self._levels.setdefault(level, _Level()).waiting[req] = None
+        self._all[req] = None
+        self._pending_rows += req.batch_rows
+        req._deadline_seq = next(self._seq)
+        if req.deadline_s is not None:
+            heapq.heappush(self._deadlines, (req.deadline_s, req._deadline_seq, req))
+
+    def remove(self, req: QueuedRequest) -> bool:
+        """Take out a cancelled request (client went away). False if it is not queued (any more): idempotent."""
+        if req not in self._all:
+            return False
+        self._forget(req)
+        return True
+
+    def drain(self) -> list[QueuedRequest]:
+        """Everything queued, in dispatch order, removed (shutdown / model unload)."""
+        out = list(self._ordered(now_s=None))
+        self._levels.clear()
+        self._all.clear()
+        self._deadlines.clear()
+        self._pending_rows = 0
+        return out
+
+    def expire(self) -> list[QueuedRequest]:
+        """Apply the timeout action to every request whose deadline has passed (now >= deadline_s).
+
+        REJECT: removed and returned; the driver fails them with timeout_error(). DELAY: marked delayed and moved
+        behind the undelayed requests of their level; they stay queued and are not returned.
+        """
+        now_s = self._clock()
+        cfg = self._config
+        rejected: list[QueuedRequest] = []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            entry = heapq.heappop(self._deadlines)
+            req = entry[2]
+            if not self._is_live(entry):
+                continue  # stale entry: dispatched, removed or already delayed
+            if cfg.policy(req.level).timeout_action == "DELAY":
+                level = self._levels[req.level]
+                del level.waiting[req]
+                level.delayed[req] = None
+                req.delayed = True
+            else:
+                self._forget(req)
+                rejected.append(req)
+        return rejected
+
+    def decide(self, free_instances: int) -> Decision:
+        """What to do now: dispatch one batch (already dequeued), wait until a time, or wait for an event."""
+        cfg = self._config  # read once: a concurrent reconfigure() applies from the next decision
+        now_s = self._clock()
+        if not self._all:
+            return Idle()
+        if free_instances <= 0:
+            return self._wait_for_deadline()
+
+        if not cfg.batches_dynamically:
+            head = next(self._ordered(now_s), None)
+            if head is None:  # only timed-out requests left: expire() must collect them
+                return self._wait_for_deadline()
+            return self._dispatch([head], DispatchReason.UNBATCHED)
+
+        db = cfg.dynamic_batching
+        assert db is not None
+        candidate, blocked = take_candidate(self._ordered(now_s), cfg.max_batch_size)
+        if not candidate:
+            return self._wait_for_deadline()
+        # Rule 5 times the window from the oldest request in the whole queue. A candidate that is not blocked holds
+        # every dispatchable request, so this equals Triton's "oldest request in the pending batch" whenever it
+        # matters (a blocked candidate goes at once anyway).
+        delay_ends_s = self._delay_ends_s(db)
+        delay_exceeded = db.max_queue_delay_us > 0 and now_s >= delay_ends_s
+        quiet_ends_s = None
+        lone = cfg.dispatch_lone_request and len(self._all) == 1
+        if self._quiet_dispatch and self._last_arrival_s is not None:
+            wait_s = quiet_wait_s(self._gap_ewma_s, self._quiet_factor, self._min_quiet_s)
+            if wait_s is not None:
+                quiet_ends_s = self._last_arrival_s + wait_s
+                if lone and self._lone_gap_s is not None and self._lone_gap_s < wait_s:
+                    lone = False  # it came in a stream: rule 7 decides
+        choice = choose_dispatch(
+            [r.batch_rows for r in candidate],
+            blocked=blocked,
+            max_batch_size=cfg.max_batch_size,
+            preferred_batch_sizes=db.preferred_batch_sizes,
+            max_queue_delay_us=db.max_queue_delay_us,
+            delay_exceeded=delay_exceeded,
+            lone=lone,
+            quiet=(quiet_ends_s is not None and now_s >= quiet_ends_s)
+            or (self._quiet_dispatch and 0 < round(self._last_batch_rows) <= self._pending_rows),
+        )
+        if choice is not None:
+            n, reason = choice
+            return self._dispatch(candidate[:n], reason)
+        until_s = delay_ends_s if quiet_ends_s is None else min(delay_ends_s, quiet_ends_s)
+        deadline_s = self._earliest_deadline_s()
+        return Wait(until_s=until_s if deadline_s is None else min(until_s, deadline_s))
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _ordered(self, now_s: float | None) -> Iterator[QueuedRequest]:
+        """Queued requests in dispatch order. With now_s, skips those whose REJECT deadline has passed: they are
+        expire()'s to return, never a batch's (Triton's ApplyPolicy does the same while it forms a batch)."""
+        cfg = self._config
+        for level_no in sorted(self._levels):
+            rejects = cfg.policy(level_no).timeout_action == "REJECT"
+            for req in self._levels[level_no]:
+                if now_s is not None and rejects and req.deadline_s is not None and now_s >= req.deadline_s:
+                    continue
+                yield req
+
+    def _delay_ends_s(self, db: DynamicBatching) -> float:
+        # One expression for both the comparison and Wait.until_s, so waking at until_s always dispatches
+        # (computing "waited >= delay" by subtraction could round the other way and spin).
+        oldest_s = next(iter(self._all)).enqueue_time_s
+        return oldest_s + db.max_queue_delay_us / 1e6
+
+    def _dispatch(self, requests: list[QueuedRequest], reason: DispatchReason) -> Dispatch:
+        for req in requests:
+            self._forget(req)
+        rows = sum(r.batch_rows for r in requests)
+        # Smoothed, not the last batch alone: one small batch (a lone request between bursts) must not make every
+        # following batch leave as soon as it is that small, which ratchets a flood down to batches of one or two.
+        # Compared rounded: approaching a steady size from above, the average stays a fraction over it for long.
+        prev = self._last_batch_rows
+        self._last_batch_rows = rows if prev <= 0 else prev + _BATCH_ROWS_SMOOTHING * (rows - prev)
+        return Dispatch(requests=tuple(requests), rows=rows, reason=reason)
+
+    def _forget(self, req: QueuedRequest) -> None:
+        level = self._levels[req.level]
+        level.discard(req)
+        if not len(level):
+            del self._levels[req.level]
+        del self._all[req]
+        self._pending_rows -= req.batch_rows
+        # Its heap entry goes stale; compact when stale entries dominate so a burst of dispatched requests with
+        # long timeouts does not keep the heap large.
+        if len(self._deadlines) > 2 * len(self._all) + 64:
+            self._deadlines = [e for e in self._deadlines if self._is_live(e)]
+            heapq.heapify(self._deadlines)
+
+    def _is_live(self, entry: tuple[float, int, QueuedRequest]) -> bool:
+        # The seq check catches a request that left and was enqueued again (a retry): its old entry is stale.
+        _, seq, req = entry
+        return req in self._all and not req.delayed and req._deadline_seq == seq
+
+    def _earliest_deadline_s(self) -> float | None:
+        while self._deadlines and not self._is_live(self._deadlines[0]):
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def _wait_for_deadline(self) -> Decision:
+        deadline_s = self._earliest_deadline_s()
+        return Idle() if deadline_s is None else Wait(until_s=deadline_s)

@@ -1,0 +1,239 @@
+"""The device worker process: one per device (a GPU, a MIG instance or the CPU).
+
+It loads model instances and runs batches that arrive as small control messages over a pipe (gpud.executor.protocol); the
+tensors themselves live in shared memory that the front end owns. Each instance runs in its own thread (and, on a
+GPU, its own CUDA stream) so instances on one device overlap. A model's backend (gpud.executor.backend) is imported here
+only, never in the daemon: a crash in a CUDA context takes down this worker, never the daemon.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from gpud.executor.backend import Backends, LoadOptions, ModelInstance
+from gpud.executor.device import WorkerDevice
+from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
+                               FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
+from gpud.executor.reshape import with_reshape
+from gpud.executor.shm import Segment
+
+log = logging.getLogger("gpud.worker")
+
+
+class SegmentCache:
+    """Attached segments by name; a slot that got a new (bigger) segment drops its old mapping."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Segment] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Segment:
+        with self._lock:
+            seg = self._by_name.get(name)
+            if seg is None:
+                seg = self._by_name[name] = Segment.attach(name)
+            return seg
+
+    def forget(self, names: list[str]) -> None:
+        with self._lock:
+            for name in names:
+                seg = self._by_name.pop(name, None)
+                if seg is not None:
+                    seg.close()
+
+
+def _rss_bytes() -> int:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except Exception:  # psutil missing or /proc unreadable: the caller falls back to the estimate
+        return 0
+
+
+def _device_memory_used_bytes() -> int | None:
+    """Memory used on this worker's (only visible) CUDA device, or None without cuda-python."""
+    try:
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            from cuda import cudart
+        err, free, total = cudart.cudaMemGetInfo()
+        return int(total) - int(free) if int(err) == 0 else None
+    except Exception:
+        return None
+
+
+def load_instance(backends: Backends, device: WorkerDevice, load_lock: threading.Lock,
+                  msg: Load) -> tuple[ModelInstance | None, Loaded | LoadFailed]:
+    """Load one instance and run it once; the model (None when the load failed) and the reply that says so. Its
+    footprint is what the device's memory (or, on the CPU, the process's RSS) grew by, one load at a time."""
+    config = msg.config
+    start_s = time.monotonic()
+    model = None
+    try:
+        backend = backends.for_config(config)  # an unsupported one fails the load, saying why
+        with load_lock:  # one load at a time, so memory deltas belong to this instance
+            before_dev = _device_memory_used_bytes() if device.has_cuda else None
+            before_rss = _rss_bytes()
+            model = with_reshape(backend.load(msg.model_path, config, device,
+                                              LoadOptions(intra_op_threads=msg.intra_op_threads)), config)
+            feed = model.warmup_feed()
+            if feed is not None:
+                # One warm-up run: the first request should not pay for allocator growth, and the footprint we
+                # measure should include the working memory of a real run.
+                model.run(feed, [o.name for o in config.outputs])
+            if before_dev is not None:
+                after_dev = _device_memory_used_bytes()
+                memory_bytes, measured_by = max(0, (after_dev or before_dev) - before_dev), "device_memory"
+            else:
+                memory_bytes, measured_by = max(0, _rss_bytes() - before_rss), "process_rss"
+    except Exception as exc:  # a bad model must not take down the worker
+        if model is not None:
+            model.close()
+        return None, LoadFailed(msg.key, f"{type(exc).__name__}: {exc}")
+    return model, Loaded(msg.key, memory_bytes, measured_by, time.monotonic() - start_s, model.provider)
+
+
+def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infer, key: str = "") -> Done | Failed:
+    """Run one batch whose inputs lie in shared memory (`segment(name)` maps a segment), its outputs written there;
+    Done with where they lie and what each phase took, or Failed saying why."""
+    try:
+        t0 = time.perf_counter_ns()
+        feed = read_inputs(segment(msg.in_seg), msg.inputs)
+        t1 = time.perf_counter_ns()
+        results = model.run(feed, msg.outputs)
+        t2 = time.perf_counter_ns()
+        outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results)
+        t3 = time.perf_counter_ns()
+    except Exception as exc:
+        kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
+        log.debug("instance %s: batch %s failed:\n%s", key or msg.key, msg.seq, traceback.format_exc())
+        return Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}")
+    return Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2)
+
+
+class _Instance:
+    def __init__(self, key: str, worker: "Worker"):
+        self.key = key
+        self.worker = worker
+        self.inbox: "queue.SimpleQueue[Load | Infer | None]" = queue.SimpleQueue()
+        self.model: ModelInstance | None = None
+        # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
+        # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
+        self.queued = 0
+        self.thread = threading.Thread(target=self._loop, name=f"instance-{key}", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            msg = self.inbox.get()
+            if msg is None:
+                if self.model is not None:
+                    self.model.close()
+                self.model = None
+                self.worker.send(Unloaded(self.key))
+                return
+            if isinstance(msg, Load):
+                self._load(msg)
+            else:
+                self._infer(msg)
+                self.queued -= 1
+
+    def _load(self, msg: Load) -> None:
+        self.model, reply = load_instance(self.worker.backends, self.worker.device, self.worker.load_lock, msg)
+        self.worker.send(reply)
+
+    def _infer(self, msg: Infer) -> None:
+        self.worker.send(run_batch(self.model, self.worker.segments.get, msg, self.key))
+
+
+class Worker:
+    def __init__(self, conn, device: WorkerDevice, backends: Backends | None = None) -> None:
+        self.conn = conn
+        self.device = device
+        self.backends = backends if backends is not None else Backends()
+        self.segments = SegmentCache()
+        self.load_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self.instances: dict[str, _Instance] = {}
+
+    def send(self, msg: FromWorker) -> None:
+        data = dumps(msg)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+
+    def serve(self) -> None:
+        self.send(Hello(os.getpid(), self.backends.providers()))
+        while True:
+            try:
+                msg = loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return  # the daemon is gone: nothing left to serve
+            match msg:
+                case Infer(key=key):
+                    inst = self.instances.get(key)
+                    if inst is None:
+                        self.send(Failed(msg.seq, "UNAVAILABLE",
+                                         f"instance {key} is not loaded on device {self.device.id}"))
+                    elif len(self.instances) == 1 and inst.model is not None and inst.queued == 0:
+                        # The only instance here and idle: run it on this thread. A hand-off to the instance's
+                        # thread costs a wake-up per batch, which is most of the overhead for small models.
+                        inst._infer(msg)
+                    else:
+                        inst.queued += 1
+                        inst.inbox.put(msg)
+                case Load(key=key):
+                    inst = self.instances.get(key)
+                    if inst is None:
+                        inst = self.instances[key] = _Instance(key, self)
+                        inst.thread.start()
+                    inst.inbox.put(msg)
+                case Unload(key=key):
+                    inst = self.instances.pop(key, None)
+                    if inst is None:
+                        self.send(Unloaded(key))
+                    else:
+                        inst.inbox.put(None)
+                case ForgetSegments(names=names):
+                    self.segments.forget(names)
+                case Exit():
+                    for inst in self.instances.values():
+                        inst.inbox.put(None)
+                    for inst in self.instances.values():
+                        inst.thread.join(timeout=10)
+                    return
+
+
+def worker_main(conn, device, log_level: int = logging.INFO) -> None:
+    """Process entry point (multiprocessing spawn target)."""
+    logging.basicConfig(level=log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s gpud.worker[{device.id} pid {os.getpid()}] %(message)s")
+    try:
+        Worker(conn, device).serve()
+    except KeyboardInterrupt:
+        pass
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """`python -m gpud.executor.worker --fd N --device JSON`: how a supervisor starts a worker (see gpud.executor.supervisor)."""
+    import argparse
+    import json
+    from multiprocessing.connection import Connection
+
+    parser = argparse.ArgumentParser(prog="gpud-worker", description="gpud device worker (started by gpud)")
+    parser.add_argument("--fd", type=int, required=True, help="socket to the daemon")
+    parser.add_argument("--device", required=True, help="device description (JSON)")
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    worker_main(Connection(args.fd), WorkerDevice(**json.loads(args.device)), args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,259 @@
+"""Autoscaling hints as pure functions: (policy, state, observation, now) -> (decision, new state).
+
+Nothing here reads a clock, a device or the executor: `gpud.autoscale` samples those and calls in. The rule is
+Kubernetes' HorizontalPodAutoscaler's, applied to model instances instead of pods:
+
+    desired = ceil(current * current_metric / target)       (skipped while |metric / target - 1| <= tolerance)
+
+for two metrics, whichever asks for more (HPA takes the largest proposal of several metrics):
+  - load:  utilization = arrival rate / (current * per-instance capacity), target `target_utilization_ratio`.
+           current * utilization / target = arrival / (capacity * target): the instances the load needs. The capacity
+           is what one instance completes per second with full batches, from the measured batch times
+           (`batch_capacity_per_second`), not per second of busy time at the batch sizes seen: a batching instance
+           is busy whenever requests keep coming, so busy time says nothing of how much more it could take, and
+           spreading a load over more instances makes its batches smaller and its "throughput" lower, which would
+           keep any number of instances looking needed.
+  - queue: mean queue time against `target_queue_seconds`; only ever a reason to add instances (a short queue says
+           nothing about how many instances could go; the load metric decides that), and at most twice the current
+           count (HPA's default scale-up policy: +100%): a backlog still draining after capacity has arrived would
+           otherwise ask for as many instances as its seconds of wait.
+Then bounds (min/max) and HPA's stabilization windows: a scale-up happens only to the *lowest* recommendation of the
+last `scale_up_stabilization_seconds`, a scale-down only to the *highest* recommendation of the last
+`scale_down_stabilization_seconds` (so a burst or a lull shorter than the window changes nothing). Unlike HPA, a
+fresh state has no evidence yet: until a window is covered by recommendations, the current count stands in for the
+missing part of it, so a daemon that just started does not scale on its first sample.
+
+Headroom is the other pure function: how many more instances of each model fit on each device, from the device's
+free memory and the model's measured footprint.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HintPolicy:
+    target_queue_seconds: float = 0.010  # mean time a request may wait in the queue before more instances help
+    target_utilization_ratio: float = 0.8  # share of an instance's measured throughput to plan for (room for bursts)
+    tolerance: float = 0.1  # HPA's default: metric/target within 1 +- 0.1 changes nothing
+    scale_up_stabilization_seconds: float = 30.0  # a need for more must last this long before it is hinted
+    scale_down_stabilization_seconds: float = 300.0  # HPA's default: a lull must last 5 minutes before scaling down
+    min_instances: int = 1
+    max_instances: int = 8
+
+    def __post_init__(self) -> None:
+        if self.target_queue_seconds <= 0:
+            raise ValueError(f"target_queue_seconds must be > 0, got {self.target_queue_seconds}")
+        if not 0 < self.target_utilization_ratio <= 1:
+            raise ValueError(f"target_utilization_ratio must be in (0, 1], got {self.target_utilization_ratio}")
+        if self.tolerance < 0:
+            raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+        if self.scale_up_stabilization_seconds < 0 or self.scale_down_stabilization_seconds < 0:
+            raise ValueError("stabilization windows must be >= 0 seconds, got "
+                             f"up={self.scale_up_stabilization_seconds} down={self.scale_down_stabilization_seconds}")
+        if self.min_instances < 0 or self.max_instances < self.min_instances:
+            raise ValueError(f"need 0 <= min_instances <= max_instances, got min={self.min_instances} "
+                             f"max={self.max_instances}")
+
+
+@dataclass(frozen=True)
+class ModelObservation:
+    """What one model version did over the last sampling window."""
+
+    ready_instances: int
+    arrival_rate_per_second: float  # requests arriving (finished successfully or not) per second
+    # Requests one instance completes per second with full batches (batch_capacity_per_second); None: not measured.
+    throughput_per_instance_per_second: float | None
+    queue_seconds: float | None  # mean queue time of the requests that finished in the window; None: none finished
+
+
+@dataclass(frozen=True)
+class HintState:
+    """Recommendations (time_s, instances) still inside the longer stabilization window, oldest first."""
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    since_s: float | None = None  # time of the first observation: before since_s + window there is no evidence
+
+
+@dataclass(frozen=True)
+class HintDecision:
+    desired_instances: int  # after tolerance, bounds and stabilization: the hint
+    recommended_instances: int  # before stabilization (bounded)
+    current_instances: int
+    load_instances: int | None  # the load metric's proposal; None when it could not be computed
+    queue_instances: int | None  # the queue metric's proposal; None when the queue is within target
+    utilization_ratio: float | None  # arrival / (current * throughput)
+    reason: str  # a short phrase a person can read in `gpudctl inspect`
+
+
+def _ceil(x: float) -> int:
+    # 0.1 * 30 is 3.0000000000000004 in floating point; the instance count it stands for is 3, not 4.
+    return math.ceil(round(x, 9))
+
+
+def recommend(policy: HintPolicy, obs: ModelObservation) -> tuple[int, int | None, int | None, float | None, str]:
+    """The instantaneous recommendation (bounded, not stabilized) and the proposals it came from."""
+    current = obs.ready_instances
+    load = util = None
+    in_tolerance = False
+    if obs.arrival_rate_per_second <= 0:
+        load, util = 0, 0.0  # no requests: no instance is needed for load, whatever the throughput
+    elif obs.throughput_per_instance_per_second and obs.throughput_per_instance_per_second > 0:
+        needed = obs.arrival_rate_per_second / obs.throughput_per_instance_per_second  # instances fully busy
+        if current > 0:
+            util = needed / current
+            ratio = util / policy.target_utilization_ratio
+            in_tolerance = abs(ratio - 1) <= policy.tolerance
+            load = current if in_tolerance else _ceil(current * ratio)
+        else:
+            load = _ceil(needed / policy.target_utilization_ratio)
+    queue = None
+    if obs.queue_seconds is not None and current > 0:
+        ratio = obs.queue_seconds / policy.target_queue_seconds
+        if ratio > 1 + policy.tolerance:
+            queue = min(_ceil(current * ratio), 2 * current)
+    proposals = [p for p in (load, queue) if p is not None]
+    if not proposals:
+        raw, reason = current, "no measurement yet: holding"
+    else:
+        raw = max(proposals)
+        if queue is not None and queue >= (load or 0):
+            reason = f"queue {obs.queue_seconds * 1e3:.1f} ms over target {policy.target_queue_seconds * 1e3:.1f} ms"
+        else:
+            reason = f"load {obs.arrival_rate_per_second:.1f} req/s"
+            if util is not None:
+                reason += f", {util:.0%} of measured throughput"
+            if in_tolerance:
+                reason += " (within tolerance)"
+    bounded = min(policy.max_instances, max(policy.min_instances, raw))
+    if bounded != raw:
+        reason += f"; bounded to [{policy.min_instances}, {policy.max_instances}]"
+    return bounded, load, queue, util, reason
+
+
+def desired_instances(policy: HintPolicy, state: HintState, obs: ModelObservation,
+                      now_s: float) -> tuple[HintDecision, HintState]:
+    """One step of the policy. Pure: the same arguments always give the same decision and state."""
+    current = obs.ready_instances
+    rec, load, queue, util, reason = recommend(policy, obs)
+    since = state.since_s if state.since_s is not None else now_s
+    keep_s = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+    history = tuple((t, r) for t, r in state.recommendations if now_s - t <= keep_s) + ((now_s, rec),)
+
+    def window(seconds: float) -> list[int]:
+        recs = [r for t, r in history if now_s - t <= seconds]
+        if now_s - since < seconds:
+            recs.append(current)  # the part of the window before the first observation: no reason to change
+        return recs
+
+    up = min(window(policy.scale_up_stabilization_seconds))
+    down = max(window(policy.scale_down_stabilization_seconds))
+    desired = current
+    if desired < up:
+        desired = up
+    if desired > down:
+        desired = down
+    if desired != rec:
+        reason += (f"; scale-up stabilized ({policy.scale_up_stabilization_seconds:.0f} s window)" if rec > desired
+                   else f"; scale-down stabilized ({policy.scale_down_stabilization_seconds:.0f} s window)")
+    decision = HintDecision(desired, rec, current, load, queue, util, reason)
+    return decision, HintState(history, since)
+
+
+# --- observations from counters ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelCounters:
+    """Cumulative counters of one model version at one instant (gpud.executor.stats, read by gpud.autoscale)."""
+
+    time_s: float
+    requests: int  # finished, success + failure
+    successes: int
+    queue_ns: int  # summed over successful requests
+    batch_compute_ns: int  # summed over executions: input + infer + output time of each batch
+    ready_instances: int
+    # per batch size: (rows, executions, compute ns summed over them); empty: not known (busy time alone is used)
+    batches: tuple[tuple[int, int, int], ...] = ()
+    max_batch_size: int = 0  # the model's; 0: it does not batch (one request per execution)
+
+
+# A batch size this many times the largest seen in the window is as far as the batch-time line is trusted: on a GPU a
+# batch's time is flat while the device is underused, so a line through small batches overstates large ones. As the
+# load grows (or instances go) larger batches are seen and the reach grows with them.
+EXTRAPOLATION_LIMIT = 1.5
+
+
+def batch_capacity_per_second(batches: Sequence[tuple[int, int, int]], max_batch_size: int) -> float | None:
+    """Requests one instance completes per second when the load fills its batches: `size / t(size)` at the largest
+    batch the model takes (at most EXTRAPOLATION_LIMIT x the largest seen), where t is the least-squares line of the
+    measured mean batch time over batch size (each size weighted by its executions), and never less than the best
+    throughput a measured size showed. `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
+    sizes = [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
+    if not sizes:
+        return None
+    shown = max(rows / t for rows, _, t in sizes)
+    if len(sizes) < 2:
+        return shown
+    weight = sum(n for _, n, _ in sizes)
+    mean_b = sum(n * b for b, n, _ in sizes) / weight
+    mean_t = sum(n * t for _, n, t in sizes) / weight
+    var_b = sum(n * (b - mean_b) ** 2 for b, n, _ in sizes) / weight
+    slope = max(0.0, sum(n * (b - mean_b) * (t - mean_t) for b, n, t in sizes) / weight / var_b)
+    intercept = mean_t - slope * mean_b
+    full = min(max(1, max_batch_size), EXTRAPOLATION_LIMIT * max(b for b, _, _ in sizes))
+    t_full = intercept + slope * full
+    return max(shown, full / t_full) if t_full > 0 else shown
+
+
+def observe(older: ModelCounters, newer: ModelCounters,
+            last_throughput_per_second: float | None = None) -> ModelObservation:
+    """Rates over [older, newer]. Throughput is one instance's capacity with full batches, from the window's batch
+    times by size (batch_capacity_per_second); without them, requests completed per second an instance was busy. A
+    window with no execution keeps the last measured throughput."""
+    dt = newer.time_s - older.time_s
+    if dt <= 0:
+        raise ValueError(f"observation window must be positive, got {older.time_s} -> {newer.time_s}")
+    done = newer.successes - older.successes
+    busy_s = (newer.batch_compute_ns - older.batch_compute_ns) / 1e9
+    before = {rows: (n, ns) for rows, n, ns in older.batches}
+    window = [(rows, n - before.get(rows, (0, 0))[0], ns - before.get(rows, (0, 0))[1])
+              for rows, n, ns in newer.batches]
+    throughput = batch_capacity_per_second(window, newer.max_batch_size) if newer.batches else None
+    if throughput is None:
+        throughput = done / busy_s if done > 0 and busy_s > 0 else last_throughput_per_second
+    queue_s = (newer.queue_ns - older.queue_ns) / done / 1e9 if done > 0 else None
+    return ModelObservation(ready_instances=newer.ready_instances,
+                            arrival_rate_per_second=(newer.requests - older.requests) / dt,
+                            throughput_per_instance_per_second=throughput, queue_seconds=queue_s)
+
+
+# --- headroom ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceFree:
+    device_id: str
+    kind: str  # "gpu" | "mig" | "cpu"
+    free_bytes: int  # after gpud's reserve and what is loaded or being loaded
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    model: str
+    footprint_bytes: int  # measured per instance (estimate until one is loaded)
+    kinds: tuple[str, ...]  # device kinds its instance groups may use
+
+
+def node_headroom(devices: Iterable[DeviceFree], models: Iterable[ModelFootprint]) -> dict[str, dict[str, int]]:
+    """{model: {device: instances that still fit}} for every device the model may use. Each model's figures are
+    alternatives (the same free memory counted for every model), not additive."""
+    devices = list(devices)
+    out: dict[str, dict[str, int]] = {}
+    for m in models:
+        if m.footprint_bytes <= 0:
+            raise ValueError(f"model {m.model!r}: footprint must be > 0 bytes, got {m.footprint_bytes}")
+        out[m.model] = {d.device_id: max(0, d.free_bytes) // m.footprint_bytes for d in devices if d.kind in m.kinds}
+    return out
+
+
+def total_headroom(headroom: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    return {model: sum(per_device.values()) for model, per_device in headroom.items()}
