@@ -1,0 +1,78 @@
+"""What the wheel installs and which way gpud's packages import each other (issue 22, item 0; DESIGN.md's rooms).
+
+gpud installs one top-level import package, `gpud`: as top-level names `placement`, `executor` and `telemetry`
+collided with PyPI distributions of the same names (pip overwrote the other's files without a word)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gpud"
+
+
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> list[str]:
+    out = tmp_path_factory.mktemp("wheel")
+    # No build isolation: the test environment has setuptools (the [test] extra), and CI must not need the network here.
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(ROOT)], check=True, timeout=240, capture_output=True)
+    (wheel,) = out.glob("gpud-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.namelist()
+
+
+def test_the_wheel_installs_no_top_level_package_but_gpud(wheel_names):
+    top = {name.split("/", 1)[0] for name in wheel_names if not name.split("/", 1)[0].endswith(".dist-info")}
+    assert top == {"gpud"}
+
+
+def test_the_wheel_carries_the_packages_and_their_data(wheel_names):
+    for path in ("gpud/placement/solver.py", "gpud/executor/worker.py", "gpud/telemetry/nvml.py",
+                 "gpud/telemetry/nodes/dgx-a100-2gpu-mig.yaml", "gpud/proto/grpc_service.proto"):
+        assert path in wheel_names, path
+
+
+def _gpud_imports(path: Path) -> set[str]:
+    """The gpud packages a module imports, by second name ('placement' for gpud.placement.model), at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] in ("placement", "executor", "telemetry"):
+                found.add("top-level " + parts[0])  # the old names must not come back
+            if parts[0] == "gpud" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+# Each room and the gpud packages it may import (DESIGN.md: placement uses none; telemetry and executor never
+# import the daemon's wiring).
+ALLOWED = {
+    "placement": {"placement"},
+    "executor": {"executor"},
+    "telemetry": {"telemetry", "placement", "executor"},
+}
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_imports_point_one_way(room):
+    bad = {}
+    for path in sorted((PACKAGE / room).rglob("*.py")):
+        extra = _gpud_imports(path) - ALLOWED[room]
+        if extra:
+            bad[str(path.relative_to(ROOT))] = sorted(extra)
+    assert bad == {}
+
+
+def test_nothing_imports_the_old_top_level_names():
+    bad = [str(p.relative_to(ROOT)) for d in ("gpud", "tests", "bench", "scripts") for p in (ROOT / d).rglob("*.py")
+           if any(n.startswith("top-level ") for n in _gpud_imports(p))]
+    assert bad == []
