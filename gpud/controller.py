@@ -32,46 +32,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gpud.executor.model_config import ModelConfig
+from gpud.repository.options import MAX_INSTANCES as MAX_INSTANCES_PARAMETER
+from gpud.repository.options import MIN_INSTANCES as MIN_INSTANCES_PARAMETER
+from gpud.scaling.bounds import InstanceBounds
 
 ControlMode = Literal["off", "advise", "on"]
 CONTROL_MODES: tuple[ControlMode, ...] = ("off", "advise", "on")
-MIN_INSTANCES_PARAMETER = "gpud_min_instances"
-MAX_INSTANCES_PARAMETER = "gpud_max_instances"
 
 Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "idle", "make_room",
                  "device_lost", "evicted"]
-
-
-@dataclass(frozen=True)
-class InstanceBounds:
-    minimum: int
-    maximum: int | None  # None: as many as the node has room for
-
-
-def instance_bounds(config: ModelConfig) -> InstanceBounds:
-    """`gpud_min_instances` / `gpud_max_instances` from config.pbtxt `parameters`; ValueError names the problem."""
-    configured = sum(g.count for g in config.instance_groups)
-
-    def read(key: str) -> int | None:
-        text = config.parameters.get(key)
-        if text is None:
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"parameter {key} must be a whole number of instances, got {text!r}") from None
-        if value < 0:
-            raise ValueError(f"parameter {key} must be >= 0, got {value}")
-        return value
-
-    lo, hi = read(MIN_INSTANCES_PARAMETER), read(MAX_INSTANCES_PARAMETER)
-    lo = configured if lo is None else lo
-    if hi is not None and hi < lo:
-        raise ValueError(f"parameter {MAX_INSTANCES_PARAMETER} ({hi}) is below the minimum ({lo}"
-                         + (")" if MIN_INSTANCES_PARAMETER in config.parameters
-                            else f": the instance_group count; set {MIN_INSTANCES_PARAMETER} too)"))
-    return InstanceBounds(lo, hi)
 
 
 @dataclass(frozen=True)

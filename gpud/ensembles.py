@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 from gpud.executor.ensemble import EnsembleScheduler, Route
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.types import InferRequest
-from gpud.controller import InstanceBounds
 from gpud.registry import RegisteredModel, RegisteredVersion
+from gpud.scaling.bounds import NO_INSTANCES
 from gpud.repository.ensemble import check_against_steps, step_label
 from gpud.repository.layout import ModelEntry, ModelLoadError
 from gpud.telemetry.serving import ModelState, PipelineStep, VersionView
@@ -34,8 +34,6 @@ if TYPE_CHECKING:
     from gpud.registry import Registry
 
 log = logging.getLogger("gpud")
-
-NO_INSTANCES = InstanceBounds(0, 0)
 
 
 def step_models(config: ModelConfig) -> list[str]:

@@ -10,7 +10,7 @@ from gpud.ensembles import step_models, step_names_of, unload_candidates
 from gpud.model_control import check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, Registry
-from gpud.repository.config import ModelConfigError
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
 from gpud.telemetry.serving import ModelState
 

@@ -14,12 +14,12 @@ from gpud.executor.pool import InstanceHandle
 from gpud.executor.scheduler import ModelScheduler
 from gpud.executor.sequence_scheduler import SequenceScheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
-from gpud.controller import InstanceBounds, instance_bounds
 from gpud.model_control import check_model_name
-from gpud.placing.inputs import VersionDemand, candidate_kinds, compute_fraction
-from gpud.repository.config import ModelConfigError
+from gpud.placing.inputs import VersionDemand, candidate_kinds
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import ModelEntry, ModelLoadError
+from gpud.scaling.bounds import BoundsDefaults, InstanceBounds, instance_bounds
 from gpud.telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
 
 log = logging.getLogger("gpud")
@@ -35,7 +35,6 @@ class RegisteredVersion:
     scheduler: ModelScheduler | SequenceScheduler
     estimate_bytes: int = 0  # one instance's footprint estimated from the model file
     bounds: InstanceBounds = InstanceBounds(1, None)  # how few and how many instances the controller may run
-    compute_fraction: float = 0.0  # of a device's compute, per instance (gpud_compute_fraction); 0: not limited
     instances: list[InstanceHandle] = field(default_factory=list)
     state: ModelState = ModelState.LOADING
     reason: str = ""
@@ -65,6 +64,11 @@ class RegisteredVersion:
     @property
     def last_used_unix_s(self) -> float:
         return max(self.scheduler.stats.last_inference_ms / 1000, self.loaded_unix_s)
+
+    @property
+    def compute_fraction(self) -> float:
+        """Of a device's compute, per instance (gpud_compute_fraction); 0: not limited."""
+        return self.entry.config.options.compute_fraction
 
     @property
     def model_path(self) -> str:
@@ -109,8 +113,10 @@ class RegisteredModel:
 
 
 class Registry:
-    def __init__(self, has_gpus: bool, *, unready_wait_s: float = 30.0, default_max_queue_size: int = 0) -> None:
+    def __init__(self, has_gpus: bool, *, unready_wait_s: float = 30.0, default_max_queue_size: int = 0,
+                 bounds_defaults: BoundsDefaults = BoundsDefaults()) -> None:
         self.models: dict[str, RegisteredModel] = {}
+        self.bounds_defaults = bounds_defaults  # the node's instance bounds where a model's config sets none
         self.has_gpus = has_gpus  # KIND_AUTO means GPUs on such a node
         self.unready_wait_s = unready_wait_s  # how long requests wait while no instance of their version is ready
         self.default_max_queue_size = default_max_queue_size  # queue bound where a model's config sets none
@@ -140,19 +146,11 @@ class Registry:
         placeable: list[RegisteredVersion] = []
         for version in entry.versions:
             v = str(version)
-            try:
-                make = SequenceScheduler if entry.config.sequence_batching is not None else ModelScheduler
-                scheduler = make(entry.config, v, unready_wait_s=self.unready_wait_s,
-                                 default_max_queue_size=self.default_max_queue_size)
-                bounds = instance_bounds(entry.config)
-                compute = compute_fraction(entry.config)
-            except ValueError as exc:  # a batching policy, bounds or compute share the repository let through
-                model.error = f"{entry.config_path or entry.path}: {exc}"
-                log.error("model %s: %s", name, model.error)
-                model.versions.clear()
-                return model, []
-            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler, bounds=bounds,
-                                                       compute_fraction=compute)
+            make = SequenceScheduler if entry.config.sequence_batching is not None else ModelScheduler
+            scheduler = make(entry.config, v, unready_wait_s=self.unready_wait_s,
+                             default_max_queue_size=self.default_max_queue_size)
+            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler,
+                                                       bounds=instance_bounds(entry.config, self.bounds_defaults))
             try:
                 vs.estimate_bytes = estimate_footprint_bytes(vs.model_path, entry.config)
             except (ModelConfigError, OSError) as exc:

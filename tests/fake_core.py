@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from gpud.executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec, numpy_dtype
+from gpud.executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec
+from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.stats import Duration, ModelStats
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,

@@ -1,12 +1,11 @@
-"""gpud.controller: the pure per-version decision (target count and its reason) and the bounds from config.pbtxt."""
+"""gpud.controller: the pure per-version decision (target count and its reason)."""
 from __future__ import annotations
 
 import pytest
 
-from gpud.executor.model_config import InstanceGroup, ModelConfig
-from gpud.controller import (ControlPolicy, EvictionCandidate, InstanceBounds, VersionObservation, VersionState,
-                             after_added, after_failed_load, after_removed, decide_target, eviction_order,
-                             instance_bounds)
+from gpud.controller import (ControlPolicy, EvictionCandidate, VersionObservation, VersionState, after_added,
+                             after_failed_load, after_removed, decide_target, eviction_order)
+from gpud.scaling.bounds import InstanceBounds
 
 POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
 NOW = 1000.0
@@ -87,29 +86,6 @@ class TestDecideTarget:
             n = t.target
             history.append(n)
         assert history == [4] * 30  # up at the first interval, held for the rest of the 300 s window
-
-
-class TestBounds:
-    def config(self, counts=(1,), **parameters) -> ModelConfig:
-        return ModelConfig(name="m", max_batch_size=8, inputs=(), outputs=(),
-                           instance_groups=tuple(InstanceGroup(count=c) for c in counts),
-                           parameters={k: str(v) for k, v in parameters.items()})
-
-    def test_defaults_are_the_configured_count_and_no_maximum(self):
-        assert instance_bounds(self.config((2, 1))) == InstanceBounds(3, None)  # 2 + 1 configured
-
-    def test_parameters(self):
-        assert instance_bounds(self.config(gpud_min_instances=0, gpud_max_instances=6)) == InstanceBounds(0, 6)
-
-    @pytest.mark.parametrize("parameters, message", [
-        ({"gpud_min_instances": "two"}, "gpud_min_instances must be a whole number of instances, got 'two'"),
-        ({"gpud_max_instances": -1}, "gpud_max_instances must be >= 0, got -1"),
-        ({"gpud_min_instances": 3, "gpud_max_instances": 2}, r"gpud_max_instances \(2\) is below the minimum \(3\)"),
-        ({"gpud_max_instances": 1}, "the instance_group count; set gpud_min_instances too"),
-    ])
-    def test_bad_parameters_name_the_problem(self, parameters, message):
-        with pytest.raises(ValueError, match=message):
-            instance_bounds(self.config((2,), **parameters))
 
 
 class TestPolicy:

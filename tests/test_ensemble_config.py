@@ -6,7 +6,8 @@ import pytest
 
 from gpud.executor.model_config import ENSEMBLE_PLATFORM, EnsembleStep, ModelConfig, TensorSpec
 from gpud.examples import PIPELINE_CONFIG_PBTXT
-from gpud.repository.config import ModelConfigError, parse_config_text
+from gpud.repository.config import parse_config_text
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.ensemble import check_against_steps, ensemble_config_from_proto, find_cycle
 from gpud.repository.layout import ModelRepository
 from tests.ensemble_models import ensemble_config, save_model, step

@@ -7,7 +7,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from gpud.executor.model_config import DynamicBatching, TensorSpec, numpy_dtype
+from gpud.executor.model_config import DynamicBatching, TensorSpec
+from gpud.executor.datatypes import numpy_dtype
 from gpud.examples import EXAMPLES, two_input_reference, write_example_repository
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import ModelEntry, ModelRepository

@@ -6,7 +6,7 @@ import pytest
 
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.device import WorkerDevice
-from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers, tf32_allowed
+from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP, choose_providers
 from gpud.executor.supervisor import WorkerSupervisor
 from gpud.executor.protocol import tensor_region_bytes
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
@@ -39,19 +39,13 @@ def test_each_instance_gets_its_own_stream_on_device_0():
                                   "use_tf32": "0"}
 
 
-@pytest.mark.parametrize("value, tf32", [(None, False), ("false", False), ("true", True), ("1", True)])
-def test_fp32_stays_fp32_on_the_cuda_ep_unless_the_model_allows_tf32(value, tf32):
-    # onnxruntime's CUDA EP defaults to use_tf32=1: FP32 MatMul in TF32, ~1e-3 off the CPU's result
-    config = ModelConfig("m", parameters={} if value is None else {"gpud_cuda_tf32": value})
-    assert tf32_allowed(config) is tf32
-    providers = dict(choose_providers(GPU, ALL_EPS, ("tensorrt",), stream_handle=None, tf32=tf32_allowed(config)))
+@pytest.mark.parametrize("tf32", [False, True])
+def test_fp32_stays_fp32_on_the_cuda_ep_unless_the_model_allows_tf32(tf32):
+    # onnxruntime's CUDA EP defaults to use_tf32=1: FP32 MatMul in TF32, ~1e-3 off the CPU's result. The option is
+    # gpud_cuda_tf32 (tests/test_model_options.py reads it).
+    providers = dict(choose_providers(GPU, ALL_EPS, ("tensorrt",), stream_handle=None, tf32=tf32))
     assert providers[CUDA_EP]["use_tf32"] == ("1" if tf32 else "0")
     assert "use_tf32" not in providers[TRT_EP]  # not a TensorRT EP option
-
-
-def test_bad_tf32_parameter_is_refused():
-    with pytest.raises(ValueError, match="gpud_cuda_tf32 must be true or false"):
-        tf32_allowed(ModelConfig("m", parameters={"gpud_cuda_tf32": "maybe"}))
 
 
 @pytest.mark.parametrize("device, want", [(MIG, "MIG-abcd"), (GPU, "GPU-1234"), (CPU, "")])

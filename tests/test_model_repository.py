@@ -17,7 +17,8 @@ from gpud.executor.model_config import DynamicBatching, InstanceGroup, QueuePoli
 from gpud.api.http_encode import model_config_json, model_metadata_json
 from gpud.core_api import ModelMetadata, ServedModelConfig
 from gpud.proto import model_config_pb2
-from gpud.repository.config import ModelConfigError, VersionPolicy, config_from_proto, parse_config_text
+from gpud.repository.config import VersionPolicy, config_from_proto, parse_config_text
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import (
     ModelEntry,

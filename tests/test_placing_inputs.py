@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from gpud.executor.model_config import InstanceGroup, ModelConfig
-from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds, compute_fraction,
+from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds,
                                  demand_names, locate, pin_errors, planning_devices)
 from gpud.placement import Assignment, PlannerConfig, plan
 from gpud.telemetry.devices import DeviceInfo
@@ -93,20 +93,6 @@ class TestDemands:
 
 
 class TestComputeFraction:
-    @staticmethod
-    def config(**parameters) -> ModelConfig:
-        return ModelConfig(name="m", max_batch_size=8, inputs=(), outputs=(), instance_groups=(InstanceGroup(),),
-                           parameters={k: str(v) for k, v in parameters.items()})
-
-    def test_absent_is_zero_and_a_share_is_read(self):
-        assert compute_fraction(self.config()) == 0.0
-        assert compute_fraction(self.config(gpud_compute_fraction="0.25")) == 0.25
-
-    @pytest.mark.parametrize("text", ["0", "-0.1", "1.5", "half", "nan"])
-    def test_a_bad_share_is_refused_with_the_parameter_named(self, text):
-        with pytest.raises(ValueError, match="gpud_compute_fraction must be"):
-            compute_fraction(self.config(gpud_compute_fraction=text))
-
     def test_the_planner_puts_no_more_on_a_device_than_its_compute_holds(self):
         # 0.3 of a GPU per instance: a whole GPU holds 3 (0.9), a 3g MIG instance (3/7 = 0.43) holds 1, a 2g (0.29)
         # none, although memory (100 MiB each) would take them all on one device.
@@ -168,4 +154,4 @@ def test_the_registry_carries_the_compute_share_into_demands_and_refuses_a_bad_o
         registry.register(name, entry)
     assert registry.version("cnn").demand().compute_fraction == 0.4
     assert not registry.models["mlp"].versions  # not served: the error says why
-    assert "gpud_compute_fraction must be in (0, 1]" in registry.models["mlp"].error
+    assert "config.pbtxt: parameter gpud_compute_fraction must be a number in (0, 1]" in registry.models["mlp"].error

@@ -140,7 +140,7 @@ def test_threads_batch_through_a_reshape(server):
 
 
 def test_an_ensembles_own_tensors_cannot_reshape(tmp_path):
-    from gpud.repository.config import ModelConfigError
+    from gpud.repository.errors import ModelConfigError
     from gpud.repository.layout import load_model_config
 
     d = tmp_path / "pipe"

@@ -8,10 +8,11 @@ import onnx
 import pytest
 
 from gpud.executor.sequence_config import (CORRID, DIRECT, END, OLDEST, READY, START, ControlInput, SequenceBatching,
-                                      StateSpec, control_value, execution_config, initial_state)
+    StateSpec, control_value, initial_state)
+from gpud.executor.model_config import execution_config
 from gpud.api import grpc_encode, http_encode
 from gpud.core_api import ServedModelConfig
-from gpud.repository.config import ModelConfigError
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.layout import load_model
 from tests.daemon_harness import save
 from tests.sequence_models import accumulator_config, accumulator_model, controls_config, controls_model

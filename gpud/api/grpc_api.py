@@ -26,7 +26,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from gpud.executor.model_config import numpy_dtype
+from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.admin import AdminAuth, grpc_peer_host
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpud.executor.model_config import QueuePolicy, TensorSpec, triton_type
+from gpud.executor.model_config import QueuePolicy, TensorSpec
+from gpud.executor.datatypes import triton_type
 from gpud.executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gpud.executor.model_config import QueuePolicy, TensorSpec, triton_type
+from gpud.executor.model_config import QueuePolicy, TensorSpec
+from gpud.executor.datatypes import triton_type
 from gpud.executor.stats import Duration, ModelStats
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import (Applied, ModelMetadata, RequestedPlacement, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,

@@ -17,7 +17,7 @@ import numpy as np
 import orjson
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from gpud.executor.model_config import KSERVE_DATATYPES, numpy_dtype
+from gpud.executor.datatypes import KSERVE_DATATYPES, numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.http_server import JSON
 from gpud.api.limits import DEFAULT_MAX_TENSOR_ELEMENTS, check_shape

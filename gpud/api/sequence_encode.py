@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpud.executor.model_config import triton_type
+from gpud.executor.datatypes import triton_type
 from gpud.executor.sequence_config import CORRID, OLDEST, ControlInput, SequenceBatching, StateSpec
 from gpud.proto import model_config_pb2 as mc
 

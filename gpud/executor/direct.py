@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpud.executor.model_config import ModelConfig, numpy_dtype
+from gpud.executor.model_config import ModelConfig
+from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 
 if TYPE_CHECKING:

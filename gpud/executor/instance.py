@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.protocol import DEFAULT_SEGMENT_BYTES, Loaded, LoadFailed, tensor_region_bytes
-from gpud.executor.sequence_config import execution_config
+from gpud.executor.model_config import execution_config
 from gpud.executor.shm import Segment, new_segment_name
 
 if TYPE_CHECKING:

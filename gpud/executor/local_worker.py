@@ -34,7 +34,7 @@ from gpud.executor.busy import BusyTracker
 from gpud.executor.device import WorkerDevice
 from gpud.executor.direct import wake
 from gpud.executor.protocol import Done, Failed, Infer, Load
-from gpud.executor.sequence_config import execution_config
+from gpud.executor.model_config import execution_config
 from gpud.executor.shm import Segment
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.executor.worker import load_instance, run_batch

@@ -6,57 +6,12 @@ endpoints.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
-import numpy as np
+from gpud.executor.sequence_config import SequenceBatching
 
-if TYPE_CHECKING:
-    from gpud.executor.sequence_config import SequenceBatching
-
-# KServe v2 datatype -> (Triton TYPE_ enum name, numpy dtype or None for BYTES)
-_DATATYPES: dict[str, tuple[str, object]] = {
-    "BOOL": ("TYPE_BOOL", np.bool_),
-    "UINT8": ("TYPE_UINT8", np.uint8),
-    "UINT16": ("TYPE_UINT16", np.uint16),
-    "UINT32": ("TYPE_UINT32", np.uint32),
-    "UINT64": ("TYPE_UINT64", np.uint64),
-    "INT8": ("TYPE_INT8", np.int8),
-    "INT16": ("TYPE_INT16", np.int16),
-    "INT32": ("TYPE_INT32", np.int32),
-    "INT64": ("TYPE_INT64", np.int64),
-    "FP16": ("TYPE_FP16", np.float16),
-    "FP32": ("TYPE_FP32", np.float32),
-    "FP64": ("TYPE_FP64", np.float64),
-    "BYTES": ("TYPE_STRING", np.object_),
-}
-KSERVE_DATATYPES = frozenset(_DATATYPES)
-_TRITON_TO_KSERVE = {triton: kserve for kserve, (triton, _) in _DATATYPES.items()}
-
-
-def numpy_dtype(datatype: str) -> np.dtype:
-    """numpy dtype for a KServe datatype ("FP32" -> float32). BYTES maps to object."""
-    try:
-        return np.dtype(_DATATYPES[datatype][1])
-    except KeyError:
-        raise ValueError(f"unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}") from None
-
-
-def triton_type(datatype: str) -> str:
-    """Triton config enum name for a KServe datatype ("FP32" -> "TYPE_FP32")."""
-    try:
-        return _DATATYPES[datatype][0]
-    except KeyError:
-        raise ValueError(f"unknown datatype {datatype!r}") from None
-
-
-def kserve_datatype(triton_type_name: str) -> str:
-    """KServe datatype for a Triton config enum name ("TYPE_FP32" -> "FP32")."""
-    try:
-        return _TRITON_TO_KSERVE[triton_type_name]
-    except KeyError:
-        raise ValueError(f"unknown data_type {triton_type_name!r}; expected one of {sorted(_TRITON_TO_KSERVE)}") from None
-
+VARIABLE_DIM = -1  # a dimension of any size (Triton's -1 in dims)
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -134,6 +89,24 @@ class EnsembleScheduling:
     max_inflight_requests: int = 0  # per step, across all of the ensemble's requests; 0 = no limit
 
 
+BatchingMode = Literal["adaptive", "triton"]
+BATCHING_MODES: tuple[BatchingMode, ...] = ("adaptive", "triton")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """gpud's own config.pbtxt parameters (`gpud_*`) and the Triton parameters gpud interprets, parsed and checked
+    once, when the configuration is read (gpud.repository.options): the rest of gpud reads these, never the
+    strings in `ModelConfig.parameters`."""
+
+    min_instances: int | None = None  # gpud_min_instances; None: the node's default, else the instance_group count
+    max_instances: int | None = None  # gpud_max_instances; None: the node's default, else as many as fit
+    compute_fraction: float = 0.0  # gpud_compute_fraction: a device's compute one instance uses; 0: not limited
+    batching: BatchingMode = "adaptive"  # gpud_batching: "triton" is Triton's exact dynamic batcher
+    cuda_tf32: bool = False  # gpud_cuda_tf32: FP32 MatMul and Conv may round to TF32 on the CUDA EP
+    intra_op_threads: int | None = None  # intra_op_thread_count (Triton's onnxruntime backend); None: gpud's default
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A model's configuration, Triton's ModelConfig reduced to what gpud uses (plus pass-through parameters)."""
@@ -149,7 +122,8 @@ class ModelConfig:
     sequence_batching: SequenceBatching | None = None  # gpud.executor.sequence_config; set: a stateful (sequence) model
     # Triton's optimization.execution_accelerators.gpu_execution_accelerator names, e.g. ("tensorrt",)
     gpu_execution_accelerators: tuple[str, ...] = ()
-    parameters: dict[str, str] = field(default_factory=dict)
+    parameters: dict[str, str] = field(default_factory=dict)  # as config.pbtxt has them (the /config endpoints)
+    options: ModelOptions = ModelOptions()  # what gpud reads of `parameters`, typed and checked
     default_model_filename: str = "model.onnx"
     ensemble: EnsembleScheduling | None = None  # platform "ensemble": no model file, no instances; its steps run
 
@@ -162,3 +136,20 @@ class ModelConfig:
 
     def output(self, name: str) -> TensorSpec | None:
         return next((t for t in self.outputs if t.name == name), None)
+
+
+def execution_config(config: ModelConfig) -> ModelConfig:
+    """The configuration the model runs with: a sequence model's control and state inputs added to its inputs and
+    its state outputs to its outputs (where the client's config does not list them). Other models: unchanged."""
+    sb = config.sequence_batching
+    if sb is None:
+        return config
+    inputs = list(config.inputs)
+    for c in sb.controls:
+        inputs.append(TensorSpec(c.name, c.datatype, (1,)))
+    outputs = list(config.outputs)
+    for s in sb.states:
+        inputs.append(TensorSpec(s.input_name, s.datatype, s.dims))
+        if config.output(s.output_name) is None:
+            outputs.append(TensorSpec(s.output_name, s.datatype, s.dims))
+    return replace(config, inputs=tuple(inputs), outputs=tuple(outputs))

@@ -14,7 +14,8 @@ import numpy as np
 
 from gpud.executor.backend import LoadOptions
 from gpud.executor.device import WorkerDevice
-from gpud.executor.model_config import ModelConfig, numpy_dtype
+from gpud.executor.model_config import ModelConfig
+from gpud.executor.datatypes import numpy_dtype
 
 log = logging.getLogger("gpud.worker")
 
@@ -23,7 +24,6 @@ CUDA_EP = "CUDAExecutionProvider"
 TRT_EP = "TensorrtExecutionProvider"
 
 
-TF32_PARAMETER = "gpud_cuda_tf32"  # config.pbtxt parameter: "true" lets FP32 MatMul/Conv run in TF32 on the CUDA EP
 
 
 def choose_providers(
@@ -51,14 +51,6 @@ def choose_providers(
     providers.append((CUDA_EP, stream_opts | {"use_tf32": "1" if tf32 else "0"}))
     providers.append((CPU_EP, {}))
     return providers
-
-
-def tf32_allowed(config: ModelConfig) -> bool:
-    """Whether the model's config allows TF32 (parameter gpud_cuda_tf32: true/1); anything else means FP32."""
-    value = str(config.parameters.get(TF32_PARAMETER, "false")).strip().lower()
-    if value not in ("true", "1", "false", "0"):
-        raise ValueError(f"parameter {TF32_PARAMETER} must be true or false, got {value!r}")
-    return value in ("true", "1")
 
 
 _preloaded = False
@@ -111,7 +103,8 @@ class OnnxRuntimeInstance:
         # A server must not spin-wait: idle onnxruntime threads would burn a core each for nothing.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        threads = int(config.parameters.get("intra_op_thread_count", intra_op_threads) or 0)
+        threads = config.options.intra_op_threads
+        threads = intra_op_threads if threads is None else threads
         if threads > 0:
             opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1
@@ -120,7 +113,7 @@ class OnnxRuntimeInstance:
             preload_cuda_libraries()
         self.stream_handle = _create_stream() if device.has_cuda else None
         providers = choose_providers(device, ort.get_available_providers(), config.gpu_execution_accelerators,
-                                     self.stream_handle, tf32=tf32_allowed(config))
+                                     self.stream_handle, tf32=config.options.cuda_tf32)
         self.session = ort.InferenceSession(model_path, sess_options=opts, providers=providers)
         self.provider = self.session.get_providers()[0]
         self.config = config

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from gpud.executor.model_config import ModelConfig, TensorSpec, numpy_dtype
+from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.shm import Segment, align, new_segment_name, unlink
 
 DEFAULT_SEGMENT_BYTES = 1 << 20

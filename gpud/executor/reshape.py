@@ -16,20 +16,19 @@ from collections.abc import Sequence
 import numpy as np
 
 from gpud.executor.backend import ModelInstance
-from gpud.executor.model_config import ModelConfig, TensorSpec
+from gpud.executor.model_config import VARIABLE_DIM, ModelConfig, TensorSpec
 
-WILDCARD_DIM = -1
 
 
 def check_reshape(dims: Sequence[int], reshape: Sequence[int]) -> str:
     """"" when `reshape` can stand for `dims` (Triton's rule: each dim >= 1 or -1, as many -1 in both, the same
     product of the fixed sizes), else why not."""
-    if any(d < 1 and d != WILDCARD_DIM for d in reshape):
+    if any(d < 1 and d != VARIABLE_DIM for d in reshape):
         return f"reshape {list(reshape)}: each dimension must be >= 1, or -1 for a variable size"
-    if list(dims).count(WILDCARD_DIM) != list(reshape).count(WILDCARD_DIM):
+    if list(dims).count(VARIABLE_DIM) != list(reshape).count(VARIABLE_DIM):
         return (f"reshape {list(reshape)} must have as many variable dimensions (-1) as dims {list(dims)}: "
                 "they correspond in order")
-    fixed = [int(np.prod([d for d in shape if d != WILDCARD_DIM], dtype=np.int64)) for shape in (dims, reshape)]
+    fixed = [int(np.prod([d for d in shape if d != VARIABLE_DIM], dtype=np.int64)) for shape in (dims, reshape)]
     if fixed[0] != fixed[1]:
         return (f"reshape {list(reshape)} has {fixed[1]} elements (its fixed dimensions), dims {list(dims)} "
                 f"{fixed[0]}: a reshape keeps the element count")
@@ -38,8 +37,8 @@ def check_reshape(dims: Sequence[int], reshape: Sequence[int]) -> str:
 
 def resolve(target: Sequence[int], source: Sequence[int], actual: Sequence[int]) -> tuple[int, ...]:
     """`target` with each -1 replaced, in order, by the size `actual` has where `source` has a -1."""
-    sizes = iter([a for s, a in zip(source, actual) if s == WILDCARD_DIM])
-    return tuple(next(sizes) if d == WILDCARD_DIM else d for d in target)
+    sizes = iter([a for s, a in zip(source, actual) if s == VARIABLE_DIM])
+    return tuple(next(sizes) if d == VARIABLE_DIM else d for d in target)
 
 
 def model_shape(shape: Sequence[int], spec: TensorSpec, batches: bool) -> tuple[int, ...]:

@@ -28,20 +28,8 @@ from gpud.executor.validation import PreparedCache, PreparedRequest
 log = logging.getLogger("gpud.executor")
 
 
-BATCHING_MODE_PARAMETER = "gpud_batching"
-BATCHING_MODES = ("adaptive", "triton")
 # While requests pour in, look for finished batches at most this often (one non-blocking poll of the worker pipe).
 _POLL_INTERVAL_S = 50e-6
-
-
-def batching_mode(config: ModelConfig) -> str:
-    """config.pbtxt `parameters { key: "gpud_batching" value: { string_value: "triton" } }` selects Triton's exact
-    dynamic batcher; the default, "adaptive", also dispatches when waiting cannot help (gpud.executor.batcher rules 6, 7)."""
-    mode = config.parameters.get(BATCHING_MODE_PARAMETER, "adaptive")
-    if mode not in BATCHING_MODES:
-        raise ValueError(f"parameter {BATCHING_MODE_PARAMETER} must be one of {', '.join(BATCHING_MODES)}, "
-                         f"got {mode!r}")
-    return mode
 
 
 Done = Callable[[Any], None]
@@ -307,7 +295,7 @@ class ModelScheduler(SchedulerBase):
     def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
                  unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
         super().__init__(config, version, clock, unready_wait_s)
-        adaptive = batching_mode(config) == "adaptive"
+        adaptive = config.options.batching == "adaptive"  # "triton": Triton's exact dynamic batcher
         self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
                                 clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive,
                                 default_max_queue_size=default_max_queue_size)

@@ -3,21 +3,17 @@ sequence batcher adds to a model's inputs (control tensors, implicit state).
 
 `gpud.repository.sequence_config` builds these from config.pbtxt; the executor only reads them. A sequence model
 has two sets of inputs: the client's (`ModelConfig.inputs`: what requests carry and the metadata lists) and the
-model's (`execution_config`: those plus the control inputs and the state inputs, which gpud fills in). The worker
+model's (`gpud.executor.model_config.execution_config`: those plus the control inputs and the state inputs, which gpud fills in). The worker
 loads the model with the latter.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from gpud.executor.model_config import TensorSpec, numpy_dtype
-
-if TYPE_CHECKING:
-    from gpud.executor.model_config import ModelConfig
+from gpud.executor.datatypes import numpy_dtype
 
 START, END, READY, CORRID = "CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY", \
     "CONTROL_SEQUENCE_CORRID"
@@ -82,23 +78,6 @@ class SequenceBatching:
         if self.strategy == OLDEST and self.max_candidate_sequences > 0:
             return self.max_candidate_sequences
         return max(1, max_batch_size)
-
-
-def execution_config(config: ModelConfig) -> ModelConfig:
-    """The configuration the model runs with: a sequence model's control and state inputs added to its inputs and
-    its state outputs to its outputs (where the client's config does not list them). Other models: unchanged."""
-    sb = config.sequence_batching
-    if sb is None:
-        return config
-    inputs = list(config.inputs)
-    for c in sb.controls:
-        inputs.append(TensorSpec(c.name, c.datatype, (1,)))
-    outputs = list(config.outputs)
-    for s in sb.states:
-        inputs.append(TensorSpec(s.input_name, s.datatype, s.dims))
-        if config.output(s.output_name) is None:
-            outputs.append(TensorSpec(s.output_name, s.datatype, s.dims))
-    return replace(config, inputs=tuple(inputs), outputs=tuple(outputs))
 
 
 # --- the tensors the batcher adds ------------------------------------------------------------------------------

@@ -28,10 +28,11 @@ from gpud.executor import protocol
 from gpud.executor.batcher import Wait
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.model_config import ModelConfig
-from gpud.executor.scheduler import Done, SchedulerBase, _Pending, batching_mode
+from gpud.executor.scheduler import Done, SchedulerBase, _Pending
 from gpud.executor.sequence_batcher import (CorrelationId, SequenceBatcher, SequenceDispatch, SequenceRequest,
                                        describe_id)
-from gpud.executor.sequence_config import CORRID, END, READY, START, control_value, execution_config, initial_state
+from gpud.executor.sequence_config import CORRID, END, READY, START, control_value, initial_state
+from gpud.executor.model_config import execution_config
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 
 log = logging.getLogger("gpud.executor")
@@ -86,7 +87,7 @@ class SequenceScheduler(SchedulerBase):
         self.exec_config = execution_config(config)
         self.batcher = SequenceBatcher(policy, model_name=config.name, max_batch_size=config.max_batch_size,
                                        clock=clock, max_queued=default_max_queue_size,
-                                       adaptive=batching_mode(config) == "adaptive")
+                                       adaptive=config.options.batching == "adaptive")
         self._running: dict[InstanceHandle, SequenceDispatch] = {}
         self._output_types = {o.name: o.datatype for o in self.exec_config.outputs}
         batches = config.batches

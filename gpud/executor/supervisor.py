@@ -31,7 +31,7 @@ from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.protocol import (Exit, ForgetSegments, FromWorker, Hello, Infer, Load, Loaded, LoadFailed, ToWorker,
                                Unload, Unloaded)
-from gpud.executor.sequence_config import execution_config
+from gpud.executor.model_config import execution_config
 from gpud.executor.types import ErrorKind, InferenceError
 
 log = logging.getLogger("gpud.executor")

@@ -24,26 +24,6 @@ from gpud.telemetry.devices import DeviceInfo
 
 GPU_KINDS: tuple[DeviceKind, ...] = ("gpu", "mig")
 GPU_INDEX_LABEL = "gpu_index"  # the NVML index of a device's physical GPU: what instance_group.gpus pins
-COMPUTE_FRACTION_PARAMETER = "gpud_compute_fraction"
-
-
-def compute_fraction(config: ModelConfig) -> float:
-    """config.pbtxt parameter `gpud_compute_fraction`: the share of a device's compute (a whole GPU; a MIG instance
-    offers slices / 7) one instance of the model uses at the load it is planned for. The planner then puts no more
-    instances on a device than its compute holds, so that added instances add throughput instead of sharing one
-    GPU's SMs. Absent: 0, memory alone decides (as Triton, which knows no compute share). ValueError names the
-    problem."""
-    text = config.parameters.get(COMPUTE_FRACTION_PARAMETER)
-    if text is None:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"parameter {COMPUTE_FRACTION_PARAMETER} must be a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"parameter {COMPUTE_FRACTION_PARAMETER} must be in (0, 1] (a share of one device's "
-                         f"compute), got {text!r}")
-    return value
 
 
 def candidate_kinds(instance_kind: str, has_gpus: bool) -> tuple[DeviceKind, ...]:

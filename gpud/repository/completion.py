@@ -12,8 +12,10 @@ from dataclasses import dataclass, replace
 import onnx
 from google.protobuf.message import DecodeError
 
-from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec, triton_type
-from gpud.repository.config import WILDCARD_DIM, ModelConfigError
+from gpud.executor.model_config import VARIABLE_DIM, DynamicBatching, ModelConfig, TensorSpec
+from gpud.executor.datatypes import triton_type
+
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.sequence_config import check_sequence_tensors, sequence_tensor_names
 
 # Triton's --backend-config=onnxruntime,default-max-batch-size (4 unless set): what an auto-completed model that
@@ -49,7 +51,7 @@ class OnnxTensor:
 
     @property
     def batch_capable(self) -> bool:
-        return len(self.shape) > 0 and self.shape[0] == WILDCARD_DIM
+        return len(self.shape) > 0 and self.shape[0] == VARIABLE_DIM
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def _onnx_tensor(vi: onnx.ValueInfoProto, what: str, path: str) -> OnnxTensor:
         raise ModelConfigError(path, f"{what} '{vi.name}' has element type {type_name}, which gpud does not support")
     if not tt.HasField("shape"):
         raise ModelConfigError(path, f"{what} '{vi.name}' has no shape (not even a rank); gpud needs the rank")
-    shape = tuple(d.dim_value if d.HasField("dim_value") else WILDCARD_DIM for d in tt.shape.dim)
+    shape = tuple(d.dim_value if d.HasField("dim_value") else VARIABLE_DIM for d in tt.shape.dim)
     return OnnxTensor(name=vi.name, datatype=datatype, shape=shape)
 
 
@@ -148,7 +150,7 @@ def _check_against_onnx(
             raise ModelConfigError(config_path, f"{label}: {model_path} has a scalar; dims must be [1]")
         return
     compatible = len(shape) == len(dims) and all(
-        m == WILDCARD_DIM or c == WILDCARD_DIM or m == c for m, c in zip(shape, dims)
+        m == VARIABLE_DIM or c == VARIABLE_DIM or m == c for m, c in zip(shape, dims)
     )
     if not compatible:
         batch_note = " (without the batch dimension)" if max_batch_size > 0 else ""

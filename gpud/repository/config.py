@@ -15,38 +15,19 @@ from dataclasses import dataclass
 
 from google.protobuf import text_format
 
-from gpud.executor.model_config import (
-    DynamicBatching,
-    InstanceGroup,
-    ModelConfig,
-    QueuePolicy,
-    TensorSpec,
-    kserve_datatype,
-)
+from gpud.executor.model_config import VARIABLE_DIM, DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorSpec
+from gpud.executor.datatypes import kserve_datatype
 from gpud.executor.reshape import check_reshape
+from gpud.repository.errors import ModelConfigError
+from gpud.repository.options import read_options
+from gpud.repository.sequence_config import sequence_batching_from_proto, validate_sequence_batching
 from gpud.proto import model_config_pb2 as pb
 
 DEFAULT_MODEL_FILENAME = "model.onnx"
-WILDCARD_DIM = -1
 
 ONNX_PLATFORM = "onnxruntime_onnx"
 ONNX_BACKEND = "onnxruntime"
 INSTANCE_KINDS = ("KIND_AUTO", "KIND_GPU", "KIND_CPU")  # KIND_MODEL needs a backend that places itself
-
-
-class ModelConfigError(ValueError):
-    """A model that cannot be served as configured. The message starts with the file at fault.
-
-    `path` is that file (config.pbtxt, the ONNX file, or the model/version directory), `line` the 1-based line in
-    config.pbtxt when the parser knows it, `problem` the message without the location.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], problem: str, *, line: int | None = None):
-        self.path = os.fspath(path)
-        self.problem = problem
-        self.line = line
-        where = f"{self.path}: line {line}" if line is not None else self.path
-        super().__init__(f"{where}: {problem}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -137,7 +118,7 @@ def _tensor_spec(io: pb.ModelInput | pb.ModelOutput, what: str, path: str) -> Te
     if not io.dims:
         raise ModelConfigError(path, f"{label} must specify dims")
     for d in io.dims:
-        if d < 1 and d != WILDCARD_DIM:
+        if d < 1 and d != VARIABLE_DIM:
             raise ModelConfigError(
                 path, f"{label}: dims {list(io.dims)}: each dimension must be >= 1, or -1 for a variable size"
             )
@@ -152,7 +133,7 @@ def _tensor_spec(io: pb.ModelInput | pb.ModelOutput, what: str, path: str) -> Te
                       reshape=reshape)
 
 
-def _tensor_specs(ios: Iterable[pb.ModelInput | pb.ModelOutput], what: str, path: str) -> tuple[TensorSpec, ...]:
+def tensor_specs(ios: Iterable[pb.ModelInput | pb.ModelOutput], what: str, path: str) -> tuple[TensorSpec, ...]:
     specs = tuple(_tensor_spec(io, what, path) for io in ios)
     seen: set[str] = set()
     for s in specs:
@@ -209,7 +190,7 @@ def _instance_groups(groups: Iterable[pb.ModelInstanceGroup], model_name: str, p
     return tuple(out) or (InstanceGroup(count=1, kind="KIND_AUTO", name=model_name),)
 
 
-def _version_policy(vp: pb.ModelVersionPolicy, path: str) -> VersionPolicy:
+def version_policy_of(vp: pb.ModelVersionPolicy, path: str) -> VersionPolicy:
     choice = vp.WhichOneof("policy_choice")
     if choice == "all":
         return VersionPolicy(kind="all")
@@ -246,8 +227,6 @@ def config_from_proto(message: pb.ModelConfig, model_name: str, path: str) -> tu
         raise ModelConfigError(path, f"{scheduling} is not supported by gpud")
     sequence_batching = None
     if scheduling == "sequence_batching":
-        from gpud.repository.sequence_config import sequence_batching_from_proto  # it imports this module
-
         sequence_batching = sequence_batching_from_proto(message.sequence_batching, model_name,
                                                          os.path.dirname(path), path)
     if message.batch_input or message.batch_output:
@@ -257,21 +236,24 @@ def config_from_proto(message: pb.ModelConfig, model_name: str, path: str) -> tu
     accelerators = tuple(a.name for a in message.optimization.execution_accelerators.gpu_execution_accelerator)
     if any(not a for a in accelerators):
         raise ModelConfigError(path, "gpu_execution_accelerator without a name")
+    instance_groups = _instance_groups(message.instance_group, model_name, path)
+    parameters = {k: v.string_value for k, v in message.parameters.items()}
     config = ModelConfig(
         name=model_name,
         platform=ONNX_PLATFORM,
         backend=ONNX_BACKEND,
         max_batch_size=message.max_batch_size,
-        inputs=_tensor_specs(message.input, "input", path),
-        outputs=_tensor_specs(message.output, "output", path),
-        instance_groups=_instance_groups(message.instance_group, model_name, path),
+        inputs=tensor_specs(message.input, "input", path),
+        outputs=tensor_specs(message.output, "output", path),
+        instance_groups=instance_groups,
         dynamic_batching=_dynamic_batching(message.dynamic_batching) if scheduling == "dynamic_batching" else None,
         sequence_batching=sequence_batching,
         gpu_execution_accelerators=accelerators,
-        parameters={k: v.string_value for k, v in message.parameters.items()},
+        parameters=parameters,
+        options=read_options(parameters, instance_groups, path),
         default_model_filename=message.default_model_filename or DEFAULT_MODEL_FILENAME,
     )
-    return config, _version_policy(message.version_policy, path)
+    return config, version_policy_of(message.version_policy, path)
 
 
 def validate_model_config(config: ModelConfig, path: str) -> None:
@@ -281,8 +263,6 @@ def validate_model_config(config: ModelConfig, path: str) -> None:
     if not config.outputs:
         raise ModelConfigError(path, "the model has no outputs")
     if config.sequence_batching is not None:
-        from gpud.repository.sequence_config import validate_sequence_batching
-
         validate_sequence_batching(config, path)
     if config.batches:
         for spec in config.inputs:

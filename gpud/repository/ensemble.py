@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from gpud.executor.model_config import (ENSEMBLE_PLATFORM, EnsembleScheduling, EnsembleStep, ModelConfig, TensorSpec)
 from gpud.proto import model_config_pb2 as pb
-from gpud.repository.config import ModelConfigError, VersionPolicy, _tensor_specs, _version_policy
+from gpud.repository.config import VersionPolicy, tensor_specs, version_policy_of
+from gpud.repository.errors import ModelConfigError
+from gpud.repository.options import read_options
 
 
 def is_ensemble(message: pb.ModelConfig) -> bool:
@@ -59,8 +61,8 @@ def ensemble_config_from_proto(message: pb.ModelConfig, model_name: str, path: s
         raise ModelConfigError(path, "decoupled models are not supported by gpud")
     if message.max_batch_size < 0:
         raise ModelConfigError(path, f"max_batch_size {message.max_batch_size} must be >= 0")
-    inputs = _tensor_specs(message.input, "input", path)
-    outputs = _tensor_specs(message.output, "output", path)
+    inputs = tensor_specs(message.input, "input", path)
+    outputs = tensor_specs(message.output, "output", path)
     reshaped = [t.name for t in (*inputs, *outputs) if t.reshape is not None]
     if reshaped:
         raise ModelConfigError(path, f"ensemble '{model_name}', tensor '{reshaped[0]}': reshape on an ensemble's "
@@ -77,12 +79,13 @@ def ensemble_config_from_proto(message: pb.ModelConfig, model_name: str, path: s
         check_data_flow(model_name, inputs, outputs, steps)
     except ValueError as exc:
         raise ModelConfigError(path, str(exc)) from None
+    parameters = {k: v.string_value for k, v in message.parameters.items()}
     config = ModelConfig(name=model_name, platform=ENSEMBLE_PLATFORM, backend="", max_batch_size=message.max_batch_size,
-                         inputs=inputs, outputs=outputs, instance_groups=(),
-                         parameters={k: v.string_value for k, v in message.parameters.items()},
+                         inputs=inputs, outputs=outputs, instance_groups=(), parameters=parameters,
+                         options=read_options(parameters, (), path),
                          default_model_filename="",
                          ensemble=EnsembleScheduling(steps, message.ensemble_scheduling.max_inflight_requests))
-    return config, _version_policy(message.version_policy, path)
+    return config, version_policy_of(message.version_policy, path)
 
 
 def _step(index: int, s: pb.ModelEnsembling.Step, ensemble: str, path: str) -> EnsembleStep:

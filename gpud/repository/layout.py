@@ -16,14 +16,9 @@ from dataclasses import dataclass, field
 from gpud.executor.model_config import ModelConfig
 from gpud.proto import model_config_pb2 as pb
 from gpud.repository.completion import DEFAULT_MAX_BATCH_SIZE, complete_config, load_onnx, onnx_signature
-from gpud.repository.config import (
-    DEFAULT_MODEL_FILENAME,
-    ModelConfigError,
-    VersionPolicy,
-    config_from_proto,
-    read_config_pbtxt,
-    validate_model_config,
-)
+from gpud.repository.config import (DEFAULT_MODEL_FILENAME, VersionPolicy, config_from_proto, read_config_pbtxt,
+    validate_model_config)
+from gpud.repository.errors import ModelConfigError
 from gpud.repository.ensemble import ensemble_config_from_proto, is_ensemble
 
 CONFIG_FILENAME = "config.pbtxt"

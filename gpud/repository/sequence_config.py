@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import os
 
-from gpud.executor.model_config import ModelConfig, kserve_datatype, numpy_dtype
+from gpud.executor.model_config import VARIABLE_DIM, ModelConfig
+from gpud.executor.datatypes import kserve_datatype, numpy_dtype
 from gpud.executor.sequence_config import (CORRID, CORRID_DATATYPES, DEFAULT_MAX_SEQUENCE_IDLE_US, DIRECT,
                                       OLDEST, ControlInput, SequenceBatching, StateSpec)
 from gpud.proto import model_config_pb2 as pb
-from gpud.repository.config import WILDCARD_DIM, ModelConfigError
+from gpud.repository.errors import ModelConfigError
 
 INITIAL_STATE_FOLDER = "initial_state"  # Triton's kInitialStateFolder: <model>/initial_state/<data_file>
 _KINDS = pb.ModelSequenceBatching.Control.Kind
@@ -81,9 +82,9 @@ def _initial_data(init: pb.ModelSequenceBatching.InitialState, state: pb.ModelSe
         raise ModelConfigError(path, f"Number of dimensions in 'initial_state' doesn't match the size of 'state' "
                                      f"dimensions for {label}. {len(init.dims)} != {len(state.dims)}")
     for i_dim, s_dim in zip(init.dims, state.dims):
-        if i_dim == WILDCARD_DIM or i_dim < 0:
+        if i_dim == VARIABLE_DIM or i_dim < 0:
             raise ModelConfigError(path, f"'initial_state' field for {label} contains variable dimensions.")
-        if s_dim != WILDCARD_DIM and i_dim != s_dim:
+        if s_dim != VARIABLE_DIM and i_dim != s_dim:
             raise ModelConfigError(path, f"'initial_state' dim for {label} doesn't match 'state' dim description. "
                                          f"{i_dim} != {s_dim}")
     dims = tuple(int(d) for d in init.dims)
@@ -140,7 +141,7 @@ def _states(sb: pb.ModelSequenceBatching, model_dir: str, path: str) -> tuple[St
             raise ModelConfigError(path, f"{label}: data_type {type_name} is not supported by gpud") from None
         if not s.dims:
             raise ModelConfigError(path, f"{label} must specify dims")
-        if any(d < 1 and d != WILDCARD_DIM for d in s.dims):
+        if any(d < 1 and d != VARIABLE_DIM for d in s.dims):
             raise ModelConfigError(path, f"{label}: dims {list(s.dims)}: each dimension must be >= 1, or -1")
         if len(s.initial_state) > 1:
             raise ModelConfigError(path, f"initial_state field for {label} must contain exactly one or zero element. "
@@ -209,7 +210,7 @@ def validate_sequence_batching(config: ModelConfig, path: str) -> None:
                                          "batcher fills it in, clients do not send it; remove it from input")
     if config.batches:
         for s in sb.states:
-            if any(d == WILDCARD_DIM for d in s.dims):
+            if any(d == VARIABLE_DIM for d in s.dims):
                 # Triton's states may grow; gpud stacks the states of a batch's sequences into one tensor.
                 raise ModelConfigError(path, f"sequence batching state '{s.input_name}' has variable dims "
                                              f"{list(s.dims)} and max_batch_size {config.max_batch_size} > 0: gpud "
@@ -225,7 +226,7 @@ def validate_sequence_batching(config: ModelConfig, path: str) -> None:
 
 def _check_batch_dim(name: str, shape: tuple[int, ...], lead: int, config: ModelConfig, config_path: str,
                      model_path: str) -> None:
-    if lead and (not shape or shape[0] != WILDCARD_DIM):
+    if lead and (not shape or shape[0] != VARIABLE_DIM):
         raise ModelConfigError(config_path, f"max_batch_size {config.max_batch_size} > 0 but the first dimension of "
                                             f"'{name}' {list(shape)} in {model_path} is not a variable batch dimension")
 
@@ -265,7 +266,7 @@ def check_sequence_tensors(config: ModelConfig, onnx_inputs: dict[str, tuple[str
                 raise ModelConfigError(config_path, f"state {what} '{name}': the model expects data-type {datatype} "
                                                     f"but the state specifies data-type {s.datatype}")
             dims = shape[lead:]
-            if len(dims) != len(s.dims) or any(m != WILDCARD_DIM and c != WILDCARD_DIM and m != c
+            if len(dims) != len(s.dims) or any(m != VARIABLE_DIM and c != VARIABLE_DIM and m != c
                                                for m, c in zip(dims, s.dims)):
                 raise ModelConfigError(config_path, f"state {what} '{name}': dims {list(s.dims)} do not match "
                                                     f"{list(dims)} in {model_path}")

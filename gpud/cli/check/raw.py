@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from gpud.executor.device import WorkerDevice
-from gpud.executor.model_config import numpy_dtype
+from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.onnxruntime_backend import OnnxRuntimeInstance
 from gpud.repository.layout import load_model
 

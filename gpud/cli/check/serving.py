@@ -22,7 +22,8 @@ import numpy as np
 
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle
-from gpud.executor.model_config import ModelConfig, numpy_dtype
+from gpud.executor.model_config import ModelConfig
+from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.scheduler import ModelScheduler

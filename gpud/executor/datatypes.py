@@ -1,0 +1,47 @@
+"""KServe v2 datatypes: their numpy dtypes and Triton's config enum names (one table)."""
+from __future__ import annotations
+
+import numpy as np
+
+# KServe v2 datatype -> (Triton TYPE_ enum name, numpy dtype or None for BYTES)
+_DATATYPES: dict[str, tuple[str, object]] = {
+    "BOOL": ("TYPE_BOOL", np.bool_),
+    "UINT8": ("TYPE_UINT8", np.uint8),
+    "UINT16": ("TYPE_UINT16", np.uint16),
+    "UINT32": ("TYPE_UINT32", np.uint32),
+    "UINT64": ("TYPE_UINT64", np.uint64),
+    "INT8": ("TYPE_INT8", np.int8),
+    "INT16": ("TYPE_INT16", np.int16),
+    "INT32": ("TYPE_INT32", np.int32),
+    "INT64": ("TYPE_INT64", np.int64),
+    "FP16": ("TYPE_FP16", np.float16),
+    "FP32": ("TYPE_FP32", np.float32),
+    "FP64": ("TYPE_FP64", np.float64),
+    "BYTES": ("TYPE_STRING", np.object_),
+}
+KSERVE_DATATYPES = frozenset(_DATATYPES)
+_TRITON_TO_KSERVE = {triton: kserve for kserve, (triton, _) in _DATATYPES.items()}
+
+
+def numpy_dtype(datatype: str) -> np.dtype:
+    """numpy dtype for a KServe datatype ("FP32" -> float32). BYTES maps to object."""
+    try:
+        return np.dtype(_DATATYPES[datatype][1])
+    except KeyError:
+        raise ValueError(f"unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}") from None
+
+
+def triton_type(datatype: str) -> str:
+    """Triton config enum name for a KServe datatype ("FP32" -> "TYPE_FP32")."""
+    try:
+        return _DATATYPES[datatype][0]
+    except KeyError:
+        raise ValueError(f"unknown datatype {datatype!r}") from None
+
+
+def kserve_datatype(triton_type_name: str) -> str:
+    """KServe datatype for a Triton config enum name ("TYPE_FP32" -> "FP32")."""
+    try:
+        return _TRITON_TO_KSERVE[triton_type_name]
+    except KeyError:
+        raise ValueError(f"unknown data_type {triton_type_name!r}; expected one of {sorted(_TRITON_TO_KSERVE)}") from None
