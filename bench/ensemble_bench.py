@@ -232,7 +232,7 @@ async def inprocess_ms(repo: str, arrays: dict[str, np.ndarray], n: int, blocks:
     from gpud.core import GpudCore
     from gpud.placing.inputs import has_gpus
     from gpud.placing.service import PlacementService
-    from gpud.registry import Registry
+    from gpud.scheduling import new_registry
     from gpud.repository.layout import ModelRepository
     from gpud.telemetry.discovery import discover
 
@@ -241,7 +241,7 @@ async def inprocess_ms(repo: str, arrays: dict[str, np.ndarray], n: int, blocks:
 
     pool = ExecutorPool()
     backend = discover(None, pool)
-    registry = Registry(has_gpus=has_gpus(backend.leaf_devices()))
+    registry = new_registry(has_gpus=has_gpus(backend.leaf_devices()))
     core = GpudCore(ModelRepository(repo), registry, PlacementService(backend, pool, registry), pool)
     await core.start()
     requests = {"pipe_mlp": InferRequest("pipe_mlp", [tensor("IMAGE", arrays["image"])]),

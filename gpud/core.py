@@ -13,7 +13,7 @@ from typing import Any
 
 from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
-from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.scheduler import Scheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
@@ -160,7 +160,7 @@ class GpudCore:
         index.sort(key=lambda r: r.name)  # stable: a model's versions keep their order
         return index
 
-    def _ready_scheduler(self, request: InferRequest, *, accepted: bool = False) -> ModelScheduler:
+    def _ready_scheduler(self, request: InferRequest, *, accepted: bool = False) -> Scheduler:
         if self.stopping and not accepted:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         vs = self._served_version(request.model_name, request.model_version)
@@ -176,7 +176,7 @@ class GpudCore:
                                  f"state: {why}")
         return vs.scheduler
 
-    def _route_step(self, request: InferRequest) -> ModelScheduler:
+    def _route_step(self, request: InferRequest) -> Scheduler:
         """An ensemble's step, routed as a client's request is, also while shutting down: the ensemble's request
         was accepted before, and accepted requests finish."""
         return self._ready_scheduler(request, accepted=True)

@@ -19,19 +19,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from gpud.executor.ensemble import EnsembleScheduler, Route
+from gpud.executor.ensemble import Route
 from gpud.executor.model_config import ModelConfig
+from gpud.executor.scheduler import Scheduler
 from gpud.executor.types import InferRequest
-from gpud.registry import RegisteredModel, RegisteredVersion
-from gpud.scaling.bounds import NO_INSTANCES
+from gpud.registry import RegisteredModel, RegisteredVersion, Registry
 from gpud.repository.ensemble import check_against_steps, step_label
 from gpud.repository.layout import ModelEntry, ModelLoadError
 from gpud.telemetry.serving import ModelState, PipelineStep, VersionView
-
-if TYPE_CHECKING:
-    from gpud.registry import Registry
 
 log = logging.getLogger("gpud")
 
@@ -76,6 +72,10 @@ class RegisteredEnsemble(RegisteredVersion):
     @property
     def ready(self) -> bool:
         return self.state is ModelState.READY and not self.unready_reason()
+
+    @property
+    def places_instances(self) -> bool:
+        return False  # its steps' models have the instances
 
     @property
     def scaled_to_zero(self) -> bool:
@@ -167,19 +167,10 @@ class RegisteredEnsemble(RegisteredVersion):
         return replace(v, pipeline=self.pipeline())
 
 
-def stage_ensemble(registry: Registry, model: RegisteredModel, entry: ModelEntry) -> list[RegisteredVersion]:
-    """The ensemble's versions as the registry stages them: each served by an EnsembleScheduler whose steps go
-    through `registry.step_router` (the core's routing). Nothing to place: returns []."""
-    route = _route(registry)
-    for version in entry.versions:
-        v = str(version)
-        model.versions[v] = RegisteredEnsemble(entry.name, v, entry, EnsembleScheduler(entry.config, v, route),
-                                               bounds=NO_INSTANCES, state=ModelState.READY, registry=registry)
-    return []
+def step_route(registry: Registry) -> Route:
+    """How an ensemble's steps reach their models: through `registry.step_router` (the core's routing)."""
 
-
-def _route(registry: Registry) -> Route:
-    def route(request: InferRequest):
+    def route(request: InferRequest) -> Scheduler:
         router = registry.step_router
         if router is not None:
             return router(request)

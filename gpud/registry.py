@@ -1,25 +1,27 @@
 """The model registry: every model the repository holds, its served versions with their schedulers and instances,
 and why a version is not ready. The core routes requests over it, the placement service starts and stops its
 instances, and everyone else reads it through `snapshot()` (gpud.telemetry.serving).
+
+What serves a version (its scheduler, and for an ensemble its record) is not chosen here: the registry is given a
+`VersionMaker` (gpud.scheduling's, passed in by the wiring).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from gpud.executor.pool import InstanceHandle
-from gpud.executor.scheduler import ModelScheduler
-from gpud.executor.sequence_scheduler import SequenceScheduler
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.scheduler import Scheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 from gpud.model_control import check_model_name
 from gpud.placing.inputs import VersionDemand, candidate_kinds
 from gpud.repository.errors import ModelConfigError
 from gpud.repository.footprint import estimate_footprint_bytes
 from gpud.repository.layout import ModelEntry, ModelLoadError
-from gpud.scaling.bounds import BoundsDefaults, InstanceBounds, instance_bounds
+from gpud.scaling.bounds import InstanceBounds
 from gpud.telemetry.serving import InstanceView, ModelState, ModelView, ServingSnapshot, VersionView
 
 log = logging.getLogger("gpud")
@@ -32,13 +34,22 @@ class RegisteredVersion:
     name: str
     version: str
     entry: ModelEntry
-    scheduler: ModelScheduler | SequenceScheduler
+    scheduler: Scheduler
+    bounds: InstanceBounds  # how few and how many instances may run (gpud.scaling.bounds)
     estimate_bytes: int = 0  # one instance's footprint estimated from the model file
-    bounds: InstanceBounds = InstanceBounds(1, None)  # how few and how many instances the controller may run
-    instances: list[InstanceHandle] = field(default_factory=list)
     state: ModelState = ModelState.LOADING
     reason: str = ""
     loaded_unix_s: float = 0.0  # when an instance last loaded (a version never used counts as used then)
+
+    @property
+    def instances(self) -> Sequence[InstanceHandle]:
+        """What serves it: its scheduler's list (the one list; the placement service adds and removes there)."""
+        return self.scheduler.instances
+
+    @property
+    def places_instances(self) -> bool:
+        """Whether it has instances to place (an ensemble has none: its steps' models do)."""
+        return True
 
     @property
     def ready(self) -> bool:
@@ -96,11 +107,11 @@ class RegisteredVersion:
         instances = tuple(InstanceView(i.index, i.device_id, i.ready, i.memory_bytes, i.estimate_bytes,
                                        i.measured_by, i.load_seconds, i.provider, i.error) for i in self.instances)
         s = self.scheduler
-        in_backlog = s.backlog_sequences if isinstance(s, SequenceScheduler) else 0
+        in_backlog = s.backlog_sequences
+        sequences = s.live_sequences - in_backlog if self.entry.config.sequence_batching is not None else None
         return VersionView(self.name, self.version, state, reason, self.entry.config.max_batch_size, kinds,
                            s.pending_requests, instances, s.stats, self.minimum_instances, self.bounds.maximum,
-                           self.last_used_unix_s,
-                           s.live_sequences - in_backlog if isinstance(s, SequenceScheduler) else None, in_backlog)
+                           self.last_used_unix_s, sequences, in_backlog)
 
 
 @dataclass(eq=False)
@@ -112,17 +123,20 @@ class RegisteredModel:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload of this model at a time
 
 
+class VersionMaker(Protocol):
+    """What serves `version` of `entry`'s model on `registry`: a new record with its scheduler (gpud.scheduling)."""
+
+    def __call__(self, registry: Registry, entry: ModelEntry, version: str) -> RegisteredVersion: ...
+
+
 class Registry:
-    def __init__(self, has_gpus: bool, *, unready_wait_s: float = 30.0, default_max_queue_size: int = 0,
-                 bounds_defaults: BoundsDefaults = BoundsDefaults()) -> None:
+    def __init__(self, has_gpus: bool, make_version: VersionMaker) -> None:
         self.models: dict[str, RegisteredModel] = {}
-        self.bounds_defaults = bounds_defaults  # the node's instance bounds where a model's config sets none
         self.has_gpus = has_gpus  # KIND_AUTO means GPUs on such a node
-        self.unready_wait_s = unready_wait_s  # how long requests wait while no instance of their version is ready
-        self.default_max_queue_size = default_max_queue_size  # queue bound where a model's config sets none
+        self.make_version = make_version
         # How an ensemble's steps reach their models: the core's routing (GpudCore sets it). None: straight to the
         # version's scheduler.
-        self.step_router: Callable[[InferRequest], Any] | None = None
+        self.step_router: Callable[[InferRequest], Scheduler] | None = None
 
     def register(self, name: str, result: ModelEntry | ModelLoadError) -> list[RegisteredVersion]:
         """Register the model's versions (nothing loaded yet) and return those that can be placed; the others are
@@ -140,17 +154,12 @@ class Registry:
             log.error("model %s: %s", name, result.reason)
             return model, []
         entry = result
-        if entry.config.ensemble is not None:  # no instances to place: its scheduler runs its steps
-            from gpud.ensembles import stage_ensemble  # builds on this module
-            return model, stage_ensemble(self, model, entry)
         placeable: list[RegisteredVersion] = []
         for version in entry.versions:
             v = str(version)
-            make = SequenceScheduler if entry.config.sequence_batching is not None else ModelScheduler
-            scheduler = make(entry.config, v, unready_wait_s=self.unready_wait_s,
-                             default_max_queue_size=self.default_max_queue_size)
-            vs = model.versions[v] = RegisteredVersion(name, v, entry, scheduler,
-                                                       bounds=instance_bounds(entry.config, self.bounds_defaults))
+            vs = model.versions[v] = self.make_version(self, entry, v)
+            if not vs.places_instances:  # an ensemble: its scheduler runs its steps
+                continue
             try:
                 vs.estimate_bytes = estimate_footprint_bytes(vs.model_path, entry.config)
             except (ModelConfigError, OSError) as exc:

@@ -24,6 +24,7 @@ from gpud.model_control import RepositoryPoller, poll_models
 from gpud.placing.inputs import has_gpus
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
+from gpud.scheduling import version_maker
 from gpud.reload import Prepared
 from gpud.repository.layout import ModelRepository
 from gpud.placement.solver import EXACT_SOLVER
@@ -124,8 +125,8 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     WorkerCollector(pool.worker_info, registry=metrics_registry)
     # The registry and the placement service, the readers of the registry's snapshot (model metrics at scrape time,
     # the hints on their tick), then the core that routes over it.
-    registry = Registry(has_gpus=has_gpus(leaves), unready_wait_s=settings.unready_wait_seconds,
-                        default_max_queue_size=settings.default_max_queue_size)
+    registry = Registry(has_gpus(leaves), version_maker(unready_wait_s=settings.unready_wait_seconds,
+                                                        default_max_queue_size=settings.default_max_queue_size))
     placement = PlacementService(devices, pool, registry, device_reserve_bytes=settings.device_reserve_bytes,
                                  strategy=settings.placement_strategy,
                                  time_limit_s=settings.placement_time_limit_seconds)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from gpud.executor.pool import InstanceHandle
+from gpud.executor.instance import InstanceHandle
 from gpud.examples import write_example_repository
-from gpud.registry import Registry
+from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.serving import ModelState
 
@@ -16,7 +16,7 @@ from gpud.telemetry.serving import ModelState
 @pytest.fixture
 def core(tmp_path):
     write_example_repository(tmp_path, ["mlp", "cnn"])
-    registry = Registry(has_gpus=True)
+    registry = new_registry(has_gpus=True)
     for name, entry in ModelRepository(tmp_path).scan().items():
         registry.register(name, entry)  # registered, nothing loaded: no worker process is started
     return registry
@@ -32,9 +32,9 @@ def _instance(vs, index: int, device: str, *, ready: bool, memory_bytes: int | N
 def test_versions_instances_and_records(core):
     mlp = core.models["mlp"].versions["1"]
     mlp.state = ModelState.READY
-    mlp.instances = [_instance(mlp, 0, "gpu0", ready=True, memory_bytes=7 * 2**20),
-                     _instance(mlp, 1, "gpu1/mig1.0", ready=False, memory_bytes=None)]
-    mlp.scheduler.instances = list(mlp.instances)  # what serves, as add_instance leaves it
+    for inst in (_instance(mlp, 0, "gpu0", ready=True, memory_bytes=7 * 2**20),
+                 _instance(mlp, 1, "gpu1/mig1.0", ready=False, memory_bytes=None)):
+        mlp.scheduler.add_instance(inst)  # what serves: the scheduler's list, which the version reads
     snap = core.snapshot()
     assert [m.name for m in snap.models] == ["cnn", "mlp"]
     v = snap.models[1].versions[0]
@@ -53,7 +53,6 @@ def test_versions_instances_and_records(core):
 def test_loaded_version_with_no_ready_instance_reads_unavailable(core):
     mlp = core.models["mlp"].versions["1"]
     mlp.state = ModelState.READY  # loaded, but its only instance is down (its worker restarting)
-    mlp.instances = [_instance(mlp, 0, "cpu", ready=False, memory_bytes=2**20)]
-    mlp.scheduler.instances = list(mlp.instances)
+    mlp.scheduler.add_instance(_instance(mlp, 0, "cpu", ready=False, memory_bytes=2**20))
     v = next(v for v in core.snapshot().versions() if v.model == "mlp")
     assert v.state == ModelState.UNAVAILABLE and "worker is restarting" in v.reason

@@ -21,7 +21,7 @@ from gpud.ensembles import RegisteredEnsemble, models_to_load
 from gpud.examples import CLASSES, PIXELS, make_classifier
 from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
-from gpud.registry import Registry
+from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.hints import HintDecision
 from gpud.telemetry.serving import ModelState
@@ -37,7 +37,7 @@ def make_core(tmp_path: Path, control: ModelControl = ModelControl(), repo: Path
         repo = write_ensemble_repository(tmp_path / "repo")
     (tmp_path / "node.yaml").write_text(NODE)
     backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
-    registry, pool = Registry(has_gpus=True), ScriptedPool()
+    registry, pool = new_registry(has_gpus=True), ScriptedPool()
     service = PlacementService(backend, pool, registry, device_reserve_bytes=0, time_limit_s=0)
     return GpudCore(ModelRepository(repo), registry, service, pool, control=control), pool, repo
 

@@ -22,7 +22,10 @@ class Pending:
 
 
 class ScriptedModel:
-    """A step target that keeps what it is sent until the test answers it."""
+    """A step target that keeps what it is sent until the test answers it (the part of a Scheduler an ensemble
+    uses)."""
+
+    takes_groups = False
 
     def __init__(self, name: str, log: list[str]):
         self.name = name

@@ -12,7 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec
-from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse
 from gpud.api.http_infer import INFER_HEADER_CONTENT_LENGTH, decode_infer_request, encode_infer_response
 from tests.test_scheduler_edges import Worker, _instance
@@ -43,7 +43,7 @@ def schedulers():
     made = []
     out = {}
     for config in (M, NARROW):
-        s = ModelScheduler(config, "1")
+        s = DynamicScheduler(config, "1")
         inst = _instance(worker, config)
         s.add_instance(inst)
         made.append(inst)

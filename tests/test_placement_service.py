@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 
 from gpud.executor.device import WorkerDevice
-from gpud.executor.pool import InstanceHandle
+from gpud.executor.instance import InstanceHandle
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.http_encode import placements_from_json
 from gpud.examples import write_example_repository
 from gpud.core_api import RequestedPlacement
 from gpud.placing.service import PlacementService
-from gpud.registry import Registry
+from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.serving import ModelState
 from gpud.telemetry.simulated import SimulatedBackend
@@ -73,7 +73,7 @@ def node(tmp_path):
     write_example_repository(repo, ["mlp", "cnn"])
     (tmp_path / "node.yaml").write_text(NODE)
     backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
-    registry = Registry(has_gpus=True)
+    registry = new_registry(has_gpus=True)
     pool = ScriptedPool()
     service = PlacementService(backend, pool, registry, device_reserve_bytes=512 * MIB, time_limit_s=0)
     return ModelRepository(repo), registry, pool, service

@@ -141,7 +141,7 @@ class TestPins:
 
 def test_the_registry_carries_the_compute_share_into_demands_and_refuses_a_bad_one(tmp_path):
     from gpud.examples import write_example_repository
-    from gpud.registry import Registry
+    from gpud.scheduling import new_registry
     from gpud.repository.layout import ModelRepository
 
     write_example_repository(tmp_path, ["mlp", "cnn"])
@@ -149,7 +149,7 @@ def test_the_registry_carries_the_compute_share_into_demands_and_refuses_a_bad_o
         'max_batch_size: 4\nparameters { key: "gpud_compute_fraction" value: { string_value: "0.4" } }\n')
     with open(tmp_path / "mlp" / "config.pbtxt", "a") as f:
         f.write('parameters { key: "gpud_compute_fraction" value: { string_value: "2" } }\n')
-    registry = Registry(has_gpus=True)
+    registry = new_registry(has_gpus=True)
     for name, entry in ModelRepository(tmp_path).scan().items():
         registry.register(name, entry)
     assert registry.version("cnn").demand().compute_fraction == 0.4

@@ -13,7 +13,7 @@ from gpud.core import GpudCore
 from gpud.examples import write_example_repository
 from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
-from gpud.registry import Registry
+from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.serving import ModelState
 from gpud.telemetry.simulated import SimulatedBackend
@@ -33,7 +33,7 @@ def core_on(tmp_path: Path, *, room_bytes: int | None = None) -> tuple[GpudCore,
     backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
     total = backend.leaf_devices()[0].memory_total_bytes
     reserve = 512 * MIB if room_bytes is None else total - room_bytes
-    registry, pool = Registry(has_gpus=True), ScriptedPool()
+    registry, pool = new_registry(has_gpus=True), ScriptedPool()
     service = PlacementService(backend, pool, registry, device_reserve_bytes=reserve, time_limit_s=0)
     return GpudCore(ModelRepository(repo), registry, service, pool, control=ModelControl("explicit", ("*",))), pool
 

@@ -12,7 +12,7 @@ from gpud.core_api import RequestedPlacement
 from gpud.examples import write_example_repository
 from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
-from gpud.registry import Registry
+from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.serving import ModelState
 from gpud.telemetry.simulated import SimulatedBackend
@@ -44,7 +44,7 @@ def node(tmp_path: Path, models: dict[str, int], *, room_bytes: int) -> tuple[Gp
     (tmp_path / "node.yaml").write_text(ONE_GPU)
     backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
     total = backend.leaf_devices()[0].memory_total_bytes
-    registry, pool, wall = Registry(has_gpus=True), ScriptedPool(), Clock()
+    registry, pool, wall = new_registry(has_gpus=True), ScriptedPool(), Clock()
     pool.footprint_bytes = int(6.8 * MIB)  # measured once loaded: one fits in 7 MiB, not two
     service = PlacementService(backend, pool, registry, device_reserve_bytes=total - room_bytes, time_limit_s=0,
                                wall_clock=wall)

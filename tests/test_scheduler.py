@@ -1,5 +1,5 @@
-"""gpud.executor.scheduler.ModelScheduler against a scripted worker: the callback API, cancellation, and the order of
-events when a batch finishes (the next batch goes to the instance before the finished one is answered)."""
+"""gpud.executor.dynamic_scheduler.DynamicScheduler against a scripted worker: the callback API, cancellation, and
+the order of events when a batch finishes (the next batch goes to the instance before the finished one is answered)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import pytest
 from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.protocol import Done, Failed, Infer, TensorMeta
-from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.shm import Segment, new_segment_name
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 
@@ -41,7 +41,7 @@ class ScriptedWorker:
         callback(Done(msg.seq, (TensorMeta("y", "FP32", shape, 0, int(np.prod(shape)) * 4),), "", 1, 2, 3))
 
 
-def scripted(model: str) -> tuple[ModelScheduler, InstanceHandle, ScriptedWorker, list]:
+def scripted(model: str) -> tuple[DynamicScheduler, InstanceHandle, ScriptedWorker, list]:
     """A scheduler for `model` with one ready instance on a scripted worker, and the worker's log."""
     log: list = []
     worker = ScriptedWorker(log)
@@ -49,7 +49,7 @@ def scripted(model: str) -> tuple[ModelScheduler, InstanceHandle, ScriptedWorker
                           config=CONFIG, estimate_bytes=0, worker=worker, ready=True,
                           in_seg=Segment.create(new_segment_name("in"), 1 << 16),
                           out_seg=Segment.create(new_segment_name("out"), 1 << 16))
-    scheduler = ModelScheduler(CONFIG, "1")
+    scheduler = DynamicScheduler(CONFIG, "1")
     scheduler.add_instance(inst)
     return scheduler, inst, worker, log
 
@@ -278,6 +278,6 @@ def test_a_group_is_batched_and_answered_as_one_request_and_counted_as_its_membe
         assert isinstance(results[-1], InferenceError) and st.fail.count == 2
 
     asyncio.run(run())
-    no_batching = ModelScheduler(ModelConfig(name="n", max_batch_size=8, inputs=CONFIG.inputs, outputs=CONFIG.outputs),
+    no_batching = DynamicScheduler(ModelConfig(name="n", max_batch_size=8, inputs=CONFIG.inputs, outputs=CONFIG.outputs),
                                  "1")
     assert not no_batching.takes_groups  # each request a batch of its own: a group would change that

@@ -1,4 +1,4 @@
-"""gpud.executor.scheduler's callback API (submit/cancel/_on_reply/_collect/_answer/_split).
+"""gpud.executor.dynamic_scheduler's callback API (submit/cancel/_on_reply/_collect/_answer/_split).
 
 A scripted worker answers batches from the instance's real shared-memory segments; no sleeps, no processes."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gpud.executor.bytes_tensor import encode_bytes_elements
 from gpud.executor.model_config import DynamicBatching, ModelConfig, TensorSpec
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.protocol import Done, Infer, TensorMeta
-from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.shm import Segment, align, new_segment_name
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 
@@ -104,8 +104,8 @@ def _instance(worker: Worker, config: ModelConfig, index: int = 0) -> InstanceHa
 def made():
     instances: list[InstanceHandle] = []
 
-    def make(config: ModelConfig, worker: Worker, n: int = 1) -> tuple[ModelScheduler, list[InstanceHandle]]:
-        scheduler = ModelScheduler(config, "1")
+    def make(config: ModelConfig, worker: Worker, n: int = 1) -> tuple[DynamicScheduler, list[InstanceHandle]]:
+        scheduler = DynamicScheduler(config, "1")
         insts = [_instance(worker, config, i) for i in range(n)]
         for inst in insts:
             scheduler.add_instance(inst)

@@ -15,7 +15,7 @@ from gpud.control_loop import ControlLoop
 from gpud.controller import ControlPolicy
 from gpud.placing.ondemand import eviction_candidates
 from gpud.placing.service import PlacementService
-from gpud.registry import Registry
+from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.hints import HintDecision
 from gpud.telemetry.simulated import SimulatedBackend
@@ -54,7 +54,7 @@ def node(tmp_path):
         "max_batch_size: 2", 'max_batch_size: 2\nparameters { key: "gpud_min_instances" value: { string_value: "1" } }')
     save(model, tmp_path / "repo", "acc", config)
     (tmp_path / "node.yaml").write_text(NODE)
-    registry = Registry(has_gpus=True)
+    registry = new_registry(has_gpus=True)
     pool = RunningPool(model)
     service = PlacementService(SimulatedBackend.from_file(tmp_path / "node.yaml"), pool, registry,
                                device_reserve_bytes=512 * MIB, time_limit_s=0)

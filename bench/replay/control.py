@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpud.executor.device import WorkerDevice
-from gpud.executor.pool import InstanceHandle
-from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.control_loop import ControlLoop
 from gpud.controller import ControlPolicy
 from gpud.placing.results import ControlPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
+from gpud.repository.layout import ModelEntry
+from gpud.scaling.bounds import instance_bounds
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.devices import DeviceBackend
 from gpud.telemetry.hints import DeviceFree, HintPolicy
@@ -54,7 +56,7 @@ class ModelSpec:
     max_instances: int | None = None  # gpud_max_instances
 
 
-class SimScheduler(ModelScheduler):
+class SimScheduler(DynamicScheduler):
     """The real scheduler object (instances, statistics record); its queue is the serving model's."""
 
     sim: SimModel
@@ -171,7 +173,7 @@ class ControlPlane:
         self.settings = settings
         self.loop = asyncio.new_event_loop()
         self._in_loop = False
-        self.registry = Registry(has_gpus=any(d.kind != "cpu" for d in backend.leaf_devices()))
+        self.registry = Registry(any(d.kind != "cpu" for d in backend.leaf_devices()), self._make_version)
         self.pool = SimPool(serving, specs)
         self.service = PlacementService(backend, self.pool, self.registry,
                                         device_reserve_bytes=settings.device_reserve_bytes,
@@ -190,13 +192,16 @@ class ControlPlane:
         self.versions: list[RegisteredVersion] = []
         for name, entry in repo.scan().items():
             for vs in self.registry.register(name, entry):
-                sched = SimScheduler(vs.entry.config, vs.version)
-                sched.sim, sched.serving = serving.models[(vs.name, vs.version)], serving
-                sched.sim.stats = sched.stats  # one record: the model writes it, the hints read it
-                vs.scheduler = sched
                 vs.estimate_bytes = specs[name].memory_bytes
                 self.versions.append(vs)
         serving.on_no_instance = self._on_no_instance
+
+    def _make_version(self, registry: Registry, entry: ModelEntry, version: str) -> RegisteredVersion:
+        """gpud's version record around the real scheduler object, whose queue is the serving model's."""
+        sched = SimScheduler(entry.config, version)
+        sched.sim, sched.serving = self.serving.models[(entry.name, version)], self.serving
+        sched.sim.stats = sched.stats  # one record: the model writes it, the hints read it
+        return RegisteredVersion(entry.name, version, entry, sched, instance_bounds(entry.config))
 
     # --- running coroutines in the model's time -----------------------------------------------------------------
     def _run(self, make: Callable[[], object]) -> None:

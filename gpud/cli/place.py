@@ -114,13 +114,13 @@ def repository_demands(path: str, devices: list[Device], default_max_batch_size:
     (gpud.registry: every served version, its footprint estimate, its instance groups' kinds and pins). A model the
     daemon could not load is reported on stderr and left out."""
     from gpud.repository.layout import ModelRepository
-    from gpud.registry import Registry
+    from gpud.scheduling import new_registry
 
     try:
         scanned = ModelRepository(path, default_max_batch_size=default_max_batch_size).scan()
     except OSError as e:
         raise ValueError(f"{path}: cannot read the model repository: {e}") from None
-    registry = Registry(has_gpus=has_gpus(devices))
+    registry = new_registry(has_gpus(devices))
     versions = []
     for name, result in scanned.items():
         placeable = registry.register(name, result)

@@ -27,6 +27,7 @@ log = logging.getLogger("gpud.executor")
 READ_CHUNK_BYTES = 1 << 18
 
 Reply = Done | Failed | InferenceError
+"""A batch's answer: the worker's outputs (Done), its error (Failed), or the worker lost (InferenceError)."""
 """What a batch's callback gets: the worker's answer, or the error that it will never come."""
 
 

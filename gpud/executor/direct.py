@@ -22,25 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpud.executor.model_config import ModelConfig
 from gpud.executor.datatypes import numpy_dtype
+from gpud.executor.instance import InstanceHandle, LentInstance
+from gpud.executor.local_worker import wake
+from gpud.executor.scheduler import DirectPath, Done, Pending, Scheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
-
-if TYPE_CHECKING:
-    from gpud.executor.instance import InstanceHandle
-    from gpud.executor.local_worker import _Local
-    from gpud.executor.scheduler import Done, ModelScheduler, _Pending
-
-
-def direct_capable(config: ModelConfig) -> bool:
-    """Whether a model's requests may run directly: a plain model (no sequence, no ensemble) without BYTES tensors
-    (those are encoded for shared memory; a direct run would hand the model other element types)."""
-    return (config.sequence_batching is None and config.ensemble is None
-            and all(t.datatype != "BYTES" for t in (*config.inputs, *config.outputs)))
 
 
 class DirectRun:
@@ -49,7 +38,7 @@ class DirectRun:
     __slots__ = ("scheduler", "pending", "inst", "local", "loop", "outputs", "error", "input_ns", "infer_ns",
                  "output_ns")
 
-    def __init__(self, scheduler: ModelScheduler, pending: _Pending, inst: InstanceHandle, local: _Local,
+    def __init__(self, scheduler: DirectPath, pending: Pending, inst: InstanceHandle, local: LentInstance,
                  loop: asyncio.AbstractEventLoop):
         self.scheduler = scheduler
         self.pending = pending
@@ -69,7 +58,7 @@ class DirectRun:
             feed = {name: np.ascontiguousarray(arr, dtype=numpy_dtype(config.input(name).datatype))
                     for name, arr in prepared.inputs.items()}
             t1 = time.perf_counter_ns()
-            results = self.local.model.run(feed, prepared.output_names)
+            results = self.local.run(feed, prepared.output_names)
             t2 = time.perf_counter_ns()
             self.outputs = [np.asarray(arr, dtype=numpy_dtype(config.output(name).datatype))
                             for name, arr in zip(prepared.output_names, results)]
@@ -86,47 +75,40 @@ class DirectRun:
 
     def finish(self) -> None:
         """Free the instance, record and answer (with the lock held again)."""
-        self.inst.worker.release_direct(self.local)
+        worker = self.inst.worker
+        if worker is not None:
+            worker.release_direct(self.local)
         if self.error is None:
             self.local.note_run((self.input_ns + self.infer_ns + self.output_ns) / 1e9,
                                 self.pending.prepared.batch_rows)
         if self.scheduler.end_direct(self.inst, self.pending, self.outputs if self.error is None else self.error,
                                      self.input_ns, self.infer_ns, self.output_ns):
-            wake(self.loop, self.scheduler._step)
+            wake(self.loop, self.scheduler.step)
 
 
-def wake(loop: asyncio.AbstractEventLoop, callback) -> None:
-    """`callback` to run on the loop, from a caller's thread; nothing once the loop is closed (the server stopped,
-    and nothing waits any more)."""
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:
-        pass
-
-
-def start_direct(scheduler: ModelScheduler, request: InferRequest, done: Done, loop: asyncio.AbstractEventLoop,
-                 quick_only: bool = False) -> DirectRun | _Pending | None:
+def start_direct(scheduler: Scheduler, request: InferRequest, done: Done, loop: asyncio.AbstractEventLoop,
+                 quick_only: bool = False) -> DirectRun | Pending | None:
     """Phase 1, with the loop's lock held. A DirectRun for the caller to execute; or the request's handle when it
     was queued the loop's way (the batcher holds it for a batch; `done` answers it, `scheduler.cancel(handle)`
     withdraws it); or None when it was not taken (nothing queued: the caller submits it the loop's way). Bad input
     raises as `submit` does. `quick_only`: only a run expected to be as short as one the loop runs itself (a caller
     on an event loop, which the run holds up)."""
-    inst = scheduler.idle_instance() if getattr(scheduler, "direct_capable", False) else None
-    if inst is None:
+    path = scheduler.direct_path()
+    inst = path.idle_instance() if path is not None else None
+    worker = inst.worker if inst is not None and inst.ready else None
+    if path is None or inst is None or worker is None:
         return None
-    claim = getattr(inst.worker, "claim_direct", None)
-    rows = request.inputs[0].shape[0] if scheduler.config.batches and request.inputs and request.inputs[0].shape \
-        else 1
-    local = claim(inst.key, rows, quick_only) if inst.ready and claim is not None else None
+    rows = request.inputs[0].shape[0] if path.config.batches and request.inputs and request.inputs[0].shape else 1
+    local = worker.claim_direct(inst.key, rows, quick_only)
     if local is None:
         return None
     try:
-        pending, taken = scheduler.begin_direct(request, done, inst)
+        pending, taken = path.begin_direct(request, done, inst)
     except BaseException:
-        inst.worker.release_direct(local)
+        worker.release_direct(local)
         raise
     if not taken:
-        inst.worker.release_direct(local)
-        wake(loop, scheduler._step)  # the loop arms the batcher's timer
+        worker.release_direct(local)
+        wake(loop, path.step)  # the loop arms the batcher's timer
         return pending
-    return DirectRun(scheduler, pending, inst, local, loop)
+    return DirectRun(path, pending, inst, local, loop)

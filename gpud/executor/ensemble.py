@@ -42,33 +42,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, cast
 
 import numpy as np
 
 from gpud.executor.model_config import EnsembleStep, ModelConfig
 from gpud.executor.stats import ModelStats
-from gpud.executor.scheduler import after_delivery, delivering, gathering, infer_through
+from gpud.executor.instance import InstanceHandle
+from gpud.executor.scheduler import (Done, RequestHandle, Scheduler, after_delivery, delivering, gathering,
+                                     infer_through)
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.executor.validation import PreparedCache
 
 log = logging.getLogger("gpud.executor")
 
-Done = Callable[[Any], None]
 _SENDING = (None, None)  # a step's place in `in_flight` while its submit() runs
 _QUEUED = (None, "queued")  # ... while it waits for a slot (max_inflight_requests)
 
 
-class StepTarget(Protocol):
-    """What serves a step: a model version's scheduler (or another ensemble's)."""
-
-    def submit(self, request: InferRequest, done: Done) -> Any: ...
-
-    def cancel(self, handle: Any) -> None: ...
-
-
-Route = Callable[[InferRequest], StepTarget]
-"""The scheduler that serves a request (model name and version), or InferenceError saying why none does."""
+Route = Callable[[InferRequest], Scheduler]
+"""The scheduler that serves a step's request (model name and version: a model's, or another ensemble's), or
+InferenceError saying why none does."""
 
 
 @dataclass(frozen=True)
@@ -124,8 +118,8 @@ def plan_route(steps: Sequence[EnsembleStep], outputs: Sequence[str]) -> _Route:
                   {s.index: s for s in planned})
 
 
-class _Run:
-    """One ensemble request on its way through the steps."""
+class _Run(RequestHandle):
+    """One ensemble request on its way through the steps (the handle `submit` returns)."""
 
     __slots__ = ("request", "done", "route", "rows", "arrival_ns", "sent_ns", "tensors", "waiting", "in_flight",
                  "finished", "compute", "submitting", "error", "steps", "holding")
@@ -158,8 +152,8 @@ class _Group:
     def __init__(self, step: _Step):
         self.step = step
         self.members: list[tuple[_Run, list[InferTensor], int]] = []
-        self.target: StepTarget | None = None
-        self.handle: Any = None
+        self.target: Scheduler | None = None
+        self.handle: RequestHandle | None = None
         self.answered = False
 
     def add(self, run: _Run, inputs: list[InferTensor], rows: int) -> None:
@@ -171,9 +165,9 @@ class _Group:
         """Every member's run is over (answered elsewhere, failed or cancelled): nobody waits for the answer."""
         return all(run.finished for run, _, _ in self.members)
 
-    def cancel(self, run: _Run) -> None:
+    def cancel(self, run: RequestHandle) -> None:
         """`run` is over (the ensemble marks it finished first); the group's request goes once all its runs are."""
-        if self.handle is not None and self.abandoned:
+        if self.target is not None and self.handle is not None and self.abandoned:
             self.target.cancel(self.handle)
             self.handle = None
 
@@ -198,12 +192,15 @@ def _joined(arrays: list[Any]) -> Any:
 
 
 class EnsembleScheduler:
-    """Runs the requests of one ensemble version (rules in the module docstring). Has the interface of
-    gpud.executor.scheduler.ModelScheduler that the core, the registry and shutdown use: submit / cancel / infer,
-    stats, pending_requests, wait_idle, fail_all_queued; no instances."""
+    """Runs the requests of one ensemble version (rules in the module docstring). A
+    gpud.executor.scheduler.Scheduler with no instances: its steps' models have them."""
 
-    live_sequences = 0  # an ensemble holds no sequence state of its own (its steps' schedulers do)
+    # An ensemble holds no sequence state of its own (its steps' schedulers do), and takes requests one at a time.
+    live_sequences = 0
+    backlog_sequences = 0
     instances_needed = 0
+    takes_groups = False
+    instances: tuple[InstanceHandle, ...] = ()
 
     def __init__(self, config: ModelConfig, version: str, route: Route):
         if config.ensemble is None:
@@ -212,7 +209,6 @@ class EnsembleScheduler:
         self.version = version
         self.route = route
         self.stats = ModelStats()
-        self.instances: list = []  # none: the steps' models have them
         self._runs: set[_Run] = set()
         self._idle_waiters: list[asyncio.Future] = []
         self._prepare = PreparedCache(config).prepare
@@ -250,11 +246,13 @@ class EnsembleScheduler:
             route = self._routes[key] = plan_route(self.steps, key)
         return route
 
-    def submit(self, request: InferRequest, done: Done) -> _Run:
+    def submit(self, request: InferRequest, done: Done, members: int = 1) -> _Run:
         """Start `request` through the steps; `done(response_or_error)` is called once, from the event loop. A bad
         request raises InferenceError here (and nothing of it runs). Its first steps are sent at the end of this
         turn of the loop, with those of the other requests that came in it (rule 6); inside a batch's delivery,
         when its answers are out (a first step refused at once there is raised here, as before rule 6)."""
+        if members != 1:
+            raise ValueError(f"ensemble '{self.config.name}' takes no groups of requests")
         arrival_ns = time.perf_counter_ns()
         prepared = self._prepare(request)  # rule 1: raises INVALID_ARGUMENT at once
         route = self._route_for(prepared.output_names if request.outputs is not None else self._all_outputs)
@@ -302,8 +300,9 @@ class EnsembleScheduler:
                         break
                     self._launch(run, run.steps[index])
 
-    def cancel(self, run: _Run) -> None:
+    def cancel(self, handle: RequestHandle) -> None:
         """The client went away: its steps still queued never run; its callback is not called."""
+        run = cast(_Run, handle)  # submit's, by the protocol
         if run.finished:
             return
         run.finished = True
@@ -311,6 +310,15 @@ class EnsembleScheduler:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         return await infer_through(self, request)
+
+    def add_instance(self, inst: InstanceHandle) -> None:
+        raise ValueError(f"ensemble '{self.config.name}' has no instances: its steps' models have them")
+
+    def remove_instance(self, inst: InstanceHandle) -> None:
+        raise ValueError(f"ensemble '{self.config.name}' has no instances: its steps' models have them")
+
+    def direct_path(self) -> None:
+        return None  # its requests go through its steps' schedulers
 
     # --- steps -----------------------------------------------------------------------------------------------
     def _launch(self, run: _Run, step: _Step) -> None:
@@ -442,7 +450,7 @@ class EnsembleScheduler:
             target = self.route(InferRequest(step.model, [], step.version))
         except Exception:  # noqa: BLE001 - each member's own send says why
             target = None
-        if target is None or not getattr(target, "takes_groups", False):
+        if target is None or not target.takes_groups:
             for run, inputs, _ in members:
                 if not run.finished:
                     self._send_one(run, step, inputs)
@@ -458,7 +466,7 @@ class EnsembleScheduler:
             rows += member[2]
         self._submit_group(target, step, chunk)
 
-    def _submit_group(self, target: Any, step: _Step, chunk: list[tuple[_Run, list[InferTensor], int]]) -> None:
+    def _submit_group(self, target: Scheduler, step: _Step, chunk: list[tuple[_Run, list[InferTensor], int]]) -> None:
         chunk = [m for m in chunk if not m[0].finished]  # an earlier chunk's submit may have failed some
         if len(chunk) < 2:
             for run, inputs, _ in chunk:

@@ -1,22 +1,74 @@
-"""A model instance on a device, as the daemon sees it: where it runs, whether it is ready, its shared memory."""
+"""A model instance on a device, as the daemon sees it (where it runs, whether it is ready, its shared memory), and
+what runs it: a `DeviceWorker`, the interface that a worker process's supervisor (gpud.executor.supervisor) and the
+in-process runner (gpud.executor.local_worker) both implement."""
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gpud.executor.model_config import ModelConfig
-from gpud.executor.protocol import DEFAULT_SEGMENT_BYTES, Loaded, LoadFailed, tensor_region_bytes
-from gpud.executor.model_config import execution_config
+import numpy as np
+
+from gpud.executor.busy import BusyTracker
+from gpud.executor.channel import Reply
+from gpud.executor.device import WorkerDevice
+from gpud.executor.model_config import ModelConfig, execution_config
+from gpud.executor.protocol import DEFAULT_SEGMENT_BYTES, Infer, Loaded, LoadFailed, tensor_region_bytes
 from gpud.executor.shm import Segment, new_segment_name
 
-if TYPE_CHECKING:
-    from gpud.executor.local_worker import LocalWorker
-    from gpud.executor.supervisor import WorkerSupervisor
-
 log = logging.getLogger("gpud.executor")
+
+
+class LentInstance(Protocol):
+    """A loaded instance lent to a caller's thread (gpud.executor.direct): it runs one request there."""
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]: ...
+
+    def note_run(self, seconds: float, rows: int) -> None:
+        """A run of `rows` took `seconds` (what the next run's time is estimated from)."""
+        ...
+
+
+class DeviceWorker(Protocol):
+    """What runs one device's instances, as the pool and the schedulers use it."""
+
+    device: WorkerDevice
+    pid: int | None
+    alive: bool
+    in_process: bool  # its instances run in the daemon's own process (no process of their own)
+    restarts: int
+    failures: dict[str, int]  # times it was lost while serving, by cause
+    unhealthy_reason: str | None  # set when gpud gave up on the device
+    providers: tuple[str, ...]
+    instances: dict[str, InstanceHandle]  # by key: the pool adds and removes them
+    busy: BusyTracker
+
+    async def start(self) -> None: ...
+
+    async def load(self, inst: InstanceHandle) -> None:
+        """Load `inst` (one of `instances`): it is ready after, or `inst.error` says why not."""
+        ...
+
+    def submit(self, msg: Infer, callback: Callable[[Reply], None]) -> None:
+        """Run a batch; `callback` gets its Reply, from the event loop, after this returns."""
+        ...
+
+    def poll(self) -> None:
+        """Handle the answers already waiting."""
+        ...
+
+    def forget_segments(self, names: list[str]) -> None: ...
+
+    async def unload(self, key: str) -> None: ...
+
+    async def stop(self, timeout_s: float = 10.0) -> None: ...
+
+    def claim_direct(self, key: str, rows: int = 1, quick_only: bool = False) -> LentInstance | None:
+        """Instance `key` lent to the caller's thread for one run (None: not here, or not quick enough)."""
+        ...
+
+    def release_direct(self, lent: LentInstance) -> None: ...
 
 
 @dataclass(eq=False)
@@ -31,7 +83,7 @@ class InstanceHandle:
     model_path: str
     config: ModelConfig
     estimate_bytes: int
-    worker: WorkerSupervisor | LocalWorker | None = None
+    worker: DeviceWorker | None = None
     ready: bool = False
     memory_bytes: int | None = None  # measured at load
     measured_by: str = ""
@@ -41,7 +93,6 @@ class InstanceHandle:
     in_seg: Segment | None = None
     out_seg: Segment | None = None
     on_ready_change: Callable[[InstanceHandle], None] | None = None
-    _load_future: asyncio.Future[Loaded | LoadFailed] | None = None
 
     def apply_load_reply(self, reply: Loaded | LoadFailed) -> None:
         """The instance is loaded (ready, its footprint measured) or not (`error` says why); logged, and its

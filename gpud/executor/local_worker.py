@@ -26,27 +26,26 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import cast
+
+import numpy as np
 
 from gpud.executor.backend import Backends, ModelInstance
 from gpud.executor.busy import BusyTracker
+from gpud.executor.channel import Reply
 from gpud.executor.device import WorkerDevice
-from gpud.executor.direct import wake
+from gpud.executor.instance import InstanceHandle, LentInstance
 from gpud.executor.protocol import Done, Failed, Infer, Load
 from gpud.executor.model_config import execution_config
 from gpud.executor.shm import Segment
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.executor.worker import load_instance, run_batch
 
-if TYPE_CHECKING:
-    from gpud.executor.instance import InstanceHandle
-
 log = logging.getLogger("gpud.executor")
 
 DEFAULT_INLINE_MAX_S = 0.001
-
-Reply = Done | Failed | InferenceError
 
 
 def runs_inline(last_run_s: float, last_rows: int, rows: int, inline_max_s: float) -> bool:
@@ -55,8 +54,20 @@ def runs_inline(last_run_s: float, last_rows: int, rows: int, inline_max_s: floa
     return last_run_s * max(1.0, rows / max(1, last_rows)) <= inline_max_s
 
 
-class _Local:
-    """One loaded instance: its model, its thread (made for its first batch too long to run inline), its last run."""
+def wake(loop: asyncio.AbstractEventLoop | None, callback: Callable[[], object]) -> None:
+    """`callback` to run on the loop, from a caller's thread; nothing once the loop is closed (the server stopped,
+    and nothing waits any more)."""
+    if loop is None:
+        return
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass
+
+
+class LocalInstance:
+    """One loaded instance: its model, its thread (made for its first batch too long to run inline), its last run.
+    A LentInstance while a caller's thread runs it."""
 
     __slots__ = ("inst", "model", "thread", "last_run_s", "last_rows", "direct_runs", "direct_over")
 
@@ -68,6 +79,9 @@ class _Local:
         self.last_rows = 1
         self.direct_runs = 0  # callers running it in their threads now (gpud.executor.direct)
         self.direct_over: asyncio.Future | None = None  # an unload waiting for them
+
+    def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
+        return self.model.run(inputs, output_names)
 
     def note_run(self, seconds: float, rows: int) -> None:
         """A batch of `rows` took `seconds`: the next one's estimate starts from it."""
@@ -84,7 +98,9 @@ class _Local:
 
 
 class LocalWorker:
-    """The instances of one device, run in this process (see the module's docstring)."""
+    """The instances of one device, run in this process (see the module's docstring): a DeviceWorker."""
+
+    in_process = True
 
     def __init__(self, device: WorkerDevice, *, clock: Callable[[], float] = time.monotonic,
                  backends: Backends | None = None, inline_max_s: float = DEFAULT_INLINE_MAX_S):
@@ -104,7 +120,7 @@ class LocalWorker:
         self.instances: dict[str, InstanceHandle] = {}
         self.busy = BusyTracker(clock)
         self._load_lock = threading.Lock()
-        self._local: dict[str, _Local] = {}
+        self._local: dict[str, LocalInstance] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -122,7 +138,7 @@ class LocalWorker:
             if inst.key in self.instances:
                 # The warm-up's share of the load time is unknown; the load time bounds it, so a model that loads
                 # slowly starts on its thread and moves inline once a batch shows it is quick.
-                self._local[inst.key] = _Local(inst, model, reply.load_seconds)
+                self._local[inst.key] = LocalInstance(inst, model, reply.load_seconds)
             else:  # unloaded while it loaded
                 model.close()
         inst.apply_load_reply(reply)
@@ -151,14 +167,14 @@ class LocalWorker:
 
         local.thread.submit(run)
 
-    def _run(self, local: _Local, msg: Infer, rows: int) -> Done | Failed:
+    def _run(self, local: LocalInstance, msg: Infer, rows: int) -> Done | Failed:
         reply = run_batch(local.model, local.segment, msg)
         if isinstance(reply, Done):
             local.note_run((reply.input_ns + reply.infer_ns + reply.output_ns) / 1e9, rows)
         return reply
 
     # --- runs in a caller's thread (gpud.executor.direct), with the loop's lock held ----------------------------------
-    def claim_direct(self, key: str, rows: int = 1, quick_only: bool = False) -> _Local | None:
+    def claim_direct(self, key: str, rows: int = 1, quick_only: bool = False) -> LocalInstance | None:
         """Instance `key`'s model for a caller to run a request of `rows` in its own thread, or None when it is
         not loaded here (or, `quick_only`, when the run is expected to take longer than a batch the loop runs
         itself). Counted busy until release_direct; an unload waits for it."""
@@ -171,7 +187,8 @@ class LocalWorker:
         self.busy.begin()
         return local
 
-    def release_direct(self, local: _Local) -> None:
+    def release_direct(self, lent: LentInstance) -> None:
+        local = cast(LocalInstance, lent)  # claim_direct's
         local.direct_runs -= 1
         self.busy.end()
         over = local.direct_over
@@ -196,7 +213,7 @@ class LocalWorker:
             return
         await self._close(local)
 
-    async def _close(self, local: _Local) -> None:
+    async def _close(self, local: LocalInstance) -> None:
         if local.direct_runs:
             local.direct_over = self._loop.create_future()
             await local.direct_over

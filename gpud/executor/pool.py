@@ -12,7 +12,7 @@ import time
 from typing import Any, Callable
 
 from gpud.executor.device import WorkerDevice
-from gpud.executor.instance import InstanceHandle
+from gpud.executor.instance import DeviceWorker, InstanceHandle
 from gpud.executor.local_worker import LocalWorker
 from gpud.executor.supervisor import DEFAULT_WORKER_HANG_S, CrashLoop, WorkerSupervisor
 from gpud.executor.types import InferenceError
@@ -35,14 +35,15 @@ class ExecutorPool:
         self.worker_start_timeout_s = worker_start_timeout_s
         self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
         self.worker_log_level = worker_log_level
-        self.workers: dict[str, WorkerSupervisor | LocalWorker] = {}
+        self.workers: dict[str, DeviceWorker] = {}
         self._start_locks: dict[str, asyncio.Lock] = {}
 
-    async def _worker(self, device: WorkerDevice) -> WorkerSupervisor | LocalWorker:
+    async def _worker(self, device: WorkerDevice) -> DeviceWorker:
         lock = self._start_locks.setdefault(device.id, asyncio.Lock())
         async with lock:
             worker = self.workers.get(device.id)
             if worker is None:
+                worker: DeviceWorker
                 if self.in_process and not device.has_cuda:
                     worker = LocalWorker(device, clock=self.clock)
                 else:
@@ -53,7 +54,7 @@ class ExecutorPool:
                 self.workers[device.id] = worker
             return worker
 
-    async def start_worker(self, device: WorkerDevice) -> WorkerSupervisor | LocalWorker:
+    async def start_worker(self, device: WorkerDevice) -> DeviceWorker:
         """`device`'s worker, started first if it is not running (InferenceError when it cannot start)."""
         return await self._worker(device)
 
@@ -109,7 +110,7 @@ class ExecutorPool:
     def worker_info(self) -> list[dict[str, Any]]:
         return [{"device": w.device.id, "pid": w.pid, "alive": w.alive, "restarts": w.restarts,
                  "failures": dict(w.failures), "unhealthy_reason": w.unhealthy_reason,
-                 "in_process": isinstance(w, LocalWorker)}
+                 "in_process": w.in_process}
                 for w in self.workers.values()]
 
     async def shutdown(self) -> None:

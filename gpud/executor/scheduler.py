@@ -1,9 +1,16 @@
-"""The asyncio driver of one model version: queue (gpud.executor.batcher), instances, batches in shared memory.
+"""What every model version's scheduler is (the `Scheduler` protocol) and what the schedulers share.
 
-Three events move it: a request arrives, an instance finishes a batch (or becomes ready), a timer fires. After each
-it runs the batcher's step: fail expired requests, dispatch batches while instances are free, arm one timer.
-Completion is a callback from the worker channel's reader, not a task per batch. Putting a batch into shared memory and
-taking its outputs out is gpud.executor.protocol's; this module decides what runs where and when, and answers the requests.
+A version's scheduler queues its requests, runs them on its instances and answers them: one per served version,
+whatever decides its batches. `gpud.executor.dynamic_scheduler.DynamicScheduler` (dynamic batching, or none),
+`gpud.executor.sequence_scheduler.SequenceScheduler` (sequence batching) and
+`gpud.executor.ensemble.EnsembleScheduler` (an ensemble's requests through its steps) implement it; the registry,
+the core, the placement service and the caller's-thread path (gpud.executor.direct) use nothing else. Which one
+serves a configuration is decided in one place (gpud.scheduling).
+
+Shared here: the request handle, the delivery of a batch's answers (requests they submit to other models are batched
+once the answers are all out), `infer_through`, and `SchedulerBase`: what a scheduler that runs batches on instances
+does whatever its batcher (readiness, one step timer, the wait for a ready instance, answering into the statistics
+record, waiting until idle).
 """
 from __future__ import annotations
 
@@ -11,14 +18,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from gpud.executor import protocol
-from gpud.executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
-from gpud.executor.direct import direct_capable
+from gpud.executor.batcher import QueuedRequest
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.stats import ModelStats
@@ -28,12 +34,124 @@ from gpud.executor.validation import PreparedCache, PreparedRequest
 log = logging.getLogger("gpud.executor")
 
 
-# While requests pour in, look for finished batches at most this often (one non-blocking poll of the worker pipe).
-_POLL_INTERVAL_S = 50e-6
-
-
 Done = Callable[[Any], None]
 """Called once with the request's InferResponse or its InferenceError."""
+
+
+class RequestHandle:
+    """What `Scheduler.submit` returns: opaque to the caller, for `cancel` on the same scheduler."""
+
+    __slots__ = ()
+
+
+class Scheduler(Protocol):
+    """One served model version's requests: queued, run and answered. Every method runs on the event loop."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def version(self) -> str: ...
+
+    @property
+    def stats(self) -> ModelStats:
+        """The one record of the version's requests and batches (gpud.executor.stats): others read it."""
+        ...
+
+    @property
+    def instances(self) -> Sequence[InstanceHandle]:
+        """The instances that serve the version: the one list of them (add_instance, remove_instance change it;
+        everyone else reads it). Always empty for an ensemble."""
+        ...
+
+    @property
+    def has_ready_instance(self) -> bool: ...
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests queued or running; a group (submit's `members`) counts as the requests it stands for."""
+        ...
+
+    @property
+    def live_sequences(self) -> int:
+        """Sequences holding state (a sequence model's; 0 for others)."""
+        ...
+
+    @property
+    def backlog_sequences(self) -> int:
+        """Live sequences waiting for a free slot (a sequence model's; 0 for others)."""
+        ...
+
+    @property
+    def instances_needed(self) -> int:
+        """The fewest instances whose slots hold the live sequences (the controller keeps at least this many)."""
+        ...
+
+    @property
+    def takes_groups(self) -> bool:
+        """Whether `submit(..., members=n)` may carry n requests' rows as one request."""
+        ...
+
+    def submit(self, request: InferRequest, done: Done, members: int = 1) -> RequestHandle:
+        """Queue `request`; `done(response_or_error)` is called once, from the event loop. Bad input and a full
+        queue raise InferenceError at once and change nothing. `members` > 1 only where `takes_groups`."""
+        ...
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """The client went away: its callback is not called (whether it still runs is the scheduler's to say)."""
+        ...
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        """`submit` as a coroutine; cancelling the awaiting task withdraws the request."""
+        ...
+
+    def add_instance(self, inst: InstanceHandle) -> None: ...
+
+    def remove_instance(self, inst: InstanceHandle) -> None:
+        """No new batch goes to `inst` (the one it runs is answered)."""
+        ...
+
+    async def wait_idle(self) -> None:
+        """Returns when nothing is queued or running: every accepted request has its answer."""
+        ...
+
+    def fail_all_queued(self, message: str) -> None:
+        """Fail what waits (UNAVAILABLE with `message`): an unload or shutdown that waited long enough."""
+        ...
+
+    def direct_path(self) -> DirectPath | None:
+        """How a caller's thread may run a lone request itself (gpud.executor.direct), or None where it may not."""
+        ...
+
+
+class DirectPath(Protocol):
+    """A scheduler's side of a request run in its caller's thread (gpud.executor.direct), with the loop's lock held."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def idle_instance(self) -> InstanceHandle | None:
+        """The instance a caller may take for its request: the first free one while nothing is queued."""
+        ...
+
+    def begin_direct(self, request: InferRequest, done: Done, inst: InstanceHandle) -> tuple[Pending, bool]:
+        """Queue `request` as submit does and ask the batcher now: True when `inst` is taken for it alone."""
+        ...
+
+    def end_direct(self, inst: InstanceHandle, pending: Pending, outputs: list[np.ndarray] | InferenceError,
+                   input_ns: int, infer_ns: int, output_ns: int) -> bool:
+        """The caller's run is over: answer it, free `inst`; True when the loop has work now."""
+        ...
+
+    def cancel(self, handle: RequestHandle) -> None: ...
+
+    def step(self) -> None:
+        """Decide and dispatch now (from the loop)."""
+        ...
+
+
+
+
 
 
 class _Delivery(threading.local):
@@ -45,7 +163,7 @@ class _Delivery(threading.local):
     depth = 0
 
     def __init__(self) -> None:
-        self.deferred: dict[ModelScheduler, None] = {}  # schedulers to step, in the order their requests came
+        self.deferred: dict[SchedulerBase, None] = {}  # schedulers to step, in the order their requests came
         self.flushes: dict[Callable[[], None], None] = {}  # to call when the answers are out, before stepping
 
 
@@ -55,6 +173,15 @@ _delivery = _Delivery()
 def delivering() -> bool:
     """Whether a batch's answers are being delivered on this thread (see after_delivery)."""
     return _delivery.depth > 0
+
+
+def defer_step(scheduler: SchedulerBase) -> bool:
+    """While a batch's answers are being delivered on this thread: `scheduler` is stepped once they are all out (a
+    request they submit is batched with the others), and True. Else False: the caller steps it now."""
+    if _delivery.depth:
+        _delivery.deferred[scheduler] = None
+        return True
+    return False
 
 
 def after_delivery(flush: Callable[[], None]) -> None:
@@ -96,10 +223,10 @@ def _finish_delivery() -> None:
         while d.deferred and not d.flushes:
             scheduler = next(iter(d.deferred))
             del d.deferred[scheduler]
-            scheduler._step()
+            scheduler.step()
 
 
-class _Pending:
+class Pending(RequestHandle):
     __slots__ = ("request", "prepared", "done", "arrival_ns", "dispatch_ns", "finished", "queued", "members")
 
     def __init__(self, request: InferRequest, prepared: PreparedRequest, done: Done, arrival_ns: int,
@@ -129,11 +256,13 @@ class SchedulerBase:
     """What a model version's scheduler does whatever decides its batches (the dynamic batcher here, the sequence
     batcher in gpud.executor.sequence_scheduler): its instances' readiness, one step timer, the wait for a ready instance,
     answering and failing requests into the statistics record, and waiting until idle. A subclass provides
-    `_step()` (decide and dispatch) and `_queued_requests()`."""
+    `step()` (decide and dispatch) and `_queued_requests()`."""
 
     # Sequences live only in a sequence model's scheduler, which overrides these.
     live_sequences = 0
+    backlog_sequences = 0
     instances_needed = 0  # the fewest instances whose slots hold the live sequences
+    takes_groups = False
     _unready_note = ""  # added to the message of requests failed for want of a ready instance
 
     def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float):
@@ -145,7 +274,7 @@ class SchedulerBase:
         self.unready_wait_s = unready_wait_s
         self._unready_timer: asyncio.TimerHandle | None = None
         self.stats = ModelStats()  # the one record of this version's requests (gpud.executor.stats): others read it
-        self.instances: list[InstanceHandle] = []
+        self._instances: list[InstanceHandle] = []  # the one list of them: `instances` to read it
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s: float | None = None
         self._idle_waiters: list[asyncio.Future] = []
@@ -153,11 +282,18 @@ class SchedulerBase:
         self._running: dict[InstanceHandle, Any] = {}  # the batch each busy instance runs
         self._prepare = PreparedCache(config).prepare
 
-    def _step(self) -> None:
+    def step(self) -> None:
         raise NotImplementedError
 
     def _queued_requests(self) -> int:
         raise NotImplementedError
+
+    @property
+    def instances(self) -> Sequence[InstanceHandle]:
+        return self._instances
+
+    def direct_path(self) -> DirectPath | None:
+        return None  # a subclass whose requests may run in their callers' threads says how
 
     @property
     def ready_instances(self) -> int:
@@ -197,7 +333,7 @@ class SchedulerBase:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_at_s = None
-        self._step()
+        self.step()
 
     # --- no instance ready -------------------------------------------------------------------------------------
     def _arm_unready_deadline(self) -> None:
@@ -228,7 +364,7 @@ class SchedulerBase:
             return InferenceError(kind, f"model '{self.config.name}' failed: {reply.error}")
         return None
 
-    def _answer(self, batch: list[_Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
+    def _answer(self, batch: list[Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
                 output_ns: int, now_ns: int) -> None:
         rows = 0
         queue_ns: list[int] = []
@@ -252,7 +388,7 @@ class SchedulerBase:
                 p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
 
-    def _fail(self, batch: list[_Pending], exc: InferenceError) -> None:
+    def _fail(self, batch: list[Pending], exc: InferenceError) -> None:
         now_ns = time.perf_counter_ns()
         for p in batch:
             for _ in range(p.members):
@@ -260,7 +396,7 @@ class SchedulerBase:
             p.finish(exc)
 
     # --- a staged batch to its instance ------------------------------------------------------------------------
-    def _submit_batch(self, inst: InstanceHandle, batch: list[_Pending], handle: Any, inputs: tuple,
+    def _submit_batch(self, inst: InstanceHandle, batch: list[Pending], handle: Any, inputs: tuple,
                       output_names: tuple[str, ...], t0_ns: int,
                       on_reply: Callable[[InstanceHandle, Any, Any, int], None]) -> InferenceError | None:
         """Send a batch whose inputs are staged (since `t0_ns`) to its instance: each request's dispatch time, the
@@ -289,222 +425,9 @@ class SchedulerBase:
         self._idle_waiters.append(fut)
         await fut
 
-class ModelScheduler(SchedulerBase):
-    """Queues, batches and runs the requests of one model version on its instances."""
-
-    def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
-        super().__init__(config, version, clock, unready_wait_s)
-        adaptive = config.options.batching == "adaptive"  # "triton": Triton's exact dynamic batcher
-        self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
-                                clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive,
-                                default_max_queue_size=default_max_queue_size)
-        self._free: deque[InstanceHandle] = deque()
-        self._running: dict[InstanceHandle, list[_Pending]] = {}
-        self._polled_s = 0.0
-        self._output_types = {o.name: o.datatype for o in config.outputs}
-        self.direct_capable = direct_capable(config)  # gpud.executor.direct may run a lone request in its caller
-
-    def _queued_requests(self) -> int:
-        return len(self.queue)
-
-    # --- instances -------------------------------------------------------------------------------------------
-    def add_instance(self, inst: InstanceHandle) -> None:
-        inst.on_ready_change = self._on_ready_change
-        self.instances.append(inst)
-        if inst.ready:
-            self._free.append(inst)
-            self._cancel_unready_deadline()
-            self._step()
-
-    def remove_instance(self, inst: InstanceHandle) -> None:
-        inst.on_ready_change = None
-        if inst in self.instances:
-            self.instances.remove(inst)
-        if inst in self._free:
-            self._free.remove(inst)
-
-    def _on_ready_change(self, inst: InstanceHandle) -> None:
-        if inst.ready and inst not in self._free and inst not in self._running:
-            self._free.append(inst)
-            self._cancel_unready_deadline()
-            self._step()
-        elif not inst.ready and inst in self._free:
-            self._free.remove(inst)
-
-    @property
-    def pending_requests(self) -> int:
-        """Requests queued or running; a group (submit's `members`) counts as the requests it stands for."""
-        return sum(q.payload.members for q in self.queue) + sum(p.members for b in self._running.values() for p in b)
-
-    # --- requests --------------------------------------------------------------------------------------------
-    @property
-    def takes_groups(self) -> bool:
-        """Whether requests may come as groups (`submit(..., members=n)`): a model that batches them anyway."""
-        return self.config.batches and self.config.dynamic_batching is not None
-
-    def _enqueue(self, request: InferRequest, done: Done, members: int = 1) -> _Pending:
-        """`request` checked and queued; bad input and a full queue raise InferenceError and change nothing."""
-        prepared = self._prepare(request)
-        pending = _Pending(request, prepared, done, time.perf_counter_ns(), members)
-        queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
-                               priority=request.priority, timeout_us=request.timeout_us)
-        self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
-        pending.queued = queued
-        return pending
-
-    def submit(self, request: InferRequest, done: Done, members: int = 1) -> _Pending:
-        """Queue `request`; `done(response_or_error)` is called once when it is answered (from the event loop).
-        Bad input and a full queue raise InferenceError at once and change nothing. The returned handle is for
-        `cancel`. A callback, not a future: a front end that answers from it needs no task per request.
-        `members` > 1 (only where `takes_groups`): the request is that many requests' rows, concatenated (an
-        ensemble's step for several of its requests): it is batched and answered as one, and counted as that many
-        requests in the statistics."""
-        pending = self._enqueue(request, done, members)
-        if _delivery.depth:
-            _delivery.deferred[self] = None  # batched once the answers being delivered are all out
-        else:
-            self._step()
-        if not self._free:
-            self._arm_unready_deadline()
-        if self._running:
-            now_s = time.perf_counter()
-            if now_s - self._polled_s >= _POLL_INTERVAL_S:
-                self._polled_s = now_s
-                for inst in list(self._running):
-                    inst.worker.poll()
-        return pending
-
-    # --- a request run by its caller (gpud.executor.direct; the loop's lock held) -----------------------------------
-    def idle_instance(self) -> InstanceHandle | None:
-        """The instance a caller may take for its request: the first free one while nothing is queued."""
-        return self._free[0] if self._free and not self.queue else None
-
-    def begin_direct(self, request: InferRequest, done: Done, inst: InstanceHandle) -> tuple[_Pending, bool]:
-        """Queue `request` as submit does and ask the batcher now; True when it dispatched this request alone, and
-        `inst` (the first free instance) is then taken for it. False: it stays queued for the loop."""
-        pending = self._enqueue(request, done)
-        decision = self.queue.decide(len(self._free))
-        if not isinstance(decision, Dispatch):
-            return pending, False
-        pending.queued = None
-        self._free.remove(inst)
-        self._running[inst] = [pending]
-        pending.dispatch_ns = time.perf_counter_ns()
-        return pending, True
-
-    def end_direct(self, inst: InstanceHandle, pending: _Pending, outputs: list[np.ndarray] | InferenceError,
-                   input_ns: int, infer_ns: int, output_ns: int) -> bool:
-        """The caller's run on `inst` is over: the instance is free again (if it still serves), the request answered
-        with its outputs (in its requested outputs' order) or failed. True when the loop has work now (requests
-        queued meanwhile, a wait for idleness)."""
-        self._running.pop(inst, None)
-        if inst.ready and inst in self.instances:
-            self._free.append(inst)
-        if isinstance(outputs, InferenceError):
-            self._fail([pending], outputs)
-        else:
-            names = pending.prepared.output_names
-            tensors = [InferTensor(n, self._output_types[n], a.shape, a) for n, a in zip(names, outputs)]
-            self._answer([pending], [tensors], input_ns, infer_ns, output_ns, time.perf_counter_ns())
-        return bool(self.queue) or bool(self._idle_waiters)
-
-    def cancel(self, pending: _Pending) -> None:
-        """The client went away: if the request is still queued it never runs; its callback is not called."""
-        pending.finished = True
-        if pending.queued is not None:
-            self.queue.remove(pending.queued)
-            pending.queued = None
-            self._notify_if_idle()  # the queue may just have emptied: a shutdown waiting for idle goes on
-
-    def _step(self) -> None:
-        for q in self.queue.expire():
-            self._fail([q.payload], timeout_error())
-        while True:
-            decision = self.queue.decide(len(self._free))
-            if isinstance(decision, Dispatch):
-                batch = [q.payload for q in decision.requests if not q.payload.finished]
-                for p in batch:
-                    p.queued = None  # out of the queue; and no cycle (queued.payload is p) keeping the body alive
-                if batch:
-                    self._run(self._free.popleft(), batch)
-                continue
-            self._arm_timer(decision.until_s if isinstance(decision, Wait) else None)
-            break
-        self._notify_if_idle()
-
-    # --- one batch -------------------------------------------------------------------------------------------
-    def _run(self, inst: InstanceHandle, batch: list[_Pending]) -> None:
-        t0 = time.perf_counter_ns()
-        try:
-            inputs = protocol.write_inputs(self.config, [p.prepared.inputs for p in batch], inst.ensure_capacity)
-        except Exception as exc:  # e.g. /dev/shm full: this batch fails, the instance stays usable
-            self._free.appendleft(inst)
-            self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
-            return
-        output_names = tuple(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
-        error = self._submit_batch(inst, batch, batch, inputs, output_names, t0, self._on_reply)
-        if error is not None:
-            self._fail(batch, error)
-
-    def _on_reply(self, inst: InstanceHandle, batch: list[_Pending],
-                  reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
-        self._running.pop(inst, None)
-        answers = None
-        error = self._reply_error(reply)
-        if error is None:
-            try:
-                answers = self._collect(inst, batch, reply, stage_ns)
-            except Exception as exc:
-                log.exception("model %s: reading a batch's outputs failed", self.config.name)
-                error = InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")
-        if inst.ready and inst in self.instances:
-            self._free.append(inst)
-        # The outputs are out of shared memory: hand the instance its next batch before answering this one, so the
-        # worker computes while the front end encodes and writes the answers.
-        self._answering += 1
-        try:
-            self._step()
-        finally:
-            self._answering -= 1
-            if error is not None:
-                self._fail(batch, error)
-            else:
-                self._answer(batch, *answers)
-            self._notify_if_idle()
-
-    def _collect(self, inst: InstanceHandle, batch: list[_Pending], reply: protocol.Done,
-                 stage_ns: int) -> tuple[list[list[InferTensor]], int, int, int, int]:
-        """The batch's outputs copied out of shared memory (the instance's output segment is reused by the next
-        batch), split per request, and its timings (input, infer, output ns; time read)."""
-        t0 = time.perf_counter_ns()
-        per_request = self._split(batch, protocol.read_outputs(reply, inst.out_seg))
-        now_ns = time.perf_counter_ns()
-        return (per_request, stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + (now_ns - t0), now_ns)
-
-    def _split(self, batch: list[_Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:
-        """Each request's rows of every output: views into the batch's outputs (already copied out of shm)."""
-        if not self.config.batches or len(batch) == 1:
-            return [[InferTensor(name, datatype, arr.shape, arr) for name, datatype, arr in outputs]]
-        per_request: list[list[InferTensor]] = [[] for _ in batch]
-        for name, datatype, arr in outputs:
-            start = 0
-            for i, p in enumerate(batch):
-                stop = start + p.prepared.batch_rows
-                part = arr[start:stop]
-                start = stop
-                per_request[i].append(InferTensor(name, datatype, part.shape, part))
-        return per_request
-
-    # --- shutdown / unload -----------------------------------------------------------------------------------
-    def fail_all_queued(self, message: str) -> None:
-        self._fail([q.payload for q in self.queue.drain()], InferenceError(ErrorKind.UNAVAILABLE, message))
-        self._step()
-
-
-async def infer_through(scheduler: Any, request: InferRequest) -> InferResponse:
-    """`scheduler.submit` as a coroutine (any scheduler with submit(request, done) and cancel(handle)): the answer,
-    or the error raised; cancelling the awaiting task withdraws the request."""
+async def infer_through(scheduler: Scheduler, request: InferRequest) -> InferResponse:
+    """`scheduler.submit` as a coroutine: the answer, or the error raised; cancelling the awaiting task withdraws the
+    request."""
     future = asyncio.get_running_loop().create_future()
 
     def done(result: Any) -> None:

@@ -1,7 +1,7 @@
 """The asyncio driver of one sequence model version: gpud.executor.sequence_batcher decides which slot each sequence
 holds and what each instance runs; this module parses the sequence parameters of a request, adds the control
 tensors and the implicit state to each batch row, runs the batch on its instance (shared memory, as
-gpud.executor.scheduler does), keeps each sequence's state from its answer, and answers the requests.
+gpud.executor.dynamic_scheduler does), keeps each sequence's state from its answer, and answers the requests.
 
 Where the implicit state lives: here, in the daemon, one set of arrays per live sequence, and it travels to the
 worker and back with each batch through the instance's shared-memory segments, like any input and output. Not in
@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from gpud.executor import protocol
 from gpud.executor.batcher import Wait
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.model_config import ModelConfig
-from gpud.executor.scheduler import Done, SchedulerBase, _Pending
+from gpud.executor.scheduler import Done, Pending, RequestHandle, SchedulerBase
 from gpud.executor.sequence_batcher import (CorrelationId, SequenceBatcher, SequenceDispatch, SequenceRequest,
                                        describe_id)
 from gpud.executor.sequence_config import CORRID, END, READY, START, control_value, initial_state
@@ -73,8 +73,8 @@ def sequence_parameters(parameters: Mapping[str, Any]) -> tuple[CorrelationId, b
 
 
 class SequenceScheduler(SchedulerBase):
-    """Queues, batches and runs the requests of one sequence model version on its instances. The same face as
-    gpud.executor.scheduler.ModelScheduler (the registry, the placement service and the core use either)."""
+    """Queues, batches and runs the requests of one sequence model version on its instances. A
+    gpud.executor.scheduler.Scheduler."""
 
     _unready_note = "; its sequences keep their state"
 
@@ -101,23 +101,23 @@ class SequenceScheduler(SchedulerBase):
     # --- instances -------------------------------------------------------------------------------------------
     def add_instance(self, inst: InstanceHandle) -> None:
         inst.on_ready_change = self._on_ready_change
-        self.instances.append(inst)
+        self._instances.append(inst)
         if inst.ready:
             self.batcher.add_instance(inst.key)
             self._cancel_unready_deadline()
-            self._step()
+            self.step()
 
     def remove_instance(self, inst: InstanceHandle) -> None:
         """It takes no more batches; its sequences go on elsewhere with their state (the one it runs, once
         answered)."""
         inst.on_ready_change = None
-        if inst in self.instances:
-            self.instances.remove(inst)
+        if inst in self._instances:
+            self._instances.remove(inst)
         moved = self.batcher.remove_instance(inst.key)
         if moved:
             log.info("model %s version %s: %d sequence(s) of instance %s moved to other instances or the backlog",
                      self.config.name, self.version, len(moved), inst.key)
-        self._step()
+        self.step()
 
     def _on_ready_change(self, inst: InstanceHandle) -> None:
         if inst.ready:
@@ -128,7 +128,7 @@ class SequenceScheduler(SchedulerBase):
             if moved:
                 log.warning("model %s version %s: instance %s is down; its %d sequence(s) go on elsewhere",
                             self.config.name, self.version, inst.key, len(moved))
-        self._step()
+        self.step()
 
     def _queued_requests(self) -> int:
         return self.batcher.queued_requests
@@ -152,10 +152,12 @@ class SequenceScheduler(SchedulerBase):
         return self.batcher.instances_needed
 
     # --- requests --------------------------------------------------------------------------------------------
-    def submit(self, request: InferRequest, done: Done) -> _Pending:
+    def submit(self, request: InferRequest, done: Done, members: int = 1) -> Pending:
         """Queue `request` in its sequence; `done(response_or_error)` is called once it is answered. A bad request
         (no correlation id, not START for an unknown id, batch size over 1, bad input) raises InferenceError at once
-        and changes nothing."""
+        and changes nothing. Requests come one at a time (takes_groups is False)."""
+        if members != 1:
+            raise ValueError(f"model '{self.config.name}' takes no groups of requests (sequence batching)")
         cid, start, end = sequence_parameters(request.parameters)
         prepared = self._prepare(request)
         if self.config.batches and prepared.batch_rows != 1:
@@ -167,22 +169,22 @@ class SequenceScheduler(SchedulerBase):
             if isinstance(cid, str) != wants_string and cid not in (0, ""):
                 raise _bad(f"sequence batching control '{self._corrid.name}' data-type is '{given}', but model "
                            f"'{self.config.name}' expects '{self._corrid.datatype}'")
-        pending = _Pending(request, prepared, done, time.perf_counter_ns())
+        pending = Pending(request, prepared, done, time.perf_counter_ns())
         req = SequenceRequest(payload=pending, correlation_id=cid, start=start, end=end,
                               shape_key=prepared.shape_key, timeout_us=request.timeout_us)
         warning = self.batcher.enqueue(req)  # raises at once and changes nothing
         if warning:
             log.warning("%s", warning)
-        self._step()
+        self.step()
         self._arm_unready_deadline()
         return pending
 
-    def cancel(self, pending: _Pending) -> None:
+    def cancel(self, handle: RequestHandle) -> None:
         """The client went away. Its request still runs when its turn comes (the sequence's state goes through it,
         as through every request the sequence accepted); only its answer is dropped."""
-        pending.finished = True
+        cast(Pending, handle).finished = True  # submit's, by the protocol
 
-    def _step(self) -> None:
+    def step(self) -> None:
         expired = self.batcher.expire()
         for req, error in expired.failed:
             self._fail([req.payload], error)
@@ -237,7 +239,7 @@ class SequenceScheduler(SchedulerBase):
         except Exception as exc:  # e.g. /dev/shm full: this batch fails, the instance stays usable
             self.batcher.complete(d)
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
-            self._step()
+            self.step()
             return
         output_names = tuple(dict.fromkeys([n for p in batch for n in p.prepared.output_names]
                                            + list(self._state_outputs)))
@@ -270,7 +272,7 @@ class SequenceScheduler(SchedulerBase):
         self.batcher.complete(d)
         self._answering += 1
         try:
-            self._step()
+            self.step()
         finally:
             self._answering -= 1
             if error is not None:
@@ -309,4 +311,4 @@ class SequenceScheduler(SchedulerBase):
     # --- shutdown / unload -----------------------------------------------------------------------------------
     def fail_all_queued(self, message: str) -> None:
         self._fail([r.payload for r in self.batcher.drain()], InferenceError(ErrorKind.UNAVAILABLE, message))
-        self._step()
+        self.step()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from gpud.executor.busy import BusyTracker
 from gpud.executor.channel import Reply, WorkerChannel
 from gpud.executor.device import WorkerDevice
-from gpud.executor.instance import InstanceHandle
+from gpud.executor.instance import InstanceHandle, LentInstance
 from gpud.executor.protocol import (Exit, ForgetSegments, FromWorker, Hello, Infer, Load, Loaded, LoadFailed, ToWorker,
                                Unload, Unloaded)
 from gpud.executor.model_config import execution_config
@@ -83,7 +83,9 @@ def worker_env(device: WorkerDevice, base: dict[str, str] | None = None) -> dict
 
 
 class WorkerSupervisor:
-    """The daemon's side of one device worker process: what schedulers submit batches to."""
+    """The daemon's side of one device worker process: what schedulers submit batches to (a DeviceWorker)."""
+
+    in_process = False  # its instances run in the worker process
 
     def __init__(self, device: WorkerDevice, *, clock: Callable[[], float] = time.monotonic,
                  start_timeout_s: float = 60.0, hang_s: float = DEFAULT_WORKER_HANG_S, log_level: int = logging.INFO,
@@ -105,6 +107,7 @@ class WorkerSupervisor:
         self.unhealthy_reason: str | None = None  # set when gpud gives up on the device (a crash loop)
         self.instances: dict[str, InstanceHandle] = {}
         self.busy = BusyTracker(clock)
+        self._loads: dict[str, asyncio.Future[Loaded | LoadFailed]] = {}  # loads under way, by instance key
         self._hello: asyncio.Future | None = None
         self._unloads: dict[str, asyncio.Future] = {}
         self._stopping = False
@@ -169,9 +172,9 @@ class WorkerSupervisor:
 
     def _on_message(self, msg: FromWorker) -> None:
         if isinstance(msg, (Loaded, LoadFailed)):
-            inst = self.instances.get(msg.key)
-            if inst is not None and inst._load_future is not None and not inst._load_future.done():
-                inst._load_future.set_result(msg)
+            fut = self._loads.get(msg.key)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, Unloaded):
             fut = self._unloads.pop(msg.key, None)
             if fut is not None and not fut.done():
@@ -196,9 +199,10 @@ class WorkerSupervisor:
                              f"request was running; gpud is restarting it")
         # Instances go unready first: failing the in-flight batches frees their instances, and a scheduler must not
         # hand the next queued batch to a dead worker. Queued requests wait for the restart instead.
+        for key, fut in self._loads.items():
+            if not fut.done():
+                fut.set_result(LoadFailed(key, f"worker died ({how})"))
         for inst in self.instances.values():
-            if inst._load_future is not None and not inst._load_future.done():
-                inst._load_future.set_result(LoadFailed(inst.key, f"worker died ({how})"))
             if inst.ready:
                 inst.ready = False
                 if inst.on_ready_change:
@@ -270,11 +274,12 @@ class WorkerSupervisor:
     # --- instances and batches ---------------------------------------------------------------------------------
     async def load(self, inst: InstanceHandle) -> None:
         """Load `inst` (one of self.instances) on the worker; it is ready after, or `inst.error` says why not."""
-        loop = asyncio.get_running_loop()
-        inst._load_future = loop.create_future()
-        self.send(Load(inst.key, inst.model_path, execution_config(inst.config)))  # a sequence model's controls too
-        reply = await inst._load_future
-        inst._load_future = None
+        fut = self._loads[inst.key] = asyncio.get_running_loop().create_future()
+        try:
+            self.send(Load(inst.key, inst.model_path, execution_config(inst.config)))  # a sequence model's controls too
+            reply = await fut
+        finally:
+            self._loads.pop(inst.key, None)
         inst.apply_load_reply(reply)
 
     def send(self, msg: ToWorker) -> None:
@@ -298,6 +303,12 @@ class WorkerSupervisor:
     def forget_segments(self, names: list[str]) -> None:
         if self.channel is not None:
             self.send(ForgetSegments(tuple(names)))
+
+    def claim_direct(self, key: str, rows: int = 1, quick_only: bool = False) -> LentInstance | None:
+        return None  # its instances run in another process: a caller's thread cannot run them
+
+    def release_direct(self, lent: LentInstance) -> None:
+        raise ValueError(f"device {self.device.id}: its instances are never lent (claim_direct)")
 
     async def unload(self, key: str) -> None:
         loop = asyncio.get_running_loop()

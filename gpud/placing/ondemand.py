@@ -9,7 +9,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from gpud.executor.pool import InstanceHandle
+from gpud.executor.instance import InstanceHandle
 from gpud.controller import EvictionCandidate, eviction_order
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
 from gpud.placing.results import Step

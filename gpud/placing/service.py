@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 
 from gpud.executor.device import WorkerDevice
-from gpud.executor.pool import ExecutorPool, InstanceHandle
+from gpud.executor.pool import ExecutorPool
+from gpud.executor.instance import InstanceHandle
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
 from gpud.placing.ondemand import OnDemand, unplaced_of
@@ -392,8 +393,7 @@ class PlacementService(OnDemand):
         if inst.ready:
             self._changes += 1
             vs.loaded_unix_s = self.wall_clock()
-            vs.instances.append(inst)
-            vs.scheduler.add_instance(inst)
+            vs.scheduler.add_instance(inst)  # it serves from now on
         return inst
 
     def _free_key(self, key: str, device: str) -> str:
@@ -414,8 +414,6 @@ class PlacementService(OnDemand):
         """No new batches go to `inst`; its worker unloads it after the batch it may be running."""
         self._changes += 1
         vs.scheduler.remove_instance(inst)
-        if inst in vs.instances:
-            vs.instances.remove(inst)
         await self.pool.unload_instance(inst)
 
 

@@ -26,7 +26,7 @@ from gpud.executor.model_config import ModelConfig
 from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.onnxruntime_backend import CPU_EP, CUDA_EP, TRT_EP
 from gpud.executor.pool import ExecutorPool
-from gpud.executor.scheduler import ModelScheduler
+from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.supervisor import worker_env
 from gpud.executor.types import InferenceError, InferRequest, InferTensor
 from gpud.cli.check.report import Row, Status
@@ -96,7 +96,7 @@ async def served_rows_per_s(config: ModelConfig, instances: list[InstanceHandle]
     """Rows/s through gpud's batcher and pool: requests of `batch` rows (the batch limit, so one request is one
     batch), `concurrency` in flight per instance, for `seconds` after a warm-up of a fifth of that (at least 0.2 s,
     as raw onnxruntime's)."""
-    scheduler = ModelScheduler(limit_batch(config, batch), "1")
+    scheduler = DynamicScheduler(limit_batch(config, batch), "1")
     for inst in instances:
         scheduler.add_instance(inst)
     try:
@@ -206,7 +206,7 @@ class ServingCheck:
         return rows
 
     async def _outputs(self, dev: str, inst: InstanceHandle, rng: np.random.Generator) -> list[Row]:
-        scheduler = ModelScheduler(self.config, "1")
+        scheduler = DynamicScheduler(self.config, "1")
         scheduler.add_instance(inst)
         names = [o.name for o in self.config.outputs]
         rows = []
