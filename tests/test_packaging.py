@@ -76,3 +76,69 @@ def test_nothing_imports_the_old_top_level_names():
     bad = [str(p.relative_to(ROOT)) for d in ("gpud", "tests", "bench", "scripts") for p in (ROOT / d).rglob("*.py")
            if any(n.startswith("top-level ") for n in _gpud_imports(p))]
     assert bad == []
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """gpud's modules and the gpud modules each imports: every import statement, also those under TYPE_CHECKING and
+    inside functions (a circle hidden there is still a circle)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        if "proto" in path.relative_to(PACKAGE).parts[:1]:
+            continue
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import mod` imports the module pkg.mod (and runs pkg's __init__, which is not a circle)
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                         for a in node.names]
+            else:
+                continue
+            for name in names:
+                target = resolve(name) if name.startswith("gpud.") else None
+                if target is not None and target != module and target != "gpud":
+                    graph[module].add(target)
+    return graph
+
+
+def test_no_import_circles_in_gpud():
+    graph = _module_graph()
+    assert len(graph) > 100  # the walk found the package
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert circles == []
