@@ -20,8 +20,8 @@ from gpud.api.admin import AdminAuth, read_token_file
 from gpud.model_control import ModelControl
 from gpud.reload import Prepared, Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
-from gpud.controller import CONTROL_MODES, ControlPolicy
-from gpud.telemetry.hints import HintPolicy
+from gpud.scaling.rules import CONTROL_MODES, ControlPolicy
+from gpud.scaling.hints import HintPolicy
 
 log = logging.getLogger("gpud")
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from gpud.api.admin import AdminAuth
-from gpud.controller import ControlPolicy
+from gpud.scaling.rules import ControlPolicy
 from gpud.model_control import ModelControl, RepositoryPoller
 from gpud.settings import Settings
 from gpud.systemd_notify import notify
-from gpud.telemetry.hints import HintPolicy
+from gpud.scaling.hints import HintPolicy
 
 log = logging.getLogger("gpud")
 
@@ -101,9 +101,9 @@ class ReloadTargets:
     """What a reload may change in place (built by gpud.main)."""
     core: _Core
     admin: AdminAuth
-    hints: Any  # gpud.autoscale.HintsSampler: policy, interval_s, rate_window_s
+    hints: Any  # gpud.scaling.sampler.HintsSampler: policy, interval_s, rate_window_s
     poller: RepositoryPoller
-    controller: Any = None  # gpud.control_loop.ControlLoop (policy, mode), None when off
+    controller: Any = None  # gpud.scaling.controller.ControlLoop (policy, mode), None when off
     http_servers: list[_Tunable] = field(default_factory=list)
 
 

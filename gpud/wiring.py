@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.supervisor import CrashLoop
-from gpud.autoscale import HintsSampler
-from gpud.control_loop import ControlLoop
+from gpud.scaling.sampler import HintsSampler
+from gpud.scaling.controller import ControlLoop
 from gpud.core import GpudCore
 from gpud.inspect_view import InspectView
 from gpud.model_control import RepositoryPoller, poll_models
@@ -31,7 +31,7 @@ from gpud.placement.solver import EXACT_SOLVER
 from gpud.telemetry.device_metrics import DeviceCollector
 from gpud.telemetry.devices import DeviceBackend
 from gpud.telemetry.discovery import discover
-from gpud.telemetry.hints import DeviceFree
+from gpud.scaling.hints import DeviceFree
 from gpud.telemetry.host_metrics import HostCollector
 from gpud.telemetry.model_metrics import ModelMetrics
 from gpud.telemetry.worker_metrics import WorkerCollector

@@ -1,13 +1,13 @@
-"""gpud.autoscale: the sampler between the core and gpud.telemetry.hints, driven by a fake clock and fake stats."""
+"""gpud.scaling.sampler: the sampler between the core and gpud.scaling.hints, driven by a fake clock and fake stats."""
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gpud.executor.stats import ModelStats
-from gpud.autoscale import MIN_FOOTPRINT_BYTES, HintsSampler
+from gpud.scaling.sampler import MIN_FOOTPRINT_BYTES, HintsSampler
 from gpud.cli.inspect import render_inspect
-from gpud.telemetry.hints import DeviceFree, HintPolicy
+from gpud.scaling.hints import DeviceFree, HintPolicy
 from tests.promtool_check import promtool_check
 from tests.fakes import FakeClock
 from tests.serving_fakes import FakeServing, instance

@@ -1,14 +1,14 @@
-"""gpud.control_loop: hints -> targets -> the placement service, with a scripted placer and a fake clock: what it asks
+"""gpud.scaling.controller: hints -> targets -> the placement service, with a scripted placer and a fake clock: what it asks
 for, what it records (decisions, metrics, inspect), advise mode, and the cooldown across intervals."""
 from __future__ import annotations
 
 import asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpud.control_loop import ControlLoop
-from gpud.controller import ControlPolicy
+from gpud.scaling.controller import ControlLoop
+from gpud.scaling.rules import ControlPolicy
 from gpud.placing.results import ControlPlan, Step, Unplaced
-from gpud.telemetry.hints import HintDecision
+from gpud.scaling.hints import HintDecision
 from tests.fakes import FakeClock
 from tests.promtool_check import promtool_check
 from tests.serving_fakes import FakeServing, instance

@@ -1,9 +1,9 @@
-"""gpud.controller: the pure per-version decision (target count and its reason)."""
+"""gpud.scaling.rules: the pure per-version decision (target count and its reason)."""
 from __future__ import annotations
 
 import pytest
 
-from gpud.controller import (ControlPolicy, EvictionCandidate, VersionObservation, VersionState, after_added,
+from gpud.scaling.rules import (ControlPolicy, EvictionCandidate, VersionObservation, VersionState, after_added,
                              after_failed_load, after_removed, decide_target, eviction_order)
 from gpud.scaling.bounds import InstanceBounds
 

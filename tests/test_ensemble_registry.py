@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
-from gpud.autoscale import read_counters
+from gpud.scaling.sampler import read_counters
 from gpud.cli.inspect import render_inspect
-from gpud.control_loop import ControlLoop
-from gpud.controller import ControlPolicy
+from gpud.scaling.controller import ControlLoop
+from gpud.scaling.rules import ControlPolicy
 from gpud.core import GpudCore
 from gpud.core_api import RequestedPlacement
 from gpud.ensembles import RegisteredEnsemble, models_to_load
@@ -23,7 +23,7 @@ from gpud.model_control import ModelControl
 from gpud.placing.service import PlacementService
 from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
-from gpud.telemetry.hints import HintDecision
+from gpud.scaling.hints import HintDecision
 from gpud.telemetry.serving import ModelState
 from gpud.telemetry.simulated import SimulatedBackend
 from tests.ensemble_models import ensemble_config, model_config, save_model, step, write_ensemble_repository

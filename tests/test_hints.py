@@ -1,9 +1,9 @@
-"""gpud.telemetry.hints: the HPA-style instance hint and node headroom, driven by a fake clock (plain numbers)."""
+"""gpud.scaling.hints: the HPA-style instance hint and node headroom, driven by a fake clock (plain numbers)."""
 from __future__ import annotations
 
 import pytest
 
-from gpud.telemetry.hints import (DeviceFree, HintPolicy, HintState, ModelCounters, ModelFootprint, ModelObservation,
+from gpud.scaling.hints import (DeviceFree, HintPolicy, HintState, ModelCounters, ModelFootprint, ModelObservation,
                              batch_capacity_per_second, desired_instances, node_headroom, observe, recommend,
                              total_headroom)
 

@@ -267,7 +267,7 @@ def test_the_prometheus_rule_is_generated_from_the_rules_file():
 
 
 def test_the_autoscalers_use_metrics_gpud_exports():
-    from gpud.autoscale import HintsSampler
+    from gpud.scaling.sampler import HintsSampler
 
     exported = {f.name for f in HintsSampler(lambda: None, lambda: [], _policy()).describe()}
     texts = [(DEPLOY / "components" / "keda" / "scaledobject.yaml").read_text(),

@@ -11,13 +11,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from gpud.control_loop import ControlLoop
-from gpud.controller import ControlPolicy
+from gpud.scaling.controller import ControlLoop
+from gpud.scaling.rules import ControlPolicy
 from gpud.placing.ondemand import eviction_candidates
 from gpud.placing.service import PlacementService
 from gpud.scheduling import new_registry
 from gpud.repository.layout import ModelRepository
-from gpud.telemetry.hints import HintDecision
+from gpud.scaling.hints import HintDecision
 from gpud.telemetry.simulated import SimulatedBackend
 from tests.daemon_harness import save
 from tests.fakes import FakeClock

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.dynamic_scheduler import DynamicScheduler
-from gpud.control_loop import ControlLoop
-from gpud.controller import ControlPolicy
+from gpud.scaling.controller import ControlLoop
+from gpud.scaling.rules import ControlPolicy
 from gpud.placing.results import ControlPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
@@ -30,7 +30,7 @@ from gpud.repository.layout import ModelEntry
 from gpud.scaling.bounds import instance_bounds
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.devices import DeviceBackend
-from gpud.telemetry.hints import DeviceFree, HintPolicy
+from gpud.scaling.hints import DeviceFree, HintPolicy
 
 from .des import Serving, SimInstance, SimModel
 
@@ -179,7 +179,7 @@ class ControlPlane:
                                         device_reserve_bytes=settings.device_reserve_bytes,
                                         time_limit_s=settings.time_limit_s, clock=serving.clock,
                                         wall_clock=serving.wall_clock)
-        from gpud.autoscale import HintsSampler
+        from gpud.scaling.sampler import HintsSampler
 
         self.hints = HintsSampler(self.registry.snapshot,
                                   lambda: [DeviceFree(r.device_id, r.kind, r.free_bytes) for r in self.service.rooms()],

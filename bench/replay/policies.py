@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from gpud.executor.model_config import InstanceGroup
-from gpud.controller import ControlPolicy
+from gpud.scaling.rules import ControlPolicy
 from gpud.placing.inputs import VersionDemand, build_inputs, planning_devices
 from gpud.placement import PlannerConfig, plan
-from gpud.telemetry.hints import HintPolicy
+from gpud.scaling.hints import HintPolicy
 from gpud.telemetry.simulated import SimulatedBackend
 
 from .control import ControlPlane, ControlSettings, instances_needed, scratch_dir

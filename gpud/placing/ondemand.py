@@ -1,5 +1,5 @@
 """Scale to zero's other half: loads on demand (a request for a version with no instance loads one) and evictions
-(which idle instances a load may unload, in the order it may: the pure rule is gpud.controller.eviction_order; and
+(which idle instances a load may unload, in the order it may: the pure rule is gpud.scaling.rules.eviction_order; and
 only those that make room). A part of the placement service (`OnDemand` is one of its bases), in a module of its own.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpud.executor.instance import InstanceHandle
-from gpud.controller import EvictionCandidate, eviction_order
+from gpud.scaling.rules import EvictionCandidate, eviction_order
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
 from gpud.placing.results import Step
 from gpud.registry import RegisteredVersion

@@ -1,6 +1,6 @@
 """Autoscaling hints as pure functions: (policy, state, observation, now) -> (decision, new state).
 
-Nothing here reads a clock, a device or the executor: `gpud.autoscale` samples those and calls in. The rule is
+Nothing here reads a clock, a device or the executor: `gpud.scaling.sampler` samples those and calls in. The rule is
 Kubernetes' HorizontalPodAutoscaler's, applied to model instances instead of pods:
 
     desired = ceil(current * current_metric / target)       (skipped while |metric / target - 1| <= tolerance)
@@ -165,7 +165,7 @@ def desired_instances(policy: HintPolicy, state: HintState, obs: ModelObservatio
 # --- observations from counters ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelCounters:
-    """Cumulative counters of one model version at one instant (gpud.executor.stats, read by gpud.autoscale)."""
+    """Cumulative counters of one model version at one instant (gpud.executor.stats, read by gpud.scaling.sampler)."""
 
     time_s: float
     requests: int  # finished, success + failure

@@ -1,5 +1,5 @@
 """Autoscaling hints in the daemon: samples the core on a fixed tick, turns counter deltas into observations, runs the
-pure policies of gpud.telemetry.hints, and exports the result (a Prometheus Collector, and `inspect()["hints"]`).
+pure policies of gpud.scaling.hints, and exports the result (a Prometheus Collector, and `inspect()["hints"]`).
 
 Why a periodic tick and not sampling at scrape time: the policy's stabilization windows and the rate window are
 seconds of the injected clock, and the observations are deltas between samples. Riding on scrapes would make them
@@ -7,7 +7,7 @@ depend on who scrapes: two Prometheus servers would halve every delta's window, 
 its hints (and `gpudctl inspect` would show stale ones), and a scrape would pay for the computation. A fixed tick
 makes a hint a function of load and time only; a scrape just reads the latest decision.
 
-The hints are advice: nothing here changes a placement (the controller that acts on them is gpud.controller's job).
+The hints are advice: nothing here changes a placement (the controller that acts on them is gpud.scaling.rules's job).
 """
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpud.executor.stats import ModelStats
-from gpud.telemetry.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
+from gpud.scaling.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
                              ModelObservation, desired_instances, node_headroom, observe)
 from gpud.telemetry.serving import ServingSnapshot, SnapshotSource
 
-log = logging.getLogger("gpud.autoscale")
+log = logging.getLogger("gpud.scaling.sampler")
 
 # A footprint measured as a resident-memory delta can come out as 0 for a tiny model on the CPU; headroom divides by
 # it. 1 MiB is below any real model and keeps the figure finite.

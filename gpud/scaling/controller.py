@@ -1,5 +1,5 @@
 """The placement controller in the daemon: every interval it reads the core's snapshot and the autoscaling hints,
-turns them into a target count per model version (gpud.controller, pure), and has the placement service re-plan
+turns them into a target count per model version (gpud.scaling.rules, pure), and has the placement service re-plan
 and carry out the difference, make-before-break, at most `max_steps_per_interval` steps at a time.
 
 Modes (`--placement-control`): `on` applies; `advise` plans the same steps, logs and exports them as not applied, and
@@ -19,13 +19,13 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpud.controller import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
+from gpud.scaling.rules import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
                              VersionState, after_added, after_failed_load, after_removed, decide_target)
 from gpud.placing.results import ControlPlan, Step
-from gpud.telemetry.hints import HintDecision
+from gpud.scaling.hints import HintDecision
 from gpud.telemetry.serving import SnapshotSource
 
-log = logging.getLogger("gpud.controller")
+log = logging.getLogger("gpud.scaling.rules")
 
 Key = tuple[str, str]  # (model, version)
 HintsSource = Callable[[], Mapping[Key, HintDecision]]

@@ -1,9 +1,9 @@
 """The placement controller's decisions, as pure functions of (policy, state, observation, now): how many instances
-each model version should run, and why. `gpud.control_loop` feeds them and applies the result through the placement
+each model version should run, and why. `gpud.scaling.controller` feeds them and applies the result through the placement
 service; nothing here does I/O or reads a clock.
 
 Rules, per model version, each interval:
-1. The wanted count is the autoscaling hint's `desired_instances` (gpud.telemetry.hints: the HPA rule over queue time and
+1. The wanted count is the autoscaling hint's `desired_instances` (gpud.scaling.hints: the HPA rule over queue time and
    load, already stabilized: a need for more must last the scale-up window, a lull the scale-down window). Without a
    hint yet (its first rate window), the wanted count is the current one: only the bounds are enforced.
 2. The target is the wanted count clamped to the version's bounds: `gpud_min_instances` (default: its instance_group
