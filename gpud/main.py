@@ -15,12 +15,12 @@ from dataclasses import replace
 
 from gpud import __version__
 from gpud.api.http_server import HttpServer
-from gpud.settings import Settings, load_settings_file
+from gpud.settings import Settings, check_settings, load_settings_file, prepare_settings
 from gpud.api.admin import AdminAuth, read_token_file
 from gpud.model_control import ModelControl
-from gpud.reload import Prepared, Reloader, ReloadTargets
+from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
-from gpud.scaling.rules import CONTROL_MODES, ControlPolicy
+from gpud.scaling.rules import SCALING_MODES, ScalingPolicy
 from gpud.scaling.hints import HintPolicy
 
 log = logging.getLogger("gpud")
@@ -135,11 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     hints.add_argument("--hints-tolerance", type=float, metavar="R", help="HPA tolerance (default 0.1)")
     hints.add_argument("--hints-scale-up-stabilization-seconds", type=float, metavar="S", help="(default 30)")
     hints.add_argument("--hints-scale-down-stabilization-seconds", type=float, metavar="S", help="(default 300)")
-    hints.add_argument("--hints-min-instances", type=int, metavar="N", help="(default 1)")
-    hints.add_argument("--hints-max-instances", type=int, metavar="N", help="(default 8)")
     control = p.add_argument_group("placement control (instances follow load; per model: config.pbtxt parameters "
                                    "gpud_min_instances, gpud_max_instances)")
-    control.add_argument("--placement-control", choices=CONTROL_MODES,
+    control.add_argument("--min-instances", "--hints-min-instances", dest="min_instances", type=int, metavar="N",
+                         help="instances a model runs at least where its config.pbtxt sets no gpud_min_instances "
+                              "(default: its instance_group count; 0 lets idle models scale to zero)")
+    control.add_argument("--max-instances", "--hints-max-instances", dest="max_instances", type=int, metavar="N",
+                         help="instances a model runs at most where its config.pbtxt sets no gpud_max_instances "
+                              "(default: as many as the node has room for); the hints and the controller both "
+                              "keep to these bounds")
+    control.add_argument("--placement-control", choices=SCALING_MODES,
                          help="on: add, remove and move instances as the hints say (default); advise: log and "
                               "export what it would do, change nothing; off: placements change only on request")
     control.add_argument("--control-interval-seconds", type=float, metavar="S",
@@ -150,40 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a model with gpud_min_instances 0 that has had no request this long is unloaded; "
                               "its next request loads it again (a cold start; default 300)")
     return p
-
-
-def prepare_settings(settings: Settings) -> Prepared:
-    """Everything built from the settings, checked (ValueError: refused), at start and at each reload."""
-    if not 0 < settings.hints_interval_seconds <= settings.hints_rate_window_seconds:
-        raise ValueError("need 0 < hints_interval_seconds <= hints_rate_window_seconds, got "
-                         f"{settings.hints_interval_seconds} and {settings.hints_rate_window_seconds}")
-    return Prepared(settings, hint_policy(settings), control_policy(settings),
-                    ModelControl(settings.model_control_mode, tuple(settings.load_model)),
-                    read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
-
-
-def hint_policy(settings: Settings) -> HintPolicy:
-    """The autoscaling policy from the settings; ValueError (exit 2) for values it refuses."""
-    return HintPolicy(target_queue_seconds=settings.hints_target_queue_seconds,
-                      target_utilization_ratio=settings.hints_target_utilization_ratio,
-                      tolerance=settings.hints_tolerance,
-                      scale_up_stabilization_seconds=settings.hints_scale_up_stabilization_seconds,
-                      scale_down_stabilization_seconds=settings.hints_scale_down_stabilization_seconds,
-                      min_instances=settings.hints_min_instances, max_instances=settings.hints_max_instances)
-
-
-def control_policy(settings: Settings) -> ControlPolicy:
-    """The controller's policy from the settings; ValueError (exit 2) for values it refuses. No removal of a
-    version's instances within the hints' scale-down window of its last add: the controller cannot flap."""
-    if settings.placement_control not in CONTROL_MODES:
-        quote = " (YAML reads bare on/off as booleans: quote it, \"on\")" \
-            if settings.placement_control in ("True", "False") else ""
-        raise ValueError(f"placement_control must be one of {', '.join(CONTROL_MODES)}, "
-                         f"got {settings.placement_control!r}{quote}")
-    return ControlPolicy(interval_seconds=settings.control_interval_seconds,
-                         max_steps_per_interval=settings.control_max_steps_per_interval,
-                         scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds,
-                         idle_unload_seconds=settings.idle_unload_seconds)
 
 
 def _bool(text: str) -> bool:
@@ -207,27 +178,6 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         settings = replace(settings, load_model=tuple(args.load_model))
     check_settings(settings)
     return settings
-
-
-def check_settings(settings: Settings) -> None:
-    """ValueError for a value no part of gpud can use (the daemon exits 2; the in-process server raises it)."""
-    if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
-        raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
-                         f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
-    for key in ("max_request_bytes", "max_header_bytes", "max_tensor_elements"):
-        if getattr(settings, key) < 1:
-            raise ValueError(f"{key} must be >= 1, got {getattr(settings, key)}")
-    if settings.json_processes < 0 or settings.json_offload_bytes < 0:
-        raise ValueError("json_processes and json_offload_bytes must be >= 0, got "
-                         f"{settings.json_processes} and {settings.json_offload_bytes}")
-    if settings.default_max_queue_size < 0:
-        raise ValueError(f"default_max_queue_size must be >= 0 (0 = unbounded), got {settings.default_max_queue_size}")
-    if not settings.repository_poll_seconds > 0:  # also refuses NaN
-        raise ValueError(f"repository_poll_seconds must be > 0, got {settings.repository_poll_seconds}")
-    if not settings.unready_wait_seconds > 0:  # also refuses NaN
-        raise ValueError(f"unready_wait_seconds must be > 0, got {settings.unready_wait_seconds}")
-    if not settings.worker_hang_seconds >= 0:  # also refuses NaN
-        raise ValueError(f"worker_hang_seconds must be >= 0 (0 = never), got {settings.worker_hang_seconds}")
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None, *,

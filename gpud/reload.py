@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from gpud.api.admin import AdminAuth
-from gpud.scaling.rules import ControlPolicy
+from gpud.scaling.rules import ScalingPolicy
 from gpud.model_control import ModelControl, RepositoryPoller
-from gpud.settings import Settings
+from gpud.settings import Prepared, Settings
 from gpud.systemd_notify import notify
 from gpud.scaling.hints import HintPolicy
 
@@ -37,19 +37,9 @@ LIVE_SETTINGS = frozenset({
     "http_request_timeout_seconds", "http_max_connections",
     "hints_interval_seconds", "hints_rate_window_seconds", "hints_target_queue_seconds",
     "hints_target_utilization_ratio", "hints_tolerance", "hints_scale_up_stabilization_seconds",
-    "hints_scale_down_stabilization_seconds", "hints_min_instances", "hints_max_instances",
+    "hints_scale_down_stabilization_seconds",
     "placement_control", "control_interval_seconds", "control_max_steps_per_interval", "idle_unload_seconds",
 })
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """Settings and what is built from them, all checked: what start-up and a reload use."""
-    settings: Settings
-    hint_policy: HintPolicy
-    control_policy: ControlPolicy
-    model_control: ModelControl
-    admin_token: str | None
 
 
 @dataclass(frozen=True)
@@ -103,7 +93,7 @@ class ReloadTargets:
     admin: AdminAuth
     hints: Any  # gpud.scaling.sampler.HintsSampler: policy, interval_s, rate_window_s
     poller: RepositoryPoller
-    controller: Any = None  # gpud.scaling.controller.ControlLoop (policy, mode), None when off
+    controller: Any = None  # gpud.scaling.controller.ScalingController (policy, mode), None when off
     http_servers: list[_Tunable] = field(default_factory=list)
 
 
@@ -242,7 +232,7 @@ class Reloader:
         t.hints.interval_s = s.hints_interval_seconds
         t.hints.rate_window_s = s.hints_rate_window_seconds
         if t.controller is not None:
-            t.controller.policy = p.control_policy
+            t.controller.policy = p.scaling_policy
             t.controller.mode = s.placement_control
         t.core.control = p.model_control
         t.poller.interval_s = s.repository_poll_seconds

@@ -1,12 +1,24 @@
-"""Daemon settings: defaults, the optional YAML config file, and command-line flags (flags win)."""
+"""Daemon settings: defaults, the optional YAML config file and command-line flags (flags win), their checks, and
+what is built from them (`prepare_settings`). The one module that checks settings: the daemon (gpud.main), a reload
+(gpud.reload) and the in-process server (gpud.inprocess) all use it.
+"""
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import yaml
+
+from gpud.api.admin import read_token_file
+from gpud.model_control import ModelControl
+from gpud.scaling.bounds import BoundsDefaults
+from gpud.scaling.hints import HintPolicy
+from gpud.scaling.rules import SCALING_MODES, ScalingPolicy
+
+log = logging.getLogger("gpud")
 
 
 @dataclass
@@ -59,15 +71,30 @@ class Settings:
     hints_tolerance: float = 0.1  # HPA's: metric/target within 1 +- tolerance changes nothing
     hints_scale_up_stabilization_seconds: float = 30.0
     hints_scale_down_stabilization_seconds: float = 300.0
-    hints_min_instances: int = 1
-    hints_max_instances: int = 8
     # --- the placement controller (README, "Placement that follows load") ---
+    # Instance bounds for models whose config.pbtxt sets no gpud_min_instances / gpud_max_instances (gpud.scaling.bounds)
+    min_instances: int | None = None  # None: the model's instance_group count
+    max_instances: int | None = None  # None: as many as the node has room for
     placement_control: str = "on"  # "on": apply; "advise": log and export what it would do; "off": no controller
     control_interval_seconds: float = 10.0  # how often the controller re-plans
     control_max_steps_per_interval: int = 4  # adds, removals and moves applied per interval; the rest waits
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
+# Settings renamed: the old name still works, with a warning (configs written for an older gpud keep working).
+RENAMED = {"hints_min_instances": "min_instances", "hints_max_instances": "max_instances"}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Settings and what is built from them, all checked: what start-up and a reload use."""
+
+    settings: Settings
+    hint_policy: HintPolicy
+    scaling_policy: ScalingPolicy
+    bounds_defaults: BoundsDefaults
+    model_control: ModelControl
+    admin_token: str | None
 
 
 def load_settings_file(path: str) -> dict[str, Any]:
@@ -93,6 +120,10 @@ def coerce_settings(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in RENAMED:
+            log.warning("%s: setting '%s' is now '%s' (it bounds the controller's instances too)", where, key,
+                        RENAMED[name])
+            name = RENAMED[name]
         f = _FIELDS.get(name)
         if f is None:
             raise ValueError(f"{where}: unknown setting '{key}'; known: {', '.join(sorted(_FIELDS))}")
@@ -123,3 +154,58 @@ def _coerce(path: str, key: str, type_name: Any, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ValueError(f"{path}: setting '{key}': expected {t}, got {value!r}") from None
+
+
+def check_settings(settings: Settings) -> None:
+    """ValueError for a value no part of gpud can use (the daemon exits 2; the in-process server raises it)."""
+    if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
+        raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
+                         f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
+    for key in ("max_request_bytes", "max_header_bytes", "max_tensor_elements"):
+        if getattr(settings, key) < 1:
+            raise ValueError(f"{key} must be >= 1, got {getattr(settings, key)}")
+    if settings.json_processes < 0 or settings.json_offload_bytes < 0:
+        raise ValueError("json_processes and json_offload_bytes must be >= 0, got "
+                         f"{settings.json_processes} and {settings.json_offload_bytes}")
+    if settings.default_max_queue_size < 0:
+        raise ValueError(f"default_max_queue_size must be >= 0 (0 = unbounded), got {settings.default_max_queue_size}")
+    if not settings.repository_poll_seconds > 0:  # also refuses NaN
+        raise ValueError(f"repository_poll_seconds must be > 0, got {settings.repository_poll_seconds}")
+    if not settings.unready_wait_seconds > 0:  # also refuses NaN
+        raise ValueError(f"unready_wait_seconds must be > 0, got {settings.unready_wait_seconds}")
+    if not settings.worker_hang_seconds >= 0:  # also refuses NaN
+        raise ValueError(f"worker_hang_seconds must be >= 0 (0 = never), got {settings.worker_hang_seconds}")
+
+
+def prepare_settings(settings: Settings) -> Prepared:
+    """Everything built from the settings, checked (ValueError: refused), at start and at each reload."""
+    if not 0 < settings.hints_interval_seconds <= settings.hints_rate_window_seconds:
+        raise ValueError("need 0 < hints_interval_seconds <= hints_rate_window_seconds, got "
+                         f"{settings.hints_interval_seconds} and {settings.hints_rate_window_seconds}")
+    return Prepared(settings, hint_policy(settings), scaling_policy(settings),
+                    BoundsDefaults(settings.min_instances, settings.max_instances),
+                    ModelControl(settings.model_control_mode, tuple(settings.load_model)),
+                    read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
+
+
+def hint_policy(settings: Settings) -> HintPolicy:
+    """The autoscaling policy from the settings; ValueError (exit 2) for values it refuses."""
+    return HintPolicy(target_queue_seconds=settings.hints_target_queue_seconds,
+                      target_utilization_ratio=settings.hints_target_utilization_ratio,
+                      tolerance=settings.hints_tolerance,
+                      scale_up_stabilization_seconds=settings.hints_scale_up_stabilization_seconds,
+                      scale_down_stabilization_seconds=settings.hints_scale_down_stabilization_seconds)
+
+
+def scaling_policy(settings: Settings) -> ScalingPolicy:
+    """The controller's policy from the settings; ValueError (exit 2) for values it refuses. No removal of a
+    version's instances within the hints' scale-down window of its last add: the controller cannot flap."""
+    if settings.placement_control not in SCALING_MODES:
+        quote = " (YAML reads bare on/off as booleans: quote it, \"on\")" \
+            if settings.placement_control in ("True", "False") else ""
+        raise ValueError(f"placement_control must be one of {', '.join(SCALING_MODES)}, "
+                         f"got {settings.placement_control!r}{quote}")
+    return ScalingPolicy(interval_seconds=settings.control_interval_seconds,
+                         max_steps_per_interval=settings.control_max_steps_per_interval,
+                         scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds,
+                         idle_unload_seconds=settings.idle_unload_seconds)

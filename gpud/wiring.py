@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.supervisor import CrashLoop
 from gpud.scaling.sampler import HintsSampler
-from gpud.scaling.controller import ControlLoop
+from gpud.scaling.controller import ScalingController
 from gpud.core import GpudCore
 from gpud.inspect_view import InspectView
 from gpud.model_control import RepositoryPoller, poll_models
@@ -25,7 +25,7 @@ from gpud.placing.inputs import has_gpus
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.scheduling import version_maker
-from gpud.reload import Prepared
+from gpud.settings import Prepared
 from gpud.repository.layout import ModelRepository
 from gpud.placement.solver import EXACT_SOLVER
 from gpud.telemetry.device_metrics import DeviceCollector
@@ -52,7 +52,7 @@ class Components:
     registry: Registry
     placement: PlacementService
     hints: HintsSampler
-    controller: ControlLoop | None
+    controller: ScalingController | None
     core: GpudCore
     poller: RepositoryPoller
     _tasks: list[asyncio.Task] = field(default_factory=list)
@@ -126,7 +126,8 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     # The registry and the placement service, the readers of the registry's snapshot (model metrics at scrape time,
     # the hints on their tick), then the core that routes over it.
     registry = Registry(has_gpus(leaves), version_maker(unready_wait_s=settings.unready_wait_seconds,
-                                                        default_max_queue_size=settings.default_max_queue_size))
+                                                        default_max_queue_size=settings.default_max_queue_size,
+                                                        bounds_defaults=prepared.bounds_defaults))
     placement = PlacementService(devices, pool, registry, device_reserve_bytes=settings.device_reserve_bytes,
                                  strategy=settings.placement_strategy,
                                  time_limit_s=settings.placement_time_limit_seconds)
@@ -141,7 +142,7 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     all_views: dict[str, InspectView] = {"hints": hints}
     controller = None
     if settings.placement_control != "off":
-        controller = ControlLoop(registry.snapshot, hints.decisions, placement, prepared.control_policy,
+        controller = ScalingController(registry.snapshot, hints.decisions, placement, prepared.scaling_policy,
                                  settings.placement_control, registry=metrics_registry)  # mode checked before
         all_views["controller"] = controller
     all_views.update(views or {})

@@ -136,3 +136,39 @@ def test_promtool_accepts_exposition(setup):
     clock.now += 5
     sampler.tick()
     promtool_check(generate_latest(registry))
+
+
+class TestOneBoundsSystem:
+    """The hint keeps to the version's own bounds (gpud.scaling.bounds), the ones the controller applies: no node-wide
+    clamp of its own (the README: gpud_max_instances defaults to as many as the node has room for)."""
+
+    @staticmethod
+    def heavy(clock, serving, sampler) -> None:
+        stats = serving.stats("bert")
+        sampler.tick()
+        for _ in range(4):
+            clock.now += 5
+            # per 5 s: 4000 requests, batches of 8 at 40 ms: capacity 8 / 0.04 = 200 req/s per instance; arrival
+            # 800 req/s; 800 / 200 = 4 busy; / 0.8 = 5 -- the load metric; queue 300 ms / 10 ms: 2 x 2 = 4 at most.
+            # And from a window later (the up-window covered) the queue keeps asking twice the current count.
+            serve(stats, 4000, queue_ms=300, batch_rows=8, batch_ms=40)
+            sampler.tick()
+
+    def test_no_maximum_is_no_limit_but_the_nodes_room(self, setup):
+        clock, serving, registry, sampler = setup
+        serving.version("bert").max_instances = None
+        serving.version("bert").instances = tuple(instance(i, "gpu0", GIB) for i in range(10))  # 10 ready
+        self.heavy(clock, serving, sampler)
+        # 10 ready, 800 req/s: 4 busy / 10 = 0.4 utilization, under target; but the queue (300 ms over 10 ms) asks
+        # min(ceil(10 * 30), 2 x 10) = 20: past the old node-wide clamp of 8.
+        assert sampler.decisions()[("bert", "1")].desired_instances == 20
+
+    def test_its_maximum_and_minimum(self, setup):
+        clock, serving, registry, sampler = setup
+        v = serving.version("bert")
+        v.min_instances, v.max_instances = 0, 3
+        self.heavy(clock, serving, sampler)
+        d = sampler.decisions()[("bert", "1")]
+        assert d.desired_instances == 3 and "bounded to [0, 3]" in d.reason
+        row = next(m for m in sampler.inspect()["models"] if m["name"] == "bert")
+        assert row["desired_instances"] == 3

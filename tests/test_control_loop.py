@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpud.scaling.controller import ControlLoop
-from gpud.scaling.rules import ControlPolicy
-from gpud.placing.results import ControlPlan, Step, Unplaced
+from gpud.scaling.controller import ScalingController
+from gpud.scaling.rules import ScalingPolicy
+from gpud.placing.results import ScalingPlan, Step, Unplaced
 from gpud.scaling.hints import HintDecision
 from tests.fakes import FakeClock
 from tests.promtool_check import promtool_check
 from tests.serving_fakes import FakeServing, instance
 
-POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=60)
+POLICY = ScalingPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=60)
 
 
 def hint(desired: int, current: int = 1, reason: str = "queue 30.0 ms > target 10.0 ms") -> HintDecision:
@@ -28,11 +28,11 @@ class ScriptedPlacer:
         self.serving = serving
         self.calls: list[tuple[dict, bool]] = []
         self.unhealthy = 0
-        self.plan: ControlPlan | None = None
+        self.plan: ScalingPlan | None = None
         self.clock: FakeClock | None = None
         self.load_s = 0.0
 
-    async def control(self, totals, *, max_steps, apply, evict_idle_s=None):
+    async def rescale(self, totals, *, max_steps, apply, evict_idle_s=None):
         self.calls.append((dict(totals), apply))
         if self.clock is not None:
             self.clock.now += self.load_s  # the steps' loads take time
@@ -48,7 +48,7 @@ class ScriptedPlacer:
                 steps += [Step("remove", model, version, i, "cpu", None) for i in range(total, n)]
             if apply:
                 v.instances = tuple(instance(i, "cpu", 2**20) for i in range(total))
-        return ControlPlan(tuple(steps[:max_steps]), (), max(0, len(steps) - max_steps), "replan:incremental")
+        return ScalingPlan(tuple(steps[:max_steps]), (), max(0, len(steps) - max_steps), "replan:incremental")
 
     def instances_on_unhealthy_devices(self) -> int:
         return self.unhealthy
@@ -59,7 +59,7 @@ def setup(mode="on", hints=None):
     serving.version("mlp", instances=(instance(0, "cpu", 2**20),))
     placer, clock, registry = ScriptedPlacer(serving), FakeClock(1000.0), CollectorRegistry()
     hints = {} if hints is None else hints
-    loop = ControlLoop(serving, lambda: hints, placer, POLICY, mode, clock=clock, wall_clock=lambda: 1.7e9,
+    loop = ScalingController(serving, lambda: hints, placer, POLICY, mode, clock=clock, wall_clock=lambda: 1.7e9,
                        registry=registry)
     return serving, placer, clock, registry, loop, hints
 
@@ -139,7 +139,7 @@ def test_advise_asks_without_applying_and_says_so():
 def test_instances_on_a_lost_device_trigger_a_plan_and_are_recorded_as_device_lost():
     _, placer, _, registry, loop, _ = setup()
     placer.unhealthy = 1
-    placer.plan = ControlPlan((Step("remove", "mlp", "1", 0, "gpu1", None), Step("add", "mlp", "1", 0, None, "cpu")),
+    placer.plan = ScalingPlan((Step("remove", "mlp", "1", 0, "gpu1", None), Step("add", "mlp", "1", 0, None, "cpu")),
                               (), 0, "replan:incremental", frozenset({"gpu1"}))
     asyncio.run(loop.tick())
     assert placer.calls == [({}, True)]
@@ -149,7 +149,7 @@ def test_instances_on_a_lost_device_trigger_a_plan_and_are_recorded_as_device_lo
 def test_no_room_and_failed_loads_are_counted_as_refusals():
     _, placer, _, registry, loop, hints = setup()
     hints[("mlp", "1")] = hint(9)
-    placer.plan = ControlPlan((Step("add", "mlp", "1", 1, None, "cpu", error="out of memory"),),
+    placer.plan = ScalingPlan((Step("add", "mlp", "1", 1, None, "cpu", error="out of memory"),),
                               (Unplaced("mlp", "1", 8, "needs 80 GiB, no device has it"),), 0, "replan:incremental")
     asyncio.run(loop.tick())
     value = registry.get_sample_value
@@ -191,7 +191,7 @@ def test_gpudctl_inspect_renders_the_controller():
 def test_a_failed_load_backs_off_before_trying_again():
     _, placer, clock, _, loop, hints = setup()
     hints[("mlp", "1")] = hint(2)
-    placer.plan = ControlPlan((Step("add", "mlp", "1", 1, None, "cpu", error="out of memory"),), (), 0, "x")
+    placer.plan = ScalingPlan((Step("add", "mlp", "1", 1, None, "cpu", error="out of memory"),), (), 0, "x")
     asyncio.run(loop.tick())
     clock.now += 5  # within the first wait (one interval, 10 s)
     asyncio.run(loop.tick())
@@ -199,3 +199,28 @@ def test_a_failed_load_backs_off_before_trying_again():
     clock.now += 5
     asyncio.run(loop.tick())
     assert len(placer.calls) == 2  # 10 s after the failure: tried again
+
+
+def test_the_counters_are_exported_at_zero_before_any_step():
+    # A dashboard must tell "no step yet" from "no controller": every step the mode can take is a series from the
+    # first scrape, at 0 (applied "true" in mode on, "false" in advise).
+    for mode, applied in (("on", "true"), ("advise", "false")):
+        _, _, _, registry, loop, _ = setup(mode)
+        assert registry.get_sample_value("gpud_placement_actions_total",
+                                         {"action": "add", "reason": "scale_up", "applied": applied}) == 0
+        assert registry.get_sample_value("gpud_placement_actions_total",
+                                         {"action": "remove", "reason": "idle", "applied": applied}) == 0
+        for reason in ("no_room", "load_failed"):
+            assert registry.get_sample_value("gpud_placement_plans_refused_total", {"reason": reason}) == 0
+        assert registry.get_sample_value("gpud_placement_plans_total") == 0
+        assert loop.inspect()["refused"] == {}  # inspect shows what happened, not the zeros
+
+
+def test_a_step_adds_to_its_zero_series():
+    _, _, _, registry, loop, hints = setup()
+    hints[("mlp", "1")] = hint(3)
+    asyncio.run(loop.tick())
+    assert registry.get_sample_value("gpud_placement_actions_total",
+                                     {"action": "add", "reason": "scale_up", "applied": "true"}) == 2
+    assert registry.get_sample_value("gpud_placement_actions_total",
+                                     {"action": "remove", "reason": "scale_down", "applied": "true"}) == 0

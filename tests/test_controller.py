@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.scaling.rules import (ControlPolicy, EvictionCandidate, VersionObservation, VersionState, after_added,
-                             after_failed_load, after_removed, decide_target, eviction_order)
+from gpud.scaling.rules import (ScalingPolicy, VersionObservation, VersionState, after_added, after_failed_load,
+    after_removed, decide_target)
+from gpud.scaling.idle import EvictionCandidate, eviction_order
 from gpud.scaling.bounds import InstanceBounds
 
-POLICY = ControlPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
+POLICY = ScalingPolicy(interval_seconds=10, max_steps_per_interval=4, scale_down_cooldown_seconds=300)
 NOW = 1000.0
 
 
@@ -60,10 +61,10 @@ class TestDecideTarget:
         assert decide_target(POLICY, after_removed(state, NOW + 300), obs(2, 1), NOW + 600).target == 1
 
     def test_a_scale_down_ratio_of_one_goes_to_the_hint_at_once(self):
-        policy = ControlPolicy(scale_down_cooldown_seconds=300, scale_down_max_ratio=1.0)
+        policy = ScalingPolicy(scale_down_cooldown_seconds=300, scale_down_max_ratio=1.0)
         assert decide_target(policy, VersionState(), obs(8, 1), NOW).target == 1
         with pytest.raises(ValueError, match="scale-down max ratio must be in"):
-            ControlPolicy(scale_down_max_ratio=0)
+            ScalingPolicy(scale_down_max_ratio=0)
 
     def test_adding_is_never_held_back(self):
         state = after_added(VersionState(), NOW)  # an add this very second
@@ -95,7 +96,7 @@ class TestPolicy:
     ])
     def test_refused(self, kwargs, message):
         with pytest.raises(ValueError, match=message):
-            ControlPolicy(**kwargs)
+            ScalingPolicy(**kwargs)
 
 
 class TestBackOff:
@@ -129,7 +130,7 @@ class TestBackOff:
 class TestScaleToZero:
     """gpud_min_instances 0: to zero after idle_unload_seconds without a request, never on a hint alone."""
 
-    IDLE = ControlPolicy(interval_seconds=10, scale_down_cooldown_seconds=300, idle_unload_seconds=60)
+    IDLE = ScalingPolicy(interval_seconds=10, scale_down_cooldown_seconds=300, idle_unload_seconds=60)
 
     @pytest.mark.parametrize("instances, desired, lo, idle_s, target, reason", [
         (1, 1, 0, 60.0, 0, "idle"),  # 60 s without a request >= 60 s: unloaded
@@ -152,7 +153,7 @@ class TestScaleToZero:
 
     def test_a_non_positive_idle_time_is_refused(self):
         with pytest.raises(ValueError, match="idle unload must be > 0"):
-            ControlPolicy(idle_unload_seconds=0)
+            ScalingPolicy(idle_unload_seconds=0)
 
 
 def cand(model: str, last_used_s: float, *, index: int = 0, busy: bool = False, n: int = 1, lo: int = 0,

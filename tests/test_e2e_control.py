@@ -27,7 +27,7 @@ parameters { key: "gpud_max_instances" value: { string_value: "3" } }
 # machine is (at 5 ms, a CPU shared with other work gave too little load to ask for more: 3 ms queues, 60% busy).
 FAST = ("--hints-interval-seconds", "0.5", "--hints-rate-window-seconds", "2", "--hints-target-queue-seconds", "0.001",
         "--hints-scale-up-stabilization-seconds", "1", "--hints-scale-down-stabilization-seconds", "4",
-        "--hints-max-instances", "3", "--control-interval-seconds", "1")
+        "--max-instances", "3", "--control-interval-seconds", "1")
 
 
 class Load:

@@ -13,8 +13,8 @@ import pytest
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 from gpud.scaling.sampler import read_counters
 from gpud.cli.inspect import render_inspect
-from gpud.scaling.controller import ControlLoop
-from gpud.scaling.rules import ControlPolicy
+from gpud.scaling.controller import ScalingController
+from gpud.scaling.rules import ScalingPolicy
 from gpud.core import GpudCore
 from gpud.core_api import RequestedPlacement
 from gpud.ensembles import RegisteredEnsemble, models_to_load
@@ -191,8 +191,8 @@ def test_the_controller_hints_and_placement_requests_leave_the_ensemble_alone(tm
         await core.start()
         assert ("pipeline", "1") not in read_counters(core.snapshot(), 0.0)  # no hint for it
         wanted = HintDecision(5, 5, 0, None, 5, None, "scripted")
-        loop = ControlLoop(core.snapshot, lambda: {("pipeline", "1"): wanted}, core.placement,
-                           ControlPolicy(interval_seconds=1), "on")
+        loop = ScalingController(core.snapshot, lambda: {("pipeline", "1"): wanted}, core.placement,
+                           ScalingPolicy(interval_seconds=1), "on")
         await loop.tick()
         assert not [t for t in loop.targets if t.model == "pipeline"] and not loop.decisions
         assert {t.model for t in loop.targets} == STEPS | {"classifier_b", "add", "embed"}

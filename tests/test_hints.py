@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import pytest
 
+from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import (DeviceFree, HintPolicy, HintState, ModelCounters, ModelFootprint, ModelObservation,
                              batch_capacity_per_second, desired_instances, node_headroom, observe, recommend,
                              total_headroom)
 
 GIB = 2**30
-# target queue 10 ms, plan for 80 % of measured throughput, tolerance 0.1, up window 30 s, down window 300 s, 1..8
+# target queue 10 ms, plan for 80 % of measured throughput, tolerance 0.1, up window 30 s, down window 300 s
 POLICY = HintPolicy()
+BOUNDS = InstanceBounds(1, 8)  # the version's bounds (gpud.scaling.bounds), 1..8 unless a test says otherwise
 
 
 def obs(current: int, arrival: float = 0.0, throughput: float | None = 50.0,
@@ -19,12 +21,12 @@ def obs(current: int, arrival: float = 0.0, throughput: float | None = 50.0,
 
 
 def run(observations, state: HintState = HintState(), policy: HintPolicy = POLICY, start_s: float = 0.0,
-        step_s: float = 5.0):
+        step_s: float = 5.0, bounds: InstanceBounds = BOUNDS):
     """Feed observations every `step_s` seconds of the fake clock; returns [(time_s, desired)] and the state."""
     out = []
     for i, o in enumerate(observations):
         now = start_s + i * step_s
-        decision, state = desired_instances(policy, state, o, now)
+        decision, state = desired_instances(policy, state, o, now, bounds)
         out.append((now, decision.desired_instances))
     return out, state
 
@@ -57,19 +59,27 @@ class TestRecommend:
         (obs(3, arrival=24, throughput=10), 3),
     ])
     def test_recommendation(self, o, expected):
-        assert recommend(POLICY, o)[0] == expected
+        assert recommend(POLICY, o, BOUNDS)[0] == expected
 
     def test_float_ceil_does_not_round_up_exact_counts(self):
         # 0.3 * 10 is 3.0000000000000004 in floating point: still 3 instances.
         # arrival 12, throughput 5, current 1: 12 / 5 = 2.4 busy; 2.4 / 0.8 = 3.0 -> 3
-        assert recommend(POLICY, obs(1, arrival=12, throughput=5))[0] == 3
+        assert recommend(POLICY, obs(1, arrival=12, throughput=5), BOUNDS)[0] == 3
+
+    def test_the_versions_own_bounds_and_no_other(self):
+        # No maximum (gpud_max_instances unset, no node default): 1000 / 50 = 20; 20 / 0.8 = 25, not capped at 8.
+        assert recommend(POLICY, obs(2, arrival=1000), InstanceBounds(1, None))[0] == 25
+        # Minimum 0 (scale to zero allowed): no requests need no instance; nothing to bound.
+        count, *_, reason = recommend(POLICY, obs(3, arrival=0.0), InstanceBounds(0, None))
+        assert count == 0 and "bounded" not in reason
+        # Bounded: the reason says by what, as inspect shows it.
+        assert recommend(POLICY, obs(2, arrival=1000), InstanceBounds(0, 4))[4].endswith("; bounded to [0, 4]")
 
     @pytest.mark.parametrize("kwargs, message", [
         (dict(target_queue_seconds=0), "target_queue_seconds"),
         (dict(target_utilization_ratio=1.5), "target_utilization_ratio"),
         (dict(tolerance=-0.1), "tolerance"),
         (dict(scale_down_stabilization_seconds=-1), "stabilization"),
-        (dict(min_instances=3, max_instances=2), "min_instances"),
     ])
     def test_bad_policy_raises_at_once(self, kwargs, message):
         with pytest.raises(ValueError, match=message):
@@ -127,12 +137,12 @@ class TestStabilization:
         assert max(d for _, d in out) == 8 and dict(out)[30.0] == 8
         # Above the bound already (10 ready, max 8) and idle: recommends min 1. With a 10 s down-window the current
         # 10 stands in until t=10 (10 - 0 < 10 is false there): 10, 10, then max(1, 1, 1) = 1.
-        policy = HintPolicy(max_instances=8, scale_down_stabilization_seconds=10)
+        policy = HintPolicy(scale_down_stabilization_seconds=10)
         out, _ = run([obs(10, arrival=0.0)] * 4, policy=policy)
         assert out == [(0, 10), (5, 10), (10, 1), (15, 1)]
         # min 2: idle never hints fewer than 2 (0 needed, bounded up to 2).
-        policy = HintPolicy(min_instances=2, scale_down_stabilization_seconds=0)
-        out, _ = run([obs(3, arrival=0.0)] * 3, policy=policy)
+        policy = HintPolicy(scale_down_stabilization_seconds=0)
+        out, _ = run([obs(3, arrival=0.0)] * 3, policy=policy, bounds=InstanceBounds(2, 8))
         assert [d for _, d in out] == [2, 2, 2]
 
     def test_state_is_pruned_to_the_longest_window(self):
@@ -142,7 +152,7 @@ class TestStabilization:
 
     def test_pure(self):
         o, state = obs(2, arrival=160), HintState(((0.0, 4),), 0.0)
-        assert desired_instances(POLICY, state, o, 40.0) == desired_instances(POLICY, state, o, 40.0)
+        assert desired_instances(POLICY, state, o, 40.0, BOUNDS) == desired_instances(POLICY, state, o, 40.0, BOUNDS)
 
 
 class TestObserve:
@@ -203,7 +213,7 @@ class TestBatchCapacity:
                           batches=((1, 3000, 3000 * 19_600_000), (2, 200, 200 * 20_000_000)), max_batch_size=8)
         o = observe(a, b)
         assert o.throughput_per_instance_per_second == pytest.approx(3 / 0.0204)
-        assert recommend(POLICY, o)[1] == 3
+        assert recommend(POLICY, o, BOUNDS)[1] == 3
 
 
 class TestHeadroom:

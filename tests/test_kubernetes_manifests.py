@@ -180,7 +180,7 @@ def _deployment() -> dict:
 
 def test_the_pod_runs_gpud_as_its_settings_say():
     from gpud.api.http_api import HttpApi
-    from gpud.main import prepare_settings
+    from gpud.settings import prepare_settings
     from gpud.settings import Settings, load_settings_file
     from tests.fake_core import FakeCore
 
@@ -281,7 +281,7 @@ def test_the_autoscalers_use_metrics_gpud_exports():
 
 
 def _policy():
-    from gpud.main import hint_policy
+    from gpud.settings import hint_policy
     from gpud.settings import Settings
 
     return hint_policy(Settings())

@@ -230,30 +230,30 @@ class TestControl:
     def test_scale_up_adds_instances_and_keeps_the_others_where_they_are(self, node):
         registry, pool, service = self.started(node)
         before = where(registry)
-        plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
         assert [(s.kind, s.model, s.index, s.error) for s in plan.steps] == [("add", "mlp", 1, ""), ("add", "mlp", 2, "")]
         assert [e[0] for e in pool.events] == ["load", "load"] and plan.deferred == 0
         assert where(registry)["cnn"] == before["cnn"] and len(where(registry)["mlp"]) == 3
 
     def test_the_cap_leaves_the_rest_for_later(self, node):
         registry, pool, service = self.started(node)
-        plan = asyncio.run(service.control({("mlp", "1"): 5}, max_steps=2, apply=True))
+        plan = asyncio.run(service.rescale({("mlp", "1"): 5}, max_steps=2, apply=True))
         assert len(plan.steps) == 2 and plan.deferred == 2  # 4 adds wanted, 2 done
-        plan = asyncio.run(service.control({("mlp", "1"): 5}, max_steps=2, apply=True))
+        plan = asyncio.run(service.rescale({("mlp", "1"): 5}, max_steps=2, apply=True))
         assert len(plan.steps) == 2 and plan.deferred == 0 and len(where(registry)["mlp"]) == 5
 
     def test_scale_down_removes_the_newest(self, node):
         registry, pool, service = self.started(node)
-        asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
         pool.events.clear()
-        plan = asyncio.run(service.control({("mlp", "1"): 1}, max_steps=4, apply=True))
+        plan = asyncio.run(service.rescale({("mlp", "1"): 1}, max_steps=4, apply=True))
         assert sorted((s.kind, s.index) for s in plan.steps) == [("remove", 1), ("remove", 2)]
         assert [i for i, _ in where(registry)["mlp"]] == [0] and [e[0] for e in pool.events] == ["unload", "unload"]
 
     def test_advise_changes_nothing(self, node):
         registry, pool, service = self.started(node)
         before = where(registry)
-        plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=False))
+        plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=False))
         assert [s.kind for s in plan.steps] == ["add", "add"]
         assert where(registry) == before and pool.events == []
 
@@ -265,8 +265,8 @@ class TestControl:
         other = "gpu1" if src == "gpu0" else "gpu0"
         asyncio.run(service.apply_requested([RequestedPlacement("mlp", 0, other)]))
         pool.events.clear()
-        assert asyncio.run(service.control({("mlp", "1"): 1}, max_steps=4, apply=True)).steps == ()
-        plan = asyncio.run(service.control({("mlp", "1"): 1}, max_steps=4, apply=True, incremental=False))
+        assert asyncio.run(service.rescale({("mlp", "1"): 1}, max_steps=4, apply=True)).steps == ()
+        plan = asyncio.run(service.rescale({("mlp", "1"): 1}, max_steps=4, apply=True, incremental=False))
         assert [(s.kind, s.from_device, s.to_device) for s in plan.steps] == [("move", other, src)]
         assert where(registry)["mlp"] == [(0, src)]
 
@@ -275,7 +275,7 @@ class TestControl:
         # more of cnn must not take a busy model's instance); cnn may lose none either (target 2 > 1 running). With
         # mlp's target at 1, it may go down to 1.
         registry, pool, service = self.started(node)
-        asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
         mins = {d.name: d.min_instances for d in service.inputs(totals={("cnn", "1"): 2}).demands}
         assert mins == {"mlp": 3, "cnn": 1}
         mins = {d.name: d.min_instances for d in service.inputs(totals={("mlp", "1"): 1}).demands}
@@ -284,7 +284,7 @@ class TestControl:
     def test_a_failed_load_stops_the_interval(self, node):
         registry, pool, service = self.started(node)
         pool.fail_on = {"gpu0", "gpu1", "cpu"}
-        plan = asyncio.run(service.control({("mlp", "1"): 3}, max_steps=4, apply=True))
+        plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
         assert len(plan.steps) == 1 and "out of memory (scripted)" in plan.steps[0].error
         assert len(where(registry)["mlp"]) == 1  # the running one still serves
 

@@ -119,7 +119,7 @@ def test_a_scale_up_with_no_room_evicts_only_instances_idle_for_the_window(tmp_p
         await core.start()
         assert all(v.ready for v in core.registry.versions())
         wall.now_s += idle_s  # neither has served a request since it loaded
-        plan = await core.placement.control({("cnn", "1"): 2}, max_steps=4, apply=True, evict_idle_s=60.0)
+        plan = await core.placement.rescale({("cnn", "1"): 2}, max_steps=4, apply=True, evict_idle_s=60.0)
         return [(s.kind, s.model, s.evicted_for) for s in plan.steps]
 
     assert asyncio.run(scenario(30.0)) == []  # idle 30 s < 60 s: nothing evicted, the add has no room
@@ -164,8 +164,8 @@ def test_only_the_instances_that_make_room_are_evicted(tmp_path):
     async def scenario() -> None:
         await core.start()
         service = core.placement
-        await service.control({("two_input", "1"): 0}, max_steps=4, apply=True)
-        await service.control({("cnn", "1"): 2}, max_steps=4, apply=True)
+        await service.rescale({("two_input", "1"): 0}, max_steps=4, apply=True)
+        await service.rescale({("cnn", "1"): 2}, max_steps=4, apply=True)
         await service.apply_requested([RequestedPlacement("mlp", 0, "gpu0"), RequestedPlacement("cnn", 1, "gpu0"),
                                        RequestedPlacement("cnn", 0, "gpu1")])
         mlp, cnn, two = (core.registry.version(n) for n in ("mlp", "cnn", "two_input"))

@@ -11,8 +11,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from gpud.scaling.controller import ControlLoop
-from gpud.scaling.rules import ControlPolicy
+from gpud.scaling.controller import ScalingController
+from gpud.scaling.rules import ScalingPolicy
 from gpud.placing.ondemand import eviction_candidates
 from gpud.placing.service import PlacementService
 from gpud.scheduling import new_registry
@@ -74,8 +74,8 @@ def test_the_controller_keeps_the_slots_of_live_sequences_and_their_state_moves(
     registry, service, pool = node
     clock = FakeClock(1000.0)
     hints = {}
-    loop = ControlLoop(registry.snapshot, lambda: hints, service,
-                       ControlPolicy(interval_seconds=10, scale_down_cooldown_seconds=0), "on", clock=clock)
+    loop = ScalingController(registry.snapshot, lambda: hints, service,
+                       ScalingPolicy(interval_seconds=10, scale_down_cooldown_seconds=0), "on", clock=clock)
     got = Answers()
 
     async def go():

@@ -91,18 +91,18 @@ def test_worker_hang_seconds_from_flag_and_file_and_a_negative_one_is_refused(tm
 
 
 def test_placement_control_settings_and_clear_refusals(tmp_path):
-    from gpud.main import control_policy
+    from gpud.settings import scaling_policy
 
     settings = resolve_settings(build_parser().parse_args(["--control-interval-seconds", "2"]))
     assert settings.placement_control == "on"  # the default
-    policy = control_policy(settings)
+    policy = scaling_policy(settings)
     assert (policy.interval_seconds, policy.max_steps_per_interval) == (2.0, 4)
     assert policy.scale_down_cooldown_seconds == settings.hints_scale_down_stabilization_seconds  # no flapping
     f = tmp_path / "gpud.yaml"
     f.write_text("placement_control: on\n")  # YAML reads a bare `on` as true: refused, not taken as "on"
     with pytest.raises(ValueError, match=r"placement_control must be one of off, advise, on, got 'True' \(YAML reads "
                                          r"bare on/off as booleans: quote it"):
-        control_policy(resolve_settings(build_parser().parse_args(["--config", str(f)])))
+        scaling_policy(resolve_settings(build_parser().parse_args(["--config", str(f)])))
     out = subprocess.run([sys.executable, "-m", "gpud.main", "--control-interval-seconds", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2 and "control interval must be > 0 seconds" in out.stderr
@@ -146,3 +146,42 @@ def test_admin_actions_are_loopback_only_unless_opened(tmp_path):
     assert resolve_settings(build_parser().parse_args(["--config", str(f)])).admin_open is True
     assert "loopback address only" in AdminAuth().describe()
     assert "any address (--admin-open)" in AdminAuth(open_to_network=True).describe()
+
+
+def test_instance_bounds_defaults_from_flags_and_file_and_the_old_names(tmp_path, caplog):
+    from gpud.scaling.bounds import BoundsDefaults
+    from gpud.settings import prepare_settings
+
+    s = resolve_settings(build_parser().parse_args([]))
+    assert (s.min_instances, s.max_instances) == (None, None)  # the model's instance_group count; the node's room
+    assert prepare_settings(s).bounds_defaults == BoundsDefaults(None, None)
+    s = resolve_settings(build_parser().parse_args(["--min-instances", "0", "--max-instances", "6"]))
+    assert prepare_settings(s).bounds_defaults == BoundsDefaults(0, 6)
+    # The names of the hints' old bounds still work: a flag, and a config file key with a warning.
+    s = resolve_settings(build_parser().parse_args(["--hints-max-instances", "4"]))
+    assert s.max_instances == 4
+    f = tmp_path / "gpud.yaml"
+    f.write_text("hints_min_instances: 2\n")
+    with caplog.at_level("WARNING", logger="gpud"):
+        s = resolve_settings(build_parser().parse_args(["--config", str(f)]))
+    assert s.min_instances == 2 and "setting 'hints_min_instances' is now 'min_instances'" in caplog.text
+    with pytest.raises(ValueError, match=r"max_instances \(1\) must be >= min_instances \(2\)"):
+        prepare_settings(resolve_settings(build_parser().parse_args(["--min-instances", "2", "--max-instances", "1"])))
+
+
+def test_the_nodes_bounds_reach_the_models_that_set_none(tmp_path):
+    from gpud.examples import write_example_repository
+    from gpud.repository.layout import ModelRepository
+    from gpud.scaling.bounds import BoundsDefaults, InstanceBounds
+    from gpud.scheduling import new_registry
+
+    write_example_repository(tmp_path, ["mlp", "cnn"])
+    with open(tmp_path / "cnn" / "config.pbtxt", "a") as f:
+        f.write('parameters { key: "gpud_max_instances" value: { string_value: "2" } }\n')
+    registry = new_registry(True, bounds_defaults=BoundsDefaults(0, 5))
+    for name, entry in ModelRepository(tmp_path).scan().items():
+        registry.register(name, entry)
+    assert registry.version("mlp").bounds == InstanceBounds(0, 5)  # the node's defaults
+    assert registry.version("cnn").bounds == InstanceBounds(0, 2)  # its own maximum, the node's minimum
+    view = next(v for v in registry.snapshot().versions() if v.model == "mlp")
+    assert (view.min_instances, view.max_instances) == (0, 5)  # what the hints and the controller read

@@ -12,7 +12,7 @@ import pytest
 
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
-from gpud.main import prepare_settings
+from gpud.settings import prepare_settings
 from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan,
                                 repository_changes)
 from gpud.reload import Reloader, ReloadTargets, effective, settings_changes
@@ -119,7 +119,7 @@ class Fixture:
         self.admin = AdminAuth(prepared.admin_token)
         self.hints = SimpleNamespace(policy=prepared.hint_policy, interval_s=running.hints_interval_seconds,
                                      rate_window_s=running.hints_rate_window_seconds)
-        self.controller = SimpleNamespace(policy=prepared.control_policy, mode=running.placement_control)
+        self.controller = SimpleNamespace(policy=prepared.scaling_policy, mode=running.placement_control)
         self.http = SimpleNamespace(request_timeout_s=running.http_request_timeout_seconds,
                                     max_connections=running.http_max_connections)
         self.core = SimpleNamespace(control=prepared.model_control, snapshot=lambda: SimpleNamespace(

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.dynamic_scheduler import DynamicScheduler
-from gpud.scaling.controller import ControlLoop
-from gpud.scaling.rules import ControlPolicy
-from gpud.placing.results import ControlPlan
+from gpud.scaling.controller import ScalingController
+from gpud.scaling.rules import ScalingPolicy
+from gpud.placing.results import ScalingPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
 from gpud.repository.layout import ModelEntry
@@ -140,7 +140,7 @@ def write_repository(root: Path, specs: Mapping[str, ModelSpec],
 @dataclass(frozen=True)
 class ControlSettings:
     hints: HintPolicy
-    control: ControlPolicy
+    control: ScalingPolicy
     hints_interval_s: float
     rate_window_s: float
     device_reserve_bytes: int = 512 * 2**20
@@ -156,8 +156,8 @@ class FromScratch:
     def __init__(self, service: PlacementService):
         self.service = service
 
-    async def control(self, totals, *, max_steps: int, apply: bool, evict_idle_s: float | None = None) -> ControlPlan:
-        return await self.service.control(totals, max_steps=10**6, apply=apply, evict_idle_s=evict_idle_s,
+    async def rescale(self, totals, *, max_steps: int, apply: bool, evict_idle_s: float | None = None) -> ScalingPlan:
+        return await self.service.rescale(totals, max_steps=10**6, apply=apply, evict_idle_s=evict_idle_s,
                                           incremental=False)
 
     def instances_on_unhealthy_devices(self) -> int:
@@ -186,7 +186,7 @@ class ControlPlane:
                                   settings.hints, clock=serving.clock, interval_s=settings.hints_interval_s,
                                   rate_window_s=settings.rate_window_s)
         placer = self.service if settings.incremental else FromScratch(self.service)
-        self.controller = ControlLoop(self.registry.snapshot, self.hints.decisions, placer, settings.control, "on",
+        self.controller = ScalingController(self.registry.snapshot, self.hints.decisions, placer, settings.control, "on",
                                       clock=serving.clock, wall_clock=serving.wall_clock, history=10**6)
         repo = write_repository(workdir, specs)
         self.versions: list[RegisteredVersion] = []
@@ -238,7 +238,7 @@ class ControlPlane:
     def _control_tick(self) -> None:
         async def tick() -> None:
             await self.controller.tick()
-            # as ControlLoop.run: the next interval starts when this tick (and its loads) is done
+            # as ScalingController.run: the next interval starts when this tick (and its loads) is done
             self.serving.at(self.serving.now_s + self.settings.control.interval_seconds, self._control_tick)
 
         self._run(tick)

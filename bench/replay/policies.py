@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from gpud.executor.model_config import InstanceGroup
-from gpud.scaling.rules import ControlPolicy
+from gpud.scaling.rules import ScalingPolicy
 from gpud.placing.inputs import VersionDemand, build_inputs, planning_devices
 from gpud.placement import PlannerConfig, plan
 from gpud.scaling.hints import HintPolicy
@@ -67,9 +67,8 @@ def settings_for(scenario: Scenario, *, incremental: bool, interval_s: float = 5
     controller, not easier). The hints aim at a mean queue of `queue_target_share` x the SLO's bound."""
     hints = HintPolicy(target_queue_seconds=scenario.slo_queue_s * queue_target_share,
                        target_utilization_ratio=scenario.target_utilization,
-                       scale_up_stabilization_seconds=scale_up_s, scale_down_stabilization_seconds=scale_down_s,
-                       min_instances=0, max_instances=64)
-    control = ControlPolicy(interval_seconds=interval_s, max_steps_per_interval=max_steps,
+                       scale_up_stabilization_seconds=scale_up_s, scale_down_stabilization_seconds=scale_down_s)
+    control = ScalingPolicy(interval_seconds=interval_s, max_steps_per_interval=max_steps,
                             scale_down_cooldown_seconds=scale_down_s, idle_unload_seconds=idle_unload_s)
     return ControlSettings(hints, control, hints_interval_s, rate_window_s, incremental=incremental)
 

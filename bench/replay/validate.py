@@ -68,7 +68,7 @@ def control_settings(c: Case) -> ControlSettings:
     scenario = Scenario(c.specs, c.kinds, {}, {}, c.rates, float(c.seconds), 0.0, SLO_QUEUE_S, 0.8, 0.0, 0.0)
     base = settings_for(scenario, incremental=True, interval_s=5.0, scale_up_s=5.0, scale_down_s=30.0,
                         idle_unload_s=600.0, hints_interval_s=2.5, rate_window_s=15.0)
-    return replace(base, hints=replace(base.hints, min_instances=1, max_instances=2))
+    return base  # the bounds (1..2) are the models' own (gpud_min_instances, gpud_max_instances)
 
 
 def daemon_flags(s: ControlSettings) -> list[str]:
@@ -78,7 +78,6 @@ def daemon_flags(s: ControlSettings) -> list[str]:
             "--hints-target-utilization-ratio", str(h.target_utilization_ratio),
             "--hints-scale-up-stabilization-seconds", str(h.scale_up_stabilization_seconds),
             "--hints-scale-down-stabilization-seconds", str(h.scale_down_stabilization_seconds),
-            "--hints-min-instances", str(h.min_instances), "--hints-max-instances", str(h.max_instances),
             "--control-interval-seconds", str(c.interval_seconds),
             "--control-max-steps-per-interval", str(c.max_steps_per_interval),
             "--idle-unload-seconds", str(c.idle_unload_seconds)]

@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from gpud.settings import check_settings, prepare_settings
 from gpud.executor.direct import DirectRun
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 from gpud.core_api import ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig
@@ -88,8 +89,6 @@ class Server:
     def __init__(self, model_repository: str | os.PathLike, *, metrics_port: int | None = None,
                  metrics_address: str = "127.0.0.1", config: str | os.PathLike | None = None,
                  models_in_process: bool = False, **settings: Any):
-        from gpud.main import check_settings, prepare_settings
-
         refused = sorted(k for k in settings if k.replace("-", "_") in DAEMON_ONLY_SETTINGS)
         if refused:
             raise ValueError(f"gpud.Server: {', '.join(refused)}: not a setting of the in-process server (it has no "

@@ -1,5 +1,5 @@
 """Scale to zero's other half: loads on demand (a request for a version with no instance loads one) and evictions
-(which idle instances a load may unload, in the order it may: the pure rule is gpud.scaling.rules.eviction_order; and
+(which idle instances a load may unload, in the order it may: the pure rule is gpud.scaling.idle.eviction_order; and
 only those that make room). A part of the placement service (`OnDemand` is one of its bases), in a module of its own.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpud.executor.instance import InstanceHandle
-from gpud.scaling.rules import EvictionCandidate, eviction_order
+from gpud.scaling.idle import EvictionCandidate, eviction_order, idle_seconds
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
 from gpud.placing.results import Step
 from gpud.registry import RegisteredVersion
@@ -146,7 +146,10 @@ def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion]
     handles: dict[tuple[str, str, int, str], tuple[RegisteredVersion, InstanceHandle]] = {}
     candidates = []
     for other in live:
-        if other is vs or other in exclude or now_unix_s - other.last_used_unix_s < min_idle_s:
+        if other is vs or other in exclude:
+            continue
+        idle_s = idle_seconds(other.last_used_unix_s, other.scheduler.pending_requests, now_unix_s)
+        if idle_s is None or idle_s < min_idle_s:  # busy (eviction_order would skip it too) or not idle long enough
             continue
         for inst in other.instances:
             if device_kinds.get(inst.device_id) not in kinds:

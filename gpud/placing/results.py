@@ -41,7 +41,7 @@ class Unplaced:
 
 
 @dataclass(frozen=True)
-class ControlPlan:
+class ScalingPlan:
     steps: tuple[Step, ...]  # done (or, in advise mode, what would be done), in order
     unplaced: tuple[Unplaced, ...]  # instances of the targets the node has no room for
     deferred: int  # steps left for later intervals (the cap on steps, or no room until others move)

@@ -32,7 +32,7 @@ from gpud.placing.ondemand import OnDemand, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
-from gpud.placing.results import ControlPlan, DeviceRoom, Step, Unplaced
+from gpud.placing.results import ScalingPlan, DeviceRoom, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
 from gpud.placement import Assignment, Move, Plan, PlannerConfig, diff, plan
 from gpud.telemetry.devices import DeviceBackend, DeviceInfo
@@ -216,8 +216,8 @@ class PlacementService(OnDemand):
         return ok
 
     # --- the controller ----------------------------------------------------------------------------------------
-    async def control(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool,
-                      evict_idle_s: float | None = None, incremental: bool = True) -> ControlPlan:
+    async def rescale(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool,
+                      evict_idle_s: float | None = None, incremental: bool = True) -> ScalingPlan:
         """Re-plan the node with these versions' instance counts (the others keep theirs), keeping moves few
         (placement's incremental re-plan: what runs stays where it is unless moving it lets more fit; instances on
         unhealthy devices are placed again elsewhere), and carry out the first `max_steps` steps in order, each
@@ -264,7 +264,7 @@ class PlacementService(OnDemand):
         for vs in wanted:  # requests came while its last instance was being unloaded (idle): load it again
             if vs.scaled_to_zero and vs.scheduler.pending_requests:
                 self.demand(vs)
-        return ControlPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
+        return ScalingPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
                            frozenset(unhealthy))
 
     def unhealthy_devices(self) -> set[str]:

@@ -17,15 +17,15 @@ from gpud.executor.model_config import ModelConfig
 
 @dataclass(frozen=True)
 class InstanceBounds:
+    """`minimum` may exceed `maximum` only where a version's live sequences need more instances than its maximum
+    (RegisteredVersion.minimum_instances): the maximum wins, as in the controller's rules."""
+
     minimum: int
     maximum: int | None  # None: as many as the node has room for
 
-    def __post_init__(self) -> None:
-        if self.minimum < 0 or (self.maximum is not None and self.maximum < self.minimum):
-            raise ValueError(f"need 0 <= minimum <= maximum instances, got {self.minimum} and {self.maximum}")
-
     def clamp(self, n: int) -> int:
-        return max(self.minimum, n if self.maximum is None else min(n, self.maximum))
+        n = max(self.minimum, n)
+        return n if self.maximum is None else min(n, self.maximum)
 
     def describe(self) -> str:
         return f"[{self.minimum}, {'no limit' if self.maximum is None else self.maximum}]"

@@ -19,29 +19,41 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpud.scaling.rules import (ControlMode, ControlPolicy, InstanceBounds, Reason, Target, VersionObservation,
-                             VersionState, after_added, after_failed_load, after_removed, decide_target)
-from gpud.placing.results import ControlPlan, Step
+from gpud.placing.results import ScalingPlan, Step
+from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import HintDecision
+from gpud.scaling.idle import idle_seconds
+from gpud.scaling.rules import (ScalingMode, ScalingPolicy, Reason, Target, VersionObservation, VersionState,
+                                after_added, after_failed_load, after_removed, decide_target)
 from gpud.telemetry.serving import SnapshotSource
 
-log = logging.getLogger("gpud.scaling.rules")
+log = logging.getLogger("gpud.controller")  # the name operators filter on (before gpud.scaling)
 
 Key = tuple[str, str]  # (model, version)
+
+# The steps each reason can make (see ScalingController._record): their counters are exported at 0 from the start,
+# so that a dashboard tells "no action yet" from "no controller", and rate() sees the first step.
+ACTION_REASONS: tuple[tuple[str, Reason], ...] = (
+    ("add", "scale_up"), ("add", "min_instances"), ("add", "make_room"),
+    ("remove", "scale_down"), ("remove", "max_instances"), ("remove", "idle"), ("remove", "evicted"),
+    ("remove", "device_lost"), ("remove", "make_room"),
+    ("move", "make_room"), ("move", "device_lost"),
+)
+REFUSALS = ("no_room", "load_failed")
 HintsSource = Callable[[], Mapping[Key, HintDecision]]
 
 
 class Placer(Protocol):
     """What the loop needs of the placement service."""
 
-    async def control(self, totals: Mapping[Key, int], *, max_steps: int, apply: bool,
-                      evict_idle_s: float | None = None) -> ControlPlan: ...
+    async def rescale(self, totals: Mapping[Key, int], *, max_steps: int, apply: bool,
+                      evict_idle_s: float | None = None) -> ScalingPlan: ...
 
     def instances_on_unhealthy_devices(self) -> int: ...
 
 
 @dataclass(frozen=True)
-class Decision:
+class ScalingAction:
     """One step the controller took (or, in advise mode, would have taken), for inspect."""
 
     time_unix_s: float
@@ -57,9 +69,12 @@ class Decision:
     error: str = ""
 
 
-class ControlLoop(Collector):
-    def __init__(self, snapshot: SnapshotSource, hints: HintsSource, placement: Placer, policy: ControlPolicy,
-                 mode: ControlMode, *, clock: Callable[[], float] = time.monotonic,
+class ScalingController(Collector):
+    """The placement controller: every interval, hints -> targets (gpud.scaling.rules) -> the placement service's
+    rescale; its steps, counters and targets for inspect and Prometheus."""
+
+    def __init__(self, snapshot: SnapshotSource, hints: HintsSource, placement: Placer, policy: ScalingPolicy,
+                 mode: ScalingMode, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, history: int = 50,
                  registry: CollectorRegistry | None = None):
         self.snapshot = snapshot
@@ -71,7 +86,7 @@ class ControlLoop(Collector):
         self.wall_clock = wall_clock
         self._states: dict[Key, VersionState] = {}
         self.targets: list[Target] = []
-        self.decisions: deque[Decision] = deque(maxlen=history)
+        self.decisions: deque[ScalingAction] = deque(maxlen=history)
         self.actions: Counter[tuple[str, str, str]] = Counter()  # (action, reason, applied) -> steps
         self.refused: Counter[str] = Counter()  # why a plan left something undone -> plans
         self.plans = 0
@@ -99,7 +114,7 @@ class ControlLoop(Collector):
                 continue  # not loaded, its load failed, or scaled to zero (its next request loads it)
             key = (v.model, v.version)
             hint = hints.get(key)
-            idle_s = None if v.pending_requests or not v.last_used_unix_s else max(0.0, wall_now - v.last_used_unix_s)
+            idle_s = idle_seconds(v.last_used_unix_s, v.pending_requests, wall_now)
             obs = VersionObservation(v.model, v.version, len(v.instances),
                                      InstanceBounds(v.min_instances, v.max_instances),
                                      None if hint is None else hint.desired_instances,
@@ -112,7 +127,7 @@ class ControlLoop(Collector):
             return
         apply = self.mode == "on"
         # A scale-up with no room may evict instances idle for the scale-down window (least recently used first).
-        plan = await self.placement.control(changes, max_steps=self.policy.max_steps_per_interval, apply=apply,
+        plan = await self.placement.rescale(changes, max_steps=self.policy.max_steps_per_interval, apply=apply,
                                             evict_idle_s=self.policy.scale_down_cooldown_seconds)
         self.plans += 1
         self.last_plan_unix_s = self.wall_clock()
@@ -132,7 +147,7 @@ class ControlLoop(Collector):
         if plan.deferred:
             log.info("placement control: %d step(s) left for the next interval(s)", plan.deferred)
 
-    def _record(self, step: Step, target: Target | None, plan: ControlPlan, apply: bool) -> None:
+    def _record(self, step: Step, target: Target | None, plan: ScalingPlan, apply: bool) -> None:
         if step.evicted_for:
             reason: Reason = "evicted"
             detail = f"idle, least recently used: room for model {step.evicted_for}"
@@ -146,7 +161,7 @@ class ControlLoop(Collector):
         else:
             reason, detail = "make_room", "part of the re-plan"
         applied = apply and not step.error
-        self.decisions.append(Decision(self.wall_clock(), step.kind, step.model, step.version, step.index,
+        self.decisions.append(ScalingAction(self.wall_clock(), step.kind, step.model, step.version, step.index,
                                        step.from_device, step.to_device, reason, detail, applied, step.error))
         self.actions[(step.kind, reason, "true" if applied else "false")] += 1
         key = (step.model, step.version)
@@ -195,11 +210,13 @@ class ControlLoop(Collector):
 
     def collect(self) -> Iterable[Metric]:
         actions, plans, refused, last, targets = fams = self._families()
-        for (action, reason, applied), n in sorted(self.actions.items()):
-            actions.add_metric([action, reason, applied], n)
+        # Every step the current mode can take is exported, at 0 until taken (a reload may change the mode).
+        applied = "true" if self.mode == "on" else "false"
+        for key in sorted(self.actions.keys() | {(a, r, applied) for a, r in ACTION_REASONS}):
+            actions.add_metric(list(key), self.actions[key])
         plans.add_metric([], self.plans)
-        for reason, n in sorted(self.refused.items()):
-            refused.add_metric([reason], n)
+        for reason in sorted(self.refused.keys() | set(REFUSALS)):
+            refused.add_metric([reason], self.refused[reason])
         if self.last_plan_unix_s is not None:
             last.add_metric([], self.last_plan_unix_s)
         for t in self.targets:

@@ -17,7 +17,8 @@ for two metrics, whichever asks for more (HPA takes the largest proposal of seve
            nothing about how many instances could go; the load metric decides that), and at most twice the current
            count (HPA's default scale-up policy: +100%): a backlog still draining after capacity has arrived would
            otherwise ask for as many instances as its seconds of wait.
-Then bounds (min/max) and HPA's stabilization windows: a scale-up happens only to the *lowest* recommendation of the
+Then the version's bounds (gpud.scaling.bounds: its gpud_min_instances / gpud_max_instances, else the node's
+defaults; the same bounds the controller applies) and HPA's stabilization windows: a scale-up happens only to the *lowest* recommendation of the
 last `scale_up_stabilization_seconds`, a scale-down only to the *highest* recommendation of the last
 `scale_down_stabilization_seconds` (so a burst or a lull shorter than the window changes nothing). Unlike HPA, a
 fresh state has no evidence yet: until a window is covered by recommendations, the current count stands in for the
@@ -32,6 +33,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpud.scaling.bounds import InstanceBounds
+
 
 @dataclass(frozen=True)
 class HintPolicy:
@@ -40,8 +43,6 @@ class HintPolicy:
     tolerance: float = 0.1  # HPA's default: metric/target within 1 +- 0.1 changes nothing
     scale_up_stabilization_seconds: float = 30.0  # a need for more must last this long before it is hinted
     scale_down_stabilization_seconds: float = 300.0  # HPA's default: a lull must last 5 minutes before scaling down
-    min_instances: int = 1
-    max_instances: int = 8
 
     def __post_init__(self) -> None:
         if self.target_queue_seconds <= 0:
@@ -53,9 +54,6 @@ class HintPolicy:
         if self.scale_up_stabilization_seconds < 0 or self.scale_down_stabilization_seconds < 0:
             raise ValueError("stabilization windows must be >= 0 seconds, got "
                              f"up={self.scale_up_stabilization_seconds} down={self.scale_down_stabilization_seconds}")
-        if self.min_instances < 0 or self.max_instances < self.min_instances:
-            raise ValueError(f"need 0 <= min_instances <= max_instances, got min={self.min_instances} "
-                             f"max={self.max_instances}")
 
 
 @dataclass(frozen=True)
@@ -93,8 +91,9 @@ def _ceil(x: float) -> int:
     return math.ceil(round(x, 9))
 
 
-def recommend(policy: HintPolicy, obs: ModelObservation) -> tuple[int, int | None, int | None, float | None, str]:
-    """The instantaneous recommendation (bounded, not stabilized) and the proposals it came from."""
+def recommend(policy: HintPolicy, obs: ModelObservation,
+              bounds: InstanceBounds) -> tuple[int, int | None, int | None, float | None, str]:
+    """The instantaneous recommendation (within `bounds`, not stabilized) and the proposals it came from."""
     current = obs.ready_instances
     load = util = None
     in_tolerance = False
@@ -127,17 +126,18 @@ def recommend(policy: HintPolicy, obs: ModelObservation) -> tuple[int, int | Non
                 reason += f", {util:.0%} of measured throughput"
             if in_tolerance:
                 reason += " (within tolerance)"
-    bounded = min(policy.max_instances, max(policy.min_instances, raw))
+    bounded = bounds.clamp(raw)
     if bounded != raw:
-        reason += f"; bounded to [{policy.min_instances}, {policy.max_instances}]"
+        reason += f"; bounded to {bounds.describe()}"
     return bounded, load, queue, util, reason
 
 
-def desired_instances(policy: HintPolicy, state: HintState, obs: ModelObservation,
-                      now_s: float) -> tuple[HintDecision, HintState]:
-    """One step of the policy. Pure: the same arguments always give the same decision and state."""
+def desired_instances(policy: HintPolicy, state: HintState, obs: ModelObservation, now_s: float,
+                      bounds: InstanceBounds) -> tuple[HintDecision, HintState]:
+    """One step of the policy for a version with these bounds. Pure: the same arguments always give the same
+    decision and state."""
     current = obs.ready_instances
-    rec, load, queue, util, reason = recommend(policy, obs)
+    rec, load, queue, util, reason = recommend(policy, obs, bounds)
     since = state.since_s if state.since_s is not None else now_s
     keep_s = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
     history = tuple((t, r) for t, r in state.recommendations if now_s - t <= keep_s) + ((now_s, rec),)

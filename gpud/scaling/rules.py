@@ -23,9 +23,7 @@ The reason of a change says which rule made it: scale_up / scale_down (the hint,
 / max_instances (the bounds), idle, and for steps the planner adds, make_room (a move that lets more fit),
 device_lost and evicted (an idle instance unloaded to make room for a scale-up).
 
-Eviction (`eviction_order`) is a pure rule too: when a load needs room that idle instances hold, the least recently
-used go first, never below their version's minimum and never one with requests waiting or running. A cold start (a
-request waits) may evict any idle instance; a scale-up only those idle for the scale-down window.
+Which idle instances a load may evict is gpud.scaling.idle's rule.
 """
 from __future__ import annotations
 
@@ -36,15 +34,15 @@ from gpud.repository.options import MAX_INSTANCES as MAX_INSTANCES_PARAMETER
 from gpud.repository.options import MIN_INSTANCES as MIN_INSTANCES_PARAMETER
 from gpud.scaling.bounds import InstanceBounds
 
-ControlMode = Literal["off", "advise", "on"]
-CONTROL_MODES: tuple[ControlMode, ...] = ("off", "advise", "on")
+ScalingMode = Literal["off", "advise", "on"]
+SCALING_MODES: tuple[ScalingMode, ...] = ("off", "advise", "on")
 
 Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "idle", "make_room",
                  "device_lost", "evicted"]
 
 
 @dataclass(frozen=True)
-class ControlPolicy:
+class ScalingPolicy:
     interval_seconds: float = 10.0
     max_steps_per_interval: int = 4  # adds, removals and moves applied per interval (the rest waits)
     scale_down_cooldown_seconds: float = 300.0  # after an add, no removal of the version's instances for this long
@@ -94,7 +92,7 @@ class Target:
     detail: str  # for people: the rule and its numbers
 
 
-def decide_target(policy: ControlPolicy, state: VersionState, obs: VersionObservation, now_s: float) -> Target:
+def decide_target(policy: ScalingPolicy, state: VersionState, obs: VersionObservation, now_s: float) -> Target:
     lo, hi = obs.bounds.minimum, obs.bounds.maximum
     n = obs.instances
     wanted = n if obs.desired is None else obs.desired
@@ -144,37 +142,8 @@ def after_removed(state: VersionState, now_s: float) -> VersionState:
     return VersionState(state.last_added_s, state.failed_loads, state.retry_after_s, last_removed_s=now_s)
 
 
-def after_failed_load(policy: ControlPolicy, state: VersionState, now_s: float) -> VersionState:
+def after_failed_load(policy: ScalingPolicy, state: VersionState, now_s: float) -> VersionState:
     """Back off: the k-th failure in a row waits interval x 2^(k-1) seconds, at most max_retry_seconds."""
     failures = state.failed_loads + 1
     wait_s = min(policy.max_retry_seconds, policy.interval_seconds * 2 ** (failures - 1))
     return VersionState(state.last_added_s, failures, now_s + wait_s, state.last_removed_s)
-
-
-@dataclass(frozen=True)
-class EvictionCandidate:
-    """A live instance another model's load might unload."""
-
-    model: str
-    version: str
-    index: int
-    device_id: str
-    footprint_bytes: int
-    last_used_s: float  # when its version last served a request (or was loaded); any clock, the same for all
-    busy: bool  # requests of its version are queued or running
-    version_instances: int  # instances its version runs now
-    version_minimum: int  # its version's gpud_min_instances
-
-
-def eviction_order(candidates: list[EvictionCandidate]) -> list[EvictionCandidate]:
-    """The instances that may be evicted, least recently used first (the largest first among equals, so fewer go):
-    never one of a busy version, and never one that would take its version below its minimum."""
-    left = {(c.model, c.version): c.version_instances - c.version_minimum for c in candidates}
-    out = []
-    for c in sorted(candidates, key=lambda c: (c.last_used_s, -c.footprint_bytes, c.model, c.version, -c.index)):
-        key = (c.model, c.version)
-        if c.busy or left[key] <= 0:
-            continue
-        left[key] -= 1
-        out.append(c)
-    return out

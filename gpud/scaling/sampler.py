@@ -23,11 +23,12 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpud.executor.stats import ModelStats
+from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
                              ModelObservation, desired_instances, node_headroom, observe)
 from gpud.telemetry.serving import ServingSnapshot, SnapshotSource
 
-log = logging.getLogger("gpud.scaling.sampler")
+log = logging.getLogger("gpud.autoscale")  # the name operators filter on (before gpud.scaling)
 
 # A footprint measured as a resident-memory delta can come out as 0 for a tiny model on the CPU; headroom divides by
 # it. 1 MiB is below any real model and keeps the figure finite.
@@ -51,9 +52,10 @@ class _Track:
     decision: HintDecision | None = None
 
 
-def read_counters(snapshot: ServingSnapshot, now_s: float) -> dict[Key, tuple[ModelStats, ModelCounters]]:
+def read_counters(snapshot: ServingSnapshot,
+                  now_s: float) -> dict[Key, tuple[ModelStats, ModelCounters, InstanceBounds]]:
     """The cumulative counters of every served model version, keyed (model, version), with the record they are
-    read from (gpud.executor.stats)."""
+    read from (gpud.executor.stats) and the version's bounds (the controller's: gpud.scaling.bounds)."""
     out = {}
     for v in snapshot.versions():
         if v.is_ensemble:
@@ -65,7 +67,8 @@ def read_counters(snapshot: ServingSnapshot, now_s: float) -> dict[Key, tuple[Mo
         out[(v.model, v.version)] = (st, ModelCounters(
             time_s=now_s, requests=st.success.count + st.fail.count, successes=st.success.count,
             queue_ns=st.queue.ns, batch_compute_ns=sum(ns for _, _, ns in per_size),
-            ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size))
+            ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size),
+            InstanceBounds(v.min_instances, v.max_instances))
     return out
 
 
@@ -117,7 +120,7 @@ class HintsSampler(Collector):
         for key in list(self._tracks):
             if key not in current:
                 del self._tracks[key]  # unloaded: its series go with it
-        for key, (record, counters) in current.items():
+        for key, (record, counters, bounds) in current.items():
             track = self._tracks.get(key)
             if track is None or track.record is not record:
                 self._tracks[key] = _Track(record, deque([counters]), HintState())
@@ -131,7 +134,8 @@ class HintsSampler(Collector):
                 continue  # a clock that did not move: no rate to compute
             track.observation = observe(samples[0], counters, track.throughput)
             track.throughput = track.observation.throughput_per_instance_per_second
-            track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now)
+            track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now,
+                                                            bounds)
         try:
             self.headroom = node_headroom(self.free_devices(), model_footprints(snapshot))
         except Exception:  # noqa: BLE001 - a device read failing must not stop the hints of the models
@@ -177,7 +181,8 @@ class HintsSampler(Collector):
         mv = ("model", "version")
         return [
             GaugeMetricFamily("gpud_model_desired_instances", "Autoscaling hint: instances the model version needs "
-                              "for its load and queue-time target (HPA rule, stabilized).", labels=mv),
+                              "for its load and queue-time target (HPA rule, stabilized), within its "
+                              "bounds.", labels=mv),
             GaugeMetricFamily("gpud_model_instances_current", "Ready instances of the model version when the hint "
                               "was computed.", labels=mv),
             GaugeMetricFamily("gpud_model_instance_throughput_requests_per_second", "Requests one instance completes per "
