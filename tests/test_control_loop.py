@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.rules import ScalingPolicy
-from gpud.placing.results import ScalingPlan, Step, Unplaced
+from gpud.scaling.plan import ScalingPlan, Step, Unplaced
 from gpud.scaling.hints import HintDecision
 from tests.fakes import FakeClock
 from tests.promtool_check import promtool_check

@@ -59,6 +59,7 @@ ALLOWED = {
     "placement": {"placement"},
     "executor": {"executor"},
     "telemetry": {"telemetry", "placement", "executor"},
+    "scaling": {"scaling", "telemetry", "placement", "executor"},
 }
 
 

@@ -23,7 +23,7 @@ from gpud.executor.instance import InstanceHandle
 from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.rules import ScalingPolicy
-from gpud.placing.results import ScalingPlan
+from gpud.scaling.plan import ScalingPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
 from gpud.repository.layout import ModelEntry

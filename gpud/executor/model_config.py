@@ -93,6 +93,15 @@ BatchingMode = Literal["adaptive", "triton"]
 BATCHING_MODES: tuple[BatchingMode, ...] = ("adaptive", "triton")
 
 
+# The config.pbtxt parameters ModelOptions reads (gpud.repository.options parses them; messages name them)
+MIN_INSTANCES = "gpud_min_instances"
+MAX_INSTANCES = "gpud_max_instances"
+COMPUTE_FRACTION = "gpud_compute_fraction"
+BATCHING = "gpud_batching"
+CUDA_TF32 = "gpud_cuda_tf32"
+INTRA_OP_THREADS = "intra_op_thread_count"  # Triton's onnxruntime backend parameter
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """gpud's own config.pbtxt parameters (`gpud_*`) and the Triton parameters gpud interprets, parsed and checked

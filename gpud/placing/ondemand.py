@@ -12,7 +12,7 @@ from dataclasses import replace
 from gpud.executor.instance import InstanceHandle
 from gpud.scaling.idle import EvictionCandidate, eviction_order, idle_seconds
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
-from gpud.placing.results import Step
+from gpud.scaling.plan import Step
 from gpud.registry import RegisteredVersion
 from gpud.placement import Plan, diff
 from gpud.telemetry.serving import ModelState

@@ -1,10 +1,10 @@
-"""The placement service's answers, in the model's terms: free room per device, the steps a change took, the
-instances that found no room, and what a controller re-plan did."""
+"""The placement service's answers, in the model's terms: free room per device (the steps a change took and what a
+re-plan did are gpud.scaling.plan's, the controller's contract with the service)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpud.placement.model import DeviceKind, MoveKind
+from gpud.placement.model import DeviceKind
 
 
 @dataclass(frozen=True)
@@ -16,34 +16,3 @@ class DeviceRoom:
     index: int  # GPU index (the parent's for MIG), -1 for the CPU
     free_bytes: int
     total_bytes: int
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a plan as it was carried out, in the model's terms."""
-
-    kind: MoveKind  # add | remove | move
-    model: str
-    version: str
-    index: int  # the instance's index within its version
-    from_device: str | None
-    to_device: str | None
-    error: str = ""  # why the new instance did not load; "" when the step was done
-    evicted_for: str = ""  # a removal to make room for this model's load (least recently used, idle)
-
-
-@dataclass(frozen=True)
-class Unplaced:
-    model: str
-    version: str
-    index: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class ScalingPlan:
-    steps: tuple[Step, ...]  # done (or, in advise mode, what would be done), in order
-    unplaced: tuple[Unplaced, ...]  # instances of the targets the node has no room for
-    deferred: int  # steps left for later intervals (the cap on steps, or no room until others move)
-    method: str  # how the planner made it
-    unhealthy_devices: frozenset[str] = frozenset()

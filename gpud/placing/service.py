@@ -32,7 +32,8 @@ from gpud.placing.ondemand import OnDemand, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
-from gpud.placing.results import ScalingPlan, DeviceRoom, Step, Unplaced
+from gpud.placing.results import DeviceRoom
+from gpud.scaling.plan import ScalingPlan, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
 from gpud.placement import Assignment, Move, Plan, PlannerConfig, diff, plan
 from gpud.telemetry.devices import DeviceBackend, DeviceInfo

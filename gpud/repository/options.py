@@ -11,15 +11,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gpud.executor.model_config import BATCHING_MODES, InstanceGroup, ModelOptions
+from gpud.executor.model_config import (BATCHING, BATCHING_MODES, COMPUTE_FRACTION, CUDA_TF32, INTRA_OP_THREADS,
+                                        MAX_INSTANCES, MIN_INSTANCES, InstanceGroup, ModelOptions)
 from gpud.repository.errors import ModelConfigError
-
-MIN_INSTANCES = "gpud_min_instances"
-MAX_INSTANCES = "gpud_max_instances"
-COMPUTE_FRACTION = "gpud_compute_fraction"
-BATCHING = "gpud_batching"
-CUDA_TF32 = "gpud_cuda_tf32"
-INTRA_OP_THREADS = "intra_op_thread_count"  # Triton's onnxruntime backend parameter
 
 
 def _count(text: str) -> int:

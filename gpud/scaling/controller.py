@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpud.placing.results import ScalingPlan, Step
+from gpud.scaling.plan import ScalingPlan, Step
 from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import HintDecision
 from gpud.scaling.idle import idle_seconds

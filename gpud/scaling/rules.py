@@ -30,8 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gpud.repository.options import MAX_INSTANCES as MAX_INSTANCES_PARAMETER
-from gpud.repository.options import MIN_INSTANCES as MIN_INSTANCES_PARAMETER
+from gpud.executor.model_config import MAX_INSTANCES as MAX_INSTANCES_PARAMETER
+from gpud.executor.model_config import MIN_INSTANCES as MIN_INSTANCES_PARAMETER
 from gpud.scaling.bounds import InstanceBounds
 
 ScalingMode = Literal["off", "advise", "on"]
