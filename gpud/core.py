@@ -79,7 +79,7 @@ class GpudCore:
         schedulers = [v.scheduler for v in self.registry.versions()]
         try:
             await asyncio.wait_for(asyncio.gather(*(s.wait_idle() for s in schedulers)), drain_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("requests still running after %.0f s; failing them", drain_timeout_s)
             for s in schedulers:
                 s.fail_all_queued("the server is shutting down")

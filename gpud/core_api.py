@@ -1,8 +1,8 @@
 """The one inference core that the HTTP and gRPC front ends adapt, and the typed values it answers with.
 
 Front ends own their wire formats. The core returns the protocol-neutral values below and raises
-`gpud.executor.types.InferenceError`, whose kind each front end maps to its own status; `gpud.api.http_encode` writes them
-as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messages (a test checks the two agree).
+`gpud.executor.types.InferenceError`, whose kind each front end maps to its own status; `gpud.api.http_encode` writes
+them as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messages (a test checks the two agree).
 """
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ class InferenceCore(Protocol):
     def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]: ...
 
     def inspect(self) -> dict[str, Any]:
-        """gpud's own view for `gpudctl inspect` (served at GET /v2/gpud/inspect): {"devices": [...], "models": [...]}"""
+        """gpud's own view for `gpudctl inspect` (served at GET /v2/gpud/inspect):
+        {"devices": [...], "models": [...]}"""
         ...
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:

@@ -136,13 +136,15 @@ class RegisteredEnsemble(RegisteredVersion):
             return None, f"model '{model}' is not loaded"
         if not m.versions:
             return None, f"model '{model}' has no loaded version" + (f" ({m.error})" if m.error else "")
+        found: RegisteredVersion | None
         if version < 0:
-            vs = m.versions[max(m.versions, key=int)]
+            found = m.versions[max(m.versions, key=int)]
         else:
-            vs = m.versions.get(str(version))
-            if vs is None:
+            found = m.versions.get(str(version))
+            if found is None:
                 return None, (f"version {version} of model '{model}' is not loaded (loaded: "
                               f"{', '.join(sorted(m.versions, key=int))})")
+        vs = found
         if vs.ready or vs.scaled_to_zero or (accepting and vs.accepts_requests):
             return vs, ""  # scaled to zero serves: its next request loads it
         why = vs.reason or "no instance is ready"

@@ -14,6 +14,7 @@ Weights come from a seeded generator, so the same call writes byte-identical fil
 from __future__ import annotations
 
 import os
+from typing import Any
 from collections.abc import Callable
 
 import numpy as np
@@ -144,8 +145,8 @@ def make_cnn(seed: int = 1) -> onnx.ModelProto:
         _weight(rng, "fc_w", (16 * 8 * 8, 10), 16 * 8 * 8),
         _bias(rng, "fc_b", 10),
     ]
-    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
-    pool = {"kernel_shape": [2, 2], "strides": [2, 2]}
+    conv: dict[str, Any] = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+    pool: dict[str, Any] = {"kernel_shape": [2, 2], "strides": [2, 2]}
     nodes = [
         helper.make_node("Conv", ["input", "conv0_w", "conv0_b"], ["c0"], **conv),  # [b, 8, 32, 32]
         helper.make_node("Relu", ["c0"], ["r0"]),

@@ -16,12 +16,10 @@ from dataclasses import replace
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.settings import Settings, check_settings, load_settings_file, prepare_settings
-from gpud.api.admin import AdminAuth, read_token_file
-from gpud.model_control import ModelControl
+from gpud.api.admin import AdminAuth
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
-from gpud.scaling.rules import SCALING_MODES, ScalingPolicy
-from gpud.scaling.hints import HintPolicy
+from gpud.scaling.rules import SCALING_MODES
 
 log = logging.getLogger("gpud")
 

@@ -38,8 +38,17 @@ class RegisteredVersion:
     bounds: InstanceBounds  # how few and how many instances may run (gpud.scaling.bounds)
     estimate_bytes: int = 0  # one instance's footprint estimated from the model file
     state: ModelState = ModelState.LOADING
-    reason: str = ""
+    _reason: str = ""  # `reason`
     loaded_unix_s: float = 0.0  # when an instance last loaded (a version never used counts as used then)
+
+    @property
+    def reason(self) -> str:
+        """Why it is not ready ("" when it is)."""
+        return self._reason
+
+    @reason.setter
+    def reason(self, value: str) -> None:
+        self._reason = value
 
     @property
     def instances(self) -> Sequence[InstanceHandle]:

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from gpud.api.admin import AdminAuth
-from gpud.scaling.rules import ScalingPolicy
 from gpud.model_control import ModelControl, RepositoryPoller
+from gpud.scaling.controller import ScalingController
+from gpud.scaling.sampler import HintsSampler
 from gpud.settings import Prepared, Settings
 from gpud.systemd_notify import notify
-from gpud.scaling.hints import HintPolicy
+from gpud.telemetry.serving import ServingSnapshot
 
 log = logging.getLogger("gpud")
 
@@ -78,7 +79,7 @@ def effective(running: Settings, new: Settings, changes: Collection[SettingChang
 class _Core(Protocol):
     control: ModelControl
 
-    def snapshot(self) -> Any: ...
+    def snapshot(self) -> ServingSnapshot: ...
 
 
 class _Tunable(Protocol):  # the HTTP servers
@@ -91,9 +92,9 @@ class ReloadTargets:
     """What a reload may change in place (built by gpud.main)."""
     core: _Core
     admin: AdminAuth
-    hints: Any  # gpud.scaling.sampler.HintsSampler: policy, interval_s, rate_window_s
+    hints: HintsSampler
     poller: RepositoryPoller
-    controller: Any = None  # gpud.scaling.controller.ScalingController (policy, mode), None when off
+    controller: ScalingController | None = None  # None when off
     http_servers: list[_Tunable] = field(default_factory=list)
 
 
@@ -233,7 +234,7 @@ class Reloader:
         t.hints.rate_window_s = s.hints_rate_window_seconds
         if t.controller is not None:
             t.controller.policy = p.scaling_policy
-            t.controller.mode = s.placement_control
+            t.controller.mode = p.scaling_mode
         t.core.control = p.model_control
         t.poller.interval_s = s.repository_poll_seconds
         for server in t.http_servers:

@@ -8,15 +8,15 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
 from gpud.api.admin import read_token_file
-from gpud.model_control import ModelControl
+from gpud.model_control import ModelControl, ModelControlMode
 from gpud.scaling.bounds import BoundsDefaults
 from gpud.scaling.hints import HintPolicy
-from gpud.scaling.rules import SCALING_MODES, ScalingPolicy
+from gpud.scaling.rules import SCALING_MODES, ScalingMode, ScalingPolicy
 
 log = logging.getLogger("gpud")
 
@@ -72,7 +72,8 @@ class Settings:
     hints_scale_up_stabilization_seconds: float = 30.0
     hints_scale_down_stabilization_seconds: float = 300.0
     # --- the placement controller (README, "Placement that follows load") ---
-    # Instance bounds for models whose config.pbtxt sets no gpud_min_instances / gpud_max_instances (gpud.scaling.bounds)
+    # Instance bounds for models whose config.pbtxt sets no gpud_min_instances / gpud_max_instances
+    # (gpud.scaling.bounds)
     min_instances: int | None = None  # None: the model's instance_group count
     max_instances: int | None = None  # None: as many as the node has room for
     placement_control: str = "on"  # "on": apply; "advise": log and export what it would do; "off": no controller
@@ -92,6 +93,7 @@ class Prepared:
     settings: Settings
     hint_policy: HintPolicy
     scaling_policy: ScalingPolicy
+    scaling_mode: ScalingMode  # placement_control, checked
     bounds_defaults: BoundsDefaults
     model_control: ModelControl
     admin_token: str | None
@@ -183,8 +185,10 @@ def prepare_settings(settings: Settings) -> Prepared:
         raise ValueError("need 0 < hints_interval_seconds <= hints_rate_window_seconds, got "
                          f"{settings.hints_interval_seconds} and {settings.hints_rate_window_seconds}")
     return Prepared(settings, hint_policy(settings), scaling_policy(settings),
+                    cast(ScalingMode, settings.placement_control),  # scaling_policy checked it
                     BoundsDefaults(settings.min_instances, settings.max_instances),
-                    ModelControl(settings.model_control_mode, tuple(settings.load_model)),
+                    # ModelControl checks the mode
+                    ModelControl(cast(ModelControlMode, settings.model_control_mode), tuple(settings.load_model)),
                     read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
 
 

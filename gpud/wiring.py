@@ -143,7 +143,7 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     controller = None
     if settings.placement_control != "off":
         controller = ScalingController(registry.snapshot, hints.decisions, placement, prepared.scaling_policy,
-                                 settings.placement_control, registry=metrics_registry)  # mode checked before
+                                 prepared.scaling_mode, registry=metrics_registry)
         all_views["controller"] = controller
     all_views.update(views or {})
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), registry,

@@ -138,3 +138,14 @@ class TestRecommend:
         assert mig_main(["recommend", "--gpus", "dgx-h100", "--models", str(p)]) == 1
         captured = capsys.readouterr()
         assert "1 instance(s) left unplaced by the recommended layouts" in captured.out
+
+
+@pytest.mark.parametrize("where", [[], ["--url", "http://127.0.0.1:9"], ["--socket", "/nonexistent/gpud.sock"]])
+def test_live_models_from_a_gpud_that_is_not_there_is_a_clear_error(where, capsys, monkeypatch):
+    # It used to crash with AttributeError ('NoneType' / 'str' object has no attribute 'socket_path'): the models
+    # of a running gpud are read as `gpudctl place` reads them, from the endpoint --url or --socket names.
+    monkeypatch.delenv("GPUD_ADMIN_SOCKET", raising=False)
+    monkeypatch.setenv("GPUD_URL", "http://127.0.0.1:9")  # nothing listens on the discard port
+    assert mig_main(["recommend", "--gpus", "dgx-a100-80gb", "--models", "live", *where]) == 2
+    err = capsys.readouterr().err
+    assert "gpudctl mig: error: cannot reach gpud at" in err and "Traceback" not in err

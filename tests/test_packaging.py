@@ -143,3 +143,15 @@ def test_no_import_circles_in_gpud():
         if v not in index:
             visit(v)
     assert circles == []
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "proto" in path.relative_to(PACKAGE).parts[:1]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gpud"):
+                bad += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                        if a.name.startswith("_") and not a.name.startswith("__")]
+    assert bad == []

@@ -469,8 +469,8 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
     OSError (no SO_REUSEPORT sharing). Messages larger than
     max_message_bytes, either way, and request metadata (headers) over max_metadata_bytes are refused by grpc with
-    RESOURCE_EXHAUSTED; a tensor shape over max_tensor_elements is INVALID_ARGUMENT. Stop with `await server.stop(grace)`.
-    Must be called from the event loop that will run the server.
+    RESOURCE_EXHAUSTED; a tensor shape over max_tensor_elements is INVALID_ARGUMENT. Stop with `await
+    server.stop(grace)`. Must be called from the event loop that will run the server.
     """
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -7,6 +7,7 @@ sub-messages are present: tests/test_api_encoders.py reads that JSON as protobuf
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 from gpud.executor.model_config import QueuePolicy, TensorSpec
 from gpud.executor.datatypes import triton_type
@@ -54,7 +55,8 @@ def _version_policy(policy: VersionPolicy, message: mc.ModelVersionPolicy) -> No
 
 def _tensor(spec: TensorSpec, message: mc.ModelInput | mc.ModelOutput) -> None:
     message.name = spec.name
-    message.data_type = mc.DataType.Value(triton_type(spec.datatype))
+    # cast: protoc's .pyi types an enum field as its enum class, while types-protobuf types Value() as int
+    message.data_type = cast(mc.DataType, mc.DataType.Value(triton_type(spec.datatype)))
     message.dims.extend(spec.dims)
     if spec.reshape is not None:
         message.reshape.shape.extend(spec.reshape)
@@ -64,7 +66,8 @@ def _tensor(spec: TensorSpec, message: mc.ModelInput | mc.ModelOutput) -> None:
 
 def _queue_policy(policy: QueuePolicy, message: mc.ModelQueuePolicy) -> None:
     message.SetInParent()
-    message.timeout_action = mc.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action)
+    message.timeout_action = cast(mc.ModelQueuePolicy.TimeoutAction,  # cast: as in _tensor
+                                  mc.ModelQueuePolicy.TimeoutAction.Value(policy.timeout_action))
     message.default_timeout_microseconds = policy.default_timeout_us
     message.allow_timeout_override = policy.allow_timeout_override
     message.max_queue_size = policy.max_queue_size

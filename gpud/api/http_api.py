@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -36,7 +36,7 @@ from gpud.api.http_encode import (applied_json, model_config_json, model_metadat
                                   placements_from_json, repository_index_json, server_metadata_json)
 from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request,
                                  encode_infer_response, invalid, parameters_object)
-from gpud.api.http_server import JSON, HttpRequest, HttpServer, Respond, error_body
+from gpud.api.http_server import JSON, Body, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
 from gpud.api.json_codec import JsonCodecPool
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS
@@ -49,7 +49,7 @@ def _json_body(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
-def _optional_json_object(body: bytes, what: str) -> dict[str, Any]:
+def _optional_json_object(body: Body, what: str) -> dict[str, Any]:
     """Bodies of the repository endpoints: empty means all defaults (as Triton)."""
     body = bytes(body)  # at most MAX_CONTROL_BODY_BYTES; possibly the server's in-place buffer
     if not body.strip():
@@ -112,7 +112,7 @@ class HttpApi:
 
     # --- dispatch --------------------------------------------------------------------------------------------
     def __call__(self, request: HttpRequest, respond: Respond) -> None:
-        route = self._routes.get(request.path, False)
+        route: _Route | None | Literal[False] = self._routes.get(request.path, False)  # False: not cached yet
         if route is False:
             route = self._route(request.path)
             if len(self._routes) < _ROUTE_CACHE_SIZE:
@@ -131,7 +131,7 @@ class HttpApi:
             return
         try:
             reply = handler(request, respond, *args)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any bug is answered as an error, never a dropped connection
             self._respond_error(respond, e, request)
             return
         if reply is None:  # the handler answers by itself (infer)
@@ -172,8 +172,10 @@ class HttpApi:
             self._tasks.discard(t)
             if t.cancelled():
                 respond(503, error_body("the request was cancelled: the server is shutting down"))
-            elif t.exception() is not None:
-                self._respond_error(respond, t.exception(), request)
+                return
+            exc = t.exception()
+            if exc is not None:
+                self._respond_error(respond, exc, request)
             else:
                 status, body = t.result()
                 respond(status, body, JSON if body else "")
@@ -291,7 +293,7 @@ class HttpApi:
                 return
             try:
                 encoded = encode_infer_response(result, infer_request)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any bug is answered as an error, never a dropped connection
                 self._respond_error(respond, e, request)
                 return
             answer(encoded)

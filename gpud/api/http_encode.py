@@ -14,8 +14,8 @@ from gpud.executor.model_config import QueuePolicy, TensorSpec
 from gpud.executor.datatypes import triton_type
 from gpud.executor.stats import Duration, ModelStats
 from gpud.executor.types import ErrorKind, InferenceError
-from gpud.core_api import (Applied, ModelMetadata, RequestedPlacement, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
-                           TensorMetadata)
+from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
+                           ServedModelConfig, ServerMetadata, TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_json
 from gpud.repository.config import VersionPolicy
 

@@ -19,7 +19,7 @@ import orjson
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.datatypes import KSERVE_DATATYPES, numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
-from gpud.api.http_server import JSON
+from gpud.api.http_server import JSON, Body
 from gpud.api.limits import DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 
 INFER_HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
@@ -81,7 +81,7 @@ class _BinaryPlan:
         return sum(t.data.nbytes for t in request.inputs) == binary_size and all(
             t.datatype not in ("BYTES", "BOOL") and t.data.base is not None for t in request.inputs)
 
-    def request(self, body: bytes, offset: int, model_name: str, model_version: str) -> InferRequest:
+    def request(self, body: Body, offset: int, model_name: str, model_version: str) -> InferRequest:
         tensors = []
         for name, datatype, shape, dtype, count, nbytes in self.inputs:
             tensors.append(InferTensor(name, datatype, shape, np.frombuffer(body, dtype, count, offset).reshape(shape)))
@@ -95,7 +95,7 @@ _PLANS_MAX = 1024
 _PLAN_MAX_HEADER_BYTES = 4096
 
 
-def decode_infer_request(body: bytes, header_length: str | None, model_name: str, model_version: str,
+def decode_infer_request(body: Body, header_length: str | None, model_name: str, model_version: str,
                          max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> InferRequest:
     """Parse a KServe v2 infer request body. `header_length` is the Inference-Header-Content-Length header, if any;
     an input whose shape spans more than `max_elements` elements is refused before anything is allocated for it."""
@@ -116,7 +116,7 @@ def decode_infer_request(body: bytes, header_length: str | None, model_name: str
     return request
 
 
-def _decode_infer_request(body: bytes, header_length: str | None, model_name: str,
+def _decode_infer_request(body: Body, header_length: str | None, model_name: str,
                           model_version: str, max_elements: int) -> InferRequest:
     view = memoryview(body)
     json_end = len(body) if header_length is None else _parse_header_length(header_length, len(body))
@@ -332,7 +332,8 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> Enc
         if header is not None and len(plan.answers) < 8:
             plan.answers[key] = header
         return encoded
-    return EncodedResponse(b"".join([header, *[_wire_array(t) for t in response.outputs]]), _OCTET_STREAM,
+    # .data: the arrays' buffers as memoryviews (numpy's stubs declare ndarray a buffer only for Python >= 3.12)
+    return EncodedResponse(b"".join([header, *[_wire_array(t).data for t in response.outputs]]), _OCTET_STREAM,
                            {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
 
 

@@ -38,10 +38,12 @@ log = logging.getLogger(__name__)
 
 _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 413: "Payload Too Large", 415: "Unsupported Media Type",
-            417: "Expectation Failed", 431: "Request Header Fields Too Large", 429: "Too Many Requests", 500: "Internal Server Error",
+            417: "Expectation Failed", 431: "Request Header Fields Too Large", 429: "Too Many Requests",
+            500: "Internal Server Error",
             501: "Not Implemented", 503: "Service Unavailable", 504: "Gateway Timeout"}
 _STATUS_LINES: dict[int, bytes] = {}
 JSON = "application/json"
+Body = bytes | mmap.mmap  # a request body: an mmap (bytes-like, read it as a buffer) from 1 MiB on
 # The answers a handler gives most often have their first lines prebuilt.
 _HEAD_CACHE: dict[tuple[int, str], bytes] = {}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -75,7 +77,7 @@ class HttpRequest:
     path: str  # percent-decoded, without the query
     query: str
     headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
-    body: bytes | mmap.mmap  # an mmap (bytes-like, read it as a buffer) for a Content-Length of 1 MiB or more
+    body: Body  # an mmap (bytes-like, read it as a buffer) for a Content-Length of 1 MiB or more
     keep_alive: bool = True
     peer: str = ""  # the client's address; "" on a unix socket
 
@@ -103,8 +105,9 @@ class _HeadTooLarge(Exception):
     """Raised inside a parser callback to stop parsing a request whose head is over the limit (already answered)."""
 
 
-def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+def inflate(body: Body, encoding: str, limit: int) -> bytes:
     """A gzip or deflate request body, inflated to at most `limit` bytes. Raises BodyTooLarge or ValueError."""
+    attempts: tuple[int, ...]
     if encoding == "gzip":
         attempts = (16 + zlib.MAX_WBITS,)
     elif encoding == "deflate":  # RFC 9110 says zlib-wrapped; some clients send raw deflate
@@ -120,7 +123,7 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
     raise ValueError(str(error))
 
 
-def _inflate_members(data: bytes, wbits: int, limit: int, several: bool) -> bytes:
+def _inflate_members(data: Body, wbits: int, limit: int, several: bool) -> bytes:
     """A gzip body may be several members one after the other (RFC 1952); deflate is one stream."""
     parts: list[bytes] = []
     size = 0
@@ -154,6 +157,8 @@ class _Slot:
 class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer):
         self.server = server
+        assert server.loop is not None  # connections are made only once start() has set it
+        self.loop = server.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.slots: deque[_Slot] = deque()
@@ -188,7 +193,7 @@ class _Connection(asyncio.Protocol):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        self.last_activity_s = self.server.loop.time()
+        self.last_activity_s = self.loop.time()
         if len(self.server.connections) >= self.server.max_connections:
             # Over the cap: answered and closed at once, so a flood of connections cannot exhaust descriptors.
             self.server.connections.add(self)
@@ -204,7 +209,7 @@ class _Connection(asyncio.Protocol):
         self.server._maybe_idle()
 
     def data_received(self, data: bytes) -> None:
-        self.last_activity_s = self.server.loop.time()
+        self.last_activity_s = self.loop.time()
         if self.closing and not self.slots and not self.draining:
             return
         try:
@@ -212,7 +217,7 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             # The request before the upgrade was dispatched already; we speak only HTTP/1.1.
             self._stop_after_answers()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - a request the parser cannot take is answered, never a crash
             if self.refusing or self.closing:
                 return
             message = str(e.__context__ or e) or type(e).__name__
@@ -233,7 +238,7 @@ class _Connection(asyncio.Protocol):
     # --- parser callbacks ------------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._reset()
-        self.request_started_s = self.server.loop.time()
+        self.request_started_s = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -308,6 +313,7 @@ class _Connection(asyncio.Protocol):
                     self.transport.close()
             return
         parts = self.body_parts
+        body: Body
         if self.body_in_place is not None:
             body = self.body_in_place
             self.body_in_place = None
@@ -382,12 +388,13 @@ class _Connection(asyncio.Protocol):
         if slots[0] is not slot:
             return  # an earlier pipelined request is still running: it goes out first
         transport = self.transport
-        self.last_activity_s = self.server.loop.time()  # idle time counts from the last answer too
+        self.last_activity_s = self.loop.time()  # idle time counts from the last answer too
         while slots and slots[0].done:
             s = slots.popleft()
             if isinstance(s.data, list):
                 transport.writelines(s.data)
             else:
+                assert s.data is not None  # a done slot has its answer
                 transport.write(s.data)
             if s.close:
                 self.closing = True
@@ -501,14 +508,18 @@ class HttpServer:
             raise
         self._arm_sweeper()
 
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        assert self.loop is not None, "the server was not started"
+        return self.loop
+
     def _arm_sweeper(self) -> None:
         period_s = max(0.05, min(self.keepalive_timeout_s, self.request_timeout_s) / 4)
-        self._sweeper = self.loop.call_later(period_s, self._sweep)
+        self._sweeper = self._started_loop().call_later(period_s, self._sweep)
 
     def _sweep(self) -> None:
         """Close keep-alive connections idle for longer than keepalive_timeout_s and answer 408 to requests not
         received within request_timeout_s (one timer for all connections)."""
-        now_s = self.loop.time()
+        now_s = self._started_loop().time()
         deadline = now_s - self.keepalive_timeout_s
         for conn in list(self.connections):
             if conn.request_started_s is not None and now_s - conn.request_started_s > self.request_timeout_s:
@@ -533,10 +544,10 @@ class HttpServer:
             conn.closing = True
             conn.close_if_idle()
         if any(c.slots for c in self.connections):
-            self._idle = self.loop.create_future()
+            self._idle = self._started_loop().create_future()
             try:
                 await asyncio.wait_for(self._idle, grace_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("HTTP: %d connection(s) still had answers outstanding after %.1f s; closing them",
                             sum(1 for c in self.connections if c.slots), grace_s)
         for conn in list(self.connections):

@@ -41,9 +41,10 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud.api.http_server import Body
 from gpud.api.http_infer import EncodedResponse, decode_infer_request, encode_infer_response, json_output_elements
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class JsonCodecPool:
         self._closed = False
 
     # --- what goes to a child ------------------------------------------------------------------------------------
-    def wants_request(self, body: bytes, header_length: str | None) -> bool:
+    def wants_request(self, body: Body, header_length: str | None) -> bool:
         """Whether this body's JSON part is large enough to decode in a child. A malformed header length is not:
         it is refused at once on the loop."""
         if len(body) < self.offload_bytes:
@@ -174,7 +175,7 @@ class JsonCodecPool:
         """Whether this answer would write about `offload_bytes` of JSON (binary outputs cost a copy, no more)."""
         return json_output_elements(response, request) * _JSON_BYTES_PER_ELEMENT >= self.offload_bytes
 
-    def decode(self, body: bytes, header_length: str | None, model_name: str, model_version: str,
+    def decode(self, body: Body, header_length: str | None, model_name: str, model_version: str,
                max_elements: int, done: Done) -> None:
         """Decode in a child; `done` is called on the event loop with the InferRequest or the error (503 when too
         many jobs are in flight already or the child died)."""
@@ -319,7 +320,8 @@ def _work(kind: str, args: tuple) -> Any:
         return request
     response, request = args
     encoded = encode_infer_response(response, request)
-    return EncodedResponse(pickle.PickleBuffer(encoded.body), encoded.content_type, encoded.headers)
+    # cast: the body travels as an out-of-band pickle buffer (no copy); the parent receives it as a bytearray
+    return EncodedResponse(cast(bytes, pickle.PickleBuffer(encoded.body)), encoded.content_type, encoded.headers)
 
 
 def _serve(sock: socket.socket) -> None:

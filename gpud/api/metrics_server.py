@@ -24,7 +24,7 @@ class TextSource(Protocol):
 
 def check_sources(registry: CollectorRegistry, text_sources: Sequence[TextSource]) -> None:
     for source in text_sources:
-        if getattr(source, "registry", None) is registry:
+        if source.registry is registry:
             raise ValueError(f"{type(source).__name__} is registered in the served registry and given as a text "
                              "source: its families would be exported twice (create it with registry=None)")
 
@@ -56,4 +56,4 @@ async def start_metrics_server(registry: CollectorRegistry, host: str, port: int
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return runner, runner.addresses[0][1]  # the site's first socket: (host, port[, flowinfo, scope_id])

@@ -3,7 +3,7 @@ ModelSequenceBatching (gRPC), the same document (tests/test_api_encoders.py). pe
 to know the model is a sequence model."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from gpud.executor.datatypes import triton_type
 from gpud.executor.sequence_config import CORRID, OLDEST, ControlInput, SequenceBatching, StateSpec
@@ -66,7 +66,8 @@ def sequence_batching_message(sb: SequenceBatching, message: mc.ModelSequenceBat
         control = message.control_input.add(name=c.name).control.add(
             kind=mc.ModelSequenceBatching.Control.Kind.Value(c.kind))
         if c.kind == CORRID:
-            control.data_type = mc.DataType.Value(triton_type(c.datatype))
+            # cast: protoc's .pyi types an enum field as its enum class, while types-protobuf types Value() as int
+            control.data_type = cast(mc.DataType, mc.DataType.Value(triton_type(c.datatype)))
         else:
             getattr(control, _FALSE_TRUE_FIELD[c.datatype]).extend(
                 [_cast(c.datatype, c.false_value), _cast(c.datatype, c.true_value)])

@@ -113,7 +113,7 @@ def _render_workers(workers: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-# --- autoscaling hints (gpud.scaling.sampler) ---------------------------------------------------------------------------
+# --- autoscaling hints (gpud.scaling.sampler) -------------------------------------------------------------------------
 def _num(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -140,7 +140,7 @@ def _render_hints(hints: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-# --- the placement controller (gpud.scaling.controller) ---------------------------------------------------------------------
+# --- the placement controller (gpud.scaling.controller) --------------------------------------------------------------
 def _render_controller(ctl: dict[str, Any] | None, now_unix_s: float | None, last: int = 10) -> list[str]:
     """CONTROLLER: its mode, each version's target and why, and its last steps. Nothing when the daemon runs no
     controller (--placement-control off, or an older gpud)."""

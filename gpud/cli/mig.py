@@ -4,8 +4,8 @@
     gpudctl mig recommend --gpus PRESET|FILE --models FILE|REPO|live [-o table|json|mig-parted]
 
 `recommend` chooses per GPU a MIG layout (or MIG off) so the models' instances fit on the fewest GPUs
-(gpud.placement.mig.recommend_layouts), compares it with MIG off everywhere and with mig-parted's all-balanced layout, and
-with `-o mig-parted` prints a mig-parted config for `nvidia-mig-parted apply -f FILE -c gpud-recommended`. The
+(gpud.placement.mig.recommend_layouts), compares it with MIG off everywhere and with mig-parted's all-balanced layout,
+and with `-o mig-parted` prints a mig-parted config for `nvidia-mig-parted apply -f FILE -c gpud-recommended`. The
 models are read as `gpudctl place` reads them (a repository is estimated as gpud estimates it).
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Any, TextIO
 
-from gpud.cli.place import EXIT_INPUT, EXIT_OK, EXIT_UNPLACED, _Live, _load_file, load_models
+from gpud.cli.client import endpoint
+from gpud.cli.place import EXIT_INPUT, EXIT_OK, EXIT_UNPLACED, LiveInputs, load_file, load_models
 from gpud.settings import Settings
 from gpud.placement import mig, spec
 from gpud.placement.model import Device, ModelDemand, fmt_bytes
@@ -51,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="the mig-parted config name for -o mig-parted (default %(default)s)")
     rec.add_argument("-o", "--output", choices=["table", "json", "mig-parted"], default="table")
     rec.add_argument("--url", default=None, help="the running gpud for --models live (default $GPUD_URL)")
+    rec.add_argument("--socket", default=None, metavar="PATH",
+                     help="the running gpud's admin socket for --models live (default $GPUD_ADMIN_SOCKET)")
     return p
 
 
@@ -75,7 +78,7 @@ def render_profiles(model: mig.GpuModel, out: TextIO) -> None:
 
 def profiles_main(args: argparse.Namespace) -> int:
     if args.gpu is None:
-        rows = [{"name": g.name, "nvml_name": g.nvml_name, "memory_bytes": g.memory_bytes,
+        rows: list[dict[str, Any]] = [{"name": g.name, "nvml_name": g.nvml_name, "memory_bytes": g.memory_bytes,
                  "profiles": [p.name for p in g.profiles]} for g in mig.GPU_MODELS.values()]
         if args.output == "json":
             json.dump(rows, sys.stdout, indent=2)
@@ -107,9 +110,10 @@ def load_gpus(arg: str) -> list[tuple[str, str]]:
     if arg in spec.PRESETS:
         data, source = spec.PRESETS[arg], f"preset {arg}"
     elif os.path.exists(arg):
-        data, source = _load_file(arg), arg
+        data, source = load_file(arg), arg
     else:
         raise ValueError(f"{arg}: no such file, and not a preset (presets: {', '.join(sorted(spec.PRESETS))})")
+    rows: list[tuple[object, object]]  # (GPU id, GPU model) as the file has them: checked below
     if isinstance(data, dict) and isinstance(data.get("gpus"), list):  # a node description, as gpud --node takes
         from gpud.telemetry.devices import gpu_device_id
 
@@ -213,7 +217,8 @@ def recommend_main(args: argparse.Namespace) -> int:
         return EXIT_INPUT
     try:
         gpus = load_gpus(args.gpus)
-        demands = load_models(args.models, _Live(args.url), _mig_off_devices(gpus), args.default_max_batch_size)
+        live = LiveInputs(endpoint(args.url, args.socket))
+        demands = load_models(args.models, live, _mig_off_devices(gpus), args.default_max_batch_size)
         config = PlannerConfig(time_limit_seconds=args.time_limit)
         rec = mig.recommend_layouts(gpus, demands, config=config)
         off = mig.evaluate_layouts(gpus, [None] * len(gpus), demands, config=config)

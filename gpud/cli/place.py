@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_file(path: str) -> Any:
+def load_file(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -75,7 +75,7 @@ def _load_file(path: str) -> Any:
         raise ValueError(f"{path}: invalid YAML{where}: {getattr(e, 'problem', e)}") from None
 
 
-class _Live:
+class LiveInputs:
     """A running gpud's planning inputs, fetched once per command."""
 
     def __init__(self, ep: Endpoint):
@@ -94,14 +94,14 @@ class _Live:
         return section, "gpud's planning inputs"
 
 
-def load_devices(arg: str, live: _Live, reserve_bytes: int) -> list[Device]:
+def load_devices(arg: str, live: LiveInputs, reserve_bytes: int) -> list[Device]:
     if arg == "live":
         return spec.devices_from_data(*live.placement())
     if arg in spec.PRESETS:
         return spec.devices_from_data(spec.PRESETS[arg], f"preset {arg}")
     if not os.path.exists(arg):
         raise ValueError(f"{arg}: no such file, and not a preset (presets: {', '.join(sorted(spec.PRESETS))}, live)")
-    data = _load_file(arg)
+    data = load_file(arg)
     if isinstance(data, dict) and "gpus" in data:  # a node description, as gpud --node takes
         from gpud.telemetry.simulated import SimulatedBackend
 
@@ -142,22 +142,22 @@ def repository_demands(path: str, devices: list[Device], default_max_batch_size:
     return list(build_inputs(devices, versions).demands)
 
 
-def load_models(arg: str, live: _Live, devices: list[Device], default_max_batch_size: int) -> list[ModelDemand]:
+def load_models(arg: str, live: LiveInputs, devices: list[Device], default_max_batch_size: int) -> list[ModelDemand]:
     if arg == "live":
         return spec.models_from_data(*live.placement())
     if os.path.isdir(arg):
         return repository_demands(arg, devices, default_max_batch_size)
     if not os.path.exists(arg):
         raise ValueError(f"{arg}: no such file or model repository")
-    return spec.models_from_data(_load_file(arg), arg)
+    return spec.models_from_data(load_file(arg), arg)
 
 
-def load_current(arg: str | None, live: _Live) -> list[Assignment]:
+def load_current(arg: str | None, live: LiveInputs) -> list[Assignment]:
     if arg is None:
         return []
     if arg == "live":
         return spec.current_from_data(*live.placement())
-    return spec.current_from_data(_load_file(arg), arg)
+    return spec.current_from_data(load_file(arg), arg)
 
 
 def apply_plan(result: Plan, ep: Endpoint, token_file: str | None = None) -> dict:
@@ -252,7 +252,7 @@ def place_main(argv: list[str]) -> int:
     ep = endpoint(args.url, args.socket)
     if args.apply and not ep.chosen and not os.environ.get("GPUD_URL"):
         parser.error("--apply needs --url URL or --socket PATH (or GPUD_URL or GPUD_ADMIN_SOCKET)")
-    live = _Live(ep)
+    live = LiveInputs(ep)
     try:
         devices = load_devices(args.devices, live, args.device_reserve_bytes)
         demands = load_models(args.models, live, devices, args.default_max_batch_size)

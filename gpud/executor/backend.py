@@ -105,7 +105,7 @@ class Backends:
         for entry in self.entries:
             try:
                 found += [p for p in self._backend(entry).providers() if p not in found]
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
                 log.error("backend %s is not usable: %s", entry.name, exc)
         return tuple(found)
 

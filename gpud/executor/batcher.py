@@ -73,7 +73,7 @@ import heapq
 import itertools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 from gpud.executor.model_config import DynamicBatching, QueuePolicy
 from gpud.executor.types import ErrorKind, InferenceError
@@ -136,7 +136,7 @@ class Idle:
     """Nothing to send and no timer needed: wait for the next event."""
 
 
-Decision = Union[Dispatch, Wait, Idle]
+Decision = Dispatch | Wait | Idle
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,11 +16,12 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from typing import cast
 from multiprocessing.connection import Connection
 
 from gpud.executor.busy import BusyTracker
 from gpud.executor.protocol import Done, Failed, FromWorker, Infer, ToWorker, dumps, loads
-from gpud.executor.types import InferenceError
+from gpud.executor.types import ErrorKind, InferenceError
 
 log = logging.getLogger("gpud.executor")
 
@@ -66,11 +67,17 @@ class WorkerChannel:
     def start_reading(self) -> None:
         """Handle what the worker sends from the running event loop's reader callbacks."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self.conn.fileno(), self._on_readable)
+        self._loop.add_reader(self._conn().fileno(), self._on_readable)
 
     # --- out ---------------------------------------------------------------------------------------------------
+    def _conn(self) -> Connection:
+        conn = self.conn
+        if conn is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"the channel to worker {self.name} is closed")
+        return conn
+
     def send(self, msg: ToWorker) -> None:
-        self.conn.send_bytes(dumps(msg))
+        self._conn().send_bytes(dumps(msg))
 
     def submit(self, msg: Infer, callback: Callable[[Reply], None]) -> int:
         """Send a batch, numbered; `callback` gets its reply. Raises (OSError) when the worker is gone."""
@@ -155,7 +162,7 @@ class WorkerChannel:
             msg = loads(buf[head:end])
             del buf[:end]  # before handling: a handler that raises must not get its message again
             try:
-                self._handle(msg)
+                self._handle(cast(FromWorker, msg))  # a worker sends only these
             except Exception:  # a callback's bug must not strand the replies behind it
                 log.exception("device %s: handling the worker's %s message failed", self.name, type(msg).__name__)
             if self.conn is None:  # the handler closed the channel (the worker is being stopped or replaced)

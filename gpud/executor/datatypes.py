@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 # KServe v2 datatype -> (Triton TYPE_ enum name, numpy dtype or None for BYTES)
-_DATATYPES: dict[str, tuple[str, object]] = {
+_DATATYPES: dict[str, tuple[str, type[np.generic]]] = {
     "BOOL": ("TYPE_BOOL", np.bool_),
     "UINT8": ("TYPE_UINT8", np.uint8),
     "UINT16": ("TYPE_UINT16", np.uint16),
@@ -44,4 +44,5 @@ def kserve_datatype(triton_type_name: str) -> str:
     try:
         return _TRITON_TO_KSERVE[triton_type_name]
     except KeyError:
-        raise ValueError(f"unknown data_type {triton_type_name!r}; expected one of {sorted(_TRITON_TO_KSERVE)}") from None
+        raise ValueError(f"unknown data_type {triton_type_name!r}; "
+                         f"expected one of {sorted(_TRITON_TO_KSERVE)}") from None

@@ -27,9 +27,15 @@ import numpy as np
 
 from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.instance import InstanceHandle, LentInstance
+from gpud.executor.model_config import TensorSpec
 from gpud.executor.local_worker import wake
 from gpud.executor.scheduler import DirectPath, Done, Pending, Scheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
+
+
+def _dtype(spec: TensorSpec | None) -> np.dtype:
+    assert spec is not None  # the request was checked against the config (validation), its outputs too
+    return numpy_dtype(spec.datatype)
 
 
 class DirectRun:
@@ -55,15 +61,15 @@ class DirectRun:
         prepared = self.pending.prepared
         try:
             t0 = time.perf_counter_ns()
-            feed = {name: np.ascontiguousarray(arr, dtype=numpy_dtype(config.input(name).datatype))
+            feed = {name: np.ascontiguousarray(arr, dtype=_dtype(config.input(name)))
                     for name, arr in prepared.inputs.items()}
             t1 = time.perf_counter_ns()
             results = self.local.run(feed, prepared.output_names)
             t2 = time.perf_counter_ns()
-            self.outputs = [np.asarray(arr, dtype=numpy_dtype(config.output(name).datatype))
+            self.outputs = [np.asarray(arr, dtype=_dtype(config.output(name)))
                             for name, arr in zip(prepared.output_names, results)]
             t3 = time.perf_counter_ns()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the model's own error, whatever its type, is the request's answer
             kind = ErrorKind.INVALID_ARGUMENT if type(exc).__name__ in ("InvalidArgument", "Fail") else \
                 ErrorKind.INTERNAL
             self.error = InferenceError(kind, f"model '{config.name}' failed: {type(exc).__name__}: {exc}")

@@ -119,7 +119,8 @@ class DynamicScheduler(SchedulerBase):
             if now_s - self._polled_s >= _POLL_INTERVAL_S:
                 self._polled_s = now_s
                 for inst in list(self._running):
-                    inst.worker.poll()
+                    if inst.worker is not None:
+                        inst.worker.poll()
         return pending
 
     def direct_path(self) -> DynamicScheduler | None:
@@ -189,7 +190,7 @@ class DynamicScheduler(SchedulerBase):
         t0 = time.perf_counter_ns()
         try:
             inputs = protocol.write_inputs(self.config, [p.prepared.inputs for p in batch], inst.ensure_capacity)
-        except Exception as exc:  # e.g. /dev/shm full: this batch fails, the instance stays usable
+        except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: this batch fails, the instance stays usable
             self._free.appendleft(inst)
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
             return
@@ -202,10 +203,11 @@ class DynamicScheduler(SchedulerBase):
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
         self._running.pop(inst, None)
         answers = None
-        error = self._reply_error(reply)
-        if error is None:
+        done = self._done_or_error(reply)
+        error = done if isinstance(done, InferenceError) else None
+        if not isinstance(done, InferenceError):
             try:
-                answers = self._collect(inst, batch, reply, stage_ns)
+                answers = self._collect(inst, batch, done, stage_ns)
             except Exception as exc:
                 log.exception("model %s: reading a batch's outputs failed", self.config.name)
                 error = InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")
@@ -218,8 +220,8 @@ class DynamicScheduler(SchedulerBase):
             self.step()
         finally:
             self._answering -= 1
-            if error is not None:
-                self._fail(batch, error)
+            if answers is None:
+                self._fail(batch, error or InferenceError(ErrorKind.INTERNAL, "no outputs"))
             else:
                 self._answer(batch, *answers)
             self._notify_if_idle()
@@ -229,7 +231,10 @@ class DynamicScheduler(SchedulerBase):
         """The batch's outputs copied out of shared memory (the instance's output segment is reused by the next
         batch), split per request, and its timings (input, infer, output ns; time read)."""
         t0 = time.perf_counter_ns()
-        per_request = self._split(batch, protocol.read_outputs(reply, inst.out_seg))
+        out_seg = inst.out_seg
+        if out_seg is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} was unloaded")
+        per_request = self._split(batch, protocol.read_outputs(reply, out_seg))
         now_ns = time.perf_counter_ns()
         return (per_request, stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + (now_ns - t0), now_ns)
 

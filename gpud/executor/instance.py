@@ -33,16 +33,43 @@ class LentInstance(Protocol):
 class DeviceWorker(Protocol):
     """What runs one device's instances, as the pool and the schedulers use it."""
 
-    device: WorkerDevice
-    pid: int | None
-    alive: bool
-    in_process: bool  # its instances run in the daemon's own process (no process of their own)
-    restarts: int
-    failures: dict[str, int]  # times it was lost while serving, by cause
-    unhealthy_reason: str | None  # set when gpud gave up on the device
-    providers: tuple[str, ...]
-    instances: dict[str, InstanceHandle]  # by key: the pool adds and removes them
-    busy: BusyTracker
+    @property
+    def device(self) -> WorkerDevice: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def in_process(self) -> bool:
+        """Its instances run in the daemon's own process (no process of their own)."""
+        ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Times it was lost while serving, by cause."""
+        ...
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Set when gpud gave up on the device."""
+        ...
+
+    @property
+    def providers(self) -> tuple[str, ...]: ...
+
+    @property
+    def instances(self) -> dict[str, InstanceHandle]:
+        """Its instances by key: the pool adds and removes them."""
+        ...
+
+    @property
+    def busy(self) -> BusyTracker: ...
 
     async def start(self) -> None: ...
 

@@ -37,7 +37,7 @@ from gpud.executor.busy import BusyTracker
 from gpud.executor.channel import Reply
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle, LentInstance
-from gpud.executor.protocol import Done, Failed, Infer, Load
+from gpud.executor.protocol import Done, Failed, Infer, Load, Loaded
 from gpud.executor.model_config import execution_config
 from gpud.executor.shm import Segment
 from gpud.executor.types import ErrorKind, InferenceError
@@ -81,7 +81,7 @@ class LocalInstance:
         self.direct_over: asyncio.Future | None = None  # an unload waiting for them
 
     def run(self, inputs: dict[str, np.ndarray], output_names: Sequence[str]) -> list[np.ndarray]:
-        return self.model.run(inputs, output_names)
+        return list(self.model.run(inputs, output_names))
 
     def note_run(self, seconds: float, rows: int) -> None:
         """A batch of `rows` took `seconds`: the next one's estimate starts from it."""
@@ -123,6 +123,12 @@ class LocalWorker:
         self._local: dict[str, LocalInstance] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"device {self.device.id}: in-process runner not started")
+        return loop
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.providers = tuple(self.backends.providers())
@@ -135,6 +141,7 @@ class LocalWorker:
         msg = Load(inst.key, inst.model_path, execution_config(inst.config))
         model, reply = await asyncio.to_thread(load_instance, self.backends, self.device, self._load_lock, msg)
         if model is not None:
+            assert isinstance(reply, Loaded)  # a model comes with its Loaded
             if inst.key in self.instances:
                 # The warm-up's share of the load time is unknown; the load time bounds it, so a model that loads
                 # slowly starts on its thread and moves inline once a batch shows it is quick.
@@ -155,11 +162,11 @@ class LocalWorker:
         self.busy.begin()
         if runs_inline(local.last_run_s, local.last_rows, rows, self.inline_max_s):
             reply = self._run(local, msg, rows)
-            self._loop.call_soon(self._finish, callback, reply)
+            self._running_loop().call_soon(self._finish, callback, reply)
             return
         if local.thread is None:
             local.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"instance-{msg.key}")
-        loop = self._loop
+        loop = self._running_loop()
 
         def run() -> None:
             reply = self._run(local, msg, rows)
@@ -215,7 +222,7 @@ class LocalWorker:
 
     async def _close(self, local: LocalInstance) -> None:
         if local.direct_runs:
-            local.direct_over = self._loop.create_future()
+            local.direct_over = self._running_loop().create_future()
             await local.direct_over
         if local.thread is not None:
             await asyncio.to_thread(local.thread.shutdown, wait=True)
@@ -227,7 +234,7 @@ class LocalWorker:
         locals_, self._local = list(self._local.values()), {}
         try:
             await asyncio.wait_for(asyncio.gather(*(self._close(local) for local in locals_)), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("device %s: in-process instances still running a batch after %.0f s; left to finish",
                         self.device.id, timeout_s)
 

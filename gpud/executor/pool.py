@@ -1,15 +1,16 @@
 """The executor pool: one worker process per device, and the model instances loaded on them.
 
 Workers are started when the first instance is placed on their device, each under its own supervisor
-(gpud.executor.supervisor: restart with back-off when it dies, kill when it hangs; other devices are untouched). The pool
-lives in the daemon's event loop; it is also the source of the simulated devices' memory use and utilization.
+(gpud.executor.supervisor: restart with back-off when it dies, kill when it hangs; other devices are untouched). The
+pool lives in the daemon's event loop; it is also the source of the simulated devices' memory use and utilization.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import DeviceWorker, InstanceHandle
@@ -41,17 +42,18 @@ class ExecutorPool:
     async def _worker(self, device: WorkerDevice) -> DeviceWorker:
         lock = self._start_locks.setdefault(device.id, asyncio.Lock())
         async with lock:
-            worker = self.workers.get(device.id)
-            if worker is None:
-                worker: DeviceWorker
-                if self.in_process and not device.has_cuda:
-                    worker = LocalWorker(device, clock=self.clock)
-                else:
-                    worker = WorkerSupervisor(device, clock=self.clock, start_timeout_s=self.worker_start_timeout_s,
-                                              hang_s=self.worker_hang_s, log_level=self.worker_log_level,
-                                              crash_loop=self.crash_loop)
-                await worker.start()
-                self.workers[device.id] = worker
+            running = self.workers.get(device.id)
+            if running is not None:
+                return running
+            worker: DeviceWorker
+            if self.in_process and not device.has_cuda:
+                worker = LocalWorker(device, clock=self.clock)
+            else:
+                worker = WorkerSupervisor(device, clock=self.clock, start_timeout_s=self.worker_start_timeout_s,
+                                          hang_s=self.worker_hang_s, log_level=self.worker_log_level,
+                                          crash_loop=self.crash_loop)
+            await worker.start()
+            self.workers[device.id] = worker
             return worker
 
     async def start_worker(self, device: WorkerDevice) -> DeviceWorker:

@@ -20,7 +20,7 @@ import math
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -148,15 +148,15 @@ def _plain(rows: tuple[TensorMeta, ...]) -> tuple[tuple, ...]:
 
 def dumps(msg: Message) -> bytes:
     """The bytes of one message (a frame's payload)."""
-    cls = type(msg)
-    if cls is Infer:
+    wire: tuple
+    if type(msg) is Infer:
         key, in_seg, out_seg, inputs, outputs, output_types, seq = msg
         wire = (_INFER, key, in_seg, out_seg, _plain(inputs), outputs, output_types, seq)
-    elif cls is Done:
-        seq, outputs, ovf_seg, input_ns, infer_ns, output_ns = msg
-        wire = (_DONE, seq, _plain(outputs), ovf_seg, input_ns, infer_ns, output_ns)
+    elif type(msg) is Done:
+        seq, done_outputs, ovf_seg, input_ns, infer_ns, output_ns = msg
+        wire = (_DONE, seq, _plain(done_outputs), ovf_seg, input_ns, infer_ns, output_ns)
     else:
-        wire = (_TAG[cls], *msg)
+        wire = (_TAG[type(msg)], *msg)
     return pickle.dumps(wire, _PICKLE_PROTOCOL)
 
 
@@ -194,11 +194,13 @@ def write_inputs(config: ModelConfig, requests: Sequence[Mapping[str, np.ndarray
     """Assemble a batch straight into an input segment: every input's per-request arrays (each mapping holds the same
     names, in the model's order) concatenated along the batch dimension, one copy per tensor. `reserve(total_bytes)`
     returns a segment at least that big. A model that does not batch has one request per batch."""
-    plans = []
+    plans: list[tuple[str, str, tuple[int, ...], Any, int]] = []  # name, datatype, shape, data, bytes
     total = 0
     for name in requests[0]:
         parts = [r[name] for r in requests]
-        datatype = config.input(name).datatype
+        spec = config.input(name)
+        assert spec is not None  # requests were validated against the config
+        datatype = spec.datatype
         if datatype == "BYTES":
             blob = b"".join(encode_bytes_elements(a) for a in parts)
             shape = ((sum(a.shape[0] for a in parts),) + parts[0].shape[1:]) if config.batches else parts[0].shape

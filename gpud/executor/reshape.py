@@ -73,10 +73,10 @@ class Reshaping:
                 feed[name] = arr.reshape(model_shape(arr.shape, spec, self._batches))
         results = []
         for name, arr in zip(output_names, self.model.run(feed, output_names)):
-            spec = self._outputs.get(name)
-            if spec is not None:
+            out_spec = self._outputs.get(name)
+            if out_spec is not None:
                 arr = np.asarray(arr)
-                arr = arr.reshape(client_shape(arr.shape, spec, self._batches))
+                arr = arr.reshape(client_shape(arr.shape, out_spec, self._batches))
             results.append(arr)
         return results
 

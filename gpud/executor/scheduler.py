@@ -254,15 +254,27 @@ class Pending(RequestHandle):
 
 class SchedulerBase:
     """What a model version's scheduler does whatever decides its batches (the dynamic batcher here, the sequence
-    batcher in gpud.executor.sequence_scheduler): its instances' readiness, one step timer, the wait for a ready instance,
-    answering and failing requests into the statistics record, and waiting until idle. A subclass provides
+    batcher in gpud.executor.sequence_scheduler): its instances' readiness, one step timer, the wait for a ready
+    instance, answering and failing requests into the statistics record, and waiting until idle. A subclass provides
     `step()` (decide and dispatch) and `_queued_requests()`."""
 
     # Sequences live only in a sequence model's scheduler, which overrides these.
-    live_sequences = 0
-    backlog_sequences = 0
-    instances_needed = 0  # the fewest instances whose slots hold the live sequences
-    takes_groups = False
+    @property
+    def live_sequences(self) -> int:
+        return 0
+
+    @property
+    def backlog_sequences(self) -> int:
+        return 0
+
+    @property
+    def instances_needed(self) -> int:
+        """The fewest instances whose slots hold the live sequences."""
+        return 0
+
+    @property
+    def takes_groups(self) -> bool:
+        return False
     _unready_note = ""  # added to the message of requests failed for want of a ready instance
 
     def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float):
@@ -282,10 +294,32 @@ class SchedulerBase:
         self._running: dict[InstanceHandle, Any] = {}  # the batch each busy instance runs
         self._prepare = PreparedCache(config).prepare
 
+    _output_types: dict[str, str]  # output name -> datatype, of what the instances run (a subclass sets it)
+
     def step(self) -> None:
         raise NotImplementedError
 
     def _queued_requests(self) -> int:
+        raise NotImplementedError
+
+    # The rest of the Scheduler protocol, each subclass's own:
+    @property
+    def pending_requests(self) -> int:
+        raise NotImplementedError
+
+    def submit(self, request: InferRequest, done: Done, members: int = 1) -> RequestHandle:
+        raise NotImplementedError
+
+    def cancel(self, handle: RequestHandle) -> None:
+        raise NotImplementedError
+
+    def add_instance(self, inst: InstanceHandle) -> None:
+        raise NotImplementedError
+
+    def remove_instance(self, inst: InstanceHandle) -> None:
+        raise NotImplementedError
+
+    def fail_all_queued(self, message: str) -> None:
         raise NotImplementedError
 
     @property
@@ -355,14 +389,12 @@ class SchedulerBase:
                              f"on another device){self._unready_note}")
 
     # --- answers -----------------------------------------------------------------------------------------------
-    def _reply_error(self, reply: protocol.Done | protocol.Failed | InferenceError) -> InferenceError | None:
-        """The error a worker's reply stands for (a lost worker, a failed run), or None for its outputs."""
-        if isinstance(reply, Exception):
-            return reply
+    def _done_or_error(self, reply: protocol.Done | protocol.Failed | InferenceError) -> protocol.Done | InferenceError:
+        """The worker's outputs, or the error its reply stands for (a lost worker, a failed run)."""
         if isinstance(reply, protocol.Failed):
             kind = ErrorKind[reply.kind] if reply.kind in ErrorKind.__members__ else ErrorKind.INTERNAL
             return InferenceError(kind, f"model '{self.config.name}' failed: {reply.error}")
-        return None
+        return reply
 
     def _answer(self, batch: list[Pending], per_request: list[list[InferTensor]], input_ns: int, infer_ns: int,
                 output_ns: int, now_ns: int) -> None:
@@ -402,14 +434,17 @@ class SchedulerBase:
         """Send a batch whose inputs are staged (since `t0_ns`) to its instance: each request's dispatch time, the
         instance running `handle` (what `on_reply(inst, handle, reply, stage_ns)` gets back). The error when its
         worker cannot be reached (the instance is then not running; the caller fails the batch)."""
-        msg = protocol.Infer(inst.key, inst.in_seg.name, inst.out_seg.name, inputs, output_names,
+        in_seg, out_seg, worker = inst.in_seg, inst.out_seg, inst.worker
+        if in_seg is None or out_seg is None or worker is None:  # unloaded meanwhile
+            return InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} is not loaded")
+        msg = protocol.Infer(inst.key, in_seg.name, out_seg.name, inputs, output_names,
                              tuple([self._output_types[n] for n in output_names]))
         stage_ns = time.perf_counter_ns() - t0_ns
         for p in batch:
             p.dispatch_ns = t0_ns
         self._running[inst] = handle
         try:
-            inst.worker.submit(msg, lambda reply: on_reply(inst, handle, reply, stage_ns))
+            worker.submit(msg, lambda reply: on_reply(inst, handle, reply, stage_ns))
         except (InferenceError, OSError) as exc:
             self._running.pop(inst, None)
             return exc if isinstance(exc, InferenceError) else \

@@ -57,7 +57,7 @@ import itertools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 from gpud.executor.batcher import BatchQueue, Dispatch as BatchDispatch, Idle, QueuedRequest, Wait
 from gpud.executor.model_config import DynamicBatching
@@ -69,7 +69,7 @@ BACKLOG_TIMEOUT_MESSAGE = "timeout of the corresponding sequence has been expire
 _FORGET_AFTER = 10_000  # ids remembered with why they ended, for the error of a late request
 _REMEMBER_ID_CHARS = 256  # longer string ids are not remembered (so the memory this takes stays small)
 
-CorrelationId = Union[int, str]
+CorrelationId = int | str
 
 
 def describe_id(correlation_id: CorrelationId) -> str:
@@ -120,7 +120,7 @@ class SequenceDispatch:
         return [r.request for r in self.rows if r.request is not None]
 
 
-Decision = Union[SequenceDispatch, Wait, Idle]
+Decision = SequenceDispatch | Wait | Idle
 
 
 class Expired(NamedTuple):
@@ -460,6 +460,7 @@ class SequenceBatcher:
         if seq.slot is None:
             self._backlog.pop(seq, None)
             return
+        assert seq.instance is not None  # a sequence in a slot is on an instance
         inst = self._instances[seq.instance]
         slot = seq.slot
         inst.slots[slot] = None

@@ -3,8 +3,8 @@ sequence batcher adds to a model's inputs (control tensors, implicit state).
 
 `gpud.repository.sequence_config` builds these from config.pbtxt; the executor only reads them. A sequence model
 has two sets of inputs: the client's (`ModelConfig.inputs`: what requests carry and the metadata lists) and the
-model's (`gpud.executor.model_config.execution_config`: those plus the control inputs and the state inputs, which gpud fills in). The worker
-loads the model with the latter.
+model's (`gpud.executor.model_config.execution_config`: those plus the control inputs and the state inputs, which gpud
+fills in). The worker loads the model with the latter.
 """
 from __future__ import annotations
 

@@ -216,7 +216,9 @@ class SequenceScheduler(SchedulerBase):
             else:
                 inputs = dict(req.payload.prepared.inputs)
                 ready, start, end, cid = True, req.start, req.end, req.correlation_id
-                state = None if req.start else row.sequence.state
+                seq = row.sequence
+                assert seq is not None  # a row with a request has its sequence
+                state = None if req.start else seq.state
             flags = {START: start, END: end, READY: ready}
             for name, kind, false, true in self._flags:
                 inputs[name] = true if flags[kind] else false
@@ -236,7 +238,7 @@ class SequenceScheduler(SchedulerBase):
         batch = [row.request.payload for row in d.rows if row.request is not None]
         try:
             inputs = protocol.write_inputs(self.exec_config, self._rows(d), inst.ensure_capacity)
-        except Exception as exc:  # e.g. /dev/shm full: this batch fails, the instance stays usable
+        except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: this batch fails, the instance stays usable
             self.batcher.complete(d)
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
             self.step()
@@ -254,13 +256,17 @@ class SequenceScheduler(SchedulerBase):
         batch = [row.request.payload for row in d.rows if row.request is not None]
         answers: list[list[InferTensor]] = []
         timings = (0, 0, 0, 0)
-        error = self._reply_error(reply)
-        if error is None:
+        done = self._done_or_error(reply)
+        error = done if isinstance(done, InferenceError) else None
+        if not isinstance(done, InferenceError):
             try:
                 t0 = time.perf_counter_ns()
-                answers = self._keep_states_and_split(d, protocol.read_outputs(reply, inst.out_seg))
+                out_seg = inst.out_seg
+                if out_seg is None:
+                    raise InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} was unloaded")
+                answers = self._keep_states_and_split(d, protocol.read_outputs(done, out_seg))
                 now_ns = time.perf_counter_ns()
-                timings = (stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + now_ns - t0, now_ns)
+                timings = (stage_ns + done.input_ns, done.infer_ns, done.output_ns + now_ns - t0, now_ns)
             except _StateShapeError as exc:
                 log.warning("model %s version %s: %s", self.config.name, self.version, exc)
                 error = InferenceError(ErrorKind.INTERNAL, f"model '{self.config.name}' failed: {exc}")
@@ -301,7 +307,7 @@ class SequenceScheduler(SchedulerBase):
             if req is None:
                 continue
             part = {name: (datatype, arr[i:i + 1] if batches else arr) for name, datatype, arr in outputs}
-            if self.policy.states:  # copied: a row's view would keep the whole batch's output alive
+            if self.policy.states and row.sequence is not None:  # copied: a view would keep the batch alive
                 row.sequence.state = None if req.end else {
                     s.input_name: part[s.output_name][1].copy() for s in self.policy.states}
             wanted = req.payload.prepared.output_names

@@ -46,7 +46,7 @@ class Segment:
         self.buf = memoryview(mm)
 
     @classmethod
-    def create(cls, name: str, size_bytes: int) -> "Segment":
+    def create(cls, name: str, size_bytes: int) -> Segment:
         size_bytes = max(ALIGN_BYTES, align(size_bytes))
         path = os.path.join(_dir(), name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -61,7 +61,7 @@ class Segment:
         return cls(name, size_bytes, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "Segment":
+    def attach(cls, name: str) -> Segment:
         path = os.path.join(_dir(), name)
         fd = os.open(path, os.O_RDWR)
         try:

@@ -1,13 +1,13 @@
 """Supervision of one device worker process: start, load and unload its instances, death, restart, hang watch.
 
-A worker is started with a socket pair (`python -m gpud.executor.worker`, one CUDA device visible) and is up once it says
-hello. A worker that dies (its pipe ends) fails the batches it held at once with a clear error, its instances go
-unready, and it is restarted with back-off (RESTART_BACKOFF_S) and its instances reloaded; requests still queued
-wait for that. A worker that hangs (a batch unanswered for hang_s) is killed and is then a worker that died.
-Deaths are counted by cause. A worker that dies `crash_loop.deaths` times within `crash_loop.window_s` (a restart
-that cannot start it counts as a death) is in a crash loop: it is not restarted again, and its device reports
-unhealthy with the reason (`unhealthy_reason`), so the placement controller moves its instances to other devices.
-Talking to the process is the channel's (gpud.executor.channel).
+A worker is started with a socket pair (`python -m gpud.executor.worker`, one CUDA device visible) and is up once it
+says hello. A worker that dies (its pipe ends) fails the batches it held at once with a clear error, its instances go
+unready, and it is restarted with back-off (RESTART_BACKOFF_S) and its instances reloaded; requests still queued wait
+for that. A worker that hangs (a batch unanswered for hang_s) is killed and is then a worker that died. Deaths are
+counted by cause. A worker that dies `crash_loop.deaths` times within `crash_loop.window_s` (a restart that cannot start
+it counts as a death) is in a crash loop: it is not restarted again, and its device reports unhealthy with the reason
+(`unhealthy_reason`), so the placement controller moves its instances to other devices. Talking to the process is the
+channel's (gpud.executor.channel).
 """
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ class WorkerSupervisor:
         self.busy = BusyTracker(clock)
         self._loads: dict[str, asyncio.Future[Loaded | LoadFailed]] = {}  # loads under way, by instance key
         self._hello: asyncio.Future | None = None
-        self._unloads: dict[str, asyncio.Future] = {}
+        self._unloads: dict[str, asyncio.Future[None]] = {}
         self._stopping = False
         self._starting: asyncio.Task | None = None
         # Hang watch: the one timer that checks the unanswered batches' ages (the channel keeps when each was
@@ -142,7 +142,7 @@ class WorkerSupervisor:
         self._open_channel(parent_sock).start_reading()
         try:
             hello = await asyncio.wait_for(self._hello, timeout=self.start_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._kill()
             self._disconnect()  # this attempt is over: its pipe's end of file must not count as a lost worker
             self._exit_code()
@@ -176,9 +176,9 @@ class WorkerSupervisor:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
         elif isinstance(msg, Unloaded):
-            fut = self._unloads.pop(msg.key, None)
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            unloaded = self._unloads.pop(msg.key, None)
+            if unloaded is not None and not unloaded.done():
+                unloaded.set_result(None)
         elif isinstance(msg, Hello):
             if self._hello is not None and not self._hello.done():
                 self._hello.set_result(msg)
@@ -210,9 +210,9 @@ class WorkerSupervisor:
         self.busy.reset_running()
         for cb in inflight:
             cb(err)
-        for fut in self._unloads.values():
-            if not fut.done():
-                fut.set_result(None)
+        for unloaded in self._unloads.values():
+            if not unloaded.done():
+                unloaded.set_result(None)
         self._unloads.clear()
         if self._hello is not None and not self._hello.done():
             self._hello.set_exception(err)
@@ -250,7 +250,7 @@ class WorkerSupervisor:
                 await asyncio.sleep(delay_s)
             try:
                 await self.start()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a start that fails in any way counts as a death
                 # A worker that cannot even start (dies at CUDA init on a broken device, or never says hello) is
                 # lost like one that dies serving: it counts towards the crash loop.
                 how = getattr(exc, "message", None) or str(exc)
@@ -333,7 +333,7 @@ class WorkerSupervisor:
         self._hang_timer = None
         channel = self.channel
         oldest_sent_s = channel.oldest_sent_s() if channel is not None else None
-        if oldest_sent_s is None or self._stopping:
+        if channel is None or oldest_sent_s is None or self._stopping:
             return  # idle again (the next submit re-arms), or already dead / stopping
         now_s = self.clock()
         left_s = seconds_until_hung(now_s, oldest_sent_s, self.hang_s)
@@ -362,7 +362,7 @@ class WorkerSupervisor:
         if self.proc is not None:
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._kill()
                 self.proc.wait()
         # A batch it never answered (killed after the timeout) fails, so no request waits forever.

@@ -37,10 +37,10 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
     """Validate names, datatypes and shapes; raise INVALID_ARGUMENT with a message a client can act on."""
     model = config.name
     given = {}
-    for t in request.inputs:
-        if t.name in given:
-            raise _bad(f"input '{t.name}' given more than once")
-        given[t.name] = t
+    for tensor in request.inputs:
+        if tensor.name in given:
+            raise _bad(f"input '{tensor.name}' given more than once")
+        given[tensor.name] = tensor
     unknown = sorted(set(given) - {s.name for s in config.inputs})
     if unknown:
         raise _bad(f"unexpected inference input '{unknown[0]}' for model '{model}'; "

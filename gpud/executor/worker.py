@@ -1,7 +1,7 @@
 """The device worker process: one per device (a GPU, a MIG instance or the CPU).
 
-It loads model instances and runs batches that arrive as small control messages over a pipe (gpud.executor.protocol); the
-tensors themselves live in shared memory that the front end owns. Each instance runs in its own thread (and, on a
+It loads model instances and runs batches that arrive as small control messages over a pipe (gpud.executor.protocol);
+the tensors themselves live in shared memory that the front end owns. Each instance runs in its own thread (and, on a
 GPU, its own CUDA stream) so instances on one device overlap. A model's backend (gpud.executor.backend) is imported here
 only, never in the daemon: a crash in a CUDA context takes down this worker, never the daemon.
 """
@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpud.executor.backend import Backends, LoadOptions, ModelInstance
 from gpud.executor.device import WorkerDevice
@@ -40,7 +40,7 @@ class SegmentCache:
                 seg = self._by_name[name] = Segment.attach(name)
             return seg
 
-    def forget(self, names: list[str]) -> None:
+    def forget(self, names: Sequence[str]) -> None:
         with self._lock:
             for name in names:
                 seg = self._by_name.pop(name, None)
@@ -53,7 +53,7 @@ def _rss_bytes() -> int:
         import psutil
 
         return psutil.Process().memory_info().rss
-    except Exception:  # psutil missing or /proc unreadable: the caller falls back to the estimate
+    except Exception:  # noqa: BLE001 - psutil missing or /proc unreadable: the caller falls back to the estimate
         return 0
 
 
@@ -66,7 +66,7 @@ def _device_memory_used_bytes() -> int | None:
             from cuda import cudart
         err, free, total = cudart.cudaMemGetInfo()
         return int(total) - int(free) if int(err) == 0 else None
-    except Exception:
+    except Exception:  # noqa: BLE001 - the model's own error, whatever its type, is the answer; the worker goes on
         return None
 
 
@@ -94,7 +94,7 @@ def load_instance(backends: Backends, device: WorkerDevice, load_lock: threading
                 memory_bytes, measured_by = max(0, (after_dev or before_dev) - before_dev), "device_memory"
             else:
                 memory_bytes, measured_by = max(0, _rss_bytes() - before_rss), "process_rss"
-    except Exception as exc:  # a bad model must not take down the worker
+    except Exception as exc:  # noqa: BLE001 - a bad model must not take down the worker
         if model is not None:
             model.close()
         return None, LoadFailed(msg.key, f"{type(exc).__name__}: {exc}")
@@ -112,7 +112,7 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
         t2 = time.perf_counter_ns()
         outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results)
         t3 = time.perf_counter_ns()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the model's own error, whatever its type, is the answer; the worker goes on
         kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
         log.debug("instance %s: batch %s failed:\n%s", key or msg.key, msg.seq, traceback.format_exc())
         return Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}")
@@ -120,10 +120,10 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
 
 
 class _Instance:
-    def __init__(self, key: str, worker: "Worker"):
+    def __init__(self, key: str, worker: Worker):
         self.key = key
         self.worker = worker
-        self.inbox: "queue.SimpleQueue[Load | Infer | None]" = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Load | Infer | None] = queue.SimpleQueue()
         self.model: ModelInstance | None = None
         # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
         # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
@@ -150,7 +150,11 @@ class _Instance:
         self.worker.send(reply)
 
     def _infer(self, msg: Infer) -> None:
-        self.worker.send(run_batch(self.model, self.worker.segments.get, msg, self.key))
+        model = self.model
+        if model is None:  # its load failed: the daemon does not send it batches
+            self.worker.send(Failed(msg.seq, "UNAVAILABLE", f"instance {self.key} is not loaded"))
+            return
+        self.worker.send(run_batch(model, self.worker.segments.get, msg, self.key))
 
 
 class Worker:
@@ -221,7 +225,8 @@ def worker_main(conn, device, log_level: int = logging.INFO) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m gpud.executor.worker --fd N --device JSON`: how a supervisor starts a worker (see gpud.executor.supervisor)."""
+    """`python -m gpud.executor.worker --fd N --device JSON`: how a supervisor starts a worker
+    (gpud.executor.supervisor)."""
     import argparse
     import json
     from multiprocessing.connection import Connection

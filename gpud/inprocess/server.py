@@ -15,8 +15,8 @@ in the daemon. `infer` may be called from any number of threads at once; `infer_
 builds the request in the caller's thread (the caller's numpy arrays are referenced, not copied), hands it to the
 core's `submit` with one `call_soon_threadsafe`, and waits for the callback. Models run in the worker processes as
 they do under the daemon: the batch is copied once into shared memory (and the outputs once out of it). With
-`models_in_process=True` the CPU's and a simulated node's instances run in this process (gpud.executor.local_worker), and
-a call that finds its model idle runs it in the caller's thread (gpud.executor.direct, with the loop's lock:
+`models_in_process=True` the CPU's and a simulated node's instances run in this process (gpud.executor.local_worker),
+and a call that finds its model idle runs it in the caller's thread (gpud.executor.direct, with the loop's lock:
 gpud.inprocess.loop_lock; from `infer_async` only a run under 1 ms, which holds up the caller's loop).
 
 Errors are `gpud.executor.types.InferenceError` (also `gpud.InferenceError`), with the kind the front ends map to their
@@ -33,11 +33,12 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 
+from gpud import wiring
 from gpud.settings import check_settings, prepare_settings
 from gpud.executor.direct import DirectRun
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
@@ -116,7 +117,7 @@ class Server:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop_event: asyncio.Event | None = None
-        self._parts = None  # gpud.wiring.Components, once started
+        self._parts: wiring.Components | None = None  # once started
         self._state = "new"  # new -> running -> stopped; changed under _lock
         self._lock = threading.Lock()
         self.metrics_port: int | None = None  # the bound metrics port, once started with metrics_port=
@@ -161,10 +162,12 @@ class Server:
             if first:
                 self._state = "stopping"
                 self._drain_timeout_s = drain_timeout_s
+        loop, stop_event, thread = self._loop, self._stop_event, self._thread
+        assert loop is not None and stop_event is not None and thread is not None  # it ran
         if first:
-            self._loop.call_soon_threadsafe(self._stop_event.set)
+            loop.call_soon_threadsafe(stop_event.set)
             atexit.unregister(self.stop)
-        self._thread.join()  # a second caller waits for the first's stop too
+        thread.join()  # a second caller waits for the first's stop too
 
     def __enter__(self) -> Server:
         return self.start()
@@ -201,13 +204,12 @@ class Server:
                 started.set_exception(RuntimeError("the gpud server thread ended before it started"))
 
     async def _serve(self, started: concurrent.futures.Future) -> None:
-        from gpud import wiring
 
         self._loop = asyncio.get_running_loop()
         self._stop_event = asyncio.Event()
         try:
             parts = wiring.build(self._prepared, models_in_process=self.models_in_process)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the caller's thread gets whatever was raised
             started.set_exception(exc)
             return
         metrics_runner = None
@@ -218,7 +220,7 @@ class Server:
                     parts, self.settings.metrics_address, self.settings.metrics_port)
                 log.info("gpud.Server: metrics on http://%s:%d/metrics", self.settings.metrics_address,
                          self.metrics_port)
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - the caller's thread gets whatever was raised
             await parts.shutdown(0)
             started.set_exception(exc)
             return
@@ -264,6 +266,7 @@ class Server:
         result = waiter.result
         if isinstance(result, InferenceError):
             raise result
+        assert result is not None  # the lock is released once it is answered
         return outputs_of(result)
 
     async def infer_async(self, model: str, inputs: Mapping[str, Any], version: str | int = "",
@@ -281,7 +284,7 @@ class Server:
                 result = await waiter.future
             else:
                 result = await asyncio.wait_for(waiter.future, max(0.0, timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._withdraw(waiter)
             raise InferenceTimeout(f"no answer from model '{model}' within {timeout:g} s") from None
         except asyncio.CancelledError:
@@ -293,7 +296,7 @@ class Server:
         """In the server's loop: the request to the core; a refusal (unknown model, bad input, full queue) answers
         the caller at once."""
         try:
-            waiter.cancel = self._parts.core.submit(request, waiter.done)
+            waiter.cancel = self._components.core.submit(request, waiter.done)
             self._waiting.add(waiter)
         except InferenceError as exc:
             waiter.done(exc)
@@ -327,7 +330,7 @@ class Server:
         if self._state != "running":
             raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running())
         try:
-            started = self._parts.core.submit_direct(request, waiter.done, self._loop, quick_only)
+            started = self._components.core.submit_direct(request, waiter.done, self._event_loop(), quick_only)
         except InferenceError as exc:
             waiter.done(exc)
             return None
@@ -336,7 +339,7 @@ class Server:
             waiter.done(InferenceError(ErrorKind.INTERNAL, f"submitting the request failed: {exc!r}"))
             return None
         if started is None:
-            self._loop.call_soon_threadsafe(self._submit, request, waiter)
+            self._event_loop().call_soon_threadsafe(self._submit, request, waiter)
             return None
         self._waiting.add(waiter)
         if isinstance(started, DirectRun):
@@ -350,7 +353,7 @@ class Server:
                 self._waiting.discard(waiter)
                 waiter.cancel()
         try:
-            self._loop.call_soon_threadsafe(withdraw)
+            self._event_loop().call_soon_threadsafe(withdraw)
         except RuntimeError:  # the loop has ended: nothing is queued any more
             pass
 
@@ -362,9 +365,23 @@ class Server:
             raise RuntimeError("gpud.Server called from the server's own thread (a callback): it would wait for "
                                "itself")
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._event_loop().call_soon_threadsafe(fn, *args)
         except RuntimeError:  # closed between the check and the call
             raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running()) from None
+
+    @property
+    def _components(self) -> wiring.Components:
+        """What runs (read in the server's loop, where it exists once started)."""
+        parts = self._parts
+        if parts is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running())
+        return parts
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running())
+        return loop
 
     def _not_running(self) -> str:
         if self._state in ("new", "starting"):
@@ -378,12 +395,12 @@ class Server:
         def run() -> None:
             try:
                 result.set_result(fn())
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - the caller's thread gets whatever was raised
                 result.set_exception(exc)
         self._send(run)
         return result.result()
 
-    def _coroutine(self, fn: Callable[[], Awaitable[T]]) -> concurrent.futures.Future:
+    def _coroutine(self, fn: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
         if self._state != "running":
             raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running())
         if threading.current_thread() is self._thread:
@@ -391,7 +408,7 @@ class Server:
                                "itself")
         coroutine = fn()
         try:
-            return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+            return asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
         except RuntimeError:  # the loop ended between the check and the call
             coroutine.close()
             raise InferenceError(ErrorKind.UNAVAILABLE, self._not_running()) from None
@@ -399,51 +416,51 @@ class Server:
     def ready(self) -> bool:
         """Whether the server serves (started, not stopping)."""
         try:
-            return self._call(lambda: self._parts.core.server_ready())
+            return self._call(lambda: self._components.core.server_ready())
         except InferenceError:  # not running
             return False
 
     def model_ready(self, name: str, version: str | int = "") -> bool:
-        return self._call(lambda: self._parts.core.model_ready(name, str(version)))
+        return self._call(lambda: self._components.core.model_ready(name, str(version)))
 
     def model_metadata(self, name: str, version: str | int = "") -> ModelMetadata:
-        return self._call(lambda: self._parts.core.model_metadata(name, str(version)))
+        return self._call(lambda: self._components.core.model_metadata(name, str(version)))
 
     def model_config(self, name: str, version: str | int = "") -> ServedModelConfig:
-        return self._call(lambda: self._parts.core.model_config(name, str(version)))
+        return self._call(lambda: self._components.core.model_config(name, str(version)))
 
     def model_statistics(self, name: str = "", version: str | int = "") -> list[ModelStatistics]:
         """Triton's statistics of the model's versions (every model's with name ""): copies taken in the loop, so
         they do not change under the caller."""
         return self._call(lambda: [dataclasses.replace(s, stats=copy.deepcopy(s.stats))
-                                   for s in self._parts.core.model_statistics(name, str(version))])
+                                   for s in self._components.core.model_statistics(name, str(version))])
 
     def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
         """Every model in the repository with its state, and why it is not ready."""
-        return self._call(lambda: self._parts.core.repository_index(ready_only))
+        return self._call(lambda: self._components.core.repository_index(ready_only))
 
     def inspect(self) -> dict[str, Any]:
         """What `gpudctl inspect` shows: devices, placements, instances, queues, hints, the controller."""
-        return self._call(lambda: self._parts.core.inspect())
+        return self._call(lambda: self._components.core.inspect())
 
     def metrics_text(self) -> str:
         """The Prometheus exposition, as the metrics endpoint answers it (read in the server's loop)."""
         from gpud.api.metrics_server import exposition
 
-        return self._call(lambda: exposition(self._parts.metrics_registry,
-                                             self._parts.text_sources()).decode("utf-8"))
+        return self._call(lambda: exposition(self._components.metrics_registry,
+                                             self._components.text_sources()).decode("utf-8"))
 
     def load_model(self, name: str) -> None:
         """Load (or reload) a model from the repository, as POST /v2/repository/models/NAME/load: the model
         control mode must be explicit or poll (PERMISSION_DENIED otherwise)."""
-        self._coroutine(lambda: self._parts.core.load_model(name)).result()
+        self._coroutine(lambda: self._components.core.load_model(name)).result()
 
     def unload_model(self, name: str) -> None:
         """Unload a model: its accepted requests finish first."""
-        self._coroutine(lambda: self._parts.core.unload_model(name)).result()
+        self._coroutine(lambda: self._components.core.unload_model(name)).result()
 
     async def load_model_async(self, name: str) -> None:
-        await asyncio.wrap_future(self._coroutine(lambda: self._parts.core.load_model(name)))
+        await asyncio.wrap_future(self._coroutine(lambda: self._components.core.load_model(name)))
 
     async def unload_model_async(self, name: str) -> None:
-        await asyncio.wrap_future(self._coroutine(lambda: self._parts.core.unload_model(name)))
+        await asyncio.wrap_future(self._coroutine(lambda: self._components.core.unload_model(name)))

@@ -1,8 +1,8 @@
-"""One-dimensional bin packing on integer sizes: fast heuristics, lower bounds, improvement, and an exact arc-flow model.
+"""One-dimensional bin packing on integer sizes: fast heuristics, lower bounds, improvement, an exact arc-flow model.
 
 Everything here is a pure function of integer item sizes and one integer capacity. The multi-dimensional engine
-(`gpud.placement.solver`) uses this module when an instance reduces to one dimension over identical bins; the benchmark uses
-it directly.
+(`gpud.placement.solver`) uses this module when an instance reduces to one dimension over identical bins; the benchmark
+uses it directly.
 
 Methods:
 - `first_fit_decreasing`, `best_fit_decreasing`: O(n log n) constructive heuristics.
@@ -19,7 +19,7 @@ import bisect
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Clock = Callable[[], float]
 Bins = list[list[int]]  # each bin is a list of item indices
@@ -204,7 +204,8 @@ def _dominate(sizes: Sequence[int], c: int, bin_items: list[int], load: int,
     improved = True
     while improved and free:
         improved = False
-        best_gain, best_move = 0, None
+        best_gain = 0
+        best_move: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (bin positions out, free positions in)
         nb, nf = len(bin_items), len(free)
         # candidate groups from the bin (1 or 2 items) and from the free list (1 or 2 items)
         bin_groups = [(a,) for a in range(nb)] + [(a, b) for a in range(nb) for b in range(a + 1, nb)]
@@ -223,11 +224,11 @@ def _dominate(sizes: Sequence[int], c: int, bin_items: list[int], load: int,
             if fsum <= room and fsum > best_gain:  # pure insertion
                 best_gain, best_move = fsum, ((), fg)
         if best_move is not None:
-            bg, fg = best_move
-            out_items = [bin_items[x] for x in bg]
-            in_items = [free[x] for x in fg]
-            bin_items = [it for x, it in enumerate(bin_items) if x not in bg] + in_items
-            free = [it for x, it in enumerate(free) if x not in fg] + out_items
+            out_at, in_at = best_move
+            out_items = [bin_items[x] for x in out_at]
+            in_items = [free[x] for x in in_at]
+            bin_items = [it for x, it in enumerate(bin_items) if x not in out_at] + in_items
+            free = [it for x, it in enumerate(free) if x not in in_at] + out_items
             load += best_gain
             improved = load < c
     return free, bin_items, load
@@ -239,7 +240,7 @@ def _dominate(sizes: Sequence[int], c: int, bin_items: list[int], load: int,
 def highs_available() -> bool:
     try:
         from scipy.optimize import milp  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the environment
+    except Exception:  # noqa: BLE001 - depends on the environment
         return False
     return True
 

@@ -6,7 +6,7 @@ strategy name; `reserve` / `unreserve` change the ledger and can always be undon
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from gpud.placement.model import (
     Assignment, ConstraintUnmet, Device, InsufficientResource, ModelDemand, Reason, compute_units,

@@ -1,7 +1,8 @@
 """MIG as data: GPU instance profile tables, layout validation, expansion into leaf devices, and a layout recommender.
 
 This module is gpud's single table of GPU models and their MIG profiles: the planner, `gpudctl place`, the simulated
-node (gpud.telemetry.simulated) and the test fake of NVML all read it. It is pure data and computation (no I/O, no NVML).
+node (gpud.telemetry.simulated) and the test fake of NVML all read it. It is pure data and computation (no I/O, no
+NVML).
 
 Sources (checked while writing these tables; the kind of source is named next to each value below):
 - Profile names, profile ids, slice counts, instance counts and placements (start:size on the memory-slot axis):
@@ -20,9 +21,9 @@ Sources (checked while writing these tables; the kind of source is named next to
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
-from gpud.placement.model import Device, ModelDemand
+from gpud.placement.model import Device, ModelDemand, Plan
 
 MIB = 2**20
 
@@ -297,10 +298,10 @@ class MigRecommendation:
     layouts: tuple[GpuLayout, ...]
     gpus_used: int  # physical GPUs holding at least one instance
     unplaced_instances: int
-    plan: object  # gpud.placement.model.Plan over the expanded devices
+    plan: Plan  # over the expanded devices
 
 
-def _gpus_used(plan, devices: Sequence[Device]) -> int:
+def _gpus_used(plan: Plan, devices: Sequence[Device]) -> int:
     phys = {d.id: d.physical_id for d in devices}
     return len({phys[a.device] for a in plan.placements})
 
@@ -316,7 +317,7 @@ def evaluate_layouts(gpus: Sequence[tuple[str, str]], layouts: Sequence[tuple[st
     kwargs = {"clock": clock} if clock else {}
     p = plan(devices, demands, config=config or PlannerConfig(time_limit_seconds=0.5), **kwargs)
     return MigRecommendation(
-        tuple(GpuLayout(g, m, tuple(l) if l is not None else None) for (g, m), l in zip(gpus, layouts)),
+        tuple(GpuLayout(g, m, tuple(lay) if lay is not None else None) for (g, m), lay in zip(gpus, layouts)),
         _gpus_used(p, devices), sum(1 for _ in p.unplaced), p)
 
 
@@ -326,7 +327,7 @@ def recommend_layouts(gpus: Sequence[tuple[str, str]], demands: Sequence[ModelDe
     next GPU takes the candidate layout (all maximal layouts and MIG off) that places the most remaining memory
     demand, preferring MIG off on ties (fewer CUDA contexts); the final placement is re-planned over all GPUs."""
     from gpud.placement.framework import NodeState, eligible_devices
-    from gpud.placement.solver import PlannerConfig, _greedy
+    from gpud.placement.solver import PlannerConfig, greedy
 
     remaining = [(d, i) for d in demands for i in range(d.instances)]
     chosen: list[tuple[str, ...] | None] = []
@@ -342,7 +343,7 @@ def recommend_layouts(gpus: Sequence[tuple[str, str]], demands: Sequence[ModelDe
             devs = expand_gpu(gpu_id, model, layout)
             state = NodeState(devs)
             eligible = {d.name: eligible_devices(d, devs, state.capacity) for d in demands}
-            _greedy(state, [it for it in remaining if eligible[it[0].name]], eligible, "pack", demands)
+            greedy(state, [it for it in remaining if eligible[it[0].name]], eligible, "pack", demands)
             placed_mem = sum(state.used_memory.values())
             placed_n = len(state.where)
             key = (placed_mem, placed_n, layout is None, -len(devs))

@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 from functools import reduce
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from gpud.placement import binpack1d
 from gpud.placement.framework import NodeState, eligible_devices, scorer_for, static_reasons
@@ -99,7 +99,7 @@ def _fresh(devices, demands, config: PlannerConfig, clock, start) -> Plan:
         if proven:
             proof_at = clock() - start
     else:
-        _greedy(state, items, eligible, config.strategy, demands)
+        greedy(state, items, eligible, config.strategy, demands)
         method = "greedy"
         first_plan = clock() - start
         if config.strategy == "pack":
@@ -232,7 +232,7 @@ def _size_keyer(state: NodeState):
     return lambda d: max(d.memory_bytes / max_mem, compute_units(d.compute_fraction) / max_cu)
 
 
-def _greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
+def greedy(state: NodeState, items, eligible, strategy: str, demands) -> None:
     """Decreasing size; each instance goes to the feasible device with the best score (pack: fullest after placing,
     preferring devices, then physical GPUs, already in use; spread: emptiest). Ties by device order."""
     score = scorer_for(strategy)
@@ -452,7 +452,7 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
         cap_n = state.capacity[dev_ids[dk]].instances
         if cap_n is None:
             continue
-        for k, (pm, pd) in enumerate(pairs):
+        for k, (_, pd) in enumerate(pairs):
             if pd == dk:
                 put(r, k, 1.0)
         put(r, n_pairs + dk, -float(cap_n))
@@ -487,7 +487,8 @@ def _aggregated_mip(devices, demands, state: NodeState, eligible, time_limit_sec
     if res.x is None:
         return None, lb, False
     x = np.rint(res.x).astype(int)
-    out, counter = [], {}
+    out: list[Assignment] = []
+    counter: dict[str, int] = {}
     for k, (pm, pd) in enumerate(pairs):
         for _ in range(x[k]):
             m = models[pm]
@@ -527,7 +528,7 @@ def _explain(state: NodeState, demand: ModelDemand, instance: int, devices: Sequ
                 closest, closest_short = dev.id, key
     if not devices:
         summary = "no devices"
-    elif closest is None:
+    elif closest is None or closest_short is None:  # set together
         summary = "no device satisfies the model's constraints"
     elif closest_short[0] > 0:
         cap = state.capacity[closest].memory_bytes
@@ -558,7 +559,7 @@ def _replan(devices, demands, current: tuple[Assignment, ...], config: PlannerCo
     # 2. place what is missing
     missing = [(d, i) for d in demands for i in range(d.instances)
                if (d.name, i) not in state.where and eligible[d.name]]
-    _greedy(state, missing, eligible, config.strategy, demands)
+    greedy(state, missing, eligible, config.strategy, demands)
     keep_plan_unplaced = [(d, i) for d in demands for i in range(d.instances) if (d.name, i) not in state.where]
     incremental = state.assignments()
     incremental_moves = count_moves(current, incremental)
@@ -648,6 +649,7 @@ def diff(current: Sequence[Assignment], new: Sequence[Assignment], devices: Sequ
         model, inst = key
         if dev in healthy and key not in after:
             mn = by_name[model].min_instances if model in by_name else 0
+            assert mn is not None  # ModelDemand.__post_init__ resolved the default
             if live.get(model, 0) - 1 >= mn or model not in by_name:
                 moves.append(Move("remove", model, inst, from_device=dev))
                 state.unreserve(model, inst)
@@ -680,6 +682,7 @@ def diff(current: Sequence[Assignment], new: Sequence[Assignment], devices: Sequ
         for item in list(pending):
             (model, inst), old, dev = item
             d = by_name[model]
+            assert d.min_instances is not None  # ModelDemand.__post_init__ resolved the default
             if old is not None and live.get(model, 0) - 1 >= d.min_instances:
                 # break the cycle: stop this instance now, start it on its target once there is room
                 state.unreserve(model, inst)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpud.executor.model_config import InstanceGroup, ModelConfig
+from gpud.executor.model_config import InstanceGroup
 from gpud.placement import Assignment, Constraints, Device, ModelDemand
 from gpud.placement.model import DeviceKind
 from gpud.telemetry.devices import DeviceInfo

@@ -6,23 +6,53 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from gpud.executor.instance import InstanceHandle
-from gpud.scaling.idle import EvictionCandidate, eviction_order, idle_seconds
+from gpud.placement import Move, Plan, PlannerConfig, diff
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
+from gpud.registry import RegisteredVersion, Registry
+from gpud.scaling.idle import EvictionCandidate, eviction_order, idle_seconds
 from gpud.scaling.plan import Step
-from gpud.registry import RegisteredVersion
-from gpud.placement import Plan, diff
+from gpud.telemetry.devices import DeviceBackend
 from gpud.telemetry.serving import ModelState
 
 log = logging.getLogger("gpud")
 
 
 class OnDemand:
-    """Loads on demand and evictions, for PlacementService (which provides the attributes and helpers used here:
-    lock, registry, devices, clocks, inputs(), _plan(), _apply(), _stop(), _live())."""
+    """Loads on demand and evictions, for PlacementService, its one subclass, which provides what is declared
+    below."""
+
+    lock: asyncio.Lock
+    registry: Registry
+    devices: DeviceBackend
+    config: PlannerConfig
+    clock: Callable[[], float]
+    wall_clock: Callable[[], float]
+    cold_start_log_s: float
+    _changes: int  # instances started or stopped so far
+    _cold: dict[RegisteredVersion, asyncio.Task[None]]  # cold starts under way
+    _cold_failed: dict[RegisteredVersion, tuple[int, str, float]]  # changes then, why, when logged
+
+    def inputs(self, versions: Sequence[RegisteredVersion] | None = None,
+               totals: Mapping[tuple[str, str], int] | None = None,
+               beside: Sequence[RegisteredVersion] = (), without: Collection[InstanceHandle] = ()) -> PlacementInputs:
+        raise NotImplementedError
+
+    async def _plan(self, inputs: PlacementInputs, config: PlannerConfig) -> Plan:
+        raise NotImplementedError
+
+    async def _apply(self, inputs: PlacementInputs, moves: Sequence[Move], *, atomic: bool,
+                     stop_at_failure: bool = False, staged: Sequence[RegisteredVersion] = ()) -> list[Step]:
+        raise NotImplementedError
+
+    async def _stop(self, vs: RegisteredVersion, inst: InstanceHandle) -> None:
+        raise NotImplementedError
+
+    def _live(self) -> list[RegisteredVersion]:
+        raise NotImplementedError
 
     def demand(self, vs: RegisteredVersion) -> None:
         """A request waits for `vs`, which has no instance: load one (once, however many requests wait). If that
@@ -128,7 +158,7 @@ class OnDemand:
                 chosen = trial
         return chosen
 
-    def _eviction_candidates(self, vs: RegisteredVersion, *, exclude: set[RegisteredVersion] = frozenset(),
+    def _eviction_candidates(self, vs: RegisteredVersion, *, exclude: Collection[RegisteredVersion] = frozenset(),
                              min_idle_s: float = 0.0) -> list[tuple[RegisteredVersion, InstanceHandle]]:
         kinds = {d.id: d.kind for d in self.devices.leaf_devices()}
         return eviction_candidates(vs, self._live(), kinds, self.registry.has_gpus, self.wall_clock(),
@@ -137,7 +167,7 @@ class OnDemand:
 
 
 def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion], device_kinds: Mapping[str, str],
-                        has_gpus: bool, now_unix_s: float, *, exclude: set[RegisteredVersion] = frozenset(),
+                        has_gpus: bool, now_unix_s: float, *, exclude: Collection[RegisteredVersion] = frozenset(),
                         min_idle_s: float = 0.0) -> list[tuple[RegisteredVersion, InstanceHandle]]:
     """The instances of `live` versions on device kinds `vs` can use, least recently used first, of versions not in
     `exclude` that have had no request for `min_idle_s` (and never one of a busy version, never below a version's

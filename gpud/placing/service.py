@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 
 from gpud.executor.device import WorkerDevice
 from gpud.executor.pool import ExecutorPool
@@ -287,7 +288,7 @@ class PlacementService(OnDemand):
                 vs.state = ModelState.UNLOADING
                 try:
                     await asyncio.wait_for(vs.scheduler.wait_idle(), drain_timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     vs.scheduler.fail_all_queued(f"model '{vs.name}' version {vs.version} is being unloaded")
                 async with self.lock:
                     for inst in list(vs.instances):
@@ -341,10 +342,11 @@ class PlacementService(OnDemand):
                 await self._remove(vs, index, mv.from_device, undo)
                 steps.append(step)
                 continue
+            to_device = mv.to_device
+            assert to_device is not None  # an add or a move has a destination (placement.diff)
             log.info("model %s version %s instance %d -> device %s%s (%.1f MiB)", vs.name, vs.version, index,
-                     mv.to_device, f" (from {mv.from_device})" if mv.from_device else "",
-                     vs.footprint_bytes() / 2**20)
-            inst = await self._start(vs, index, mv.to_device)
+                     to_device, f" (from {mv.from_device})" if mv.from_device else "", vs.footprint_bytes() / 2**20)
+            inst = await self._start(vs, index, to_device)
             if not inst.ready:
                 if atomic:
                     for done in reversed(undo):  # roll back: the node stays as it was
@@ -356,7 +358,7 @@ class PlacementService(OnDemand):
                 if stop_at_failure:
                     break
                 continue
-            undo.append(lambda vs=vs, inst=inst: self._stop(vs, inst))
+            undo.append(partial(self._stop, vs, inst))
             if mv.kind == "move":  # make-before-break: the new one serves, now the old one goes
                 await self._remove(vs, index, mv.from_device, undo)
             steps.append(step)

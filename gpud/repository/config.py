@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from google.protobuf import text_format
 
-from gpud.executor.model_config import VARIABLE_DIM, DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy, TensorSpec
+from gpud.executor.model_config import (VARIABLE_DIM, DynamicBatching, InstanceGroup, ModelConfig, QueuePolicy,
+                                        TensorSpec)
 from gpud.executor.datatypes import kserve_datatype
 from gpud.executor.reshape import check_reshape
 from gpud.repository.errors import ModelConfigError

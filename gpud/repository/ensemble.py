@@ -34,7 +34,8 @@ def step_label(index: int, model: str) -> str:
     return f"step {index} (model '{model}')"
 
 
-def ensemble_config_from_proto(message: pb.ModelConfig, model_name: str, path: str) -> tuple[ModelConfig, VersionPolicy]:
+def ensemble_config_from_proto(message: pb.ModelConfig, model_name: str,
+                               path: str) -> tuple[ModelConfig, VersionPolicy]:
     """An ensemble's config.pbtxt as the executor's ModelConfig (platform "ensemble", no instance groups, its steps
     in `ensemble`) and its version policy. ModelConfigError names the file and the problem."""
     if message.name and message.name != model_name:
@@ -124,9 +125,9 @@ def check_data_flow(ensemble: str, inputs: Sequence[TensorSpec], outputs: Sequen
         for model_output, tensor in s.output_map:
             if tensor in producer:
                 j = producer[tensor]
-                raise ValueError(f"ensemble tensor '{tensor}' is produced twice: by {step_label(j, steps[j].model_name)}"
-                                 f" and by {step_label(i, s.model_name)} (its output '{model_output}'); a tensor "
-                                 "can appear in an output map only once")
+                raise ValueError(f"ensemble tensor '{tensor}' is produced twice: by "
+                                 f"{step_label(j, steps[j].model_name)} and by {step_label(i, s.model_name)} "
+                                 f"(its output '{model_output}'); a tensor can appear in an output map only once")
             if tensor in given:
                 raise ValueError(f"ensemble tensor '{tensor}' is an ensemble input and also produced by "
                                  f"{step_label(i, s.model_name)} (its output '{model_output}')")
@@ -257,8 +258,8 @@ def check_against_steps(ensemble: ModelConfig, step_configs: Sequence[ModelConfi
                                  "tensor")
             meet(tensor, _seen(f"{label}'s input '{spec.name}'", spec, config.batches))
         for model_output, tensor in step.output_map:
-            spec = config.output(model_output)
-            if spec is None:
+            out_spec = config.output(model_output)
+            if out_spec is None:
                 raise ValueError(f"in ensemble '{name}', {label}: output_map names output '{model_output}', which "
                                  f"the model does not have (its outputs: {[s.name for s in config.outputs]})")
-            meet(tensor, _seen(f"{label}'s output '{model_output}'", spec, config.batches))
+            meet(tensor, _seen(f"{label}'s output '{model_output}'", out_spec, config.batches))

@@ -146,7 +146,8 @@ def _states(sb: pb.ModelSequenceBatching, model_dir: str, path: str) -> tuple[St
         if len(s.initial_state) > 1:
             raise ModelConfigError(path, f"initial_state field for {label} must contain exactly one or zero element. "
                                          f"Found '{len(s.initial_state)}' elements.")
-        initial, initial_dims = (None, ())
+        initial: bytes | None = None
+        initial_dims: tuple[int, ...] = ()
         if s.initial_state:
             initial, initial_dims = _initial_data(s.initial_state[0], s, datatype, model_dir, path)
         # use_same_buffer_for_input_output and use_growable_memory are memory layouts of Triton's own; gpud keeps a

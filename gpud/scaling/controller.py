@@ -194,8 +194,9 @@ class ScalingController(Collector):
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def _families(self) -> list[Metric]:
-        return [
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily,
+                                 GaugeMetricFamily]:
+        return (
             CounterMetricFamily("gpud_placement_actions", "Steps of the placement controller, by action (add, remove, "
                                 "move), reason and whether they were applied (advise mode: false).",
                                 labels=("action", "reason", "applied")),
@@ -206,7 +207,7 @@ class ScalingController(Collector):
                               "(Unix time)."),
             GaugeMetricFamily("gpud_placement_target_instances", "The controller's target instance count.",
                               labels=("model", "version")),
-        ]
+        )
 
     def collect(self) -> Iterable[Metric]:
         actions, plans, refused, last, targets = fams = self._families()

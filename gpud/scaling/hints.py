@@ -18,11 +18,11 @@ for two metrics, whichever asks for more (HPA takes the largest proposal of seve
            count (HPA's default scale-up policy: +100%): a backlog still draining after capacity has arrived would
            otherwise ask for as many instances as its seconds of wait.
 Then the version's bounds (gpud.scaling.bounds: its gpud_min_instances / gpud_max_instances, else the node's
-defaults; the same bounds the controller applies) and HPA's stabilization windows: a scale-up happens only to the *lowest* recommendation of the
-last `scale_up_stabilization_seconds`, a scale-down only to the *highest* recommendation of the last
-`scale_down_stabilization_seconds` (so a burst or a lull shorter than the window changes nothing). Unlike HPA, a
-fresh state has no evidence yet: until a window is covered by recommendations, the current count stands in for the
-missing part of it, so a daemon that just started does not scale on its first sample.
+defaults; the same bounds the controller applies) and HPA's stabilization windows: a scale-up happens only to the
+*lowest* recommendation of the last `scale_up_stabilization_seconds`, a scale-down only to the *highest* recommendation
+of the last `scale_down_stabilization_seconds` (so a burst or a lull shorter than the window changes nothing). Unlike
+HPA, a fresh state has no evidence yet: until a window is covered by recommendations, the current count stands in for
+the missing part of it, so a daemon that just started does not scale on its first sample.
 
 Headroom is the other pure function: how many more instances of each model fit on each device, from the device's
 free memory and the model's measured footprint.
@@ -118,7 +118,7 @@ def recommend(policy: HintPolicy, obs: ModelObservation,
         raw, reason = current, "no measurement yet: holding"
     else:
         raw = max(proposals)
-        if queue is not None and queue >= (load or 0):
+        if queue is not None and obs.queue_seconds is not None and queue >= (load or 0):
             reason = f"queue {obs.queue_seconds * 1e3:.1f} ms over target {policy.target_queue_seconds * 1e3:.1f} ms"
         else:
             reason = f"load {obs.arrival_rate_per_second:.1f} req/s"

@@ -1,6 +1,6 @@
 """The placement controller's decisions, as pure functions of (policy, state, observation, now): how many instances
-each model version should run, and why. `gpud.scaling.controller` feeds them and applies the result through the placement
-service; nothing here does I/O or reads a clock.
+each model version should run, and why. `gpud.scaling.controller` feeds them and applies the result through the
+placement service; nothing here does I/O or reads a clock.
 
 Rules, per model version, each interval:
 1. The wanted count is the autoscaling hint's `desired_instances` (gpud.scaling.hints: the HPA rule over queue time and

@@ -185,8 +185,8 @@ class HintsSampler(Collector):
                               "bounds.", labels=mv),
             GaugeMetricFamily("gpud_model_instances_current", "Ready instances of the model version when the hint "
                               "was computed.", labels=mv),
-            GaugeMetricFamily("gpud_model_instance_throughput_requests_per_second", "Requests one instance completes per "
-                              "second with full batches, from its measured batch times.", labels=mv),
+            GaugeMetricFamily("gpud_model_instance_throughput_requests_per_second", "Requests one instance completes "
+                              "per second with full batches, from its measured batch times.", labels=mv),
             GaugeMetricFamily("gpud_node_headroom_instances", "How many more instances of the model fit on the "
                               "device by free memory and measured footprint (per model: alternatives, not a sum).",
                               labels=("model", "device")),

@@ -50,6 +50,7 @@ _GAUGES = (
      "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS.", "clock_event_reasons"),
 )
 _ALL_REASONS = sum(bit for bit, _ in CLOCK_EVENT_REASONS)
+_Family = GaugeMetricFamily | CounterMetricFamily  # both take add_metric(labels, value)
 
 
 def label_values(d: DeviceInfo) -> list[str]:
@@ -74,8 +75,8 @@ class DeviceCollector(Collector):
         # Lets the registry check names without sampling every device at register time.
         return list(self._families().values())
 
-    def _families(self) -> dict[str, Metric]:
-        fams: dict[str, Metric] = {name: GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
+    def _families(self) -> dict[str, _Family]:
+        fams: dict[str, _Family] = {name: GaugeMetricFamily(name, doc, labels=LABELS) for name, doc, _ in _GAUGES}
         fams["energy"] = CounterMetricFamily(
             "gpud_device_energy_joules", "Energy the GPU used since the driver loaded, joules.", labels=LABELS)
         fams["ecc_volatile"] = CounterMetricFamily(
@@ -99,13 +100,11 @@ class DeviceCollector(Collector):
         return fams
 
     def _readings(self, devices: list[DeviceInfo]) -> dict[str, DeviceReading]:
-        sample_all = getattr(self._backend, "sample_all", None)
         readings: Mapping[str, DeviceReading] = {}
-        if sample_all is not None:
-            try:
-                readings = sample_all()
-            except Exception:  # noqa: BLE001 - fall back to device by device, so one bad device is isolated
-                log.exception("sampling all devices failed; sampling one by one")
+        try:
+            readings = self._backend.sample_all()
+        except Exception:  # noqa: BLE001 - fall back to device by device, so one bad device is isolated
+            log.exception("sampling all devices failed; sampling one by one")
         out = {}
         for d in devices:
             reading = readings.get(d.id)

@@ -146,6 +146,11 @@ class DeviceBackend(Protocol):
         """One reading; never raises for a known device (a lost GPU reads healthy=False). KeyError if unknown."""
         ...
 
+    def sample_all(self) -> Mapping[str, DeviceReading]:
+        """One sampling pass over every device, by id (what a scrape reads: nvitop's oneshot). A device it leaves
+        out is sampled on its own with `sample`."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -191,7 +196,8 @@ def format_device_tree(devices: Iterable[DeviceInfo]) -> list[str]:
     for d in devices:
         gib = d.memory_total_bytes / 2**30
         if d.kind == "mig":
-            lines.append(f"  └─ {d.id}: MIG {d.mig_profile} ({gib:.2f} GiB, {d.compute_fraction:.3f} of the GPU) {d.uuid}")
+            lines.append(f"  └─ {d.id}: MIG {d.mig_profile} ({gib:.2f} GiB, {d.compute_fraction:.3f} of the GPU) "
+                         f"{d.uuid}")
         elif d.kind == "gpu":
             mig = ", MIG on" if d.mig_enabled else ""
             lines.append(f"{d.id}: {d.name} ({gib:.2f} GiB{mig}) {d.uuid} {d.pci_bus_id}".rstrip())

@@ -60,7 +60,7 @@ class HostCollector(Collector):
     def describe(self) -> Iterable[Metric]:
         return self._families()
 
-    def _families(self) -> list[Metric]:
+    def _families(self) -> list[GaugeMetricFamily | CounterMetricFamily]:
         return [
             GaugeMetricFamily("gpud_host_cpu_utilization_ratio", "Share of the host's CPU time spent working "
                               "(not idle, not iowait) since the previous scrape, 0..1, all CPUs together."),

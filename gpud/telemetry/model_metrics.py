@@ -46,7 +46,8 @@ from gpud.telemetry.serving import ServingSnapshot, SnapshotSource, VersionView
 __all__ = ["BATCH_SIZE_BUCKETS", "LATENCY_BUCKETS_SECONDS", "ModelMetrics"]
 
 MODEL_LABELS = ("model", "version")
-# Not "instance": Prometheus sets that label on every scraped series (the target), and renames ours to exported_instance.
+# Not "instance": Prometheus sets that label on every scraped series (the target), and renames ours to
+# exported_instance.
 INSTANCE_LABELS = ("model", "version", "model_instance", "device")
 
 _REQUESTS = ("gpud_model_requests", "Inference requests finished, by outcome.")
@@ -257,16 +258,18 @@ class _Triton:
         for v in versions:
             pending_fam.add_metric([v.model, v.version], float(v.pending_requests))
         if self.devices is not None:
-            self._collect_gpus(total_fam, gpu_fams)
+            self._collect_gpus(self.devices, total_fam, gpu_fams)
         return fams
 
-    def _collect_gpus(self, total_fam: GaugeMetricFamily, gpu_fams: list[GaugeMetricFamily]) -> None:
+    @staticmethod
+    def _collect_gpus(devices: DeviceBackend, total_fam: GaugeMetricFamily,
+                      gpu_fams: list[GaugeMetricFamily]) -> None:
         # Triton (through DCGM) reports physical GPUs only; a MIG instance's use shows on its parent.
-        for d in self.devices.devices():
+        for d in devices.devices():
             if d.kind != "gpu":
                 continue
             try:
-                reading = self.devices.sample(d.id)
+                reading = devices.sample(d.id)
             except Exception:  # noqa: BLE001 - the device collector logs sampling failures; here: no sample
                 continue
             total_fam.add_metric([d.uuid], float(d.memory_total_bytes))
@@ -313,7 +316,8 @@ class ModelMetrics(Collector):
         fams += [CounterMetricFamily(name, doc, labels=MODEL_LABELS) for name, doc, _ in _COUNTERS]
         fams += _gauge_families()
         if self._triton is not None:
-            fams += [_untyped(name, doc) for name, doc, _ in _TRITON_COUNTERS] + _Triton.gauge_families()
+            fams += [_untyped(name, doc) for name, doc, _ in _TRITON_COUNTERS]
+            fams += _Triton.gauge_families()
         return fams
 
     def collect(self) -> Iterable[Metric]:
@@ -330,13 +334,14 @@ class ModelMetrics(Collector):
                 fam.add_metric([v.model, v.version], list(zip(les, accumulate(buckets(v.stats)))), total(v.stats))
             fams.append(fam)
         for name, doc, value in _COUNTERS:
-            fam = CounterMetricFamily(name, doc, labels=MODEL_LABELS)
+            counter = CounterMetricFamily(name, doc, labels=MODEL_LABELS)
             for v in versions:
-                fam.add_metric([v.model, v.version], value(v.stats))
-            fams.append(fam)
+                counter.add_metric([v.model, v.version], value(v.stats))
+            fams.append(counter)
         fams += _collect_gauges(versions)
         if self._triton is not None:
-            fams += self._triton.counter_families(versions) + self._triton.collect_gauges(versions)
+            fams += self._triton.counter_families(versions)
+            fams += self._triton.collect_gauges(versions)
         return fams
 
     def render_text(self) -> str:

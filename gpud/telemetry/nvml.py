@@ -180,7 +180,8 @@ class NvmlSession:
                 self._nvml.nvmlInit()
             except Exception as exc:  # noqa: BLE001 - any failure to init means "no NVML", reported as a reason
                 code = _error_code(exc)
-                self._init_error = _NO_DRIVER_REASONS.get(code) or f"nvmlInit failed: {exc!r}"
+                reason = _NO_DRIVER_REASONS.get(code) if code is not None else None
+                self._init_error = reason or f"nvmlInit failed: {exc!r}"
                 return self._init_error
             self._initialized = True
             atexit.register(self.shutdown)
@@ -479,7 +480,8 @@ class NvmlBackend:
                 ecc[key] = int(n)
         gpm = self._gpm_read(gid, lambda sample: q("nvmlGpmSampleGet", h, sample, device_id=gid)) \
             if self._gpm_support(gid) else {}
-        tx, rx = _mib_per_s(gpm.get(NVML_GPM_METRIC_PCIE_TX_PER_SEC)), _mib_per_s(gpm.get(NVML_GPM_METRIC_PCIE_RX_PER_SEC))
+        tx = _mib_per_s(gpm.get(NVML_GPM_METRIC_PCIE_TX_PER_SEC))
+        rx = _mib_per_s(gpm.get(NVML_GPM_METRIC_PCIE_RX_PER_SEC))
         if legacy_pcie is not None:
             tx, rx = (_kb_per_s(f.result()) for f in legacy_pcie)
         return DeviceReading(

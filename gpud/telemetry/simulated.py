@@ -2,8 +2,8 @@
 
 Only the inventory is simulated. Memory used and utilization come from the injected UsageSource (what gpud's
 executor really loaded and how long its workers were really busy). A GPU's power draw and temperature follow that
-utilization through its model's power table (gpud.telemetry.power_model; N/A for a model the table lacks), and its ECC and
-watched XID counters read 0: the simulated node tells the story a healthy GPU would, so every dashboard panel moves.
+utilization through its model's power table (gpud.telemetry.power_model; N/A for a model the table lacks), and its ECC
+and watched XID counters read 0: the simulated node tells the story a healthy GPU would, so every dashboard panel moves.
 
 Node file format (config/nodes/*.yaml):
 
@@ -205,6 +205,9 @@ class SimulatedBackend:
 
     def leaf_devices(self) -> list[DeviceInfo]:
         return leaf_devices(self._devices)
+
+    def sample_all(self) -> dict[str, DeviceReading]:
+        return {d.id: self.sample(d.id) for d in self._devices}
 
     def sample(self, device_id: str) -> DeviceReading:
         info = self._by_id[device_id]  # KeyError for an unknown id

@@ -29,14 +29,14 @@ class WorkerCollector(Collector):
         return self._families()
 
     @staticmethod
-    def _families() -> list[Metric]:
-        return [
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+        return (
             GaugeMetricFamily("gpud_worker_up", "1 while gpud's worker process for the device is running and "
                               "serving, 0 while it is being restarted.", labels=("device",)),
             CounterMetricFamily("gpud_worker_restarts", "Times gpud lost the device's worker and restarted it, by "
                                 "cause: died (the process ended) or hung (a batch unanswered for "
                                 "--worker-hang-secs, so gpud killed it).", labels=("device", "cause")),
-        ]
+        )
 
     def collect(self) -> Iterable[Metric]:
         up, restarts = fams = self._families()

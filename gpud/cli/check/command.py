@@ -68,7 +68,8 @@ def _ratio(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpudctl check", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_argument_group("what to check")
     where.add_argument("--node", metavar="FILE", help="check a simulated node (as `gpud --node` takes) instead of "
                        "this machine's GPUs")

@@ -12,7 +12,8 @@ from typing import Any
 
 from gpud.cli.check.report import Row, Status
 from gpud.cli.check.smi import SmiGpu
-from gpud.telemetry.devices import DeviceInfo, DeviceReading
+from gpud.placement.model import is_device_kind
+from gpud.telemetry.devices import DeviceBackend, DeviceInfo, DeviceReading
 
 MIB = 2**20
 
@@ -36,11 +37,10 @@ class Observed:
     reading: DeviceReading
 
 
-def observe(backend: Any, devices: Iterable[DeviceInfo] | None = None) -> list[Observed]:
-    """Every device of a DeviceBackend with one reading each (one sampling pass where the backend has one)."""
+def observe(backend: DeviceBackend, devices: Iterable[DeviceInfo] | None = None) -> list[Observed]:
+    """Every device of a DeviceBackend with one reading each (one sampling pass)."""
     devices = list(devices if devices is not None else backend.devices())
-    sample_all = getattr(backend, "sample_all", None)
-    readings = sample_all() if sample_all is not None else {}
+    readings = backend.sample_all()
     return [Observed(d, readings.get(d.id) or backend.sample(d.id)) for d in devices]
 
 
@@ -95,7 +95,9 @@ def observed_from_metrics(text: str) -> list[Observed]:
                 values.setdefault(device, {})[_METRIC_FIELDS[s.name]] = value
     out = []
     for device, labels in infos.items():
-        kind = labels.get("kind", "")
+        kind = labels.get("kind")
+        if not is_device_kind(kind):
+            continue  # not a device kind gpud writes: nothing to compare it as
         children = [d for d, ls in infos.items() if ls.get("parent") == device]
         info = DeviceInfo(id=device, kind=kind, index=int(labels["gpu"]) if labels.get("gpu") else -1,
                           name=labels.get("name", ""), uuid=labels.get("UUID", ""), pci_bus_id="",
@@ -111,8 +113,8 @@ def _fmt(value: float | None, unit: str, digits: int = 0) -> str:
     return "N/A" if value is None else f"{value:.{digits}f} {unit}".rstrip()
 
 
-def _numeric(device: str, item: str, mine: float | None, theirs: float | None, unit: str, ok: Callable[[float, float], bool],
-             tolerance: str, digits: int = 0) -> Row:
+def _numeric(device: str, item: str, mine: float | None, theirs: float | None, unit: str,
+             ok: Callable[[float, float], bool], tolerance: str, digits: int = 0) -> Row:
     g, r = _fmt(mine, unit, digits), _fmt(theirs, unit, digits)
     if mine is None and theirs is None:
         return Row("device", device, item, Status.SKIP, g, r, reason="N/A in both")

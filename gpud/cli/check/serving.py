@@ -2,8 +2,8 @@
 onnxruntime on the CPU computes, takes the memory gpud says it takes, serves about as fast as raw onnxruntime on the
 same device, overlaps with a second instance, and runs on the execution provider the device calls for.
 
-Everything here is the daemon's code (gpud.executor.pool, gpud.executor.scheduler, the worker); only the HTTP front end is
-left out, so what is measured is the pool and the batcher, not a client.
+Everything here is the daemon's code (gpud.executor.pool, gpud.executor.scheduler, the worker); only the HTTP front end
+is left out, so what is measured is the pool and the batcher, not a client.
 """
 from __future__ import annotations
 
@@ -311,7 +311,7 @@ def throughput_row(dev: str, served: dict[int, float], raw: dict[int, float], ra
     fails; on the CPU it warns, since a shared machine's other load moves the figures."""
     if not served or not raw:
         return Row("serving", dev, "throughput", Status.FAIL, reason="nothing measured")
-    bs, br = max(served, key=served.get), max(raw, key=raw.get)
+    bs, br = max(served, key=served.__getitem__), max(raw, key=raw.__getitem__)
     ratio = served[bs] / raw[br]
     by = ", ".join(f"b{b} {served.get(b, 0):.0f}/{raw.get(b, 0):.0f}" for b in sorted(set(served) | set(raw)))
     detail = f"served/raw rows/s by batch: {by}; raw on {raw_provider}"
