@@ -19,7 +19,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import numpy as np
@@ -272,7 +272,9 @@ class MalformedMessage:
         return _invalid(f"the request is not a valid protobuf message of its method's type: {self.error}")
 
 
-def _lenient(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:  # a method that takes the raw bytes (none of the generated ones)
+        return None
     def parse(data: bytes) -> Any:
         try:
             return deserialize(data)
@@ -292,7 +294,8 @@ class _LenientRegistration:
         pass  # the same methods are registered below, with lenient deserializers
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        lenient = {name: h._replace(request_deserializer=_lenient(h.request_deserializer))
+        # grpc's handlers are namedtuples at run time; its stub declares their fields only
+        lenient = {name: h._replace(request_deserializer=_lenient(h.request_deserializer))  # type: ignore[attr-defined]
                    for name, h in handlers.items()}
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, lenient),))
         self._server.add_registered_method_handlers(service, lenient)
@@ -330,7 +333,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         metadata = dict(context.invocation_metadata() or ())
-        self._admin.check(metadata.get("authorization"), action, grpc_peer_host(context.peer() or ""))
+        token = metadata.get("authorization")  # bytes only for binary ("-bin") keys: no token
+        self._admin.check(token if isinstance(token, str) else None, action, grpc_peer_host(context.peer() or ""))
 
     @_unary
     async def ServerLive(self, request, context):
@@ -460,10 +464,17 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+if TYPE_CHECKING:
+    class BoundServer(grpc.aio.Server):
+        """What start_grpc_server returns: grpc's server, with the port it bound."""
+
+        bound_port: int
+
+
 async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_message_bytes: int = 2**31 - 1,
                             max_metadata_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                             max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
-                            admin: AdminAuth | None = None) -> grpc.aio.Server:
+                            admin: AdminAuth | None = None) -> BoundServer:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
@@ -493,6 +504,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
     if bound_port == 0:  # older grpcio reports a failed bind this way instead of raising
         raise OSError(f"gRPC server could not bind {address}")
     await server.start()
-    server.bound_port = bound_port
+    started = cast("BoundServer", server)
+    started.bound_port = bound_port
     logger.info("gRPC server listening on %s", _address(host, bound_port))
-    return server
+    return started
