@@ -81,8 +81,9 @@ class ModelLifecycle:
         `unload_dependents`, an ensemble's step models loaded only as its dependencies, which no other loaded
         ensemble uses, unload after it (and theirs after them), as Triton's unload_dependents does."""
         model = self.registry.models.get(name)
-        if model is None:
-            raise InferenceError(ErrorKind.NOT_FOUND, f"failed to unload '{name}': unknown model")
+        if model is None or not model.versions:
+            log.info("model %s: not loaded, nothing to unload", name)  # as Triton: a success
+            return
         steps = step_names_of(model)
         async with model.lock:
             versions = list(model.versions.values())

@@ -63,9 +63,10 @@ class ModelControl:
         return self.mode != "explicit" or "*" in self.load_models or name in self.load_models
 
     def check_api(self, action: str, name: str) -> None:
-        """The repository API's load/unload: refused in mode none, with the way to allow it."""
+        """The repository API's load/unload: refused in mode none, with the way to allow it. UNAVAILABLE (503), the
+        code Triton answers and clients match on (not a matter of who asks: nobody may, in this mode)."""
         if self.mode == "none" and not _OPERATOR.get():
-            raise InferenceError(ErrorKind.PERMISSION_DENIED,
+            raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"cannot {action} model '{name}': model control is disabled; start gpud with "
                                  "--model-control-mode explicit (or poll) to load and unload models through the API")
 

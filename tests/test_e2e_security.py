@@ -117,12 +117,12 @@ def test_by_default_load_is_refused_over_both_protocols(tmp_path):
     daemon = start_daemon(repo, tmp_path, node=None)  # no --model-control-mode: none
     try:
         status, answer = request(daemon, "POST", "/v2/repository/models/mlp/load")
-        assert status == 403 and "--model-control-mode" in answer["error"]
+        assert status == 503 and "--model-control-mode" in answer["error"]  # Triton's code
         with grpc.insecure_channel(daemon.grpc_url) as channel:
             with pytest.raises(grpc.RpcError) as e:
                 pb_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
                     pb.RepositoryModelLoadRequest(model_name="mlp"), timeout=TIMEOUT_S)
-            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert request(daemon, "GET", "/v2/models/mlp/ready")[0] == 200
     finally:
         assert daemon.stop() == 0, daemon.log()

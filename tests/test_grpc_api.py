@@ -335,7 +335,8 @@ class TestDecodeInputs:
 
     def test_raw_and_typed_contents_together_are_refused(self):
         request = _request("FP32", [1], raw=b"\x00" * 4, fp32_contents=[1.0])
-        with pytest.raises(InferenceError, match="contents must not be set"):
+        with pytest.raises(InferenceError, match="^contents field must not be specified when using "
+                                                 "raw_input_contents for 'x' for model '.*'$"):  # Triton's text
             decode_inputs(request)
 
     def test_shared_memory_inputs_are_refused_clearly(self):

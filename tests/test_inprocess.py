@@ -318,7 +318,7 @@ def test_a_server_not_running_refuses_calls_and_model_control_follows_the_mode(r
         assert s.infer("two_input", x)["out"].shape == (1, 4)
         with pytest.raises(InferenceError) as caught:
             s.unload_model("two_input")
-        assert caught.value.kind is ErrorKind.PERMISSION_DENIED
+        assert caught.value.kind is ErrorKind.UNAVAILABLE
         with pytest.raises(RuntimeError, match="started once"):
             s.start()
     assert not s.running and not s.ready()

@@ -33,7 +33,7 @@ def test_modes():
     assert ModelControl("poll").loads_new_on_demand
     with pytest.raises(InferenceError) as exc:
         ModelControl().check_api("unload", "cnn")
-    assert exc.value.kind is ErrorKind.PERMISSION_DENIED and "--model-control-mode explicit" in exc.value.message
+    assert exc.value.kind is ErrorKind.UNAVAILABLE and "--model-control-mode explicit" in exc.value.message
     ModelControl("explicit").check_api("unload", "cnn")
     ModelControl("poll").check_api("load", "cnn")
 

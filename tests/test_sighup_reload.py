@@ -81,7 +81,7 @@ def test_a_reload_may_load_in_mode_none_an_api_call_may_not():
     control = ModelControl("none")
     with pytest.raises(InferenceError) as exc:
         control.check_api("load", "m")
-    assert exc.value.kind is ErrorKind.PERMISSION_DENIED
+    assert exc.value.kind is ErrorKind.UNAVAILABLE
     with as_operator():
         control.check_api("load", "m")
     with pytest.raises(InferenceError):  # only inside the block

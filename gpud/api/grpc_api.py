@@ -179,7 +179,8 @@ def decode_inputs(request: pb.ModelInferRequest,
         count = check_shape(tensor.name, shape, max_elements)
         if raw_contents:
             if tensor.HasField("contents"):
-                raise _invalid(f"input {tensor.name!r}: contents must not be set when raw_input_contents is used")
+                raise _invalid(f"contents field must not be specified when using raw_input_contents for "
+                               f"'{tensor.name}' for model '{request.model_name}'")  # Triton's words
             data = _decode_raw(tensor.name, tensor.datatype, shape, raw_contents[index], count)
         else:
             data = _decode_contents(tensor.name, tensor.datatype, shape, tensor.contents, count)

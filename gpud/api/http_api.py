@@ -268,8 +268,11 @@ class HttpApi:
             def decoded(result: InferRequest | BaseException) -> None:
                 if isinstance(result, BaseException):
                     self._respond_error(respond, result, request)
-                else:
+                    return
+                try:
                     self._submit(result, respond, request)
+                except Exception as e:  # noqa: BLE001 - refused (bad shape, unknown model, full queue): answered here,
+                    self._respond_error(respond, e, request)  # as route() answers the loop's own decode
             codec.decode(request.body, header_length, name, version, self.max_tensor_elements, decoded)
             return
         self._submit(decode_infer_request(request.body, header_length, name, version, self.max_tensor_elements),

@@ -93,6 +93,18 @@ def _create_stream() -> int | None:
     return int(stream)
 
 
+def as_text(arr: np.ndarray) -> np.ndarray:
+    """A BYTES tensor as onnxruntime's string tensors take it: each element a str, decoded from UTF-8 exactly.
+    onnxruntime turns a bytes element into its repr ("b'...'") and numpy's fixed-width strings would cut at a NUL or
+    refuse non-ASCII; an object array of str carries every character. UnicodeDecodeError for bytes that are not
+    UTF-8 (the daemon refuses those with the input named before they get here: gpud.executor.validation)."""
+    out = np.empty(arr.shape, dtype=object)
+    flat = out.reshape(-1)
+    for i, item in enumerate(arr.reshape(-1)):
+        flat[i] = bytes(item).decode("utf-8") if isinstance(item, (bytes, bytearray, memoryview)) else item
+    return out
+
+
 class OnnxRuntimeInstance:
     """One model instance: an onnxruntime InferenceSession bound to this worker's device."""
 
@@ -123,7 +135,7 @@ class OnnxRuntimeInstance:
         feed: dict[str, Any] = {}
         for name, arr in inputs.items():
             if arr.dtype == np.object_ and self._input_types.get(name) == "tensor(string)":
-                arr = arr.astype(np.str_)  # onnxruntime wants unicode for string tensors
+                arr = as_text(arr)
             feed[name] = arr
         return self.session.run(output_names, feed)
 

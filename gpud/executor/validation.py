@@ -81,6 +81,8 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
             if data.size != math.prod(shape):
                 raise _bad(f"input '{spec.name}': {data.size} elements given for shape {_fmt(shape)}")
             data = data.reshape(shape)
+        if spec.datatype == "BYTES":
+            check_text(spec.name, data)
         inputs[spec.name] = data
     if request.outputs is None:
         output_names = [o.name for o in config.outputs]
@@ -90,9 +92,26 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
         for o in request.outputs:
             if o.name not in known:
                 raise _bad(f"unexpected inference output '{o.name}' for model '{model}'")
-            if o.name not in output_names:
-                output_names.append(o.name)
+            if o.name in output_names:  # as Triton: one entry per output
+                raise _bad(f"output '{o.name}' already exists in request")
+            output_names.append(o.name)
     return PreparedRequest(inputs, batch_rows or 1, tuple(key), output_names)
+
+
+def check_text(name: str, data: np.ndarray) -> None:
+    """A BYTES input's elements are text the model can take: onnxruntime's string tensors hold UTF-8 (any
+    character, NUL included). Bytes that are not UTF-8 are refused with the input and element named, never altered."""
+    for i, item in enumerate(data.reshape(-1)):
+        try:
+            if isinstance(item, str):
+                item.encode("utf-8")
+            else:
+                bytes(item).decode("utf-8")
+        except (UnicodeDecodeError, UnicodeEncodeError) as exc:
+            raise _bad(f"input '{name}' element {i} is not UTF-8 text ({exc.reason} at byte {exc.start}): "
+                       "the model's string tensors hold UTF-8 text") from None
+        except TypeError:
+            raise _bad(f"input '{name}' element {i} is {type(item).__name__}, not bytes or text") from None
 
 
 class PreparedCache:
@@ -104,9 +123,11 @@ class PreparedCache:
         self.config = config
         self.capacity = capacity
         self._known: dict[object, tuple[tuple[tuple[str, int], ...], int, tuple, list[str]]] = {}
+        # Text inputs are checked element by element on every request (check_text): no shortcut for them.
+        self._cacheable = all(s.datatype != "BYTES" for s in config.inputs)
 
     def prepare(self, request: InferRequest) -> PreparedRequest:
-        signature = request.signature
+        signature = request.signature if self._cacheable else None
         if signature is not None:
             known = self._known.get(signature)
             if known is not None:
