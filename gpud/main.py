@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-control-mode", choices=["none", "explicit", "poll"],
                    help="none (default): every model in the repository is loaded at start and the load/unload API "
                         "answers 503 (UNAVAILABLE, as Triton); explicit: --load-model names the models loaded at start "
-                        "and the API loads and unloads; poll: as none, then changes in the repository are applied every "
-                        "--repository-poll-secs (as Triton)")
+                        "and the API loads and unloads; poll: as none, then changes in the repository are applied "
+                        "every --repository-poll-secs (as Triton)")
     p.add_argument("--load-model", action="append", metavar="NAME",
                    help="explicit mode: a model to load at start-up (repeat it; '*' loads all)")
     p.add_argument("--repository-poll-secs", dest="repository_poll_seconds", type=float, metavar="S",
