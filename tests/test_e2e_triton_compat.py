@@ -4,6 +4,7 @@ here) that the core then refuses is answered with the same status and message as
 reason (before, the refusal raised inside the child's completion callback and the client never got an answer)."""
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -24,9 +25,9 @@ OFFLOAD_BYTES = 1000
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    write_example_repository(repo, ["mlp", "two_input"])
+    write_example_repository(repo, ["mlp", "two_input", "cnn"])
     d = start_daemon(repo, tmp_path_factory.mktemp("run"), "--model-control-mode", "explicit", "--load-model", "mlp",
-                     "--json-offload-bytes", str(OFFLOAD_BYTES))
+                     "--load-model", "two_input", "--json-offload-bytes", str(OFFLOAD_BYTES))
     yield d
     assert d.stop() == 0, d.log()
 
@@ -64,7 +65,7 @@ class TestRequestedOutputs:
 
 
 class TestUnload:
-    @pytest.mark.parametrize("name", ["two_input", "not_in_the_repository"])
+    @pytest.mark.parametrize("name", ["cnn", "not_in_the_repository"])
     def test_unloading_a_model_that_is_not_loaded_succeeds(self, daemon, name):
         assert post(daemon, f"/v2/repository/models/{name}/unload") == (200, {})
         grpcclient.InferenceServerClient(daemon.grpc_url).unload_model(name)  # raises on an error
@@ -96,3 +97,37 @@ def test_a_large_json_body_refused_by_the_core_is_answered_as_a_small_one_is(dae
         status_small, answer_small = post(daemon, path, small)
         assert status_small == status_large  # the same answer whichever path decoded the body
     assert post(daemon, "/v2/models/mlp/infer", infer_doc(values=[0.0] * 256))[0] == 200  # the daemon serves on
+
+
+class TestRawBinaryRequest:
+    """Inference-Header-Content-Length: 0: the body is the model's one input, shaped from its config (Triton's raw
+    binary request); the answer is JSON."""
+
+    @staticmethod
+    def raw(daemon, model: str, body: bytes) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(daemon.http_url, timeout=60)
+        try:
+            conn.request("POST", f"/v2/models/{model}/infer", body, {"Inference-Header-Content-Length": "0",
+                                                                      "Content-Type": "application/octet-stream"})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    def test_the_single_input_is_the_whole_body(self, daemon):
+        x = np.linspace(-1, 1, 256, dtype=np.float32)
+        status, answer = self.raw(daemon, "mlp", x.tobytes())
+        assert status == 200, answer
+        status_json, expected = post(daemon, "/v2/models/mlp/infer", infer_doc(values=x.tolist()))
+        assert answer["outputs"][0]["shape"] == [1, 16]
+        assert np.allclose(answer["outputs"][0]["data"], expected["outputs"][0]["data"], rtol=1e-6)
+
+    def test_a_body_that_is_no_whole_input_is_refused(self, daemon):
+        status, answer = self.raw(daemon, "mlp", b"\x00" * 1000)
+        assert status == 400 and "raw input 'input' of model 'mlp' has 1000 bytes" in answer["error"]
+
+    def test_a_model_of_several_inputs_is_refused_with_tritons_words(self, daemon):
+        status, answer = self.raw(daemon, "two_input", b"\x00" * 32)
+        assert status == 400
+        assert answer["error"] == ("Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in "
+                                   "'two_input' model configuration")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import http.client
+import re
 import socket
 import struct
 import threading
@@ -619,3 +620,43 @@ class TestHeaderPlans:
             encoded = encode_infer_response(InferResponse("m", "1", [y]), request)
             assert orjson.loads(encoded.body)["outputs"][0]["data"] == (x * scale).tolist()
         assert request.signature.answers == {}
+
+
+class TestRawRequestShapes:
+    """decode_raw_request (Triton's raw binary request): the input's shape from the config, pure."""
+
+    @staticmethod
+    def config(datatype: str, dims: tuple[int, ...], max_batch_size: int = 0, inputs: int = 1):
+        from gpud.executor.model_config import ModelConfig, TensorSpec
+        specs = tuple(TensorSpec(f"in{i}", datatype, dims) for i in range(inputs))
+        return ModelConfig("m", max_batch_size=max_batch_size, inputs=specs)
+
+    @pytest.mark.parametrize("datatype, dims, max_batch, body, shape", [
+        ("FP32", (4,), 8, bytes(16), (1, 4)),  # a batch of one
+        ("FP32", (4,), 0, bytes(16), (4,)),
+        ("INT64", (-1,), 0, bytes(40), (5,)),  # 40 / 8: the variable dimension deduced
+        ("UINT8", (2, -1), 4, bytes(6), (1, 2, 3)),
+        ("FP32", (-1,), 0, b"", (0,)),  # an empty body: a zero-size tensor, as Triton
+    ])
+    def test_shapes(self, datatype, dims, max_batch, body, shape):
+        from gpud.api.http_infer import decode_raw_request
+        request = decode_raw_request(body, self.config(datatype, dims, max_batch), "m", "")
+        (tensor,) = request.inputs
+        assert tensor.shape == shape and tensor.data.shape == shape and tensor.datatype == datatype
+
+    def test_bytes_take_the_whole_body_as_one_element(self):
+        from gpud.api.http_infer import decode_raw_request
+        request = decode_raw_request(b"he\x00llo", self.config("BYTES", (1,), 4), "m", "")
+        assert request.inputs[0].shape == (1, 1) and request.inputs[0].data[0, 0] == b"he\x00llo"
+
+    @pytest.mark.parametrize("config, body, message", [
+        (dict(datatype="FP32", dims=(4,), inputs=2), bytes(16), "Raw request must only have 1 input"),
+        (dict(datatype="FP32", dims=(-1, -1)), bytes(16), "more than one variable-sized dimension"),
+        (dict(datatype="BYTES", dims=(-1,)), b"x", "the model must have input shape [1]"),
+        (dict(datatype="FP32", dims=(4,)), bytes(15), "has 15 bytes, which is no shape [4] of FP32"),
+        (dict(datatype="FP32", dims=(-1,)), bytes(6), "has 6 bytes, which is no shape [-1] of FP32"),
+    ])
+    def test_refusals(self, config, body, message):
+        from gpud.api.http_infer import decode_raw_request
+        with pytest.raises(InferenceError, match=re.escape(message)):
+            decode_raw_request(body, self.config(**config), "m", "")

@@ -34,8 +34,8 @@ import orjson
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
                                   placements_from_json, repository_index_json, server_metadata_json)
-from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request,
-                                 encode_infer_response, invalid, parameters_object)
+from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request, decode_raw_request,
+                                 encode_infer_response, invalid, is_raw_request, parameters_object)
 from gpud.api.http_server import JSON, Body, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
 from gpud.api.json_codec import JsonCodecPool
@@ -262,6 +262,11 @@ class HttpApi:
 
     def infer(self, request: HttpRequest, respond: Respond, name: str, version: str) -> None:
         header_length = request.headers.get(_HEADER_LENGTH_KEY)
+        if is_raw_request(header_length):  # the body is the model's one input (Triton's raw binary request)
+            config = self.core.model_config(name, version).config
+            self._submit(decode_raw_request(request.body, config, name, version, self.max_tensor_elements),
+                         respond, request)
+            return
         codec = self.json_codec
         if codec is not None and codec.wants_request(request.body, header_length):
             # A large JSON body would hold the loop (and every other request) for as long as it takes to parse.

@@ -18,6 +18,7 @@ import orjson
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.datatypes import KSERVE_DATATYPES, numpy_dtype
+from gpud.executor.model_config import ModelConfig
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.http_server import JSON, Body
 from gpud.api.limits import DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
@@ -149,6 +150,54 @@ def _decode_infer_request(body: Body, header_length: str | None, model_name: str
         timeout_us=_non_negative_int(params.get("timeout", 0), "parameter 'timeout' (microseconds)"),
         parameters=params,
     )
+
+
+def is_raw_request(header_length: str | None) -> bool:
+    """Inference-Header-Content-Length 0: the body is one input's raw bytes, no JSON (Triton's raw binary request)."""
+    if header_length is None:
+        return False
+    try:
+        return int(header_length) == 0
+    except ValueError:
+        return False
+
+
+def decode_raw_request(body: Body, config: ModelConfig, model_name: str, model_version: str,
+                       max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> InferRequest:
+    """A raw binary request as Triton reads it: the model's single input, its datatype and shape from the config
+    (a batch of 1 where the model batches; one variable dimension deduced from the body's size; a BYTES input of
+    dims [1] takes the whole body as its one element). The answer is JSON, as for any request without parameters."""
+    if len(config.inputs) != 1:
+        raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got {len(config.inputs)} "
+                      f"inputs in '{config.name}' model configuration")
+    spec = config.inputs[0]
+    data = memoryview(body)
+    shape = ([1] if config.batches else []) + list(spec.dims)
+    variable = [i for i, d in enumerate(shape) if d < 0]
+    if spec.datatype == "BYTES":
+        if variable or math.prod(spec.dims) != 1:
+            raise invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]")
+        array = np.empty(tuple(shape), dtype=np.object_)
+        array.reshape(-1)[0] = bytes(data)
+        return InferRequest(model_name, [InferTensor(spec.name, "BYTES", tuple(shape), array)], model_version)
+    if len(variable) > 1:
+        raise invalid(f"The shape of the raw input '{spec.name}' can not be deduced because there are more than one "
+                      "variable-sized dimension")
+    dtype = numpy_dtype(spec.datatype)
+    fixed = math.prod(d for d in shape if d >= 0)
+    if variable:
+        shape[variable[0]] = len(data) // (fixed * dtype.itemsize) if fixed else 0
+    expected = math.prod(shape) * dtype.itemsize
+    if len(data) != expected:
+        raise invalid(f"raw input '{spec.name}' of model '{config.name}' has {len(data)} bytes, which is no shape "
+                      f"{_shape_text(shape, variable)} of {spec.datatype} ({dtype.itemsize} bytes an element)")
+    check_shape(spec.name, shape, max_elements)
+    array = np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
+    return InferRequest(model_name, [InferTensor(spec.name, spec.datatype, tuple(shape), array)], model_version)
+
+
+def _shape_text(shape: list[int], variable: list[int]) -> str:
+    return "[" + ", ".join("-1" if i in variable else str(d) for i, d in enumerate(shape)) + "]"
 
 
 def _parse_header_length(value: str, body_length: int) -> int:
