@@ -13,8 +13,10 @@ from typing import Any
 
 from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
-from gpud.executor.scheduler import Scheduler
-from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud.executor.classification import PARAMETER as CLASSIFICATION
+from gpud.executor.classification import class_count, classified
+from gpud.executor.scheduler import Done, Scheduler
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RequestedOutput
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
@@ -30,8 +32,8 @@ from gpud.telemetry.serving import ModelState, ServingSnapshot
 log = logging.getLogger("gpud")
 
 # Only what gpud really implements: clients use this list to decide what to call.
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "binary_tensor_data", "schedule_policy",
-              "sequence", "sequence(string_id)"]
+EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics", "binary_tensor_data",
+              "schedule_policy", "sequence", "sequence(string_id)"]
 
 
 class GpudCore:
@@ -135,7 +137,7 @@ class GpudCore:
 
     def model_config(self, name: str, version: str = "") -> ServedModelConfig:
         vs = self._version(name, version)
-        return ServedModelConfig(vs.entry.config, vs.entry.version_policy)
+        return ServedModelConfig(vs.entry.config, vs.entry.version_policy, vs.entry.source_config)
 
     def model_statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
         if name:
@@ -160,13 +162,13 @@ class GpudCore:
         index.sort(key=lambda r: r.name)  # stable: a model's versions keep their order
         return index
 
-    def _ready_scheduler(self, request: InferRequest, *, accepted: bool = False) -> Scheduler:
+    def _ready_version(self, request: InferRequest, *, accepted: bool = False) -> RegisteredVersion:
         if self.stopping and not accepted:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         vs = self._served_version(request.model_name, request.model_version)
         if vs.scaled_to_zero:  # the request waits in its queue while an instance loads (bounded: unready_wait_s)
             self.placement.demand(vs)
-            return vs.scheduler
+            return vs
         # A loaded version whose instances are down for now (a worker restarting, a device given up on and its
         # instances being placed elsewhere) queues the request: the scheduler bounds the wait (unready_wait_s).
         if not vs.accepts_requests:
@@ -174,12 +176,12 @@ class GpudCore:
             raise InferenceError(ErrorKind.UNAVAILABLE,
                                  f"Request for unknown model: '{vs.name}' version {vs.version} is not at ready "
                                  f"state: {why}")
-        return vs.scheduler
+        return vs
 
     def _route_step(self, request: InferRequest) -> Scheduler:
         """An ensemble's step, routed as a client's request is, also while shutting down: the ensemble's request
         was accepted before, and accepted requests finish."""
-        return self._ready_scheduler(request, accepted=True)
+        return self._ready_version(request, accepted=True).scheduler
 
     def _served_version(self, name: str, version: str) -> RegisteredVersion:
         """The version a request is for. In poll mode a model new in the repository since the last poll is
@@ -188,12 +190,19 @@ class GpudCore:
             self.lifecycle.register_new(name)
         return self.registry.version(name, version)
 
-    def submit(self, request: InferRequest, done) -> Callable[[], None]:
-        scheduler = self._ready_scheduler(request)
+    def submit(self, request: InferRequest, done: Done) -> Callable[[], None]:
+        vs = self._ready_version(request)
+        if request.outputs is not None and _asks_classes(request.outputs):
+            done = _classifying(vs, request, done)
+        scheduler = vs.scheduler
         return partial(scheduler.cancel, scheduler.submit(request, done))
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        return await self._ready_scheduler(request).infer(request)
+        vs = self._ready_version(request)
+        response = await vs.scheduler.infer(request)
+        if request.outputs is not None and _asks_classes(request.outputs):
+            _classify(vs, request, response)
+        return response
 
     def submit_direct(self, request: InferRequest, done, loop: asyncio.AbstractEventLoop,
                       quick_only: bool = False) -> DirectRun | Callable[[], None] | None:
@@ -209,6 +218,8 @@ class GpudCore:
             return None
         if vs.scaled_to_zero or not vs.ready:
             return None
+        if request.outputs is not None and _asks_classes(request.outputs):
+            done = _classifying(vs, request, done)
         started = start_direct(vs.scheduler, request, done, loop, quick_only)
         if started is None or isinstance(started, DirectRun):
             return started
@@ -222,3 +233,30 @@ class GpudCore:
         return inspect_document(self.server_metadata(), self.snapshot(), self.placement, self.pool.worker_info(),
                                 self.views)
 
+
+def _asks_classes(outputs: list[RequestedOutput]) -> bool:
+    for o in outputs:
+        if CLASSIFICATION in o.parameters:
+            return True
+    return False
+
+
+def _classify(vs: RegisteredVersion, request: InferRequest, response: InferResponse) -> None:
+    """The requested outputs of `response` classified (the classification extension); the counts were checked
+    with the request (gpud.executor.validation)."""
+    config = vs.entry.config
+    counts = {o.name: class_count(o, config) for o in request.outputs or ()}
+    response.outputs = classified(response.outputs, counts, vs.entry.labels, config.batches)
+
+
+def _classifying(vs: RegisteredVersion, request: InferRequest, done: Done) -> Done:
+    """`done`, given the response classified (`_classify`)."""
+
+    def answer(result: Any) -> None:
+        if isinstance(result, InferResponse):
+            try:
+                _classify(vs, request, result)
+            except InferenceError as exc:
+                result = exc
+        done(result)
+    return answer

@@ -59,6 +59,7 @@ class ServedModelConfig:
 
     config: ModelConfig
     version_policy: VersionPolicy = VersionPolicy()
+    source: bytes = b""  # config.pbtxt as written (model_config.proto, serialized): what the encoders keep of it
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import cast
 
+from google.protobuf.message import Message
+
 from gpud.executor.model_config import QueuePolicy, TensorSpec
 from gpud.executor.datatypes import triton_type
 from gpud.executor.stats import Duration, ModelStats
@@ -120,7 +122,36 @@ def model_config_message(served: ServedModelConfig) -> mc.ModelConfig:
             _queue_policy(policy, batching.priority_queue_policy[level])
     if config.sequence_batching is not None:
         sequence_batching_message(config.sequence_batching, message.sequence_batching)
+    if served.source:
+        keep_from_source(message, mc.ModelConfig.FromString(served.source))
     return message
+
+
+_BY_NAME = ("input", "output")  # repeated fields whose entries are matched by name
+
+
+def keep_from_source(message: Message, source: Message) -> None:
+    """Fill in what config.pbtxt (`source`) sets and gpud's config does not: fields `message` lacks are copied,
+    message fields present in both are filled in the same way, inputs and outputs matched by name (an input's
+    format, an output's label_filename, model_warmup, response_cache, ...). What gpud sets stays."""
+    have = {f.name for f, _ in message.ListFields()}
+    for field, value in source.ListFields():
+        name = field.name
+        if field.is_repeated:
+            if name in _BY_NAME and name in have:
+                by_name = {entry.name: entry for entry in getattr(message, name)}
+                for entry in value:
+                    if entry.name in by_name:
+                        keep_from_source(by_name[entry.name], entry)
+            elif name not in have:
+                getattr(message, name).MergeFrom(value)
+        elif field.type == field.TYPE_MESSAGE:
+            if name in have:
+                keep_from_source(getattr(message, name), value)
+            else:
+                getattr(message, name).CopyFrom(value)
+        elif name not in have:
+            setattr(message, name, value)
 
 
 # --------------------------------------------------------------------------------------------------------------------

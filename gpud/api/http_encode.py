@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from google.protobuf import json_format
+
 from gpud.executor.model_config import QueuePolicy, TensorSpec
 from gpud.executor.datatypes import triton_type
 from gpud.executor.stats import Duration, ModelStats
@@ -17,6 +19,7 @@ from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata, TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_json
+from gpud.proto import model_config_pb2 as mc
 from gpud.repository.config import VersionPolicy
 
 
@@ -122,7 +125,31 @@ def model_config_json(served: ServedModelConfig) -> dict[str, Any]:
         }
     if config.sequence_batching is not None:
         d["sequence_batching"] = sequence_batching_json(config.sequence_batching)
+    if served.source:
+        source = mc.ModelConfig.FromString(served.source)
+        keep_from_source_json(d, json_format.MessageToDict(source, preserving_proto_field_name=True))
     return d
+
+
+def _unset(value: Any) -> bool:
+    """A value protobuf's JSON mapping leaves out (the field's default), so the source's may stand in for it."""
+    return value in ("", 0, False, "FORMAT_NONE") or (isinstance(value, (list, dict)) and not value)
+
+
+def keep_from_source_json(d: dict[str, Any], source: dict[str, Any]) -> None:
+    """grpc_encode.keep_from_source for the JSON config: what config.pbtxt sets and gpud's config leaves at its
+    default is kept (inputs and outputs matched by name); what gpud sets stays."""
+    for key, value in source.items():
+        mine = d.get(key)
+        if key in ("input", "output") and isinstance(mine, list) and mine:
+            by_name = {entry.get("name"): entry for entry in mine}
+            for entry in value:
+                if entry.get("name") in by_name:
+                    keep_from_source_json(by_name[entry["name"]], entry)
+        elif isinstance(mine, dict) and mine and isinstance(value, dict):
+            keep_from_source_json(mine, value)
+        elif key not in d or _unset(mine):
+            d[key] = value
 
 
 # --------------------------------------------------------------------------------------------------------------------

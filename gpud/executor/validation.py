@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpud.executor.classification import class_count
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 
@@ -94,6 +95,8 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
                 raise _bad(f"unexpected inference output '{o.name}' for model '{model}'")
             if o.name in output_names:  # as Triton: one entry per output
                 raise _bad(f"output '{o.name}' already exists in request")
+            if o.parameters:
+                class_count(o, config)  # the classification extension's parameter, checked now
             output_names.append(o.name)
     return PreparedRequest(inputs, batch_rows or 1, tuple(key), output_names)
 

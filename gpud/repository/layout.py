@@ -73,6 +73,10 @@ class ModelEntry:
     config: ModelConfig
     version_policy: VersionPolicy = VersionPolicy()
     config_path: str | None = None  # None: no config.pbtxt, everything came from the ONNX file
+    # config.pbtxt as written (model_config.proto, serialized; b"" without one): the reported config keeps what it
+    # sets that gpud does not change (an input's format, model_warmup, ...)
+    source_config: bytes = b""
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # output -> its label_filename's lines
 
     @property
     def latest_version(self) -> int:
@@ -91,6 +95,33 @@ class ModelLoadError:
     path: str
     reason: str  # the ModelConfigError message: starts with the file at fault
     error: ModelConfigError | None = field(default=None, compare=False, repr=False)
+
+
+MAX_LABELS_BYTES = 16 * 2**20  # a label file larger than this is refused (ImageNet's 1000 labels are ~30 KiB)
+
+
+def read_labels(model_dir: str, message: pb.ModelConfig, blame: str) -> dict[str, tuple[str, ...]]:
+    """Each output's label_filename (a file in the model directory, one label per line: line i names class i), as
+    Triton reads them for the classification extension. ModelConfigError for a file that cannot be read."""
+    labels = {}
+    for output in message.output:
+        filename = output.label_filename
+        if not filename:
+            continue
+        parts = filename.replace("\\", "/").split("/")
+        if os.path.isabs(filename) or ".." in parts:
+            raise ModelConfigError(blame, f"output '{output.name}' label_filename '{filename}' must name a file in "
+                                          "the model directory")
+        path = os.path.join(model_dir, filename)
+        try:
+            if os.path.getsize(path) > MAX_LABELS_BYTES:
+                raise ModelConfigError(path, f"label file over {MAX_LABELS_BYTES} bytes")
+            with open(path, encoding="utf-8") as f:
+                labels[output.name] = tuple(f.read().splitlines())
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ModelConfigError(path, f"output '{output.name}' label_filename: cannot read: {why}") from None
+    return labels
 
 
 def load_model(
@@ -121,9 +152,11 @@ def load_model(
         raise ModelConfigError(
             blame, f"version_policy {{ {policy} }} selects none of the versions present {list(present)}"
         )
+    source = message.SerializeToString() if has_config else b""
+    labels = read_labels(model_dir, message, blame)
     if ensemble:  # no model file: the config is complete as written (gpud.repository.ensemble checked it)
         return ModelEntry(name=name, path=model_dir, versions=versions, model_paths={}, config=config,
-                          version_policy=policy, config_path=config_path)
+                          version_policy=policy, config_path=config_path, source_config=source, labels=labels)
     model_paths = {}
     for v in versions:
         version_dir = os.path.join(model_dir, str(v))
@@ -146,6 +179,8 @@ def load_model(
         config=config,
         version_policy=policy,
         config_path=config_path if has_config else None,
+        source_config=source,
+        labels=labels,
     )
 
 
