@@ -27,6 +27,7 @@ from gpud.model_control import ModelControl, check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
 from gpud.repository.layout import ModelRepository
+from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState, ServingSnapshot
 
 log = logging.getLogger("gpud")
@@ -88,12 +89,15 @@ class GpudCore:
         await self.pool.shutdown()
 
     # --- model control ---------------------------------------------------------------------------------------
-    async def load_model(self, name: str) -> None:
+    async def load_model(self, name: str, override: LoadOverride | None = None) -> None:
         check_model_name(name)
         self.control.check_api("load", name)
+        if override is not None and self.control.mode != "explicit":
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"cannot load model '{name}' with a config or files: "
+                                 "that needs --model-control-mode explicit (in poll mode the repository decides)")
         if self.stopping:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
-        await self.lifecycle.load(name)
+        await self.lifecycle.load(name, override=override)
 
     async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
         check_model_name(name)

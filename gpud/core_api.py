@@ -14,6 +14,7 @@ from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import InferenceError, InferRequest, InferResponse
 from gpud.repository.config import VersionPolicy
+from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState
 
 BATCH_DIM = -1  # the batch dimension in metadata shapes: any size up to max_batch_size
@@ -143,7 +144,9 @@ class InferenceCore(Protocol):
         anything changes; if a load fails, every step is undone and nothing changes."""
         ...
 
-    async def load_model(self, name: str) -> None: ...
+    async def load_model(self, name: str, override: LoadOverride | None = None) -> None:
+        """Load or reload `name` from the repository, or with a load request's config and files (`override`)."""
+        ...
 
     async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
         """`unload_dependents` (Triton's): also unload the models an ensemble's steps name that were loaded only as

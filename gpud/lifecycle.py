@@ -12,6 +12,7 @@ from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, Registry
 from gpud.repository.errors import ModelConfigError
 from gpud.repository.layout import ModelEntry, ModelLoadError, ModelRepository
+from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState
 
 log = logging.getLogger("gpud")
@@ -23,17 +24,38 @@ class ModelLifecycle:
         self.registry = registry
         self.placement = placement
 
-    async def load(self, name: str, *, explicit: bool = True, _chain: tuple[str, ...] = ()) -> None:
-        """Load (or reload) model `name` from the repository; InferenceError says why it does not serve. An
-        ensemble's step models that are not loaded load first, as its dependencies (`explicit` False: loaded only
-        for it, which unload_dependents may unload with it)."""
+    async def load(self, name: str, *, explicit: bool = True, override: LoadOverride | None = None,
+                   _chain: tuple[str, ...] = ()) -> None:
+        """Load (or reload) model `name` from the repository, or as a load request's `override` gives it;
+        InferenceError says why it does not serve. An ensemble's step models that are not loaded load first, as its
+        dependencies (`explicit` False: loaded only for it, which unload_dependents may unload with it)."""
         try:
-            result: ModelEntry | ModelLoadError = self.repository.load(name)
+            result: ModelEntry | ModelLoadError = self.repository.load(name, override)
         except ModelConfigError as exc:
-            if name not in self.registry.models and not _exists(self.repository, name):
+            if override is None and name not in self.registry.models and not _exists(self.repository, name):
                 raise InferenceError(ErrorKind.NOT_FOUND, f"failed to load '{name}', no version is available") \
                     from None
             result = ModelLoadError(name=name, path=exc.path, reason=str(exc), error=exc)
+        written = result.path if override is not None and override.files and isinstance(result, ModelEntry) \
+            else None
+        try:
+            await self._load(name, result, explicit, _chain)
+        finally:
+            self._serving_from(name, written)
+
+    def _serving_from(self, name: str, written: str | None) -> None:
+        """Keep the override directory the versions of `name` use; remove the others (gpud.repository.overrides)."""
+        model = self.registry.models.get(name)
+        dirs = {v.entry.path for v in model.versions.values()} if model is not None else set()
+        store = self.repository.overrides
+        previous = store.dirs.get(name)
+        if written is not None and written not in dirs:  # the load with files did not take: its files go
+            store.remove(written)
+        current = written if written in dirs else previous if previous in dirs else None
+        store.serving(name, current)
+
+    async def _load(self, name: str, result: ModelEntry | ModelLoadError, explicit: bool,
+                    _chain: tuple[str, ...]) -> None:
         if isinstance(result, ModelEntry):
             await self._load_steps(result, (*_chain, name))
         fresh = name not in self.registry.models or not self.registry.models[name].versions
@@ -91,6 +113,7 @@ class ModelLifecycle:
                 vs.state = ModelState.UNLOADING  # refused from now on; what was accepted finishes
             await self.placement.retire(versions)
             model.versions.clear()
+        self.repository.overrides.serving(name, None)  # files it was loaded with, if any, go
         log.info("model %s unloaded", name)
         if unload_dependents:
             for step in unload_candidates(self.registry.models, steps):

@@ -78,6 +78,7 @@ class Components:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.core.shutdown(drain_timeout_s)
+        self.core.repository.overrides.close()  # the files of loads with overrides (gpud.repository.overrides)
         self.devices.close()
 
     def text_sources(self) -> tuple[ModelMetrics, ...]:

@@ -131,7 +131,8 @@ class FakeCore:
         return {"devices": [{"name": "cpu", "kind": "CPU"}],
                 "models": [{"name": m.name, "ready": m.ready} for m in self.models.values()]}
 
-    async def load_model(self, name: str) -> None:
+    async def load_model(self, name: str, override=None) -> None:
+        self.last_override = override
         self._model(name).ready = True
 
     async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:

@@ -473,11 +473,15 @@ class TestStatisticsAndRepository:
             client.load_model("no_such_model", client_timeout=TIMEOUT_S)
         assert _status(exc_info) == "StatusCode.NOT_FOUND"
 
-    def test_load_with_config_override_is_refused(self, client):
+    def test_load_overrides_reach_the_core_and_bad_ones_are_refused(self, client, core):
+        client.load_model("add_sub", config='{"max_batch_size": 4}', files={"file:1/model.onnx": b"\x00"},
+                          client_timeout=TIMEOUT_S)
+        assert core.last_override.config_json == '{"max_batch_size": 4}'
+        assert core.last_override.files == {"1/model.onnx": b"\x00"}
         with pytest.raises(InferenceServerException) as exc_info:
-            client.load_model("add_sub", config='{"max_batch_size": 4}', client_timeout=TIMEOUT_S)
+            client.load_model("add_sub", config='{}', files={"file:../x": b"\x00"}, client_timeout=TIMEOUT_S)
         assert _status(exc_info) == "StatusCode.INVALID_ARGUMENT"
-        assert "not supported" in exc_info.value.message()
+        assert "expected 'file:<version>/<file name>'" in exc_info.value.message()
 
 
 def test_port_in_use_is_refused(server, core):

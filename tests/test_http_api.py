@@ -206,10 +206,13 @@ class TestStatisticsAndRepository:
             client.load_model("nope")
         assert e.value.status() == "404"
 
-    def test_load_with_config_override_is_refused(self, client):
+    def test_load_overrides_reach_the_core_and_bad_ones_are_refused(self, client, core):
+        client.load_model("add_sub", config='{"max_batch_size": 2}', files={"file:1/model.onnx": b"\x01\x02"})
+        override = core.last_override
+        assert override.config_json == '{"max_batch_size": 2}' and override.files == {"1/model.onnx": b"\x01\x02"}
         with pytest.raises(InferenceServerException) as e:
-            client.load_model("add_sub", config='{"max_batch_size": 2}')
-        assert e.value.status() == "400" and "config" in e.value.message()
+            client.load_model("add_sub", files={"file:1/model.onnx": b"x"})  # files need a config
+        assert e.value.status() == "400" and "'config' parameter must be provided" in e.value.message()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

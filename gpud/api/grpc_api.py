@@ -33,6 +33,7 @@ from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENT
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
                                   repository_index_message, server_metadata_message)
 from gpud.core_api import InferenceCore
+from gpud.repository.overrides import override_of
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import grpc_service_pb2_grpc as pb_grpc
 
@@ -273,6 +274,13 @@ class MalformedMessage:
         return _invalid(f"the request is not a valid protobuf message of its method's type: {self.error}")
 
 
+def _bytes_file(key: str, value: object) -> bytes:
+    """A `file:` load parameter over gRPC: bytes_param (as Triton)."""
+    if not isinstance(value, bytes):
+        raise ValueError(f"'{key}' must be a bytes_param holding the file")
+    return value
+
+
 def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     if deserialize is None:  # a method that takes the raw bytes (none of the generated ones)
         return None
@@ -378,12 +386,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_unary
     async def RepositoryModelLoad(self, request, context):
-        # Triton's load parameters ("config" override, "file:" contents) have no counterpart in the core yet;
-        # refusing them is better than loading something other than what the client asked for.
         self._check_admin(context, f"loading model '{request.model_name}'")
-        if request.parameters:
-            raise _invalid(f"load parameters {sorted(request.parameters)} are not supported by gpud")
-        await self._core.load_model(request.model_name)
+        params = {key: getattr(p, p.WhichOneof("parameter_choice") or "string_param")
+                  for key, p in request.parameters.items()}
+        try:
+            override = override_of(params, _bytes_file)
+        except ValueError as exc:
+            raise _invalid(f"failed to load '{request.model_name}': {exc}") from None
+        await self._core.load_model(request.model_name, override)
         return pb.RepositoryModelLoadResponse()
 
     @_unary

@@ -25,6 +25,8 @@ per request. Its bodies are decoded and encoded by `gpud.api.http_infer`.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -38,6 +40,7 @@ from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, d
                                  encode_infer_response, invalid, is_raw_request, parameters_object)
 from gpud.api.http_server import JSON, Body, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
+from gpud.repository.overrides import override_of
 from gpud.api.json_codec import JsonCodecPool
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS
 from gpud.core_api import InferenceCore
@@ -227,12 +230,13 @@ class HttpApi:
         self.admin.check(request.headers.get("authorization"), f"loading model '{name}'", request.peer)
         doc = _optional_json_object(request.body, "model load request")
         params = parameters_object(doc.get("parameters"), "load request")
-        overrides = sorted(k for k in params if k == "config" or k.startswith("file:"))
-        if overrides:  # Triton would load from the override; silently loading the repository copy would mislead
-            raise invalid(f"loading with overrides {overrides} is not supported; load from the model repository")
+        try:
+            override = override_of(params, _base64_file)
+        except ValueError as exc:
+            raise invalid(f"failed to load '{name}': {exc}") from None
 
         async def run() -> _Reply:
-            await self.core.load_model(name)
+            await self.core.load_model(name, override)
             return 200, b""
         return run()
 
@@ -310,6 +314,16 @@ class HttpApi:
 
 
 _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
+
+
+def _base64_file(key: str, value: object) -> bytes:
+    """A `file:` load parameter over HTTP: the file's bytes, base64 encoded (as Triton)."""
+    if not isinstance(value, str):
+        raise ValueError(f"'{key}' must be the file's bytes, base64 encoded")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise ValueError(f"'{key}' is not base64") from None
 
 
 async def start_http_server(core: InferenceCore, host: str, port: int, *, max_body_bytes: int = 64 * 2**20,

@@ -30,6 +30,7 @@ import atexit
 import concurrent.futures
 import copy
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -39,6 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from gpud import wiring
+from gpud.repository.overrides import LoadOverride
 from gpud.settings import check_settings, prepare_settings
 from gpud.executor.direct import DirectRun
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
@@ -450,17 +452,31 @@ class Server:
         return self._call(lambda: exposition(self._components.metrics_registry,
                                              self._components.text_sources()).decode("utf-8"))
 
-    def load_model(self, name: str) -> None:
+    def load_model(self, name: str, config: str | Mapping[str, Any] | None = None,
+                   files: Mapping[str, bytes] | None = None) -> None:
         """Load (or reload) a model from the repository, as POST /v2/repository/models/NAME/load: the model
-        control mode must be explicit or poll (PERMISSION_DENIED otherwise)."""
-        self._coroutine(lambda: self._components.core.load_model(name)).result()
+        control mode must be explicit or poll (UNAVAILABLE otherwise). `config` (model_config.proto's ModelConfig as
+        JSON text or a mapping) replaces config.pbtxt for this load, and `files` ({"1/model.onnx": bytes, ...}) the
+        model directory, as Triton's load parameters (explicit mode)."""
+        override = _override(config, files)
+        self._coroutine(lambda: self._components.core.load_model(name, override)).result()
 
     def unload_model(self, name: str) -> None:
         """Unload a model: its accepted requests finish first."""
         self._coroutine(lambda: self._components.core.unload_model(name)).result()
 
-    async def load_model_async(self, name: str) -> None:
-        await asyncio.wrap_future(self._coroutine(lambda: self._components.core.load_model(name)))
+    async def load_model_async(self, name: str, config: str | Mapping[str, Any] | None = None,
+                               files: Mapping[str, bytes] | None = None) -> None:
+        override = _override(config, files)
+        await asyncio.wrap_future(self._coroutine(lambda: self._components.core.load_model(name, override)))
 
     async def unload_model_async(self, name: str) -> None:
         await asyncio.wrap_future(self._coroutine(lambda: self._components.core.unload_model(name)))
+
+
+def _override(config: str | Mapping[str, Any] | None, files: Mapping[str, bytes] | None) -> LoadOverride | None:
+    """A load's override from the in-process API's arguments; ValueError for a bad one."""
+    if config is None and not files:
+        return None
+    text = config if isinstance(config, str) or config is None else json.dumps(dict(config))
+    return LoadOverride(text, dict(files or {}))

@@ -19,6 +19,7 @@ from gpud.repository.completion import DEFAULT_MAX_BATCH_SIZE, complete_config, 
 from gpud.repository.config import (DEFAULT_MODEL_FILENAME, VersionPolicy, config_from_proto, read_config_pbtxt,
     validate_model_config)
 from gpud.repository.errors import ModelConfigError
+from gpud.repository.overrides import CONFIG_SOURCE, LoadOverride, OverrideStore
 from gpud.repository.ensemble import ensemble_config_from_proto, is_ensemble
 
 CONFIG_FILENAME = "config.pbtxt"
@@ -125,19 +126,24 @@ def read_labels(model_dir: str, message: pb.ModelConfig, blame: str) -> dict[str
 
 
 def load_model(
-    model_dir: str | os.PathLike[str], *, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    model_dir: str | os.PathLike[str], *, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+    config_message: pb.ModelConfig | None = None, config_source: str = ""
 ) -> ModelEntry:
     """Read one model directory: config.pbtxt (optional), version directories, auto-complete from the ONNX file.
 
     The config is completed from the newest served version's ONNX file; every served version's file must exist.
+    `config_message` (a load request's override config, named `config_source` in errors) stands for config.pbtxt.
     """
     model_dir = os.fspath(model_dir)
     name = os.path.basename(os.path.normpath(model_dir))
     if not os.path.isdir(model_dir):
         raise ModelConfigError(model_dir, "model directory not found")
-    config_path = os.path.join(model_dir, CONFIG_FILENAME)
-    has_config = os.path.isfile(config_path)
-    message = read_config_pbtxt(config_path) if has_config else pb.ModelConfig()
+    config_path = config_source if config_message is not None else os.path.join(model_dir, CONFIG_FILENAME)
+    has_config = config_message is not None or os.path.isfile(config_path)
+    if config_message is not None:
+        message = config_message
+    else:
+        message = read_config_pbtxt(config_path) if has_config else pb.ModelConfig()
     # Problems without a config file are the model directory's: there is no file to blame but the ONNX one.
     blame = config_path if has_config else model_dir
     ensemble = is_ensemble(message)
@@ -194,20 +200,34 @@ def load_model_config(
 class ModelRepository:
     """A Triton-layout model repository on disk. Reads it on every `scan()`; holds no other state."""
 
-    def __init__(self, path: str | os.PathLike[str], *, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE):
+    def __init__(self, path: str | os.PathLike[str], *, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                 overrides: OverrideStore | None = None):
         self.path = os.fspath(path)
         self.default_max_batch_size = default_max_batch_size
+        self.overrides = overrides if overrides is not None else OverrideStore()  # files of loads with overrides
 
     def model_names(self) -> list[str]:
         if not os.path.isdir(self.path):
             raise FileNotFoundError(f"model repository {self.path} is not a directory")
         return list_model_dirs(self.path)
 
-    def load(self, name: str) -> ModelEntry:
-        """One model by name. Raises ModelConfigError (also for a name that is not in the repository)."""
+    def load(self, name: str, override: LoadOverride | None = None) -> ModelEntry:
+        """One model by name, or as a load request's `override` gives it (its config for config.pbtxt, its files,
+        written to the override store, for the model directory). Raises ModelConfigError (also for a name that is
+        not in the repository, when no files are given)."""
         if not name or os.sep in name or name.startswith("."):
             raise ModelConfigError(os.path.join(self.path, name), "not a model name")
-        return load_model(os.path.join(self.path, name), default_max_batch_size=self.default_max_batch_size)
+        if override is None:
+            return load_model(os.path.join(self.path, name), default_max_batch_size=self.default_max_batch_size)
+        message = override.config_message(name)
+        model_dir = self.overrides.write(name, override.files) if override.files else os.path.join(self.path, name)
+        try:
+            return load_model(model_dir, default_max_batch_size=self.default_max_batch_size, config_message=message,
+                              config_source=CONFIG_SOURCE)
+        except BaseException:
+            if override.files:
+                self.overrides.remove(model_dir)
+            raise
 
     def scan(self) -> dict[str, ModelEntry | ModelLoadError]:
         """Every model directory, loaded or with the reason it could not be. One bad model never stops the rest."""
