@@ -65,6 +65,9 @@ class GpudCore:
         All instances are planned together, so the engine packs the whole node at once."""
         new: list[RegisteredVersion] = []
         scanned = self.repository.scan()
+        if not scanned:  # a typo'd path or a mount that did not happen reads as an empty directory
+            log.warning("the model repository %s holds no model: nothing is served (a model is a directory "
+                        "<name>/<version>/model.onnx, with an optional <name>/config.pbtxt)", self.repository.path)
         # The models chosen, and the models their ensembles' steps name (loaded as dependencies, as in Triton).
         for name, explicit in models_to_load(scanned, filter(self.control.loads_at_start, scanned)).items():
             new += self.registry.register(name, scanned[name])
@@ -83,7 +86,9 @@ class GpudCore:
         try:
             await asyncio.wait_for(asyncio.gather(*(s.wait_idle() for s in schedulers)), drain_timeout_s)
         except TimeoutError:
-            log.warning("requests still running after %.0f s; failing them", drain_timeout_s)
+            left = sum(s.pending_requests for s in schedulers)
+            if left:  # (a timeout of 0, after a failed start, times out with nothing to wait for)
+                log.warning("%d request(s) still running after %.0f s; failing them", left, drain_timeout_s)
             for s in schedulers:
                 s.fail_all_queued("the server is shutting down")
         await self.pool.shutdown()

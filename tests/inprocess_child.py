@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import threading
 
@@ -25,6 +26,9 @@ def report(server: gpud.Server) -> None:
 
 
 def main(repo: str, node: str, mode: str) -> int:
+    # As an application started from a terminal: Ctrl-C raises KeyboardInterrupt, also when the test runner itself
+    # was started with SIGINT ignored (`./scripts/test &`, nohup), which a child would otherwise inherit.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = {"node": node, "placement_control": "off"}
     if mode == "stop":
         server = gpud.Server(repo, **settings).start()
