@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,18 @@ class Daemon:
     def get_json(self, path: str) -> dict:
         with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=30) as r:
             return json.loads(r.read())
+
+    def post_json(self, path: str, doc: object = None, timeout_s: float = 120) -> tuple[int, dict]:
+        """POST `doc` as JSON (an empty body for None): the status and the answer's JSON ({} for an empty one), also
+        for an error status."""
+        body = json.dumps(doc).encode() if doc is not None else b""
+        req = urllib.request.Request(f"http://{self.http_url}{path}", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                text = r.read()
+                return r.status, json.loads(text) if text else {}
+        except urllib.error.HTTPError as e:
+            return e.code, json.load(e)
 
     def inspect(self) -> dict:
         return self.get_json("/v2/gpud/inspect")

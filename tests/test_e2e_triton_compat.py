@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -33,14 +31,7 @@ def daemon(tmp_path_factory):
 
 
 def post(daemon, path: str, doc: dict | None = None) -> tuple[int, dict]:
-    body = json.dumps(doc).encode() if doc is not None else b""
-    req = urllib.request.Request(f"http://{daemon.http_url}{path}", body, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            text = r.read()
-            return r.status, json.loads(text) if text else {}
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
+    return daemon.post_json(path, doc, timeout_s=60)
 
 
 def infer_doc(name: str = "input", datatype: str = "FP32", rows: int = 1, width: int = 256,

@@ -1,4 +1,5 @@
-"""What a new user meets on a first run (issue 24): an empty repository is said so at start; a failed start says\nwhy once and leaves no shared memory behind."""
+"""What a new user meets on a first run (issue 24): an empty repository is said so at start; a failed start says
+why once and leaves no shared memory behind."""
 from __future__ import annotations
 
 import os

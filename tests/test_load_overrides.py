@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -63,15 +62,7 @@ def daemon(tmp_path_factory):
 
 
 def load(daemon, name: str, parameters: dict) -> tuple[int, dict]:
-    body = json.dumps({"parameters": parameters}).encode()
-    req = urllib.request.Request(f"http://{daemon.http_url}/v2/repository/models/{name}/load", body,
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            text = r.read()
-            return r.status, json.loads(text) if text else {}
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
+    return daemon.post_json(f"/v2/repository/models/{name}/load", {"parameters": parameters})
 
 
 def config_of(daemon, name: str) -> dict:

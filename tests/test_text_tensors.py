@@ -5,9 +5,6 @@ with a 400 / INVALID_ARGUMENT naming the input, never altered, never a 500. Hypo
 through an identity model."""
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import onnx
@@ -66,14 +63,8 @@ def daemon(repo, tmp_path_factory):
 
 
 def http_json(daemon, texts: list[str]) -> tuple[int, dict]:
-    body = json.dumps({"inputs": [{"name": "TEXT", "shape": [1, len(texts)], "datatype": "BYTES", "data": texts}]})
-    req = urllib.request.Request(f"http://{daemon.http_url}/v2/models/echo/infer", body.encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as e:
-        return e.code, json.load(e)
+    return daemon.post_json("/v2/models/echo/infer", {"inputs": [{"name": "TEXT", "shape": [1, len(texts)],
+                                                                   "datatype": "BYTES", "data": texts}]}, 30)
 
 
 class TestOverTheWire:
