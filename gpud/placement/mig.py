@@ -235,14 +235,15 @@ def expand_gpu(gpu_id: str, model: GpuModel, layout: Sequence[str | tuple[str, i
     """Leaf devices of one GPU: itself with MIG off (layout None), else one device per MIG instance."""
     base = {"gpu.model": model.name, **(labels or {})}
     if layout is None:
-        return [Device(gpu_id, model.memory_mib * MIB, 1.0, "gpu", healthy, base)]
+        return [Device(gpu_id, model.memory_mib * MIB, 1.0, "gpu", healthy, tuple(base.items()))]
     placed = validate_layout(model, layout)
     out = []
     for k, inst in enumerate(sorted(placed, key=lambda x: x.start)):
         p = inst.profile
         out.append(Device(f"{gpu_id}/mig{k}:{p.name}@{inst.start}", p.memory_mib * MIB,
                           p.compute_slices / model.compute_slices, "mig", healthy,
-                          {**base, "mig.profile": p.name, "mig.start": str(inst.start)}, parent_id=gpu_id))
+                          tuple({**base, "mig.profile": p.name, "mig.start": str(inst.start)}.items()),
+                          parent_id=gpu_id))
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeGuard, get_args
+from typing import Literal, TypeGuard, get_args
 from collections.abc import Iterable, Mapping
 
 COMPUTE_UNITS = 1_000_000  # compute is counted in millionths of a full GPU, so capacity checks are exact integers
@@ -80,11 +80,6 @@ class Device:
     parent_id: str | None = None  # the physical GPU of a MIG instance
     memory_reserve_bytes: int | None = None  # overrides the planner's per-device reserve (CUDA context, workspace)
     instance_cap: int | None = None  # a declared cap on the model instances this device holds (None: no cap)
-
-    if TYPE_CHECKING:  # what the generated __init__ accepts: labels as given; __post_init__ makes them sorted pairs
-        def __init__(self, id: str, memory_bytes: int, compute_fraction: float = 1.0, kind: DeviceKind = "gpu",
-                     healthy: bool = True, labels: LabelsIn = (), parent_id: str | None = None,
-                     memory_reserve_bytes: int | None = None, instance_cap: int | None = None) -> None: ...
 
     def __post_init__(self) -> None:
         where = f"device {self.id!r}"

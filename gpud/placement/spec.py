@@ -87,7 +87,7 @@ def devices_from_data(data: Any, source: str = "<devices>") -> list[Device]:
                                  f"got {kind!r}")
             if "model" in entry:
                 labels = {"gpu.model": str(entry["model"]), **labels}
-            out.append(Device(dev_id, memory_bytes, float(compute), kind, healthy, labels,
+            out.append(Device(dev_id, memory_bytes, float(compute), kind, healthy, tuple(labels.items()),
                               entry.get("parent") or entry.get("parent_id"), reserve_bytes, instance_cap))
         except ValueError as e:
             msg = str(e)

@@ -53,7 +53,7 @@ def planning_devices(leaves: Sequence[DeviceInfo], *, device_reserve_bytes: int,
     other = other_used_bytes or {}
     return [Device(id=d.id, memory_bytes=max(0, d.memory_total_bytes - other.get(d.id, 0)),
                    compute_fraction=d.compute_fraction, kind=d.kind, healthy=d.id not in unhealthy,
-                   labels={GPU_INDEX_LABEL: str(d.index)}, parent_id=d.parent_id,
+                   labels=((GPU_INDEX_LABEL, str(d.index)),), parent_id=d.parent_id,
                    memory_reserve_bytes=reserve_bytes_for(d.kind, device_reserve_bytes))
             for d in leaves]
 
