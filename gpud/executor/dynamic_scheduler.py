@@ -202,15 +202,7 @@ class DynamicScheduler(SchedulerBase):
     def _on_reply(self, inst: InstanceHandle, batch: list[Pending],
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
         self._running.pop(inst, None)
-        answers = None
-        done = self._done_or_error(reply)
-        error = done if isinstance(done, InferenceError) else None
-        if not isinstance(done, InferenceError):
-            try:
-                answers = self._collect(inst, batch, done, stage_ns)
-            except Exception as exc:
-                log.exception("model %s: reading a batch's outputs failed", self.config.name)
-                error = InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")
+        answers = self._collect(inst, batch, reply, stage_ns)
         if inst.ready and inst in self.instances:
             self._free.append(inst)
         # The outputs are out of shared memory: hand the instance its next batch before answering this one, so the
@@ -220,23 +212,30 @@ class DynamicScheduler(SchedulerBase):
             self.step()
         finally:
             self._answering -= 1
-            if answers is None:
-                self._fail(batch, error or InferenceError(ErrorKind.INTERNAL, "no outputs"))
+            if isinstance(answers, InferenceError):
+                self._fail(batch, answers)
             else:
                 self._answer(batch, *answers)
             self._notify_if_idle()
 
-    def _collect(self, inst: InstanceHandle, batch: list[Pending], reply: protocol.Done,
-                 stage_ns: int) -> tuple[list[list[InferTensor]], int, int, int, int]:
+    def _collect(self, inst: InstanceHandle, batch: list[Pending],
+                 reply: protocol.Done | protocol.Failed | InferenceError,
+                 stage_ns: int) -> tuple[list[list[InferTensor]], int, int, int, int] | InferenceError:
         """The batch's outputs copied out of shared memory (the instance's output segment is reused by the next
-        batch), split per request, and its timings (input, infer, output ns; time read)."""
+        batch), split per request, and its timings (input, infer, output ns; time read); or why there are none."""
+        done = self._done_or_error(reply)
+        if isinstance(done, InferenceError):
+            return done
         t0 = time.perf_counter_ns()
-        out_seg = inst.out_seg
-        if out_seg is None:
-            raise InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} was unloaded")
-        per_request = self._split(batch, protocol.read_outputs(reply, out_seg))
+        try:
+            per_request = self._split(batch, self._read_outputs(inst, done))
+        except InferenceError as exc:
+            return exc
+        except Exception as exc:
+            log.exception("model %s: reading a batch's outputs failed", self.config.name)
+            return InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")
         now_ns = time.perf_counter_ns()
-        return (per_request, stage_ns + reply.input_ns, reply.infer_ns, reply.output_ns + (now_ns - t0), now_ns)
+        return (per_request, stage_ns + done.input_ns, done.infer_ns, done.output_ns + (now_ns - t0), now_ns)
 
     def _split(self, batch: list[Pending], outputs: list[tuple[str, str, np.ndarray]]) -> list[list[InferTensor]]:
         """Each request's rows of every output: views into the batch's outputs (already copied out of shm)."""

@@ -427,6 +427,13 @@ class SchedulerBase:
                 self.stats.record_failure(now_ns - p.arrival_ns)
             p.finish(exc)
 
+    def _read_outputs(self, inst: InstanceHandle, done: protocol.Done) -> list[tuple[str, str, np.ndarray]]:
+        """A batch's outputs copied out of its instance's output segment (which the next batch reuses)."""
+        out_seg = inst.out_seg
+        if out_seg is None:
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} was unloaded")
+        return protocol.read_outputs(done, out_seg)
+
     # --- a staged batch to its instance ------------------------------------------------------------------------
     def _submit_batch(self, inst: InstanceHandle, batch: list[Pending], handle: Any, inputs: tuple,
                       output_names: tuple[str, ...], t0_ns: int,

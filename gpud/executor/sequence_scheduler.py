@@ -261,12 +261,11 @@ class SequenceScheduler(SchedulerBase):
         if not isinstance(done, InferenceError):
             try:
                 t0 = time.perf_counter_ns()
-                out_seg = inst.out_seg
-                if out_seg is None:
-                    raise InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} was unloaded")
-                answers = self._keep_states_and_split(d, protocol.read_outputs(done, out_seg))
+                answers = self._keep_states_and_split(d, self._read_outputs(inst, done))
                 now_ns = time.perf_counter_ns()
                 timings = (stage_ns + done.input_ns, done.infer_ns, done.output_ns + now_ns - t0, now_ns)
+            except InferenceError as exc:
+                error = exc
             except _StateShapeError as exc:
                 log.warning("model %s version %s: %s", self.config.name, self.version, exc)
                 error = InferenceError(ErrorKind.INTERNAL, f"model '{self.config.name}' failed: {exc}")
