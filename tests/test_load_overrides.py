@@ -17,7 +17,6 @@ import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
 from gpud.examples import make_two_input, write_example_repository
 from gpud.repository.overrides import LoadOverride, OverrideStore, check_file_path
@@ -129,5 +128,3 @@ def test_gpudctl_load_with_a_config_file(daemon, tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert config_of(daemon, "from_gpudctl")["max_batch_size"] == 2
-    with pytest.raises(InferenceServerException):
-        grpcclient.InferenceServerClient(daemon.grpc_url).get_model_metadata("nope_not_loaded")
