@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from gpud.executor.client_shm import ClientRegions
 from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.classification import PARAMETER as CLASSIFICATION
@@ -34,7 +35,7 @@ log = logging.getLogger("gpud")
 
 # Only what gpud really implements: clients use this list to decide what to call.
 EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics", "binary_tensor_data",
-              "schedule_policy", "sequence", "sequence(string_id)"]
+              "schedule_policy", "sequence", "sequence(string_id)", "system_shared_memory", "cuda_shared_memory"]
 
 
 class GpudCore:
@@ -42,8 +43,10 @@ class GpudCore:
 
     def __init__(self, repository: ModelRepository, registry: Registry, placement: PlacementService,
                  pool: ExecutorPool, *, views: Mapping[str, InspectView] | None = None,
-                 server_name: str = "gpud", control: ModelControl = ModelControl()):
+                 server_name: str = "gpud", control: ModelControl = ModelControl(),
+                 client_shm: ClientRegions | None = None):
         self.repository = repository
+        self.client_shm = client_shm or ClientRegions()  # clients' shared-memory regions (--allow-client-shm)
         self.control = control  # who may load and unload models (--model-control-mode)
         self.registry = registry
         self.placement = placement
@@ -204,11 +207,30 @@ class GpudCore:
         if request.outputs is not None and _asks_classes(request.outputs):
             done = _classifying(vs, request, done)
         scheduler = vs.scheduler
-        return partial(scheduler.cancel, scheduler.submit(request, done))
+        if not request.uses_shm:
+            return partial(scheduler.cancel, scheduler.submit(request, done))
+        staged = self.client_shm.stage(request)  # its inputs read, its output regions held until answered
+        try:
+            handle = scheduler.submit(request, staged.answering(done))
+        except BaseException:
+            staged.release()
+            raise
+
+        def cancel() -> None:
+            scheduler.cancel(handle)
+            staged.release()
+        return cancel
 
     async def infer(self, request: InferRequest) -> InferResponse:
         vs = self._ready_version(request)
-        response = await vs.scheduler.infer(request)
+        staged = self.client_shm.stage(request) if request.uses_shm else None
+        try:
+            response = await vs.scheduler.infer(request)
+            if staged is not None:
+                staged.deliver(response)
+        finally:
+            if staged is not None:
+                staged.release()
         if request.outputs is not None and _asks_classes(request.outputs):
             _classify(vs, request, response)
         return response
@@ -219,7 +241,7 @@ class GpudCore:
         DirectRun for the caller to execute; or the cancel of a request queued the loop's way (`done` answers it);
         or None when the request was not taken (a model not served and ready here as a plain, idle one: the
         caller submits it, and gets the loop's answer or error)."""
-        if self.stopping or request.model_name not in self.registry.models:
+        if self.stopping or request.uses_shm or request.model_name not in self.registry.models:
             return None
         try:
             vs = self.registry.version(request.model_name, request.model_version)

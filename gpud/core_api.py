@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gpud.executor.client_shm import ClientRegions
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import InferenceError, InferRequest, InferResponse
@@ -110,6 +111,8 @@ class Applied:
 
 class InferenceCore(Protocol):
     """Every method raises `gpud.executor.types.InferenceError` for errors a client should see."""
+
+    client_shm: ClientRegions  # clients' shared-memory regions (the shared-memory extension)
 
     def server_live(self) -> bool: ...
 

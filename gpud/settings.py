@@ -51,6 +51,7 @@ class Settings:
     admin_socket: str | None = None  # the HTTP API on a unix socket (mode 0660), admin actions without a token there;
     # over TCP they are then refused unless admin_token_file is set
     admin_open: bool = False  # neither token nor socket: admin actions from any address (else loopback only)
+    allow_client_shm: bool = False  # clients may register shared-memory regions (Triton's flag and default)
     default_max_queue_size: int = 512  # requests queued per model and priority level where its config sets no
     # max_queue_size; over it a request gets UNAVAILABLE at once (0: unbounded, as Triton)
     http_request_timeout_seconds: float = 30.0  # a request's head and body must arrive within this, else 408

@@ -22,6 +22,7 @@ from gpud.core import GpudCore
 from gpud.inspect_view import InspectView
 from gpud.model_control import RepositoryPoller, poll_models
 from gpud.placing.inputs import has_gpus
+from gpud.executor.client_shm import ClientRegions
 from gpud.placing.service import PlacementService
 from gpud.registry import Registry
 from gpud.scheduling import version_maker
@@ -78,6 +79,7 @@ class Components:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.core.shutdown(drain_timeout_s)
+        self.core.client_shm.close()  # the clients' regions gpud kept open
         self.core.repository.overrides.close()  # the files of loads with overrides (gpud.repository.overrides)
         self.devices.close()
 
@@ -148,7 +150,10 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
         all_views["controller"] = controller
     all_views.update(views or {})
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), registry,
-                    placement, pool, views=all_views, control=prepared.model_control)
+                    placement, pool, views=all_views, control=prepared.model_control,
+                    client_shm=ClientRegions(allowed=settings.allow_client_shm,
+                                             has_gpu=any(d.kind in ("gpu", "mig") and not d.simulated
+                                                         for d in leaves)))
     read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
     poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
     return Components(repo_path, pool, devices, metrics_registry, model_metrics, registry, placement, hints,

@@ -17,6 +17,7 @@ import numpy as np
 from gpud.executor.model_config import DynamicBatching, InstanceGroup, ModelConfig, TensorSpec
 from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.stats import Duration, ModelStats
+from gpud.executor.client_shm import ClientRegions
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
@@ -78,6 +79,7 @@ class FakeCore:
     ready: bool = True
     last_request: InferRequest | None = None
     unloads: list[tuple[str, bool]] = field(default_factory=list)  # (model, unload_dependents), in order
+    client_shm: ClientRegions = field(default_factory=ClientRegions)  # none registered; registering refused
 
     @classmethod
     def with_models(cls, models: Iterable[FakeModel]) -> FakeCore:

@@ -33,7 +33,7 @@ def start_fuzz_daemon(tmp: Path) -> Daemon:
     token_file = tmp / "token"
     token_file.write_text(TOKEN)
     return start_daemon(repo, tmp, "--model-control-mode", "explicit", "--load-model", "*",
-                        "--admin-token-file", str(token_file), node=None)
+                        "--admin-token-file", str(token_file), "--allow-client-shm", "true", node=None)
 
 
 def assert_clean_log(daemon: Daemon) -> None:

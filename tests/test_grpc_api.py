@@ -19,7 +19,7 @@ from tritonclient.grpc import service_pb2 as triton_pb  # noqa: E402 - Triton's 
 from tritonclient.grpc import service_pb2_grpc as triton_pb_grpc  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from gpud.executor.types import ErrorKind, InferenceError  # noqa: E402
+from gpud.executor.types import ShmRef, ErrorKind, InferenceError  # noqa: E402
 from gpud.api.grpc_api import decode_inputs, start_grpc_server  # noqa: E402
 from gpud.proto import grpc_service_pb2 as pb  # noqa: E402
 from tests.fake_core import FakeCore  # noqa: E402
@@ -144,7 +144,7 @@ class TestHealthAndMetadata:
 
     def test_unimplemented_rpc(self, client):
         with pytest.raises(InferenceServerException) as exc_info:
-            client.get_system_shared_memory_status(client_timeout=TIMEOUT_S)
+            client.get_trace_settings(client_timeout=TIMEOUT_S)
         assert _status(exc_info) == "StatusCode.UNIMPLEMENTED"
         _assert_still_serving(client)
 
@@ -214,7 +214,9 @@ ERROR_CODES = [(ErrorKind.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
                (ErrorKind.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
                (ErrorKind.INTERNAL, grpc.StatusCode.INTERNAL),
                (ErrorKind.PERMISSION_DENIED, grpc.StatusCode.PERMISSION_DENIED),
-               (ErrorKind.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED)]
+               (ErrorKind.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED),
+               (ErrorKind.UNSUPPORTED, grpc.StatusCode.UNIMPLEMENTED),
+               (ErrorKind.ALREADY_EXISTS, grpc.StatusCode.ALREADY_EXISTS)]
 
 
 def test_error_codes_cover_every_kind():
@@ -339,10 +341,17 @@ class TestDecodeInputs:
                                                  "raw_input_contents for 'x' for model '.*'$"):  # Triton's text
             decode_inputs(request)
 
-    def test_shared_memory_inputs_are_refused_clearly(self):
+    def test_a_shared_memory_input_says_where_it_lies_and_takes_no_raw_contents_entry(self):
         request = _request("FP32", [1], raw=b"\x00" * 4)
         request.inputs[0].parameters["shared_memory_region"].string_param = "region0"
-        with pytest.raises(InferenceError, match="shared-memory inputs are not supported"):
+        request.inputs[0].parameters["shared_memory_byte_size"].int64_param = 4
+        with pytest.raises(InferenceError, match="got 1 raw_input_contents for 0 inputs not in shared memory"):
+            decode_inputs(request)
+        del request.raw_input_contents[:]
+        [tensor] = decode_inputs(request)
+        assert tensor.shm == ShmRef("region0", 0, 4)
+        request.inputs[0].parameters["shared_memory_offset"].int64_param = -1
+        with pytest.raises(InferenceError, match="'shared_memory_offset' must be a non-negative integer"):
             decode_inputs(request)
 
     @pytest.mark.parametrize("datatype, raw, expected", [

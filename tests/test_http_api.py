@@ -448,7 +448,8 @@ def test_wrong_method_is_405_with_error_body(server):
 
 # Triton's HttpCodeFromError: the core's error kinds are protocol-neutral, the HTTP front end picks the status
 ERROR_STATUSES = [(ErrorKind.INVALID_ARGUMENT, 400), (ErrorKind.NOT_FOUND, 404), (ErrorKind.UNAVAILABLE, 503),
-                  (ErrorKind.INTERNAL, 500), (ErrorKind.PERMISSION_DENIED, 403), (ErrorKind.UNAUTHENTICATED, 401)]
+                  (ErrorKind.INTERNAL, 500), (ErrorKind.PERMISSION_DENIED, 403), (ErrorKind.UNAUTHENTICATED, 401),
+                  (ErrorKind.UNSUPPORTED, 501), (ErrorKind.ALREADY_EXISTS, 400)]
 
 
 def test_error_statuses_cover_every_kind():

@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from gpud.executor.client_shm import NO_DATA, shm_ref_of
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
@@ -47,6 +48,8 @@ GRPC_STATUS_CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
     ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
 }
 
 # Which InferTensorContents field carries each datatype. FP16 (and BF16) have none: Triton requires raw contents.
@@ -167,22 +170,31 @@ def _decode_contents(name: str, datatype: str, shape: tuple[int, ...], contents:
 def decode_inputs(request: pb.ModelInferRequest,
                   max_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS) -> list[InferTensor]:
     """The request's input tensors as numpy arrays, validated against their shapes and datatypes; a shape spanning
-    more than `max_elements` elements is refused before anything is allocated for it."""
+    more than `max_elements` elements is refused before anything is allocated for it. Inputs in shared memory have
+    no data here (their `shm` says where it lies) and take no raw_input_contents entry, as in Triton."""
     raw_contents = request.raw_input_contents
-    if raw_contents and len(raw_contents) != len(request.inputs):
-        raise _invalid(f"got {len(raw_contents)} raw_input_contents for {len(request.inputs)} inputs; "
-                       "raw contents need one entry per input, in input order")
+    in_shm = [_SHARED_MEMORY_PARAMETER in tensor.parameters for tensor in request.inputs]
+    if raw_contents and len(raw_contents) != len(request.inputs) - sum(in_shm):
+        raise _invalid(f"got {len(raw_contents)} raw_input_contents for {len(request.inputs) - sum(in_shm)} inputs "
+                       "not in shared memory; raw contents need one entry per such input, in input order")
     tensors = []
-    for index, tensor in enumerate(request.inputs):
-        if _SHARED_MEMORY_PARAMETER in tensor.parameters:
-            raise _invalid(f"input {tensor.name!r}: shared-memory inputs are not supported by gpud")
+    raw_index = 0
+    for tensor, shm in zip(request.inputs, in_shm):
         shape = tuple(tensor.shape)
         count = check_shape(tensor.name, shape, max_elements)
+        if shm:
+            if tensor.HasField("contents"):
+                raise _invalid(f"unexpected 'content' provided when using shared memory for input tensor "
+                               f"'{tensor.name}' for model '{request.model_name}'")  # Triton's words
+            ref = shm_ref_of(_parameters_dict(tensor.parameters), f"input '{tensor.name}'")
+            tensors.append(InferTensor(tensor.name, tensor.datatype, shape, NO_DATA, ref))
+            continue
         if raw_contents:
             if tensor.HasField("contents"):
                 raise _invalid(f"contents field must not be specified when using raw_input_contents for "
                                f"'{tensor.name}' for model '{request.model_name}'")  # Triton's words
-            data = _decode_raw(tensor.name, tensor.datatype, shape, raw_contents[index], count)
+            data = _decode_raw(tensor.name, tensor.datatype, shape, raw_contents[raw_index], count)
+            raw_index += 1
         else:
             data = _decode_contents(tensor.name, tensor.datatype, shape, tensor.contents, count)
         tensors.append(InferTensor(name=tensor.name, datatype=tensor.datatype, shape=shape, data=data))
@@ -194,9 +206,13 @@ def _requested_outputs(request: pb.ModelInferRequest) -> list[RequestedOutput] |
         return None  # Triton's rule: no requested outputs means every output
     requested = []
     for output in request.outputs:
-        if _SHARED_MEMORY_PARAMETER in output.parameters:
-            raise _invalid(f"output {output.name!r}: shared-memory outputs are not supported by gpud")
-        requested.append(RequestedOutput(name=output.name, parameters=_parameters_dict(output.parameters)))
+        parameters = _parameters_dict(output.parameters)
+        shm = None
+        if _SHARED_MEMORY_PARAMETER in parameters:
+            if "classification" in parameters:
+                raise _invalid("Output can't set both 'shared_memory_region' and 'classification'")
+            shm = shm_ref_of(parameters, f"output '{output.name}'")
+        requested.append(RequestedOutput(name=output.name, parameters=parameters, shm=shm))
     return requested
 
 
@@ -206,15 +222,18 @@ def to_infer_request(request: pb.ModelInferRequest,
     parameters = _parameters_dict(request.parameters)
     priority = _non_negative_int_parameter(parameters, _PRIORITY_PARAMETER)
     timeout_us = _non_negative_int_parameter(parameters, _TIMEOUT_PARAMETER)
+    inputs = decode_inputs(request, max_elements)
+    outputs = _requested_outputs(request)
     return InferRequest(
         model_name=request.model_name,
         model_version=request.model_version,
         id=request.id,
-        inputs=decode_inputs(request, max_elements),
-        outputs=_requested_outputs(request),
+        inputs=inputs,
+        outputs=outputs,
         priority=priority,
         timeout_us=timeout_us,
         parameters=parameters,
+        uses_shm=any(t.shm is not None for t in inputs) or any(o.shm is not None for o in outputs or ()),
     )
 
 
@@ -245,7 +264,8 @@ def to_infer_response(response: InferResponse, requested: list[RequestedOutput] 
         if wanted is not None and tensor.name not in wanted:
             continue
         message.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=list(tensor.shape))
-        message.raw_output_contents.append(_encode_raw(tensor))
+        # An output written into the client's shared memory keeps its (empty) place: entries follow outputs' order.
+        message.raw_output_contents.append(b"" if tensor.shm is not None else _encode_raw(tensor))
     return message
 
 
@@ -407,6 +427,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             dependents = param.bool_param
         await self._core.unload_model(request.model_name, unload_dependents=dependents)
         return pb.RepositoryModelUnloadResponse()
+
+    # --- the shared-memory extension ---------------------------------------------------------------------------
+    @_unary
+    async def SystemSharedMemoryStatus(self, request, context):
+        message = pb.SystemSharedMemoryStatusResponse()
+        for r in self._core.client_shm.status(request.name):
+            message.regions[r.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
+                name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size))
+        return message
+
+    @_unary
+    async def SystemSharedMemoryRegister(self, request, context):
+        self._check_admin(context, f"registering system shared memory region '{request.name}'")
+        self._core.client_shm.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_unary
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self._check_admin(context, "unregistering system shared memory region" +
+                          (f" '{request.name}'" if request.name else "s"))
+        self._core.client_shm.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_unary
+    async def CudaSharedMemoryStatus(self, request, context):
+        self._core.client_shm.cuda_status(request.name)
+        return pb.CudaSharedMemoryStatusResponse()
+
+    @_unary
+    async def CudaSharedMemoryRegister(self, request, context):
+        self._check_admin(context, f"registering cuda shared memory region '{request.name}'")
+        self._core.client_shm.cuda_register(request.name, request.raw_handle, request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @_unary
+    async def CudaSharedMemoryUnregister(self, request, context):
+        self._check_admin(context, "unregistering cuda shared memory region" +
+                          (f" '{request.name}'" if request.name else "s"))
+        self._core.client_shm.cuda_unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     @_unary
     async def ModelInfer(self, request, context):

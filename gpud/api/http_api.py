@@ -77,9 +77,11 @@ HTTP_STATUS: dict[ErrorKind, int] = {
     ErrorKind.INTERNAL: 500,
     ErrorKind.PERMISSION_DENIED: 403,
     ErrorKind.UNAUTHENTICATED: 401,
+    ErrorKind.UNSUPPORTED: 501,
+    ErrorKind.ALREADY_EXISTS: 400,
 }
 _Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
-_Route = tuple[dict[str, Callable[..., Any]], tuple[str, ...]]  # handlers by method, path arguments
+_Route = tuple[dict[str, Callable[..., Any]], tuple[Any, ...]]  # handlers by method, path arguments
 _ROUTE_CACHE_SIZE = 4096
 # Bodies of the routes other than infer (repository, placement) are small documents, parsed on the event loop:
 # bounded well below --max-request-bytes, so that no such body can hold the loop for long.
@@ -160,11 +162,29 @@ class HttpApi:
                 return None
             handlers = self._model_tails.get(rest[0] if rest else "")
             return (handlers, (name, version)) if handlers is not None else None
+        if parts[2] in ("systemsharedmemory", "cudasharedmemory"):
+            return self._shm_route(parts[2] == "cudasharedmemory", parts[3:])
         if len(parts) == 6 and parts[2] == "repository" and parts[3] == "models" and parts[4]:
             if parts[5] == "load":
                 return {"POST": self.load}, (parts[4],)
             if parts[5] == "unload":
                 return {"POST": self.unload}, (parts[4],)
+        return None
+
+    def _shm_route(self, cuda: bool, rest: list[str]) -> _Route | None:
+        """`[region/NAME/]status|register|unregister` of the shared-memory extension (register needs a NAME)."""
+        name = ""
+        if len(rest) == 3 and rest[0] == "region" and rest[1]:
+            name, rest = rest[1], rest[2:]
+        if len(rest) != 1:
+            return None
+        action = rest[0]
+        if action == "status":
+            return {"GET": self.shm_status}, (cuda, name)
+        if action == "unregister":
+            return {"POST": self.shm_unregister}, (cuda, name)
+        if action == "register" and name:
+            return {"POST": self.shm_register}, (cuda, name)
         return None
 
     def _spawn(self, coro: Awaitable[_Reply], respond: Respond, request: HttpRequest) -> None:
@@ -252,6 +272,48 @@ class HttpApi:
             return 200, b""
         return run()
 
+    # --- the shared-memory extension ---------------------------------------------------------------------------
+    def shm_status(self, request: HttpRequest, respond: Respond, cuda: bool, name: str) -> _Reply:
+        regions = self.core.client_shm
+        if cuda:
+            return 200, _json_body(regions.cuda_status(name))
+        return 200, _json_body([{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                                for r in regions.status(name)])
+
+    def shm_register(self, request: HttpRequest, respond: Respond, cuda: bool, name: str) -> _Reply:
+        kind = "cuda" if cuda else "system"
+        self.admin.check(request.headers.get("authorization"), f"registering {kind} shared memory region '{name}'",
+                         request.peer)
+        doc = _optional_json_object(request.body, f"{kind} shared memory register request")
+        byte_size = _register_int(doc, "byte_size", required=True)
+        if cuda:
+            self.core.client_shm.check_cuda()  # without a GPU that is the answer, whatever the handle
+            handle = doc.get("raw_handle")
+            raw = handle.get("b64") if isinstance(handle, dict) else None
+            if not isinstance(raw, str):
+                raise invalid("Shared memory register request has no 'raw_handle' field with a 'b64' string")
+            try:
+                raw_handle = base64.b64decode(raw, validate=True)
+            except binascii.Error:
+                raise invalid("'raw_handle' 'b64' is not base64") from None
+            self.core.client_shm.cuda_register(name, raw_handle, _register_int(doc, "device_id"), byte_size)
+            return 200, b""
+        key = doc.get("key")
+        if not isinstance(key, str):
+            raise invalid("Shared memory register request has no 'key' field")
+        self.core.client_shm.register(name, key, _register_int(doc, "offset"), byte_size)
+        return 200, b""
+
+    def shm_unregister(self, request: HttpRequest, respond: Respond, cuda: bool, name: str) -> _Reply:
+        kind = "cuda" if cuda else "system"
+        self.admin.check(request.headers.get("authorization"),
+                         f"unregistering {kind} shared memory region" + (f" '{name}'" if name else "s"), request.peer)
+        if cuda:
+            self.core.client_shm.cuda_unregister(name)
+        else:
+            self.core.client_shm.unregister(name)
+        return 200, b""
+
     def inspect(self, request: HttpRequest, respond: Respond) -> _Reply:
         return 200, _json_body(self.core.inspect())
 
@@ -314,6 +376,17 @@ class HttpApi:
 
 
 _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
+
+
+def _register_int(doc: dict[str, Any], key: str, required: bool = False) -> int:
+    value = doc.get(key)
+    if value is None:
+        if required:
+            raise invalid(f"Shared memory register request has no '{key}' field")
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise invalid(f"Shared memory register request: '{key}' must be a non-negative integer, got {value!r}")
+    return value
 
 
 def _base64_file(key: str, value: object) -> bytes:

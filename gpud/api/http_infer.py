@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from gpud.executor.client_shm import NO_DATA, shm_ref_of
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.datatypes import KSERVE_DATATYPES, numpy_dtype
 from gpud.executor.model_config import ModelConfig
@@ -79,7 +80,7 @@ class _BinaryPlan:
 
     @staticmethod
     def fits(request: InferRequest, binary_size: int) -> bool:
-        return sum(t.data.nbytes for t in request.inputs) == binary_size and all(
+        return not request.uses_shm and sum(t.data.nbytes for t in request.inputs) == binary_size and all(
             t.datatype not in ("BYTES", "BOOL") and t.data.base is not None for t in request.inputs)
 
     def request(self, body: Body, offset: int, model_name: str, model_version: str) -> InferRequest:
@@ -143,12 +144,14 @@ def _decode_infer_request(body: Body, header_length: str | None, model_name: str
         raise invalid("request 'id' must be a string")
     if not isinstance(params.get("binary_data_output", False), bool):
         raise invalid("parameter 'binary_data_output' must be a boolean")
+    outputs = _requested_outputs(doc.get("outputs"))
     return InferRequest(
         model_name=model_name, model_version=model_version, inputs=inputs, id=request_id,
-        outputs=_requested_outputs(doc.get("outputs")),
+        outputs=outputs,
         priority=_non_negative_int(params.get("priority", 0), "parameter 'priority'"),
         timeout_us=_non_negative_int(params.get("timeout", 0), "parameter 'timeout' (microseconds)"),
         parameters=params,
+        uses_shm=any(t.shm is not None for t in inputs) or any(o.shm is not None for o in outputs or ()),
     )
 
 
@@ -237,7 +240,14 @@ def _requested_outputs(value: Any) -> list[RequestedOutput] | None:
         params = parameters_object(item.get("parameters"), f"output '{item['name']}'")
         if not isinstance(params.get("binary_data", False), bool):
             raise invalid(f"output '{item['name']}': parameter 'binary_data' must be a boolean")
-        outputs.append(RequestedOutput(item["name"], params))
+        shm = None
+        if "shared_memory_region" in params:
+            if "classification" in params:
+                raise invalid("Output can't set both 'shared_memory_region' and 'classification'")
+            if params.get("binary_data"):
+                raise invalid("Output can't set both 'shared_memory_region' and 'binary_data'")
+            shm = shm_ref_of(params, f"output '{item['name']}'")
+        outputs.append(RequestedOutput(item["name"], params, shm))
     return outputs
 
 
@@ -258,10 +268,16 @@ def _decode_input(item: Any, index: int, view: memoryview, offset: int,
     count = check_shape(name, shape, max_elements)
     params = parameters_object(item.get("parameters"), f"input '{name}'")
     size = params.get("binary_data_size")
+    if "shared_memory_region" in params:
+        if size is not None or "data" in item:
+            raise invalid("Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                          "'parameters', 'shared_memory_region' in 'parameters'. But set " +
+                          " ".join(f"'{k}'" for k, there in (("data", "data" in item),
+                                                             ("binary_data_size", size is not None),
+                                                             ("shared_memory_region", True)) if there))
+        return InferTensor(name, datatype, tuple(shape), NO_DATA, shm_ref_of(params, f"input '{name}'")), offset
 
     if size is None:
-        if "shared_memory_region" in params:
-            raise invalid(f"input '{name}': shared memory inputs are not supported")
         if "data" not in item:
             raise invalid(f"input '{name}' has neither 'data' nor a 'binary_data_size' parameter")
         return InferTensor(name, datatype, tuple(shape), _from_json(name, datatype, shape, count, item["data"])), offset
@@ -391,7 +407,7 @@ def json_output_elements(response: InferResponse, request: InferRequest) -> int:
     default_binary = request.parameters.get("binary_data_output", False)
     per_output = {o.name: o.parameters.get("binary_data") for o in request.outputs} if request.outputs else {}
     return sum(t.data.size for t in response.outputs
-               if not (default_binary if per_output.get(t.name) is None else per_output[t.name]))
+               if t.shm is None and not (default_binary if per_output.get(t.name) is None else per_output[t.name]))
 
 
 def _encode_infer_response(response: InferResponse, request: InferRequest) -> tuple[EncodedResponse, bytes | None]:
@@ -405,7 +421,9 @@ def _encode_infer_response(response: InferResponse, request: InferRequest) -> tu
     for tensor in response.outputs:
         binary = per_output.get(tensor.name)
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if default_binary if binary is None else binary:
+        if tensor.shm is not None:  # written into the client's region: no data here (as Triton)
+            reusable = False
+        elif default_binary if binary is None else binary:
             data, nbytes = _binary_output(tensor)
             entry["parameters"] = {"binary_data_size": nbytes}
             buffers.append(data)

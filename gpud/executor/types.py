@@ -18,6 +18,8 @@ class ErrorKind(enum.Enum):
     INTERNAL = enum.auto()  # a bug or a backend failure
     PERMISSION_DENIED = enum.auto()  # an action the server's settings do not allow (model control off)
     UNAUTHENTICATED = enum.auto()  # an admin action without the admin token
+    UNSUPPORTED = enum.auto()  # a feature this server does not offer, or not with its settings (HTTP 501, as Triton)
+    ALREADY_EXISTS = enum.auto()  # a name already taken (a shared-memory region registered twice)
 
 
 class InferenceError(Exception):
@@ -35,20 +37,33 @@ class InferenceError(Exception):
         return type(self), (self.kind, self.message)
 
 
+@dataclass(frozen=True, slots=True)
+class ShmRef:
+    """A tensor in a client's registered shared-memory region (the shared-memory extension's three parameters)."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
 @dataclass(slots=True)
 class InferTensor:
-    """A named tensor. `data` is a numpy array of exactly `shape`; BYTES tensors hold an object array of bytes."""
+    """A named tensor. `data` is a numpy array of exactly `shape`; BYTES tensors hold an object array of bytes.
+    With `shm`, the tensor lies in a client's region instead and `data` is not read (an input until the core reads
+    it; an output the core wrote there, which goes back without data)."""
 
     name: str
     datatype: str  # KServe datatype: "FP32", "INT64", "BYTES", ...
     shape: tuple[int, ...]
     data: np.ndarray
+    shm: ShmRef | None = None
 
 
 @dataclass
 class RequestedOutput:
     name: str
     parameters: dict[str, Any] = field(default_factory=dict)  # e.g. {"binary_data": True}; front ends read these
+    shm: ShmRef | None = None  # written into a client's shared-memory region instead of sent back
 
 
 @dataclass(slots=True)
@@ -65,6 +80,7 @@ class InferRequest:
     # (a front end's parsed-header cache sets it): the executor then reuses its validation. None: not known.
     # Such requests share `outputs` and `parameters`: read them, never change them.
     signature: Any = None
+    uses_shm: bool = False  # an input or a requested output has `shm` (front ends set it: the core then stages them)
 
 
 @dataclass(slots=True)

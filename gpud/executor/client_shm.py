@@ -1,0 +1,377 @@
+"""Clients' shared-memory regions (Triton's shared-memory extension): what a client registered, where a request's
+tensor lies in one, and moving the bytes in and out.
+
+A region is a POSIX shared-memory object the client made (`shm_open(key)`: the file /dev/shm/<key>), or a part of
+one (offset, byte_size). The choices, and why:
+
+- **Only files directly in /dev/shm**, opened with O_NOFOLLOW, regular files only, never gpud's own segments
+  (`gpud-*`): a key is a name the client chooses, and gpud reads model inputs from it and writes model outputs into
+  it with its own privileges. `../../etc/passwd` or a symlink must not turn registration into a way to read or
+  overwrite gpud's files, and another request's tensors in gpud's segments are not the client's to read.
+- **gpud keeps the file open from register to unregister** (one descriptor per region, at most `max_regions`):
+  a client that unlinks its key after registering still has a working region, as with Triton's mapping. A region
+  costs gpud a descriptor, no memory.
+- **Bytes move with pread/pwrite, never through a mapping.** A client may truncate its file while it is registered or
+  while a request uses it; a mapped read past a file's end is a SIGBUS that kills the reading process, a pread just
+  comes back short, which is a clear error for that request. The other processes of gpud (device workers, running as
+  gpud's user) open the same file through `/proc/<gpud pid>/fd/<n>` (`RegionSlice.path`), which works after the
+  client unlinked the key.
+- **A region in use stays open**: unregistering removes its name at once (new requests cannot use it), and its
+  descriptor closes when the last request using it finishes, so a descriptor number is never reused under a request.
+"""
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from gpud.executor.datatypes import numpy_dtype
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, ShmRef
+
+SHM_DIR = "/dev/shm"
+DEFAULT_MAX_REGIONS = 1024  # one open descriptor each
+DISABLED_MESSAGE = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
+CUDA_NEEDS_GPU = ("CUDA shared memory needs a GPU: this node has none (system shared memory, "
+                  "/v2/systemsharedmemory, works without one)")
+
+
+def _invalid(message: str) -> InferenceError:
+    return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionStatus:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(eq=False)
+class Region:
+    """One registered region: its open file, and the requests using it."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    fd: int
+    users: int = 0
+    registered: bool = True
+
+    @property
+    def path(self) -> str:
+        """How another process of gpud's user opens this region's file, also once the client unlinked its key."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def close_if_unused(self) -> None:
+        if not self.registered and self.users == 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSlice:
+    """Where one tensor lies: `byte_size` bytes at `offset` of the region's file (the region's own offset added)."""
+
+    region: str
+    path: str
+    offset: int
+    byte_size: int
+
+
+class ClientRegions:
+    """The registered system shared-memory regions of a server. `allowed`: --allow-client-shm."""
+
+    def __init__(self, *, allowed: bool = False, max_regions: int = DEFAULT_MAX_REGIONS, shm_dir: str = SHM_DIR,
+                 has_gpu: bool = False):
+        self.allowed = allowed
+        self.max_regions = max_regions
+        self.shm_dir = shm_dir
+        self.has_gpu = has_gpu
+        self._regions: dict[str, Region] = {}
+
+    # --- the extension's calls -----------------------------------------------------------------------------------
+    def _check_allowed(self) -> None:
+        if not self.allowed:
+            raise InferenceError(ErrorKind.UNSUPPORTED, DISABLED_MESSAGE)
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._check_allowed()
+        if not name:
+            raise _invalid("'region name' is necessary to register system shared memory region")
+        if name in self._regions:
+            raise InferenceError(ErrorKind.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        if len(self._regions) >= self.max_regions:
+            raise InferenceError(ErrorKind.UNAVAILABLE,
+                                 f"failed to register shared memory region '{name}': {self.max_regions} regions are "
+                                 "registered, the most gpud keeps; unregister some first")
+        if offset < 0 or byte_size < 0:
+            raise _invalid(f"failed to register shared memory region '{name}': invalid args")
+        fd = self._open(name, key)
+        try:
+            size = os.fstat(fd).st_size
+            if offset + byte_size > size:
+                raise _invalid(f"failed to register shared memory region '{name}': offset {offset} + byte_size "
+                               f"{byte_size} is past the end of '{key}' ({size} bytes)")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._regions[name] = Region(name, key, offset, byte_size, fd)
+
+    def _open(self, name: str, key: str) -> int:
+        base = key[1:] if key.startswith("/") else key
+        if not base or "/" in base or base in (".", "..") or "\0" in base:
+            raise _invalid(f"failed to register shared memory region '{name}': key '{key}' is not a shared-memory "
+                           "object's name (one name, as shm_open takes it: '/name')")
+        if base.startswith("gpud-"):
+            raise _invalid(f"failed to register shared memory region '{name}': key '{key}' names one of gpud's own "
+                           "segments, which clients cannot register")
+        try:
+            fd = os.open(os.path.join(self.shm_dir, base), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            raise _invalid(f"Unable to open shared memory region: '{key}' ({exc.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _invalid(f"Invalid shared memory region: '{key}' (not a shared-memory object)")
+        return fd
+
+    def unregister(self, name: str = "") -> None:
+        """One region, or every region when `name` is empty; an unknown name is no error (as Triton)."""
+        self._check_allowed()
+        names = [name] if name else list(self._regions)
+        for n in names:
+            region = self._regions.pop(n, None)
+            if region is not None:
+                region.registered = False
+                region.close_if_unused()
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        if name:
+            region = self._regions.get(name)
+            if region is None:
+                raise InferenceError(ErrorKind.NOT_FOUND,
+                                     f"Unable to find system shared memory region: '{name}'")
+            regions = [region]
+        else:
+            regions = list(self._regions.values())
+        return [RegionStatus(r.name, r.key, r.offset, r.byte_size) for r in regions]
+
+    def check_cuda(self) -> None:
+        """CUDA regions can be registered here: allowed, and the node has a GPU (not a simulated one)."""
+        self._check_allowed()
+        if not self.has_gpu:
+            raise InferenceError(ErrorKind.UNSUPPORTED, CUDA_NEEDS_GPU)
+
+    def cuda_register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self.check_cuda()
+        raise InferenceError(ErrorKind.UNSUPPORTED,
+                             "CUDA shared memory is not implemented by this gpud yet; use system shared memory")
+
+    def cuda_unregister(self, name: str = "") -> None:
+        self._check_allowed()
+        if name:  # none can be registered
+            return
+
+    def cuda_status(self, name: str = "") -> list[Any]:
+        if name:
+            if name in self._regions:
+                raise InferenceError(ErrorKind.NOT_FOUND, f"The region named '{name}' is registered as system "
+                                                          "shared memory, not CUDA shared memory")
+            raise InferenceError(ErrorKind.NOT_FOUND, f"Unable to find cuda shared memory region: '{name}'")
+        return []
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            region.registered = False
+            region.users = 0
+            region.close_if_unused()
+        self._regions.clear()
+
+    # --- a request's use -----------------------------------------------------------------------------------------
+    def _take(self, ref: ShmRef, what: str) -> tuple[Region, RegionSlice]:
+        self._check_allowed()
+        region = self._regions.get(ref.region)
+        if region is None:
+            raise InferenceError(ErrorKind.NOT_FOUND, f"Unable to find shared memory region: '{ref.region}'")
+        if ref.offset < 0 or ref.byte_size < 0 or (region.byte_size and ref.offset >= region.byte_size):
+            raise _invalid(f"Invalid offset for shared memory region: '{ref.region}' ({what})")
+        if ref.offset + ref.byte_size > region.byte_size:
+            raise _invalid(f"Invalid offset + byte size for shared memory region: '{ref.region}' ({what}: "
+                           f"{ref.offset} + {ref.byte_size} > {region.byte_size})")
+        return region, RegionSlice(region.name, region.path, region.offset + ref.offset, ref.byte_size)
+
+    def stage(self, request: InferRequest) -> Staged:
+        """Resolve the request's shared-memory inputs and outputs; the inputs are read into arrays (a copy: the
+        request no longer depends on the client's memory), the outputs' slices kept for `Staged.deliver`. Raises
+        a client error (and holds nothing) when a region, offset or size is wrong."""
+        staged = Staged()
+        try:
+            for tensor in request.inputs:
+                ref = tensor.shm
+                if ref is None:
+                    continue
+                region, where = self._take(ref, f"input '{tensor.name}'")
+                staged.hold(region)
+                tensor.data = read_tensor(where, tensor.name, tensor.datatype, tensor.shape)
+                tensor.shm = None
+            for output in request.outputs or ():
+                ref = output.shm
+                if ref is not None:
+                    region, where = self._take(ref, f"output '{output.name}'")
+                    staged.hold(region)
+                    staged.outputs[output.name] = (ref, where)
+        except BaseException:
+            staged.release()
+            raise
+        return staged
+
+
+@dataclass(eq=False)
+class Staged:
+    """The regions a request uses (held open until `release`) and where its shared-memory outputs go."""
+
+    regions: list[Region] = field(default_factory=list)
+    outputs: dict[str, tuple[ShmRef, RegionSlice]] = field(default_factory=dict)
+
+    def hold(self, region: Region) -> None:
+        region.users += 1
+        self.regions.append(region)
+
+    def release(self) -> None:
+        regions, self.regions = self.regions, []
+        for region in regions:
+            region.users -= 1
+            region.close_if_unused()
+
+    def deliver(self, response: InferResponse) -> None:
+        """Write the response's shared-memory outputs into their regions; the response then carries only their
+        shapes. Raises a client error when an output is larger than the space its request gave it."""
+        for tensor in response.outputs:
+            target = self.outputs.get(tensor.name)
+            if target is None:
+                continue
+            ref, where = target
+            write_tensor(where, tensor.name, tensor.datatype, tensor.data)
+            tensor.shm = ref
+            tensor.data = _EMPTY
+
+    def answering(self, done: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`done`, given the response with its shared-memory outputs delivered; the regions released either way."""
+
+        def answer(result: Any) -> None:
+            try:
+                if isinstance(result, InferResponse):
+                    try:
+                        self.deliver(result)
+                    except InferenceError as exc:
+                        result = exc
+            finally:
+                self.release()
+            done(result)
+        return answer
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
+NO_DATA = _EMPTY  # the data of a tensor in shared memory, which nobody reads
+
+
+def shm_ref_of(params: dict[str, Any], what: str) -> ShmRef:
+    """The shared-memory extension's parameters of an input or requested output (offset optional, default 0), as
+    either front end decodes them."""
+    region = params.get("shared_memory_region")
+    if not isinstance(region, str) or not region:
+        raise _invalid(f"{what}: Unable to parse 'shared_memory_region': expected a region's name")
+    if "shared_memory_byte_size" not in params:
+        raise _invalid(f"{what}: 'shared_memory_region' needs a 'shared_memory_byte_size' parameter")
+    return ShmRef(region, _non_negative(params.get("shared_memory_offset", 0), what, "shared_memory_offset"),
+                  _non_negative(params["shared_memory_byte_size"], what, "shared_memory_byte_size"))
+
+
+def _non_negative(value: Any, what: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _invalid(f"{what}: parameter '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+# --- the bytes ---------------------------------------------------------------------------------------------------
+def expected_bytes(name: str, datatype: str, shape: tuple[int, ...], byte_size: int) -> None:
+    """A fixed-size input's shared-memory size must be exactly what its shape takes."""
+    if datatype == "BYTES":
+        return
+    need = math.prod(shape) * numpy_dtype(datatype).itemsize
+    if byte_size != need:
+        raise _invalid(f"input '{name}': shared_memory_byte_size is {byte_size} bytes but shape {list(shape)} of "
+                       f"{datatype} needs {need}")
+
+
+def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
+    done = 0
+    while done < len(buf):
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise _invalid(f"{what}: the shared-memory region ends {done} bytes into the tensor's "
+                           f"{len(buf)}: the client truncated it")
+        done += n
+
+
+def read_tensor(where: RegionSlice, name: str, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The tensor's bytes read out of its region (one copy), as an array of `shape`."""
+    expected_bytes(name, datatype, shape, where.byte_size)
+    buf = np.empty(where.byte_size, dtype=np.uint8)
+    view = buf.data  # the array's buffer as a memoryview
+    with open_region(where.path) as fd:
+        _pread_exact(fd, view, where.offset, f"input '{name}'")
+    if datatype == "BYTES":
+        try:
+            return decode_bytes_elements(view, math.prod(shape)).reshape(shape)
+        except ValueError as exc:
+            raise _invalid(f"input '{name}': {exc}") from None
+    return buf.view(numpy_dtype(datatype).newbyteorder("<")).reshape(shape)
+
+
+def output_bytes(datatype: str, data: np.ndarray) -> memoryview:
+    """An output as it goes into shared memory: little-endian elements, or serialized BYTES elements."""
+    if datatype == "BYTES":
+        return memoryview(encode_bytes_elements(data))
+    return np.ascontiguousarray(data, dtype=numpy_dtype(datatype).newbyteorder("<")).data.cast("B")
+
+
+def write_tensor(where: RegionSlice, name: str, datatype: str, data: np.ndarray) -> None:
+    blob = output_bytes(datatype, data)
+    if len(blob) > where.byte_size:
+        raise _invalid(f"shared memory size specified with the request for output '{name}' ({where.byte_size} "
+                       f"bytes) should be at least {len(blob)} bytes to hold the results")
+    with open_region(where.path) as fd:
+        size = os.fstat(fd).st_size
+        if where.offset + len(blob) > size:  # a pwrite past the end would grow the client's file: refuse instead
+            raise _invalid(f"output '{name}': the shared-memory region is {size} bytes, too short for the output "
+                           f"at offset {where.offset}: the client truncated it")
+        done = 0
+        while done < len(blob):
+            done += os.pwritev(fd, [blob[done:]], where.offset + done)
+
+
+class open_region:
+    """A region's file, opened for one read or write (a context manager giving the descriptor)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> int:
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InferenceError(ErrorKind.UNAVAILABLE,
+                                 f"the shared-memory region was unregistered while in use ({exc.strerror})") from None
+        return self.fd
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)

@@ -1,0 +1,92 @@
+"""gpud.executor.client_shm alone: a region in use outlives its unregistration until its request finishes, the
+limit on regions, the output written only into the space the request gave, and nothing left open at the end."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from gpud.executor.client_shm import ClientRegions
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.types import ShmRef
+
+
+@pytest.fixture
+def regions(tmp_path):
+    r = ClientRegions(allowed=True, max_regions=2, shm_dir=str(tmp_path))
+    yield r
+    r.close()
+
+
+def region_file(tmp_path, name: str, data: bytes) -> str:
+    (tmp_path / name).write_bytes(data)
+    return "/" + name
+
+
+def request_using(region: str, nbytes: int, output: str | None = None) -> InferRequest:
+    outputs = [RequestedOutput("y", shm=ShmRef(output, 0, nbytes))] if output else None
+    return InferRequest("m", [InferTensor("x", "FP32", (nbytes // 4,), np.empty(0), ShmRef(region, 0, nbytes))],
+                        outputs=outputs, uses_shm=True)
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_region_unregistered_while_a_request_uses_it_closes_when_the_request_ends(regions, tmp_path):
+    values = np.arange(4, dtype=np.float32)
+    before = open_fds()
+    regions.register("in", region_file(tmp_path, "in", values.tobytes()), 0, 16)
+    regions.register("out", region_file(tmp_path, "out", bytes(16)), 0, 16)
+    request = request_using("in", 16, output="out")
+    staged = regions.stage(request)
+    np.testing.assert_array_equal(request.inputs[0].data, values)  # read at staging
+    regions.unregister()  # both names go at once ...
+    assert regions.status() == [] and len(open_fds() - before) == 2  # ... their files stay open for the request
+    response = InferResponse("m", "1", [InferTensor("y", "FP32", (4,), values * 2)])
+    staged.answering(lambda result: None)(response)
+    assert (tmp_path / "out").read_bytes() == (values * 2).tobytes()
+    assert response.outputs[0].shm == ShmRef("out", 0, 16) and response.outputs[0].data.size == 0
+    assert open_fds() == before
+
+
+def test_a_request_refused_at_staging_holds_nothing(regions, tmp_path):
+    regions.register("in", region_file(tmp_path, "in", bytes(16)), 0, 16)
+    with pytest.raises(InferenceError, match="Unable to find shared memory region: 'gone'"):
+        regions.stage(request_using("in", 16, output="gone"))
+    regions.unregister("in")
+    assert regions.status() == []  # and its file closed: nothing holds it
+    with pytest.raises(InferenceError) as info:
+        regions.stage(request_using("in", 16))
+    assert info.value.kind is ErrorKind.NOT_FOUND
+
+
+def test_regions_are_bounded(regions, tmp_path):
+    key = region_file(tmp_path, "r", bytes(8))
+    regions.register("a", key, 0, 8)
+    regions.register("b", key, 0, 8)
+    with pytest.raises(InferenceError, match="2 regions are registered, the most gpud keeps") as info:
+        regions.register("c", key, 0, 8)
+    assert info.value.kind is ErrorKind.UNAVAILABLE
+
+
+def test_an_output_larger_than_its_space_is_refused_and_nothing_written(regions, tmp_path):
+    regions.register("in", region_file(tmp_path, "in", bytes(16)), 0, 16)
+    regions.register("out", region_file(tmp_path, "out", b"\xff" * 16), 0, 16)
+    staged = regions.stage(request_using("in", 8, output="out"))
+    results = []
+    staged.answering(results.append)(InferResponse("m", "1", [InferTensor("y", "FP32", (4,), np.ones(4, np.float32))]))
+    assert isinstance(results[0], InferenceError)
+    assert "(8 bytes) should be at least 16 bytes to hold the results" in results[0].message
+    assert (tmp_path / "out").read_bytes() == b"\xff" * 16
+
+
+def test_disabled_refuses_registration_and_use_but_answers_status(tmp_path):
+    regions = ClientRegions(shm_dir=str(tmp_path))
+    with pytest.raises(InferenceError, match="--allow-client-shm=true") as info:
+        regions.register("r", region_file(tmp_path, "r", bytes(8)), 0, 8)
+    assert info.value.kind is ErrorKind.UNSUPPORTED
+    with pytest.raises(InferenceError, match="--allow-client-shm=true"):
+        regions.stage(request_using("r", 8))
+    assert regions.status() == []
