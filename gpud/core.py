@@ -209,7 +209,8 @@ class GpudCore:
         scheduler = vs.scheduler
         if not request.uses_shm:
             return partial(scheduler.cancel, scheduler.submit(request, done))
-        staged = self.client_shm.stage(request)  # its inputs read, its output regions held until answered
+        # its regions held until answered; their bytes moved by the worker where the scheduler can, else here
+        staged = self.client_shm.stage(request, in_worker=scheduler.moves_client_tensors)
         try:
             handle = scheduler.submit(request, staged.answering(done))
         except BaseException:
@@ -223,7 +224,8 @@ class GpudCore:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         vs = self._ready_version(request)
-        staged = self.client_shm.stage(request) if request.uses_shm else None
+        staged = self.client_shm.stage(request, in_worker=vs.scheduler.moves_client_tensors) \
+            if request.uses_shm else None
         try:
             response = await vs.scheduler.infer(request)
             if staged is not None:

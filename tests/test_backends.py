@@ -139,7 +139,7 @@ def _batch(segs: list[Segment], key: str, x: np.ndarray) -> Infer:
     in_seg = Segment.create(new_segment_name("in"), 4096)
     out_seg = Segment.create(new_segment_name("out"), 4096)
     segs += [in_seg, out_seg]
-    rows = protocol.write_inputs(FAKE, [{"x": x}], lambda n: in_seg)
+    rows, _ = protocol.write_inputs(FAKE, [{"x": x}], lambda n: in_seg)
     return Infer(key, in_seg.name, out_seg.name, rows, ("y",), ("FP32",), seq=5)
 
 

@@ -90,3 +90,52 @@ def test_disabled_refuses_registration_and_use_but_answers_status(tmp_path):
     with pytest.raises(InferenceError, match="--allow-client-shm=true"):
         regions.stage(request_using("r", 8))
     assert regions.status() == []
+
+
+# --- the worker's side: run_batch reads clients' inputs into the batch and writes their outputs ---------------------
+class Doubler:
+    """A model: y = 2 * x."""
+
+    provider = "test"
+
+    def run(self, feed, names):
+        return [feed["x"] * 2]
+
+
+def test_the_worker_reads_client_inputs_and_writes_client_outputs_and_fails_only_the_request_whose_space_is_short(
+        tmp_path):
+    from gpud.executor.model_config import ModelConfig, TensorSpec
+    from gpud.executor.protocol import Done, Infer, read_outputs, write_inputs
+    from gpud.executor.shm import Segment, new_segment_name
+    from gpud.executor.types import RegionSlice
+    from gpud.executor.worker import run_batch
+
+    config = ModelConfig(name="double", platform="", backend="fake", max_batch_size=4,
+                         inputs=[TensorSpec("x", "FP32", (2,))], outputs=[TensorSpec("y", "FP32", (2,))])
+    a = np.array([[1, 2]], np.float32)
+    b = np.array([[3, 4], [5, 6]], np.float32)
+    (tmp_path / "in").write_bytes(b.tobytes())
+    (tmp_path / "out-a").write_bytes(bytes(8))
+    (tmp_path / "out-b").write_bytes(bytes(8))  # too short for b's two rows
+    in_seg = Segment.create(new_segment_name("in"), 4096)
+    out_seg = Segment.create(new_segment_name("out"), 4096)
+    try:
+        # request a inline, request b from a region; b's zero-stride placeholder is never copied
+        b_slice = RegionSlice("in", str(tmp_path / "in"), 0, b.nbytes)
+        rows, reads = write_inputs(config, [{"x": a}, {"x": np.broadcast_to(np.float32(0), (2, 2))}],
+                                   lambda n: in_seg, [None, {"x": b_slice}])
+        assert reads == ((8, str(tmp_path / "in"), 0, 16),)
+        writes = ((0, 0, 1, str(tmp_path / "out-a"), 0, 8), (0, 1, 3, str(tmp_path / "out-b"), 0, 8))
+        done = run_batch(Doubler(), {in_seg.name: in_seg, out_seg.name: out_seg}.__getitem__,
+                         Infer("k", in_seg.name, out_seg.name, rows, ("y",), ("FP32",), 1, reads, writes))
+        assert isinstance(done, Done)
+        assert (tmp_path / "out-a").read_bytes() == (a * 2).tobytes()
+        assert (tmp_path / "out-b").read_bytes() == bytes(8)  # nothing written where it does not fit
+        assert [i for i, _ in done.write_errors] == [1]
+        assert "should be at least 16 bytes" in done.write_errors[0][1]
+        assert done.outputs[0].offset == -1  # every row went to a region: nothing staged for the daemon
+        [(name, _, y)] = read_outputs(done, out_seg)
+        assert y.shape == (3, 2) and y.strides == (0, 0)  # its shape only
+    finally:
+        in_seg.close()
+        out_seg.close()

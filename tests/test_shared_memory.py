@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from tests.daemon_harness import save, start_daemon
+from tests.ensemble_models import ensemble_config, save_model, step
 from tests.test_text_tensors import CONFIG as ECHO_CONFIG
 from tests.test_text_tensors import identity_model as echo_model
 
@@ -46,6 +47,11 @@ def repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     save(add_sub_model(), repo, "add_sub", ADD_SUB_CONFIG)
     save(echo_model(), repo, "echo", ECHO_CONFIG)
+    spec = [("INPUT0", "TYPE_FP32", [16]), ("INPUT1", "TYPE_FP32", [16])]
+    out = [("OUTPUT0", "TYPE_FP32", [16]), ("OUTPUT1", "TYPE_FP32", [16])]
+    save_model(repo, "add_sub_ensemble", None, ensemble_config(
+        "add_sub_ensemble", spec, out, [step("add_sub", {"INPUT0": "INPUT0", "INPUT1": "INPUT1"},
+                                             {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"})], max_batch_size=8))
     return repo
 
 
@@ -148,6 +154,21 @@ def test_inputs_and_outputs_through_shared_memory(client, regions):
     status = c.get_system_shared_memory_status()
     names = [r["name"] for r in status] if kind == "http" else list(status.regions)
     assert names == [out_name]
+
+
+def test_an_ensemble_reads_and_writes_shared_memory(client, regions):
+    """An ensemble's request: the daemon reads its inputs from the regions and writes its outputs there (its steps
+    run as any request's)."""
+    kind, c = client
+    a = np.arange(16, dtype=np.float32).reshape(1, 16)
+    in_name, in_key, in_handle = regions.make(2 * BYTES_16)
+    out_name, out_key, out_handle = regions.make(2 * BYTES_16)
+    shm.set_shared_memory_region(in_handle, [a, -a])
+    c.register_system_shared_memory(in_name, in_key, 2 * BYTES_16)
+    c.register_system_shared_memory(out_name, out_key, 2 * BYTES_16)
+    c.infer("add_sub_ensemble", add_sub_inputs(kind, in_name), outputs=outputs_in(kind, out_name))
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.float32, [1, 16]), np.zeros((1, 16)))
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.float32, [1, 16], offset=BYTES_16), 2 * a)
 
 
 def test_one_input_in_shared_memory_the_other_inline_and_outputs_in_the_answer(client, regions):

@@ -154,7 +154,7 @@ def test_a_batchs_inputs_are_concatenated_into_the_segment_and_read_back_as_view
         reserved.append(total_bytes)
         return seg
 
-    rows = write_inputs(CONFIG, requests, reserve)
+    rows, _ = write_inputs(CONFIG, requests, reserve)
     # x: 3 rows * 2 * 4 bytes = 24 -> 64 aligned; s: (4 + 1) + (4 + 0) + (4 + 5) = 18 bytes -> 64
     assert reserved == [128]
     assert rows == (TensorMeta("x", "FP32", (3, 2), 0, 24), TensorMeta("s", "BYTES", (3, 1), 64, 18))
@@ -169,7 +169,7 @@ def test_a_batchs_inputs_are_concatenated_into_the_segment_and_read_back_as_view
 def test_a_model_that_does_not_batch_stages_its_one_request_as_is(segments):
     config = ModelConfig(name="u", max_batch_size=0, inputs=(TensorSpec("x", "INT64", (2, 2)),))
     seg = segments(4096)
-    rows = write_inputs(config, [{"x": np.arange(4, dtype=np.int64).reshape(2, 2)}], lambda n: seg)
+    rows, _ = write_inputs(config, [{"x": np.arange(4, dtype=np.int64).reshape(2, 2)}], lambda n: seg)
     assert rows == (TensorMeta("x", "INT64", (2, 2), 0, 32),)
     np.testing.assert_array_equal(read_inputs(seg, rows)["x"], [[0, 1], [2, 3]])
 

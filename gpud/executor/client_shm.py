@@ -32,7 +32,8 @@ import numpy as np
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.datatypes import numpy_dtype
-from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, ShmRef
+from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
+                                 ShmRef)
 
 SHM_DIR = "/dev/shm"
 DEFAULT_MAX_REGIONS = 1024  # one open descriptor each
@@ -74,16 +75,6 @@ class Region:
         if not self.registered and self.users == 0 and self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-
-
-@dataclass(frozen=True, slots=True)
-class RegionSlice:
-    """Where one tensor lies: `byte_size` bytes at `offset` of the region's file (the region's own offset added)."""
-
-    region: str
-    path: str
-    offset: int
-    byte_size: int
 
 
 class ClientRegions:
@@ -207,30 +198,61 @@ class ClientRegions:
                            f"{ref.offset} + {ref.byte_size} > {region.byte_size})")
         return region, RegionSlice(region.name, region.path, region.offset + ref.offset, ref.byte_size)
 
-    def stage(self, request: InferRequest) -> Staged:
-        """Resolve the request's shared-memory inputs and outputs; the inputs are read into arrays (a copy: the
-        request no longer depends on the client's memory), the outputs' slices kept for `Staged.deliver`. Raises
-        a client error (and holds nothing) when a region, offset or size is wrong."""
+    def stage(self, request: InferRequest, in_worker: bool = False) -> Staged:
+        """Resolve the request's shared-memory inputs and outputs and hold their regions until `Staged.release`.
+        `in_worker`: the version's device worker reads the inputs and writes the outputs itself (the request's
+        `client_io`; the daemon never touches those bytes); else the inputs are read here, into arrays, and
+        `Staged.deliver` writes the outputs. Raises a client error (and holds nothing) when a region, an offset or
+        a size is wrong, or a region's file is shorter than the request needs (its client truncated it)."""
         staged = Staged()
+        io = ClientIO() if in_worker else None
         try:
             for tensor in request.inputs:
                 ref = tensor.shm
                 if ref is None:
                     continue
-                region, where = self._take(ref, f"input '{tensor.name}'")
+                what = f"input '{tensor.name}'"
+                region, where = self._take(ref, what)
                 staged.hold(region)
-                tensor.data = read_tensor(where, tensor.name, tensor.datatype, tensor.shape)
+                expected_bytes(tensor.name, tensor.datatype, tensor.shape, ref.byte_size)
+                if io is not None and tensor.datatype != "BYTES":  # text is checked element by element: read here
+                    _check_file(region, where, what)
+                    io.inputs[tensor.name] = where
+                    tensor.data = placeholder(tensor.datatype, tensor.shape)
+                else:
+                    tensor.data = read_tensor(where, tensor.name, tensor.datatype, tensor.shape)
                 tensor.shm = None
             for output in request.outputs or ():
                 ref = output.shm
                 if ref is not None:
-                    region, where = self._take(ref, f"output '{output.name}'")
+                    what = f"output '{output.name}'"
+                    region, where = self._take(ref, what)
                     staged.hold(region)
-                    staged.outputs[output.name] = (ref, where)
+                    _check_file(region, where, what)
+                    if io is not None:
+                        io.outputs[output.name] = (ref, where)
+                    else:
+                        staged.outputs[output.name] = (ref, where)
         except BaseException:
             staged.release()
             raise
+        request.client_io = io
         return staged
+
+
+def _check_file(region: Region, where: RegionSlice, what: str) -> None:
+    size = os.fstat(region.fd).st_size
+    if where.offset + where.byte_size > size:
+        raise _invalid(f"{what}: shared memory region '{region.name}' is {size} bytes now, too short for "
+                       f"{where.byte_size} bytes at offset {where.offset}: the client truncated it")
+
+
+def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of `shape` and the datatype's dtype that holds no memory (every element is one zero): what a tensor
+    in a client's region looks like to the checks before its worker reads the real bytes."""
+    dtype = numpy_dtype(datatype)
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape),
+                                           writeable=False)
 
 
 @dataclass(eq=False)
@@ -255,7 +277,7 @@ class Staged:
         shapes. Raises a client error when an output is larger than the space its request gave it."""
         for tensor in response.outputs:
             target = self.outputs.get(tensor.name)
-            if target is None:
+            if target is None or tensor.shm is not None:  # not in shared memory, or its worker wrote it already
                 continue
             ref, where = target
             write_tensor(where, tensor.name, tensor.datatype, tensor.data)
@@ -321,13 +343,18 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
         done += n
 
 
+def read_into(path: str, offset: int, dest: memoryview, what: str) -> None:
+    """Fill `dest` with the bytes at `offset` of a region's file (a device worker's read of a batch's input)."""
+    with open_region(path) as fd:
+        _pread_exact(fd, dest, offset, what)
+
+
 def read_tensor(where: RegionSlice, name: str, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor's bytes read out of its region (one copy), as an array of `shape`."""
     expected_bytes(name, datatype, shape, where.byte_size)
     buf = np.empty(where.byte_size, dtype=np.uint8)
     view = buf.data  # the array's buffer as a memoryview
-    with open_region(where.path) as fd:
-        _pread_exact(fd, view, where.offset, f"input '{name}'")
+    read_into(where.path, where.offset, view, f"input '{name}'")
     if datatype == "BYTES":
         try:
             return decode_bytes_elements(view, math.prod(shape)).reshape(shape)
@@ -344,18 +371,23 @@ def output_bytes(datatype: str, data: np.ndarray) -> memoryview:
 
 
 def write_tensor(where: RegionSlice, name: str, datatype: str, data: np.ndarray) -> None:
-    blob = output_bytes(datatype, data)
-    if len(blob) > where.byte_size:
-        raise _invalid(f"shared memory size specified with the request for output '{name}' ({where.byte_size} "
+    """Write an output into its region (the daemon's or a device worker's write); a client error when it is larger
+    than the space the request gave it, or the region's file is now shorter."""
+    write_blob(where.path, where.offset, where.byte_size, output_bytes(datatype, data), name)
+
+
+def write_blob(path: str, offset: int, byte_size: int, blob: memoryview, name: str) -> None:
+    if len(blob) > byte_size:
+        raise _invalid(f"shared memory size specified with the request for output '{name}' ({byte_size} "
                        f"bytes) should be at least {len(blob)} bytes to hold the results")
-    with open_region(where.path) as fd:
+    with open_region(path) as fd:
         size = os.fstat(fd).st_size
-        if where.offset + len(blob) > size:  # a pwrite past the end would grow the client's file: refuse instead
+        if offset + len(blob) > size:  # a pwrite past the end would grow the client's file: refuse instead
             raise _invalid(f"output '{name}': the shared-memory region is {size} bytes, too short for the output "
-                           f"at offset {where.offset}: the client truncated it")
+                           f"at offset {offset}: the client truncated it")
         done = 0
         while done < len(blob):
-            done += os.pwritev(fd, [blob[done:]], where.offset + done)
+            done += os.pwritev(fd, [blob[done:]], offset + done)
 
 
 class open_region:

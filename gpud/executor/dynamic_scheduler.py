@@ -92,6 +92,10 @@ class DynamicScheduler(SchedulerBase):
         """Whether requests may come as groups (`submit(..., members=n)`): a model that batches them anyway."""
         return self.config.batches and self.config.dynamic_batching is not None
 
+    @property
+    def moves_client_tensors(self) -> bool:
+        return True  # its batches go to a worker as they are: the worker reads and writes the regions (_run)
+
     def _enqueue(self, request: InferRequest, done: Done, members: int = 1) -> Pending:
         """`request` checked and queued; bad input and a full queue raise InferenceError and change nothing."""
         prepared = self._prepare(request)
@@ -188,16 +192,38 @@ class DynamicScheduler(SchedulerBase):
     # --- one batch -------------------------------------------------------------------------------------------
     def _run(self, inst: InstanceHandle, batch: list[Pending]) -> None:
         t0 = time.perf_counter_ns()
+        ios = [p.request.client_io for p in batch]
+        has_io = any(ios)
         try:
-            inputs = protocol.write_inputs(self.config, [p.prepared.inputs for p in batch], inst.ensure_capacity)
+            inputs, reads = protocol.write_inputs(self.config, [p.prepared.inputs for p in batch], inst.ensure_capacity,
+                                                  [io.inputs if io else None for io in ios] if has_io else ())
         except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: this batch fails, the instance stays usable
             self._free.appendleft(inst)
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))
             return
         output_names = tuple(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
-        error = self._submit_batch(inst, batch, batch, inputs, output_names, t0, self._on_reply)
+        writes = self._client_writes(batch, output_names)[0] if has_io else ()
+        error = self._submit_batch(inst, batch, batch, inputs, output_names, t0, self._on_reply, reads, writes)
         if error is not None:
             self._fail(batch, error)
+
+    def _client_writes(self, batch: list[Pending], output_names: tuple[str, ...]) -> tuple[tuple, list[int]]:
+        """The outputs the worker writes into clients' regions (protocol.Infer.writes), and the request of each."""
+        writes: list[tuple[int, int, int, str, int, int]] = []
+        owners: list[int] = []
+        start = 0
+        for i, p in enumerate(batch):
+            rows = p.prepared.batch_rows
+            io = p.request.client_io
+            if io is not None:
+                for name, (_, where) in io.outputs.items():
+                    if name in p.prepared.output_names:
+                        stop = start + rows if self.config.batches else -1
+                        writes.append((output_names.index(name), start, stop, where.path, where.offset,
+                                       where.byte_size))
+                        owners.append(i)
+            start += rows
+        return tuple(writes), owners
 
     def _on_reply(self, inst: InstanceHandle, batch: list[Pending],
                   reply: protocol.Done | protocol.Failed | InferenceError, stage_ns: int) -> None:
@@ -215,8 +241,32 @@ class DynamicScheduler(SchedulerBase):
             if isinstance(answers, InferenceError):
                 self._fail(batch, answers)
             else:
+                if isinstance(reply, protocol.Done) and any(p.request.client_io for p in batch):
+                    batch, answers = self._written_to_regions(batch, reply, answers)
                 self._answer(batch, *answers)
             self._notify_if_idle()
+
+    def _written_to_regions(self, batch: list[Pending], done: protocol.Done, answers: tuple) -> tuple[list, tuple]:
+        """The requests whose outputs the worker wrote into their regions: those outputs answered by shape alone,
+        and the requests whose write failed (too small a region) failed, out of the batch that is answered."""
+        per_request = answers[0]
+        failed: dict[int, str] = {}
+        if done.write_errors:
+            owners = self._client_writes(batch, tuple(m.name for m in done.outputs))[1]  # Infer's output order
+            failed = {owners[index]: message for index, message in done.write_errors}
+        for i, p in enumerate(batch):
+            io = p.request.client_io
+            if io is not None and i not in failed:
+                for tensor in per_request[i]:
+                    target = io.outputs.get(tensor.name)
+                    if target is not None:
+                        tensor.shm = target[0]
+        if not failed:
+            return batch, answers
+        for i, message in failed.items():
+            self._fail([batch[i]], InferenceError(ErrorKind.INVALID_ARGUMENT, message))
+        keep = [i for i in range(len(batch)) if i not in failed]
+        return [batch[i] for i in keep], ([per_request[i] for i in keep], *answers[1:])
 
     def _collect(self, inst: InstanceHandle, batch: list[Pending],
                  reply: protocol.Done | protocol.Failed | InferenceError,

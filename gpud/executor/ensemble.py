@@ -200,6 +200,7 @@ class EnsembleScheduler:
     backlog_sequences = 0
     instances_needed = 0
     takes_groups = False
+    moves_client_tensors = False  # the core reads a request's regions and writes its outputs there
     instances: tuple[InstanceHandle, ...] = ()
 
     def __init__(self, config: ModelConfig, version: str, route: Route):

@@ -28,6 +28,7 @@ from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_eleme
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.shm import Segment, align, new_segment_name, unlink
+from gpud.executor.types import RegionSlice
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -63,10 +64,17 @@ class Infer(NamedTuple):
     outputs: tuple[str, ...]  # output names, in the order Done lists them
     output_types: tuple[str, ...]  # the model's datatype of each output
     seq: int = -1  # numbered when sent (numbered()); the reply carries it back
+    # Inputs in clients' shared-memory regions, which the worker copies into `in_seg` before reading the batch:
+    # (offset in in_seg, region file path, offset in it, bytes). The daemon never touches those bytes.
+    reads: tuple[tuple[int, str, int, int], ...] = ()
+    # Outputs the worker writes into clients' regions: (output index, first row, row past the last (-1: the whole
+    # tensor), region file path, offset in it, bytes the client gave). An output every row of which goes to a
+    # region is not written into the output segment (its TensorMeta offset is -1).
+    writes: tuple[tuple[int, int, int, str, int, int], ...] = ()
 
     def numbered(self, seq: int) -> Infer:
         """This batch with its sequence number; cheaper than _replace, which this runs for every batch."""
-        return _new(Infer, (*self[:6], seq))
+        return _new(Infer, (*self[:6], seq, self[7], self[8]))
 
 
 class Unload(NamedTuple):
@@ -116,6 +124,7 @@ class Done(NamedTuple):
     input_ns: int  # reading the inputs
     infer_ns: int  # the backend's run
     output_ns: int  # writing the outputs
+    write_errors: tuple[tuple[int, str], ...] = ()  # (index into Infer.writes, why): those requests failed
 
 
 class Failed(NamedTuple):
@@ -150,11 +159,11 @@ def dumps(msg: Message) -> bytes:
     """The bytes of one message (a frame's payload)."""
     wire: tuple
     if type(msg) is Infer:
-        key, in_seg, out_seg, inputs, outputs, output_types, seq = msg
-        wire = (_INFER, key, in_seg, out_seg, _plain(inputs), outputs, output_types, seq)
+        key, in_seg, out_seg, inputs, outputs, output_types, seq, reads, writes = msg
+        wire = (_INFER, key, in_seg, out_seg, _plain(inputs), outputs, output_types, seq, reads, writes)
     elif type(msg) is Done:
-        seq, done_outputs, ovf_seg, input_ns, infer_ns, output_ns = msg
-        wire = (_DONE, seq, _plain(done_outputs), ovf_seg, input_ns, infer_ns, output_ns)
+        seq, done_outputs, ovf_seg, input_ns, infer_ns, output_ns, write_errors = msg
+        wire = (_DONE, seq, _plain(done_outputs), ovf_seg, input_ns, infer_ns, output_ns, write_errors)
     else:
         wire = (_TAG[type(msg)], *msg)
     return pickle.dumps(wire, _PICKLE_PROTOCOL)
@@ -165,11 +174,12 @@ def loads(data) -> Message:
     wire = pickle.loads(data)
     tag = wire[0]
     if tag == _INFER:
-        _, key, in_seg, out_seg, inputs, outputs, output_types, seq = wire
-        return _new(Infer, (key, in_seg, out_seg, tuple(map(_meta, inputs)), outputs, output_types, seq))
+        _, key, in_seg, out_seg, inputs, outputs, output_types, seq, reads, writes = wire
+        return _new(Infer, (key, in_seg, out_seg, tuple(map(_meta, inputs)), outputs, output_types, seq, reads,
+                            writes))
     if tag == _DONE:
-        _, seq, outputs, ovf_seg, input_ns, infer_ns, output_ns = wire
-        return _new(Done, (seq, tuple(map(_meta, outputs)), ovf_seg, input_ns, infer_ns, output_ns))
+        _, seq, outputs, ovf_seg, input_ns, infer_ns, output_ns, write_errors = wire
+        return _new(Done, (seq, tuple(map(_meta, outputs)), ovf_seg, input_ns, infer_ns, output_ns, write_errors))
     return _new(_CLASSES[tag], wire[1:])
 
 
@@ -190,10 +200,13 @@ def tensor_region_bytes(config: ModelConfig, tensors: Sequence[TensorSpec],
 
 
 def write_inputs(config: ModelConfig, requests: Sequence[Mapping[str, np.ndarray]],
-                 reserve: Callable[[int], Segment]) -> tuple[TensorMeta, ...]:
+                 reserve: Callable[[int], Segment],
+                 regions: Sequence[Mapping[str, RegionSlice] | None] = ()) -> tuple[tuple[TensorMeta, ...], tuple]:
     """Assemble a batch straight into an input segment: every input's per-request arrays (each mapping holds the same
     names, in the model's order) concatenated along the batch dimension, one copy per tensor. `reserve(total_bytes)`
-    returns a segment at least that big. A model that does not batch has one request per batch."""
+    returns a segment at least that big. A model that does not batch has one request per batch. `regions[i]`: the
+    inputs of request i that lie in a client's region; their place in the segment is left for the worker to fill
+    (Infer.reads, returned second)."""
     plans: list[tuple[str, str, tuple[int, ...], Any, int]] = []  # name, datatype, shape, data, bytes
     total = 0
     for name in requests[0]:
@@ -214,9 +227,12 @@ def write_inputs(config: ModelConfig, requests: Sequence[Mapping[str, np.ndarray
             total += align(nbytes)
     seg = reserve(total)
     rows_meta, offset = [], 0
+    reads: list[tuple[int, str, int, int]] = []
     for name, datatype, shape, payload, nbytes in plans:
         if datatype == "BYTES":
             seg.buf[offset:offset + nbytes] = payload
+        elif any(regions):
+            _place_parts(seg, offset, name, payload, [r.get(name) if r else None for r in regions], reads)
         else:
             out = seg.ndarray(offset, tuple(shape), numpy_dtype(datatype))
             if len(payload) == 1:
@@ -225,7 +241,20 @@ def write_inputs(config: ModelConfig, requests: Sequence[Mapping[str, np.ndarray
                 np.concatenate(payload, axis=0, out=out)
         rows_meta.append(TensorMeta(name, datatype, tuple(int(d) for d in shape), offset, nbytes))
         offset += align(nbytes)
-    return tuple(rows_meta)
+    return tuple(rows_meta), tuple(reads)
+
+
+def _place_parts(seg: Segment, offset: int, name: str, parts: Sequence[np.ndarray],
+                 slices: Sequence[RegionSlice | None], reads: list[tuple[int, str, int, int]]) -> None:
+    """One input's per-request parts one after another from `offset`: copied when given, or a read for the worker
+    when in a client's region."""
+    for part, where in zip(parts, slices):
+        if where is not None:
+            reads.append((offset, where.path, where.offset, where.byte_size))
+            offset += where.byte_size
+        else:
+            seg.buf[offset:offset + part.nbytes] = np.ascontiguousarray(part).reshape(-1).view(np.uint8).data
+            offset += part.nbytes
 
 
 def read_outputs(done: Done, segment: Segment) -> list[tuple[str, str, np.ndarray]]:
@@ -235,7 +264,9 @@ def read_outputs(done: Done, segment: Segment) -> list[tuple[str, str, np.ndarra
     try:
         outputs = []
         for name, datatype, shape, offset, nbytes in done.outputs:
-            if datatype == "BYTES":
+            if offset < 0:  # every row of it went into clients' regions: only its shape comes back
+                arr = _unstaged(datatype, shape)
+            elif datatype == "BYTES":
                 arr = decode_bytes_elements(seg.buf[offset:offset + nbytes], math.prod(shape)).reshape(shape)
             else:
                 arr = seg.ndarray(offset, shape, numpy_dtype(datatype)).copy()
@@ -245,6 +276,13 @@ def read_outputs(done: Done, segment: Segment) -> list[tuple[str, str, np.ndarra
         if done.ovf_seg:
             seg.close()
             unlink(done.ovf_seg)
+
+
+def _unstaged(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An output of `shape` that holds no memory (every element one zero): the worker wrote it into clients' regions."""
+    dtype = numpy_dtype(datatype) if datatype != "BYTES" else np.dtype(object)
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape),
+                                           writeable=False)
 
 
 # --- staging: the worker's side ----------------------------------------------------------------------------------
@@ -260,13 +298,19 @@ def read_inputs(segment: Segment, inputs: Sequence[TensorMeta]) -> dict[str, np.
 
 
 def write_outputs(segment: Segment, names: Sequence[str], output_types: Sequence[str],
-                  results: Sequence[np.ndarray]) -> tuple[tuple[TensorMeta, ...], str]:
+                  results: Sequence[np.ndarray],
+                  skip: frozenset[int] = frozenset()) -> tuple[tuple[TensorMeta, ...], str]:
     """Write a batch's outputs into `segment`, or into a new overflow segment when they do not fit (variable-size
     outputs); returns their rows and the overflow segment's name ("" when none). The overflow segment is left for
-    the daemon, which reads and removes it."""
+    the daemon, which reads and removes it. Outputs whose index is in `skip` (written into clients' regions) are
+    only described: offset -1."""
     blobs: list[tuple[str, str, tuple[int, ...], np.ndarray | bytes]] = []
-    for name, spec_type, arr in zip(names, output_types, results):
+    skipped: list[TensorMeta] = []
+    for index, (name, spec_type, arr) in enumerate(zip(names, output_types, results)):
         arr = np.asarray(arr)
+        if index in skip:
+            skipped.append(TensorMeta(name, "BYTES" if spec_type == "BYTES" else spec_type, tuple(arr.shape), -1, 0))
+            continue
         if spec_type == "BYTES" or arr.dtype.kind in ("O", "U", "S"):
             blobs.append((name, "BYTES", arr.shape, encode_bytes_elements(arr)))
         else:
@@ -295,4 +339,7 @@ def write_outputs(segment: Segment, names: Sequence[str], output_types: Sequence
         raise
     if ovf_name:
         seg.close()
+    if skipped:  # Done lists outputs in the batch's order
+        order = {name: i for i, name in enumerate(names)}
+        rows = sorted(rows + skipped, key=lambda r: order[r.name])
     return tuple(rows), ovf_name

@@ -92,6 +92,12 @@ class Scheduler(Protocol):
         """Whether `submit(..., members=n)` may carry n requests' rows as one request."""
         ...
 
+    @property
+    def moves_client_tensors(self) -> bool:
+        """Whether its workers read inputs from and write outputs into clients' shared-memory regions themselves
+        (a request's `client_io`); else the core does, and the scheduler sees plain arrays."""
+        ...
+
     def submit(self, request: InferRequest, done: Done, members: int = 1) -> RequestHandle:
         """Queue `request`; `done(response_or_error)` is called once, from the event loop. Bad input and a full
         queue raise InferenceError at once and change nothing. `members` > 1 only where `takes_groups`."""
@@ -275,6 +281,10 @@ class SchedulerBase:
     @property
     def takes_groups(self) -> bool:
         return False
+
+    @property
+    def moves_client_tensors(self) -> bool:
+        return False
     _unready_note = ""  # added to the message of requests failed for want of a ready instance
 
     def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float):
@@ -437,7 +447,8 @@ class SchedulerBase:
     # --- a staged batch to its instance ------------------------------------------------------------------------
     def _submit_batch(self, inst: InstanceHandle, batch: list[Pending], handle: Any, inputs: tuple,
                       output_names: tuple[str, ...], t0_ns: int,
-                      on_reply: Callable[[InstanceHandle, Any, Any, int], None]) -> InferenceError | None:
+                      on_reply: Callable[[InstanceHandle, Any, Any, int], None],
+                      reads: tuple = (), writes: tuple = ()) -> InferenceError | None:
         """Send a batch whose inputs are staged (since `t0_ns`) to its instance: each request's dispatch time, the
         instance running `handle` (what `on_reply(inst, handle, reply, stage_ns)` gets back). The error when its
         worker cannot be reached (the instance is then not running; the caller fails the batch)."""
@@ -445,7 +456,7 @@ class SchedulerBase:
         if in_seg is None or out_seg is None or worker is None:  # unloaded meanwhile
             return InferenceError(ErrorKind.UNAVAILABLE, f"instance {inst.key} is not loaded")
         msg = protocol.Infer(inst.key, in_seg.name, out_seg.name, inputs, output_names,
-                             tuple([self._output_types[n] for n in output_names]))
+                             tuple([self._output_types[n] for n in output_names]), -1, reads, writes)
         stage_ns = time.perf_counter_ns() - t0_ns
         for p in batch:
             p.dispatch_ns = t0_ns

@@ -237,7 +237,7 @@ class SequenceScheduler(SchedulerBase):
         t0 = time.perf_counter_ns()
         batch = [row.request.payload for row in d.rows if row.request is not None]
         try:
-            inputs = protocol.write_inputs(self.exec_config, self._rows(d), inst.ensure_capacity)
+            inputs, _ = protocol.write_inputs(self.exec_config, self._rows(d), inst.ensure_capacity)
         except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: this batch fails, the instance stays usable
             self.batcher.complete(d)
             self._fail(batch, InferenceError(ErrorKind.INTERNAL, f"could not stage the batch: {exc}"))

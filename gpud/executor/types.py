@@ -46,6 +46,26 @@ class ShmRef:
     byte_size: int
 
 
+@dataclass(frozen=True, slots=True)
+class RegionSlice:
+    """Where a tensor lies in a client's registered region: `byte_size` bytes at `offset` of the file at `path`
+    (the region's own offset added; `path` opens the region's file from any of gpud's processes)."""
+
+    region: str
+    path: str
+    offset: int
+    byte_size: int
+
+
+@dataclass(slots=True)
+class ClientIO:
+    """A request's tensors in client regions that the device worker moves itself (gpud.executor.client_shm): the
+    inputs it reads (by name; their `data` is a placeholder of the right shape) and the outputs it writes."""
+
+    inputs: dict[str, RegionSlice] = field(default_factory=dict)
+    outputs: dict[str, tuple[ShmRef, RegionSlice]] = field(default_factory=dict)
+
+
 @dataclass(slots=True)
 class InferTensor:
     """A named tensor. `data` is a numpy array of exactly `shape`; BYTES tensors hold an object array of bytes.
@@ -81,6 +101,7 @@ class InferRequest:
     # Such requests share `outputs` and `parameters`: read them, never change them.
     signature: Any = None
     uses_shm: bool = False  # an input or a requested output has `shm` (front ends set it: the core then stages them)
+    client_io: ClientIO | None = None  # set by the core's staging when the version's worker moves them itself
 
 
 @dataclass(slots=True)

@@ -16,12 +16,16 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from gpud.executor.backend import Backends, LoadOptions, ModelInstance
+from gpud.executor.client_shm import output_bytes, read_into, write_blob
 from gpud.executor.device import WorkerDevice
 from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
 from gpud.executor.reshape import with_reshape
 from gpud.executor.shm import Segment
+from gpud.executor.types import InferenceError
 
 log = logging.getLogger("gpud.worker")
 
@@ -103,20 +107,49 @@ def load_instance(backends: Backends, device: WorkerDevice, load_lock: threading
 
 def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infer, key: str = "") -> Done | Failed:
     """Run one batch whose inputs lie in shared memory (`segment(name)` maps a segment), its outputs written there;
-    Done with where they lie and what each phase took, or Failed saying why."""
+    Done with where they lie and what each phase took, or Failed saying why. Inputs in clients' regions are read
+    into the input segment first, and outputs bound for clients' regions written there (gpud.executor.client_shm)."""
     try:
         t0 = time.perf_counter_ns()
-        feed = read_inputs(segment(msg.in_seg), msg.inputs)
+        in_seg = segment(msg.in_seg)
+        for offset, path, src_offset, nbytes in msg.reads:
+            read_into(path, src_offset, in_seg.buf[offset:offset + nbytes], "an input in shared memory")
+        feed = read_inputs(in_seg, msg.inputs)
         t1 = time.perf_counter_ns()
         results = model.run(feed, msg.outputs)
         t2 = time.perf_counter_ns()
-        outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results)
+        skip: frozenset[int] = frozenset()
+        write_errors: tuple[tuple[int, str], ...] = ()
+        if msg.writes:
+            write_errors, skip = _write_client_outputs(msg, results)
+        outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results, skip)
         t3 = time.perf_counter_ns()
     except Exception as exc:  # noqa: BLE001 - the model's own error, whatever its type, is the answer; the worker goes on
+        if isinstance(exc, InferenceError):  # a client's region that no longer holds what it said
+            return Failed(msg.seq, exc.kind.name, exc.message)
         kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
         log.debug("instance %s: batch %s failed:\n%s", key or msg.key, msg.seq, traceback.format_exc())
         return Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}")
-    return Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2)
+    return Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2, write_errors)
+
+
+def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray]) -> tuple[tuple[tuple[int, str], ...],
+                                                                             frozenset[int]]:
+    """Each request's rows of its outputs bound for clients' regions, written there; the writes that failed (that
+    request fails, the others of the batch are answered), and the outputs every row of which went to regions."""
+    errors = []
+    rows_written = [0] * len(results)
+    for index, (output, start, stop, path, offset, byte_size) in enumerate(msg.writes):
+        arr = np.asarray(results[output])
+        part = arr if stop < 0 else arr[start:stop]
+        try:
+            write_blob(path, offset, byte_size, output_bytes(msg.output_types[output], part), msg.outputs[output])
+        except InferenceError as exc:
+            errors.append((index, exc.message))
+        rows_written[output] += arr.shape[0] if stop < 0 or arr.ndim == 0 else stop - start
+    covered = frozenset(i for i, n in enumerate(rows_written)
+                        if n and (np.ndim(results[i]) == 0 or n >= np.shape(results[i])[0]))
+    return tuple(errors), covered
 
 
 class _Instance:
