@@ -152,6 +152,7 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), registry,
                     placement, pool, views=all_views, control=prepared.model_control,
                     client_shm=ClientRegions(allowed=settings.allow_client_shm,
+                                             max_request_bytes=settings.max_request_bytes,
                                              has_gpu=any(d.kind in ("gpu", "mig") and not d.simulated
                                                          for d in leaves)))
     read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731

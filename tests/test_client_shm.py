@@ -139,3 +139,13 @@ def test_the_worker_reads_client_inputs_and_writes_client_outputs_and_fails_only
     finally:
         in_seg.close()
         out_seg.close()
+
+
+def test_a_requests_inputs_in_shared_memory_are_bounded_as_a_body_is(tmp_path):
+    regions = ClientRegions(allowed=True, shm_dir=str(tmp_path), max_request_bytes=8)
+    regions.register("in", region_file(tmp_path, "in", bytes(16)), 0, 16)
+    with pytest.raises(InferenceError, match="add up to 16 bytes, more than the limit of 8 \\(--max-request-bytes\\)"):
+        regions.stage(request_using("in", 16))
+    regions.unregister()
+    assert regions.status() == []
+    regions.close()

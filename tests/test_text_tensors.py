@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 import gpud
 from gpud.executor.types import InferenceError
 from tests.daemon_harness import save, start_daemon
+from tests.ensemble_models import ensemble_config, save_model, step
 
 pytestmark = pytest.mark.slow
 NODE = "config/nodes/dgx-a100-2gpu-mig.yaml"
@@ -52,6 +53,11 @@ def as_array(items: list[bytes]) -> np.ndarray:
 def repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     save(identity_model(), repo, "echo", CONFIG)
+    # An ensemble of two echo steps: text crosses a step boundary (the first step's output is the second's input)
+    save_model(repo, "echo_twice", None, ensemble_config(
+        "echo_twice", [("TEXT", "TYPE_STRING", [-1])], [("ECHO", "TYPE_STRING", [-1])],
+        [step("echo", {"TEXT": "TEXT"}, {"ECHO": "mid"}), step("echo", {"TEXT": "mid"}, {"ECHO": "ECHO"})],
+        max_batch_size=8))
     return repo
 
 
@@ -110,6 +116,14 @@ class TestOverTheWire:
             client.infer("echo", [inp])
         assert info.value.status() == "400" and "input 'TEXT' element" in info.value.message()
         assert "is not UTF-8 text" in info.value.message()
+
+    @SLOW
+    @given(items=TEXTS)
+    def test_through_an_ensembles_steps(self, daemon, items):
+        client = grpcclient.InferenceServerClient(daemon.grpc_url)
+        inp = grpcclient.InferInput("TEXT", [1, len(items)], "BYTES")
+        inp.set_data_from_numpy(as_array(items))
+        assert list(client.infer("echo_twice", [inp]).as_numpy("ECHO")[0]) == items
 
     def test_a_batch_of_empty_strings_and_a_batch_of_mixed_lengths(self, daemon):
         client = grpcclient.InferenceServerClient(daemon.grpc_url)

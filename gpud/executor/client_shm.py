@@ -81,9 +81,11 @@ class ClientRegions:
     """The registered system shared-memory regions of a server. `allowed`: --allow-client-shm."""
 
     def __init__(self, *, allowed: bool = False, max_regions: int = DEFAULT_MAX_REGIONS, shm_dir: str = SHM_DIR,
-                 has_gpu: bool = False):
+                 has_gpu: bool = False, max_request_bytes: int = 64 * 2**20):
         self.allowed = allowed
         self.max_regions = max_regions
+        # A request's inputs in regions are staged in gpud's memory as a body's would be: the same bound.
+        self.max_request_bytes = max_request_bytes
         self.shm_dir = shm_dir
         self.has_gpu = has_gpu
         self._regions: dict[str, Region] = {}
@@ -204,6 +206,10 @@ class ClientRegions:
         `client_io`; the daemon never touches those bytes); else the inputs are read here, into arrays, and
         `Staged.deliver` writes the outputs. Raises a client error (and holds nothing) when a region, an offset or
         a size is wrong, or a region's file is shorter than the request needs (its client truncated it)."""
+        total = sum(t.shm.byte_size for t in request.inputs if t.shm is not None)
+        if total > self.max_request_bytes:
+            raise _invalid(f"the request's inputs in shared memory add up to {total} bytes, more than the limit of "
+                           f"{self.max_request_bytes} (--max-request-bytes)")
         staged = Staged()
         io = ClientIO() if in_worker else None
         try:
