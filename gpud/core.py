@@ -11,13 +11,13 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from gpud.executor.client_shm import ClientRegions
+from gpud.executor.client_shm import ClientRegions, place_inputs
 from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.classification import PARAMETER as CLASSIFICATION
 from gpud.executor.classification import class_count, classified
 from gpud.executor.scheduler import Done, Scheduler
-from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RequestedOutput
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice, RequestedOutput
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
@@ -202,11 +202,16 @@ class GpudCore:
             self.lifecycle.register_new(name)
         return self.registry.version(name, version)
 
-    def submit(self, request: InferRequest, done: Done) -> Callable[[], None]:
+    def submit(self, request: InferRequest, done: Done,
+               placed: Mapping[str, RegionSlice] | None = None) -> Callable[[], None]:
+        """`placed`: inputs a front-end process put in its shared memory (gpud.frontproc), by name; their data is
+        empty here. The version's worker reads them where it can, else they are read now."""
         vs = self._ready_version(request)
         if request.outputs is not None and _asks_classes(request.outputs):
             done = _classifying(vs, request, done)
         scheduler = vs.scheduler
+        if placed:
+            place_inputs(request, placed, in_worker=scheduler.moves_client_tensors)
         if not request.uses_shm:
             return partial(scheduler.cancel, scheduler.submit(request, done))
         # its regions held until answered; their bytes moved by the worker where the scheduler can, else here

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gpud.executor.client_shm import ClientRegions
+from gpud.executor.client_shm import RegionStatus
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import InferenceError, InferRequest, InferResponse
@@ -109,10 +109,32 @@ class Applied:
     removed: tuple[PlacedInstance, ...]
 
 
+class SharedMemoryRegions(Protocol):
+    """The registered client shared-memory regions, as front ends use them (gpud.executor.client_shm.ClientRegions,
+    or a front-end process's proxy of it)."""
+
+    def status(self, name: str = "") -> list[RegionStatus]: ...
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
+
+    def unregister(self, name: str = "") -> None: ...
+
+    def check_cuda(self) -> None: ...
+
+    def cuda_register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None: ...
+
+    def cuda_unregister(self, name: str = "") -> None: ...
+
+    def cuda_status(self, name: str = "") -> list[Any]: ...
+
+
 class InferenceCore(Protocol):
     """Every method raises `gpud.executor.types.InferenceError` for errors a client should see."""
 
-    client_shm: ClientRegions  # clients' shared-memory regions (the shared-memory extension)
+    @property
+    def client_shm(self) -> SharedMemoryRegions:
+        """Clients' shared-memory regions (the shared-memory extension)."""
+        ...
 
     def server_live(self) -> bool: ...
 

@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tensor-elements", type=int, metavar="N",
                    help="an input whose declared shape spans more elements is refused (400 / INVALID_ARGUMENT) "
                         "before anything is allocated for it; zero dimensions count as one (default 268435456)")
+    p.add_argument("--http-processes", type=int, metavar="N",
+                   help="serve HTTP from N front-end processes of their own, which parse requests and place their "
+                        "tensors in shared memory, so that the core's event loop only batches and answers "
+                        "(default 0: HTTP on the core's event loop)")
     p.add_argument("--json-processes", type=int, metavar="N",
                    help="child processes that decode large JSON inference bodies and encode large JSON answers, so "
                         "that none holds up other requests (orjson holds the GIL: a thread would not do); at most 4 "
@@ -189,6 +193,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     again (default: the same ones, so a reload re-reads only the model repository). The components are
     gpud.wiring's (as the in-process server's); this adds the signals, the reload, systemd and the front ends."""
     from gpud import wiring
+    from gpud.frontproc.host import FrontendHost
 
     prepared = prepare_settings(settings)  # refuse bad settings before starting anything
     admin = AdminAuth(prepared.admin_token, socket_path=settings.admin_socket, open_to_network=settings.admin_open)
@@ -210,7 +215,12 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     try:
         notify("STATUS=loading the model repository")
         await parts.start()
-        if settings.allow_http:
+        if settings.allow_http and settings.http_processes:
+            runners.append(_start_frontends(core, admin, settings))
+            ports["http"] = runners[-1].listen.getsockname()[1]
+            log.info("HTTP (KServe v2) on %s:%d, in %d front-end process(es)", settings.http_address, ports["http"],
+                     settings.http_processes)
+        elif settings.allow_http:
             from gpud.api.http_api import start_http_server
             from gpud.api.json_codec import JsonCodecPool
 
@@ -274,7 +284,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     log.info("model control: %s; over TCP, load, unload and placement %s", prepared.model_control.mode,
              admin.describe())
     reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller,
-                                   [r for r in runners if isinstance(r, HttpServer)]))
+                                   [r for r in runners if isinstance(r, (HttpServer, FrontendHost))]))
 
     await stop.wait()
     reloader.stop()
@@ -288,11 +298,34 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     return 0
 
 
+def _start_frontends(core, admin: AdminAuth, settings: Settings):
+    """HTTP front ends in `settings.http_processes` processes of their own, accepting on one listening socket."""
+    import socket
+
+    from gpud.frontproc.host import FrontendHost
+
+    listen = socket.create_server((settings.http_address, settings.http_port), backlog=1024,
+                                  family=socket.AF_INET6 if ":" in settings.http_address else socket.AF_INET)
+    n = settings.http_processes
+    options = {"max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
+               "request_timeout_s": settings.http_request_timeout_seconds,
+               "max_connections": max(1, -(-settings.http_max_connections // n)),
+               "max_tensor_elements": settings.max_tensor_elements}
+    host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
+    host.start()
+    return host
+
+
 async def _close(runners, grpc_server, grace_s: float) -> None:
+    from gpud.frontproc.host import FrontendHost
+
     if grpc_server is not None:
         await grpc_server.stop(grace_s)
     for runner in runners:
-        if isinstance(runner, HttpServer):
+        if isinstance(runner, FrontendHost):
+            await runner.stop(grace_s)
+            runner.listen.close()
+        elif isinstance(runner, HttpServer):
             await runner.close(grace_s)
         else:
             await runner.cleanup()

@@ -45,17 +45,19 @@ def one_point(args, workdir: str, repo: str, body_file: str, header_len: int, wr
     ready = os.path.join(workdir, "gpud.ready")
     if os.path.exists(ready):  # the previous repetition's: GpudServer.start waits for this file to appear
         os.remove(ready)
-    server = run.GpudServer(workdir, repo)
+    server = run.GpudServer(workdir, repo, ("--http-processes", str(args.http_processes)))
     server.start()
     try:
-        front, *workers = server.tree()
+        front, *children = server.tree()
+        frontends = [c for c in children if "gpud.frontproc.child" in " ".join(c.cmdline())]
+        workers = [c for c in children if c not in frontends]
         target = next(t for t in server.targets() if t.label == f"gpud http-{args.body}")
         url = f"http://127.0.0.1:{server.http_port}/v2/models/{args.model}/stats"
         stats_before = read_stats(url)
-        before = (cpu_seconds([front]), cpu_seconds(workers), time.perf_counter())
+        before = (cpu_seconds([front]), cpu_seconds(workers), time.perf_counter(), cpu_seconds(frontends))
         result = run.run_wrk(wrk, server, target, args.model, args.concurrency, args.seconds, body_file, header_len,
                              workdir)
-        after = (cpu_seconds([front]), cpu_seconds(workers), time.perf_counter())
+        after = (cpu_seconds([front]), cpu_seconds(workers), time.perf_counter(), cpu_seconds(frontends))
         stats = read_stats(url)
     finally:
         server.stop()
@@ -66,6 +68,7 @@ def one_point(args, workdir: str, repo: str, body_file: str, header_len: int, wr
         "req_s": result["requests"] / (result["duration_us"] / 1e6),
         "p50_ms": result["p50_us"] / 1e3, "p99_ms": result["p99_us"] / 1e3,
         "front_us": (after[0] - before[0]) / n * 1e6, "worker_us": (after[1] - before[1]) / n * 1e6,
+        "fe_us": (after[3] - before[3]) / n * 1e6,
         "rows_per_batch": (stats["inference_count"] - stats_before["inference_count"]) / max(1, batches),
         # The share of the point the worker spent inside the engine's run: what is left is the instance waiting
         # between batches (for requests, or for the front end to hand it the next batch).
@@ -82,6 +85,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--model", choices=("mlp", "heavy"), default="mlp")
     p.add_argument("--intra-op-threads", type=int, default=0)
+    p.add_argument("--http-processes", type=int, default=0,
+                   help="gpud's --http-processes: front ends in N processes (their CPU is the 'fe' column; 'front' "
+                        "is then the core's process alone)")
     args = p.parse_args(argv)
     wrk = run.ensure_wrk()
     with tempfile.TemporaryDirectory(prefix="gpud-point-") as workdir:
@@ -95,13 +101,14 @@ def main(argv=None) -> int:
             body, header_len = run.kserve_json(row), 0
         with open(body_file, "wb") as f:
             f.write(body)
-        print(f"# {args.model}, {args.concurrency} connections, HTTP {args.body}, {args.seconds:.0f} s x {args.repeat}")
-        print(f"{'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'front us/req':>12} {'worker us/req':>13} {'rows/batch':>10} {'infer busy':>10} {'infer ms/batch':>14}")
+        print(f"# {args.model}, {args.concurrency} connections, HTTP {args.body}, {args.seconds:.0f} s x {args.repeat},"
+              f" --http-processes {args.http_processes}")
+        print(f"{'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'front us/req':>12} {'worker us/req':>13} {'rows/batch':>10} {'infer busy':>10} {'infer ms/batch':>14} {'fe us/req':>9}")
         for _ in range(args.repeat):
             r = one_point(args, workdir, repo, body_file, header_len, wrk)
             print(f"{r['req_s']:8.0f} {r['p50_ms']:7.2f} {r['p99_ms']:7.2f} {r['front_us']:12.0f} "
                   f"{r['worker_us']:13.0f} {r['rows_per_batch']:10.1f} {r['infer_busy']:10.0%} "
-                  f"{r['infer_ms_per_batch']:14.2f}" + (f"  errors {r['errors']}" if r["errors"]
+                  f"{r['infer_ms_per_batch']:14.2f} {r['fe_us']:9.0f}" + (f"  errors {r['errors']}" if r["errors"]
                                                                           else ""))
     return 0
 

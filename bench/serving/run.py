@@ -240,14 +240,16 @@ class Server:
 class GpudServer(Server):
     name = "gpud"
 
-    def __init__(self, workdir: str, repo: str):
+    def __init__(self, workdir: str, repo: str, extra_args: tuple[str, ...] = ()):
         super().__init__(workdir)
         self.repo = repo
+        self.extra_args = extra_args  # more gpud flags (point.py's --http-processes)
 
     def start(self) -> None:
         ready = os.path.join(self.workdir, "gpud.ready")
         self._spawn([GPUD, "--model-repository", self.repo, "--address", "127.0.0.1", "--http-port", "0",
-                     "--grpc-port", "0", "--metrics-port", "0", "--log-level", "WARNING", "--ready-file", ready])
+                     "--grpc-port", "0", "--metrics-port", "0", "--log-level", "WARNING", "--ready-file", ready,
+                     *self.extra_args])
         deadline = time.monotonic() + 120
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -494,6 +494,14 @@ class HttpServer:
         self._arm_sweeper()
         return self.port
 
+    async def start_socket(self, sock: socket.socket) -> int:
+        """Serve on a listening socket bound elsewhere (a front-end process's, shared with the others)."""
+        self.loop = asyncio.get_running_loop()
+        self._server = await self.loop.create_server(lambda: _Connection(self), sock=sock, backlog=self.backlog)
+        self.port = sock.getsockname()[1]
+        self._arm_sweeper()
+        return self.port
+
     async def start_unix(self, path: str) -> None:
         """Serve on a unix socket at `path`, created with mode 0660 (gpud.api.unix_socket); `close()` removes it."""
         sock = bind_unix_socket(path)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,6 +244,22 @@ class ClientRegions:
             raise
         request.client_io = io
         return staged
+
+
+def place_inputs(request: InferRequest, placed: Mapping[str, RegionSlice], in_worker: bool) -> None:
+    """Inputs another process of gpud put in shared memory (a front-end process's arena), by name: left for the
+    version's worker to read (`client_io`), or read now."""
+    io = ClientIO(inputs=dict(placed)) if in_worker else None
+    for tensor in request.inputs:
+        where = placed.get(tensor.name)
+        if where is None:
+            continue
+        if io is not None:
+            tensor.data = placeholder(tensor.datatype, tensor.shape)
+        else:
+            tensor.data = read_tensor(where, tensor.name, tensor.datatype, tensor.shape)
+    if io is not None:
+        request.client_io = io
 
 
 def _check_file(region: Region, where: RegionSlice, what: str) -> None:

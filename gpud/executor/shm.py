@@ -27,6 +27,11 @@ def _dir() -> str:
     return _SHM_DIR
 
 
+def segment_path(name: str) -> str:
+    """The file a segment's name stands for (how another process opens it)."""
+    return os.path.join(_dir(), name)
+
+
 def align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 

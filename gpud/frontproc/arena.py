@@ -1,0 +1,91 @@
+"""A front-end process's shared memory for the tensors of the requests it hands to the core: the device worker reads
+them from here (one pread into its batch), so the core never touches them.
+
+First-fit allocation over segments the process owns (gpud.executor.shm: plain files in /dev/shm, removed when the
+arena closes); a request's blocks are freed when it is answered. When no segment has room, another is made, twice
+the size needed at least: the arena grows with the bytes in flight, never per request.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpud.executor.shm import Segment, align, new_segment_name, segment_path
+from gpud.executor.types import RegionSlice
+
+DEFAULT_SEGMENT_BYTES = 64 << 20
+
+
+@dataclass(eq=False)
+class _Space:
+    segment: Segment
+    path: str
+    free: list[tuple[int, int]] = field(default_factory=list)  # (offset, size), by offset, merged
+
+    def take(self, size: int) -> int | None:
+        for i, (offset, length) in enumerate(self.free):
+            if length >= size:
+                if length == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + size, length - size)
+                return offset
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        i = bisect.bisect(self.free, (offset, size))
+        self.free.insert(i, (offset, size))
+        # merge with the neighbours
+        if i + 1 < len(self.free) and offset + size == self.free[i + 1][0]:
+            size += self.free[i + 1][1]
+            self.free[i] = (offset, size)
+            del self.free[i + 1]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == offset:
+            self.free[i - 1] = (self.free[i - 1][0], self.free[i - 1][1] + size)
+            del self.free[i]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    space: _Space
+    offset: int
+    size: int
+
+
+class Arena:
+    def __init__(self, segment_bytes: int = DEFAULT_SEGMENT_BYTES):
+        self.segment_bytes = segment_bytes
+        self._spaces: list[_Space] = []
+
+    def put(self, data: np.ndarray) -> tuple[RegionSlice, Block]:
+        """Copy `data`'s bytes (C order, as they are) into the arena: where they lie, and the block to free."""
+        nbytes = data.nbytes
+        block = self._alloc(max(1, nbytes))
+        if nbytes:
+            dest = block.space.segment.ndarray(block.offset, (nbytes,), np.dtype(np.uint8))
+            dest[...] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        return RegionSlice("", block.space.path, block.offset, nbytes), block
+
+    def _alloc(self, nbytes: int) -> Block:
+        size = align(nbytes)
+        for space in self._spaces:
+            offset = space.take(size)
+            if offset is not None:
+                return Block(space, offset, size)
+        segment = Segment.create(new_segment_name("fe"), max(self.segment_bytes, 2 * size))
+        space = _Space(segment, segment_path(segment.name), [(0, segment.size_bytes)])
+        self._spaces.append(space)
+        offset = space.take(size)
+        assert offset is not None
+        return Block(space, offset, size)
+
+    @staticmethod
+    def free(block: Block) -> None:
+        block.space.give(block.offset, block.size)
+
+    def close(self) -> None:
+        for space in self._spaces:
+            space.segment.close()
+        self._spaces.clear()

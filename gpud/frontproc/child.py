@@ -1,0 +1,75 @@
+"""A front-end process: `python -m gpud.frontproc.child --link-fd N --listen-fd M --options JSON` (started by
+gpud.frontproc.host). Serves KServe v2 HTTP on the inherited listening socket over a RemoteCore, until the core says
+stop (or is gone); ignores SIGINT and SIGTERM, which are the core's to act on."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+
+from gpud.api.http_api import HttpApi
+from gpud.api.http_server import HttpServer
+from gpud.frontproc.arena import Arena
+from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
+
+log = logging.getLogger("gpud.frontend")
+
+
+async def serve(link: socket.socket, listen: socket.socket, options: dict) -> None:
+    arena = Arena()
+    core = RemoteCore(link, arena)
+    stop = asyncio.Event()
+    grace = [options.get("grace_s", 30.0)]
+
+    def on_stop(grace_s: float) -> None:
+        grace[0] = grace_s
+        stop.set()
+    core.on_stop = on_stop
+    core.on_lost = stop.set
+    core.start()
+    server = HttpServer(HttpApi(core, RemoteAdmin(core), options["max_tensor_elements"]),
+                        max_body_bytes=options["max_body_bytes"], max_head_bytes=options["max_head_bytes"],
+                        request_timeout_s=options["request_timeout_s"], max_connections=options["max_connections"])
+
+    def on_tune(request_timeout_s: float, max_connections: int) -> None:
+        server.request_timeout_s = request_timeout_s
+        server.max_connections = max_connections
+    core.on_tune = on_tune
+    await server.start_socket(listen)
+    try:
+        await stop.wait()
+        await server.close(grace[0])
+    finally:
+        core.close()
+        arena.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpud-frontend", description="gpud front-end process (started by gpud)")
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--link-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--options", required=True, help="JSON")
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s gpud.frontend[{args.index}] %(message)s")
+    link = socket.socket(fileno=args.link_fd)
+    listen = socket.socket(fileno=args.listen_fd)
+    try:
+        import uvloop
+
+        uvloop.run(serve(link, listen, json.loads(args.options)))
+    except ImportError:
+        asyncio.run(serve(link, listen, json.loads(args.options)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

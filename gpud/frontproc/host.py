@@ -1,0 +1,253 @@
+"""The core's side of the front-end processes: starts them on a listening socket the daemon bound (each accepts from
+it: the kernel spreads connections over them), answers their calls and requests on the event loop, restarts one that
+dies (only its own connections are lost: its requests in flight are withdrawn), and stops them all, each finishing
+what it accepted.
+
+A front-end process ignores SIGINT and SIGTERM (a terminal's Ctrl-C and systemd's stop reach every process of the
+service): it stops when the core tells it to, after the core stopped taking new work, or when the core is gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.api.admin import AdminAuth
+from gpud.core import GpudCore
+from gpud.executor.client_shm import NO_DATA
+from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
+from gpud.frontproc.link import FrameReader, Sender, request_of, response_wire
+
+log = logging.getLogger("gpud.frontend")
+
+# What a front-end process may ask of the core: the InferenceCore protocol's methods, and its regions'.
+CALLS = frozenset({"server_live", "server_ready", "server_metadata", "model_ready", "model_metadata", "model_config",
+                   "model_statistics", "repository_index", "inspect", "apply_placement", "load_model",
+                   "unload_model"})
+REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cuda_register", "cuda_unregister",
+                          "cuda_status"})
+RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
+
+
+@dataclass(eq=False)
+class FrontendProcess:
+    index: int
+    proc: subprocess.Popen
+    sock: socket.socket
+    reader: FrameReader | None = None
+    sender: Sender | None = None
+    submits: dict[int, Callable[[], None] | None] = field(default_factory=dict)
+    started_s: float = 0.0
+    alive: bool = True
+
+
+class FrontendHost:
+    def __init__(self, core: GpudCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
+                 log_level: int = logging.INFO):
+        self.core = core
+        self.admin = admin  # the admin rules (a reload changes its token): front ends ask it
+        self.count = count
+        self.listen = listen
+        self.options = options  # what each process's HttpServer and HttpApi take (JSON)
+        self.log_level = log_level
+        self.processes: list[FrontendProcess | None] = [None] * count
+        self.stopping = False
+        self.restarts = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for i in range(self.count):
+            self._spawn(i)
+
+    # A reload's request timeout and connection cap (gpud.reload's HTTP servers), for every process: the cap is
+    # shared out between them.
+    @property
+    def request_timeout_s(self) -> float:
+        return self.options["request_timeout_s"]
+
+    @request_timeout_s.setter
+    def request_timeout_s(self, value: float) -> None:
+        self.options["request_timeout_s"] = value
+        self._tune()
+
+    @property
+    def max_connections(self) -> int:
+        return self.options["max_connections"] * self.count
+
+    @max_connections.setter
+    def max_connections(self, value: int) -> None:
+        self.options["max_connections"] = max(1, -(-value // self.count))
+        self._tune()
+
+    def _tune(self) -> None:
+        for fp in self.processes:
+            if fp is not None and fp.alive:
+                self._send(fp, ("tune", self.options["request_timeout_s"], self.options["max_connections"]))
+
+    def pids(self) -> list[int]:
+        return [p.proc.pid for p in self.processes if p is not None and p.alive]
+
+    def _spawn(self, index: int) -> None:
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "gpud.frontproc.child", "--index", str(index), "--link-fd", str(theirs.fileno()),
+               "--listen-fd", str(self.listen.fileno()), "--options", json.dumps(self.options),
+               "--log-level", str(self.log_level)]
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.listen.fileno()))
+        theirs.close()
+        ours.setblocking(False)
+        fp = FrontendProcess(index, proc, ours, started_s=time.monotonic())
+        fp.reader = FrameReader(ours, lambda message: self._on_message(fp, message))
+        fp.sender = Sender(ours, lambda: self._lost(fp))
+        self.processes[index] = fp
+        assert self._loop is not None
+        self._loop.add_reader(ours.fileno(), self._readable, fp)
+        log.info("front-end process %d started (pid %d)", index, proc.pid)
+
+    # --- messages ----------------------------------------------------------------------------------------------
+    def _readable(self, fp: FrontendProcess) -> None:
+        assert fp.reader is not None
+        if not fp.reader.read():
+            self._lost(fp)
+
+    def _on_message(self, fp: FrontendProcess, message: tuple) -> None:
+        kind = message[0]
+        if kind == "submit":
+            _, ident, wire, placed = message
+            fp.submits[ident] = None  # answered before submit returns: the entry is gone, nothing to keep
+            try:
+                where = {name: RegionSlice("", *at) for name, at in placed.items()} if placed else None
+                cancel = self.core.submit(request_of(wire), lambda result: self._answer(fp, ident, result),
+                                          placed=where)
+            except InferenceError as exc:
+                self._answer(fp, ident, exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug answers this request with a 500, the rest goes on
+                log.exception("front-end process %d: a request failed", fp.index)
+                self._answer(fp, ident, InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
+                return
+            if ident in fp.submits:
+                fp.submits[ident] = cancel
+        elif kind == "cancel":
+            withdraw = fp.submits.pop(message[1], None)
+            if withdraw is not None:
+                withdraw()
+        elif kind == "call":
+            _, ident, method, args = message
+            self._call(fp, ident, method, args)
+
+    def _answer(self, fp: FrontendProcess, ident: int, result: InferResponse | InferenceError) -> None:
+        if fp.submits.pop(ident, 0) == 0 or not fp.alive:
+            return  # withdrawn, or its process is gone
+        if isinstance(result, InferResponse):
+            for tensor in result.outputs:
+                if tensor.shm is not None:  # in the client's region: only the shape travels
+                    tensor.data = NO_DATA
+            self._send(fp, ("answer", ident, True, response_wire(result)))
+        else:
+            self._send(fp, ("answer", ident, False, result))
+
+    def _call(self, fp: FrontendProcess, ident: int, method: str, args: tuple) -> None:
+        try:
+            if method == "admin.check":
+                fn: Callable[..., Any] = self.admin.check
+            elif method.startswith("client_shm.") and method[len("client_shm."):] in REGION_CALLS:
+                fn = getattr(self.core.client_shm, method[len("client_shm."):])
+            elif method in CALLS:
+                fn = getattr(self.core, method)
+            else:
+                raise InferenceError(ErrorKind.INTERNAL, f"a front end asked for {method!r}, which the core lacks")
+            if method == "unload_model":
+                result = fn(args[0], unload_dependents=args[1])
+            else:
+                result = fn(*args)
+        except InferenceError as exc:
+            self._send(fp, ("result", ident, False, exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - the caller gets a 500; the core goes on
+            log.exception("front-end process %d: %s failed", fp.index, method)
+            self._send(fp, ("result", ident, False, InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")))
+            return
+        if not asyncio.iscoroutine(result):
+            self._send(fp, ("result", ident, True, result))
+            return
+        task = asyncio.ensure_future(result)
+        self._tasks.add(task)
+
+        def finished(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if t.cancelled():
+                self._send(fp, ("result", ident, False,
+                                InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")))
+                return
+            exc = t.exception()
+            if exc is None:
+                self._send(fp, ("result", ident, True, t.result()))
+            elif isinstance(exc, InferenceError):
+                self._send(fp, ("result", ident, False, exc))
+            else:
+                log.error("front-end process %d: %s failed", fp.index, method, exc_info=exc)
+                self._send(fp, ("result", ident, False, InferenceError(ErrorKind.INTERNAL,
+                                                                       f"{type(exc).__name__}: {exc}")))
+        task.add_done_callback(finished)
+
+    def _send(self, fp: FrontendProcess, message: tuple) -> None:
+        if fp.alive and fp.sender is not None:
+            fp.sender.put(message)
+
+    # --- a process lost, and the end -----------------------------------------------------------------------------
+    def _lost(self, fp: FrontendProcess) -> None:
+        if not fp.alive:
+            return
+        fp.alive = False
+        if fp.sender is not None:
+            fp.sender.flush()  # what the core said before the end (a stop, answers)
+        assert self._loop is not None
+        try:
+            self._loop.remove_reader(fp.sock.fileno())
+        except (ValueError, OSError, RuntimeError):
+            pass
+        fp.sock.close()
+        submits, fp.submits = fp.submits, {}
+        for cancel in submits.values():
+            if cancel is not None:
+                cancel()  # nobody waits for these answers any more
+        if self.stopping:
+            return
+        code = fp.proc.poll()
+        log.error("front-end process %d (pid %d) ended (%s); its connections are lost; restarting it", fp.index,
+                  fp.proc.pid, f"exit code {code}" if code is not None else "its link closed")
+        delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)] \
+            if time.monotonic() - fp.started_s < 10 else 0.0
+        self.restarts += 1
+        if fp.proc.poll() is None:
+            fp.proc.kill()
+        self._loop.call_later(delay, self._restart, fp.index)
+
+    def _restart(self, index: int) -> None:
+        if not self.stopping:
+            self._spawn(index)
+
+    async def stop(self, grace_s: float) -> None:
+        """Every process stops accepting and finishes what it accepted (up to `grace_s`), then exits."""
+        self.stopping = True
+        live = [p for p in self.processes if p is not None and p.alive]
+        for fp in live:
+            self._send(fp, ("stop", grace_s))
+        deadline = time.monotonic() + grace_s + 5
+        for fp in live:
+            while fp.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if fp.proc.poll() is None:
+                log.warning("front-end process %d did not stop within %.0f s; killing it", fp.index, grace_s + 5)
+                fp.proc.kill()
+                fp.proc.wait()
+            self._lost(fp)

@@ -1,0 +1,278 @@
+"""What a front-end process serves over: gpud's InferenceCore, answered by the real one in the daemon's process.
+
+Inference (`submit`) is asynchronous: the request goes to the core with its tensors placed in this process's arena
+(gpud.frontproc.arena), and `done` is called when the answer comes back. The other methods are the core's own, asked
+over the link: the coroutines (load, unload, placement) await their answer; the plain ones (metadata, config,
+statistics, readiness, shared-memory regions) wait for it on the spot, the event loop held for that round trip,
+as the in-process front end holds it to compute them. They are rare next to inference.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gpud.api.admin import AdminAuth
+from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
+                           ServedModelConfig, ServerMetadata)
+from gpud.executor.client_shm import NO_DATA, RegionStatus
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
+from gpud.frontproc.arena import Arena, Block
+from gpud.frontproc.link import FrameReader, Sender, request_wire, response_of
+from gpud.repository.overrides import LoadOverride
+
+log = logging.getLogger("gpud.frontend")
+
+Done = Callable[[InferResponse | InferenceError], None]
+
+
+def _lost() -> InferenceError:
+    return InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down (the core is gone)")
+
+
+class RemoteRegions:
+    """`core.client_shm` as the front ends use it: each call asked of the core's ClientRegions."""
+
+    def __init__(self, core: RemoteCore):
+        self._core = core
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        return self._core.call_sync("client_shm.status", name)
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._core.call_sync("client_shm.register", name, key, offset, byte_size)
+
+    def unregister(self, name: str = "") -> None:
+        self._core.call_sync("client_shm.unregister", name)
+
+    def check_cuda(self) -> None:
+        self._core.call_sync("client_shm.check_cuda")
+
+    def cuda_register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        self._core.call_sync("client_shm.cuda_register", name, raw_handle, device_id, byte_size)
+
+    def cuda_unregister(self, name: str = "") -> None:
+        self._core.call_sync("client_shm.cuda_unregister", name)
+
+    def cuda_status(self, name: str = "") -> list[Any]:
+        return self._core.call_sync("client_shm.cuda_status", name)
+
+
+class RemoteAdmin(AdminAuth):
+    """The admin rules as the core holds them (its token changes with a reload): each check asked of the core."""
+
+    def __init__(self, core: RemoteCore):
+        super().__init__()
+        self._core = core
+
+    def check(self, authorization: str | None, action: str, peer: str | None = None) -> None:
+        self._core.call_sync("admin.check", authorization, action, peer)
+
+
+class RemoteCore:
+    def __init__(self, sock: socket.socket, arena: Arena):
+        sock.setblocking(False)
+        self.sock = sock
+        self.arena = arena
+        self.reader = FrameReader(sock, self._on_message)
+        self.sender = Sender(sock, self._gone)
+        self.client_shm = RemoteRegions(self)
+        self._ids = itertools.count()
+        self._calls: dict[int, asyncio.Future | list] = {}
+        self._submits: dict[int, tuple[Done, list[Block]]] = {}
+        self.on_stop: Callable[[float], None] = lambda grace_s: None
+        self.on_lost: Callable[[], None] = lambda: None
+        self.on_tune: Callable[[float, int], None] = lambda request_timeout_s, max_connections: None
+        self.lost = False
+        self._waiting = False  # in call_sync: answers that arrive meanwhile are delivered after it, from the loop
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._readable)
+
+    def close(self) -> None:
+        try:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        except (RuntimeError, ValueError, OSError):
+            pass
+        self.sock.close()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._submits)
+
+    # --- the link ----------------------------------------------------------------------------------------------
+    def _readable(self) -> None:
+        if not self.reader.read():
+            self._gone()
+
+    def _gone(self) -> None:
+        if self.lost:
+            return
+        self.lost = True
+        try:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        except (RuntimeError, ValueError, OSError):
+            pass
+        submits, self._submits = self._submits, {}
+        for done, blocks in submits.values():
+            self._free(blocks)
+            done(_lost())
+        calls, self._calls = self._calls, {}
+        for box in calls.values():
+            if isinstance(box, asyncio.Future) and not box.done():
+                box.set_exception(_lost())
+        self.on_lost()
+
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "answer":
+            if self._waiting:  # not inside another handler's call: from the loop, once it returns
+                asyncio.get_running_loop().call_soon(self._on_message, message)
+                return
+            _, ident, ok, value = message
+            entry = self._submits.pop(ident, None)
+            if entry is not None:
+                done, blocks = entry
+                self._free(blocks)
+                done(response_of(value) if ok else value)
+        elif kind == "result":
+            _, ident, ok, value = message
+            box = self._calls.pop(ident, None)
+            if isinstance(box, asyncio.Future):
+                if not box.done():
+                    if ok:
+                        box.set_result(value)
+                    else:
+                        box.set_exception(value)
+            elif box is not None:
+                box.append((ok, value))
+        elif kind == "stop":
+            self.on_stop(message[1])
+        elif kind == "tune":
+            self.on_tune(message[1], message[2])
+
+    def _send(self, message: tuple, now: bool = False) -> None:
+        """Queue a message for the end of the loop's turn (requests go together), or send it `now` (a sync call,
+        which waits for its answer, sends what is queued first)."""
+        if self.lost:
+            raise _lost()
+        self.sender.put(message)
+        if now:
+            self.sender.flush()
+        if self.lost:
+            raise _lost()
+
+    def call_sync(self, method: str, *args: Any) -> Any:
+        ident = next(self._ids)
+        box: list = []
+        self._calls[ident] = box
+        self._send(("call", ident, method, args), now=True)
+        self._waiting = True
+        try:
+            self.reader.read_blocking_until(lambda: bool(box))
+        except (EOFError, OSError):
+            self._waiting = False
+            self._gone()
+            raise _lost() from None
+        finally:
+            self._waiting = False
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    async def call(self, method: str, *args: Any) -> Any:
+        ident = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[ident] = future
+        self._send(("call", ident, method, args))
+        return await future
+
+    # --- inference ---------------------------------------------------------------------------------------------
+    def submit(self, request: InferRequest, done: Done) -> Callable[[], None]:
+        placed: dict[str, tuple[str, int, int]] = {}
+        blocks: list[Block] = []
+        if not request.uses_shm:  # a client's own regions: the core reads them (its ClientRegions)
+            for tensor in request.inputs:
+                if tensor.datatype != "BYTES":  # text goes inline: the core checks it element by element
+                    where, block = self.arena.put(tensor.data)
+                    blocks.append(block)
+                    placed[tensor.name] = (where.path, where.offset, where.byte_size)
+                    tensor.data = NO_DATA
+        request.signature = None  # the front end's parse cache: nothing the core can use
+        ident = next(self._ids)
+        self._submits[ident] = (done, blocks)
+        try:
+            self._send(("submit", ident, request_wire(request), placed))
+        except InferenceError:
+            self._submits.pop(ident, None)
+            self._free(blocks)
+            raise
+
+        def cancel() -> None:
+            entry = self._submits.pop(ident, None)
+            if entry is not None:
+                self._free(entry[1])
+                if not self.lost:
+                    self.sender.put(("cancel", ident))
+        return cancel
+
+    def _free(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            self.arena.free(block)
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        future = asyncio.get_running_loop().create_future()
+
+        def done(result: InferResponse | InferenceError) -> None:
+            if not future.done():
+                if isinstance(result, InferenceError):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+        cancel = self.submit(request, done)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            cancel()
+            raise
+
+    # --- the rest of InferenceCore, asked of the core --------------------------------------------------------------
+    def server_live(self) -> bool:
+        return self.call_sync("server_live")
+
+    def server_ready(self) -> bool:
+        return self.call_sync("server_ready")
+
+    def server_metadata(self) -> ServerMetadata:
+        return self.call_sync("server_metadata")
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        return self.call_sync("model_ready", name, version)
+
+    def model_metadata(self, name: str, version: str = "") -> ModelMetadata:
+        return self.call_sync("model_metadata", name, version)
+
+    def model_config(self, name: str, version: str = "") -> ServedModelConfig:
+        return self.call_sync("model_config", name, version)
+
+    def model_statistics(self, name: str = "", version: str = "") -> list[ModelStatistics]:
+        return self.call_sync("model_statistics", name, version)
+
+    def repository_index(self, ready_only: bool = False) -> list[RepositoryModel]:
+        return self.call_sync("repository_index", ready_only)
+
+    def inspect(self) -> dict[str, Any]:
+        return self.call_sync("inspect")
+
+    async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
+        return await self.call("apply_placement", list(requested))
+
+    async def load_model(self, name: str, override: LoadOverride | None = None) -> None:
+        await self.call("load_model", name, override)
+
+    async def unload_model(self, name: str, *, unload_dependents: bool = False) -> None:
+        await self.call("unload_model", name, unload_dependents)
