@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -344,4 +344,25 @@ def write_example_repository(out_dir: str | os.PathLike[str], names: list[str] |
             with open(config_path, "w", encoding="utf-8") as f:
                 f.write(config_text)
             written.append(config_path)
+    return written
+
+
+PIPELINE = "pipeline"  # the name that stands for the ensemble and its steps (PIPELINE_EXAMPLES)
+
+
+def default_example_repository(environ: Mapping[str, str] = os.environ) -> str:
+    """Where gpud writes the example models it serves when given no repository (what ./scripts/run serves):
+    $XDG_CACHE_HOME/gpud/example-models, by default ~/.cache/gpud/example-models."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "gpud", "example-models")
+
+
+def write_served_examples(out_dir: str | os.PathLike[str], names: list[str] | None = None) -> list[str]:
+    """Write what gpud serves when given no repository: every example model and the pipeline (its ensemble and
+    steps). `names`: only these (of EXAMPLES, and PIPELINE for the ensemble with its steps). Returns the paths."""
+    wanted = [*EXAMPLES, PIPELINE] if names is None else names
+    models = [n for n in wanted if n != PIPELINE]
+    written = write_example_repository(out_dir, models) if models else []
+    if PIPELINE in wanted:
+        written += write_pipeline_example(out_dir)
     return written

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from gpud import __version__
 from gpud.api.http_server import HttpServer
+from gpud.ports import Listener, check_ports_free
 from gpud.settings import Settings, check_settings, load_settings_file, prepare_settings
 from gpud.api.admin import AdminAuth
 from gpud.reload import Reloader, ReloadTargets
@@ -205,6 +206,11 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                         lambda: sum(1 for v in parts.registry.versions() if v.ready), source=settings_file)
     loop.add_signal_handler(signal.SIGHUP, reloader.request)  # from now on: SIGHUP's default would end gpud
 
+    try:  # before anything loads: a port in use is found at once
+        check_ports_free(_listeners(settings))
+    except OSError as exc:
+        log.error("cannot start serving: %s", exc.strerror or exc)
+        return 1
     try:
         parts = wiring.build(prepared, views={"reload": reloader})
     except ValueError as exc:  # the repository is not a directory, a bad node description
@@ -266,6 +272,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         await _close(runners, grpc_server, 0)
         await parts.shutdown(0)
         return 1
+    except Exception:  # re-raised: only the clean-up (workers, their shared memory) is added
+        await _close(runners, grpc_server, 0)
+        await parts.shutdown(0)
+        raise
     if settings.ready_file:
         tmp = settings.ready_file + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -314,6 +324,18 @@ def _start_frontends(core, admin: AdminAuth, settings: Settings):
     host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
     host.start()
     return host
+
+
+def _listeners(settings: Settings) -> list[Listener]:
+    """The TCP ports the daemon will serve on."""
+    out = []
+    if settings.allow_http:
+        out.append(Listener("HTTP", settings.http_address, settings.http_port, "--http-port"))
+    if settings.allow_grpc:
+        out.append(Listener("gRPC", settings.grpc_address, settings.grpc_port, "--grpc-port"))
+    if settings.allow_metrics:
+        out.append(Listener("metrics", settings.metrics_address, settings.metrics_port, "--metrics-port"))
+    return out
 
 
 async def _close(runners, grpc_server, grace_s: float) -> None:

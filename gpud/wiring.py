@@ -91,12 +91,10 @@ def repository_path(configured: str | None) -> str:
     """The model repository to serve: the configured one (ValueError unless it is a directory), or, with none, the
     generated example models."""
     if configured is None:
-        from gpud.examples import write_example_repository, write_pipeline_example
+        from gpud.examples import default_example_repository, write_served_examples
 
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "gpud", "example-models")
-        write_example_repository(path)
-        write_pipeline_example(path)
+        path = default_example_repository()
+        write_served_examples(path)
         log.info("no model repository given: serving the generated example models in %s", path)
         return path
     if not os.path.isdir(configured):

@@ -84,12 +84,14 @@ class Daemon:
         return self.proc.returncode
 
 
-def start_daemon(repo: Path, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml",
+def start_daemon(repo: Path | None, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml",
                  env: dict[str, str] | None = None) -> Daemon:
-    """`env`: added to the daemon's environment (e.g. NOTIFY_SOCKET)."""
+    """`repo` None: gpud's example models, as ./scripts/run serves them. `env`: added to the daemon's environment
+    (e.g. NOTIFY_SOCKET)."""
     ready_file = tmp / f"ready-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "gpud.main", "--model-repository", str(repo), "--address", "127.0.0.1",
-           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--ready-file", str(ready_file), *extra]
+    cmd = [sys.executable, "-m", "gpud.main", *(["--model-repository", str(repo)] if repo is not None else []),
+           "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+           "--ready-file", str(ready_file), *extra]
     if node:
         cmd += ["--node", str(ROOT / node)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

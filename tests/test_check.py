@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,42 @@ def test_against_a_running_daemon(tmp_path):
         assert daemon.stop() == 0, daemon.log()
     code, report = run(["--url", daemon.http_url])  # gone now
     assert code == 1 and "cannot reach gpud" in rows(report, "fail", item="reachable")[0]["reason"]
+
+
+# --- progress on a terminal (issue 24, item 6) ----------------------------------------------------------------------
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+class TestProgress:
+    """Each step is said on stderr as it starts and ends when stdout is a terminal; nothing with --json or when
+    stdout is a pipe or a file (the report is all the output)."""
+
+    def test_quiet_with_json_and_when_stdout_is_not_a_terminal(self, capsys):
+        node = str(ROOT / "config" / "nodes" / "a100-40gb-1gpu.yaml")
+        for argv, out in ((["--node", node, "--skip-serving", "--json"], Terminal()),
+                          (["--node", node, "--skip-serving"], io.StringIO())):
+            assert check_main(argv, out=out) == 0
+            assert capsys.readouterr().err == "", argv
+            assert out.getvalue().startswith("{" if "--json" in argv else "gpudctl check: ")
+
+    @pytest.mark.slow
+    def test_each_step_is_said_on_a_terminal_as_it_starts_and_ends(self, capsys):
+        node = str(ROOT / "config" / "nodes" / "a100-40gb-1gpu.yaml")
+        seen_at_raw: list[str] = []
+
+        def raw(device, model_dir, batch_sizes, seconds):  # runs within the throughput part: said already?
+            seen_at_raw.append(capsys.readouterr().err)
+            return stub_raw(device, model_dir, batch_sizes, seconds)
+
+        out = Terminal()
+        assert check_main(["--node", node, "--devices", "gpu0/mig1.0", *FAST], out=out, raw=raw) == 0
+        err = "".join(seen_at_raw) + capsys.readouterr().err
+        assert seen_at_raw and seen_at_raw[0].endswith(
+            "gpudctl check: serving path on gpu0/mig1.0: worker, load, outputs, throughput"), seen_at_raw
+        lines = err.splitlines()
+        assert lines[0].startswith("gpudctl check: device readings (simulated:") and " ... pass (" in lines[0]
+        assert re.fullmatch(r"gpudctl check: serving path on gpu0/mig1\.0: worker, load, outputs, throughput "
+                            r"\.\.\. (pass|\d+ warnings?) \(\d+\.\d s\)", lines[-1]), lines  # a busy CPU may warn
+        assert out.getvalue().startswith("gpudctl check: ") and "gpudctl check: serving" not in out.getvalue()

@@ -224,3 +224,22 @@ def test_a_step_adds_to_its_zero_series():
                                      {"action": "add", "reason": "scale_up", "applied": "true"}) == 2
     assert registry.get_sample_value("gpud_placement_actions_total",
                                      {"action": "remove", "reason": "scale_down", "applied": "true"}) == 0
+
+
+def test_putting_back_a_lost_devices_instance_starts_no_cooldown_and_no_back_off():
+    # Recovery, not scaling: a move off a lost device (done, or failed) leaves the version's windows as they were.
+    serving, placer, clock, _, loop, hints = setup()
+    hints[("mlp", "1")] = hint(3)
+    asyncio.run(loop.tick())  # up to 3 at 1000
+    clock.now += 60  # the cooldown after that add is over
+    placer.unhealthy = 1
+    placer.plan = ScalingPlan((Step("move", "mlp", "1", 0, "gpu1", "cpu"),
+                               Step("move", "mlp", "1", 1, "gpu1", "cpu", error="out of memory")),
+                              (), 0, "replan:incremental", frozenset({"gpu1"}))
+    asyncio.run(loop.tick())
+    assert [(d.action, d.reason, d.applied) for d in loop.decisions][-2:] == [("move", "device_lost", True),
+                                                                              ("move", "device_lost", False)]
+    placer.plan, placer.unhealthy = None, 0
+    hints[("mlp", "1")] = hint(1, current=3, reason="load 0.0 req/s")
+    asyncio.run(loop.tick())
+    assert loop.targets[0].reason == "scale_down" and placer.calls[-1] == ({("mlp", "1"): 2}, True)

@@ -96,3 +96,28 @@ def test_runs_in_onnxruntime(entries, name):
         assert np.all(np.isfinite(value))
     if name == "two_input":
         np.testing.assert_allclose(outputs[0], two_input_reference(feeds["ids"], feeds["scale"]), rtol=1e-6)
+
+
+def test_the_script_writes_what_gpud_serves_with_no_repository(tmp_path, monkeypatch):
+    """scripts/make_example_models.py writes the repository ./scripts/run serves (gpud with no --model-repository):
+    the same models, the pipeline ensemble and its steps included, byte for byte."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gpud.wiring import repository_path
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    served = Path(repository_path(None))
+    assert served == tmp_path / "cache" / "gpud" / "example-models"
+    script = tmp_path / "script"
+    subprocess.run([sys.executable, str(root / "scripts" / "make_example_models.py"), str(script)], check=True,
+                   capture_output=True)
+
+    def files(d: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    assert files(script) == files(served)
+    assert {p.name for p in script.iterdir()} == {"mlp", "cnn", "two_input", "pipeline", "preprocess", "classifier",
+                                                  "postprocess"}
+    assert all(isinstance(e, ModelEntry) for e in ModelRepository(str(script)).scan().values())

@@ -1,6 +1,8 @@
 """Executor pieces that need no worker: provider choice, worker environment, shared-memory segments."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from gpud.executor.supervisor import WorkerSupervisor
 from gpud.executor.protocol import tensor_region_bytes
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.shm import Segment, new_segment_name
+from gpud.executor.types import ErrorKind, InferenceError
 
 GPU = WorkerDevice("gpu0", "gpu", "GPU-1234")
 MIG = WorkerDevice("gpu1/mig1.0", "mig", "MIG-abcd")
@@ -87,3 +90,50 @@ def test_region_size_is_one_full_batch():
     assert tensor_region_bytes(cfg, cfg.inputs) == 8384
     var = ModelConfig("v", max_batch_size=8, inputs=(TensorSpec("a", "FP32", (-1,)),))
     assert tensor_region_bytes(var, var.inputs) == 1 << 20  # variable dims: a default that grows on demand
+
+
+class _GoneWorker:
+    """A worker whose process is gone before a load can be sent (or whose load is cancelled)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+        self.instances: dict = {}
+
+    async def load(self, inst) -> None:
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [InferenceError(ErrorKind.UNAVAILABLE, "the worker for device cpu is not running"),
+                                 OSError(24, "Too many open files"), asyncio.CancelledError()])
+def test_an_instance_that_does_not_load_keeps_no_shared_memory(exc):
+    import os
+
+    from gpud.executor.instance import InstanceHandle
+    from gpud.executor.pool import ExecutorPool
+
+    pool = ExecutorPool()
+    worker = _GoneWorker(exc)
+
+    async def started(device):
+        return worker
+
+    pool._worker = started  # type: ignore[method-assign]
+    config = ModelConfig(name="m", max_batch_size=4, inputs=(TensorSpec("x", "FP32", (4,)),),
+                         outputs=(TensorSpec("y", "FP32", (4,)),))
+    inst = InstanceHandle(key="m:1:0", model="m", version="1", index=0, device_id="cpu", model_path="",
+                          config=config, estimate_bytes=0)
+    segments: list[str] = []
+    real_open = inst.open_segments
+
+    def opened() -> None:
+        real_open()
+        segments.extend(s.name for s in (inst.in_seg, inst.out_seg))
+    inst.open_segments = opened  # type: ignore[method-assign]
+    if isinstance(exc, asyncio.CancelledError):
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(pool.load_instance(inst, CPU))
+    else:
+        asyncio.run(pool.load_instance(inst, CPU))
+        assert not inst.ready and inst.error
+    assert len(segments) == 2 and not any(os.path.exists(os.path.join("/dev/shm", n)) for n in segments)
+    assert inst.in_seg is None and worker.instances == {}

@@ -39,6 +39,7 @@ class ScriptedPool:
         self.loaded: dict[str, InstanceHandle] = {}
         self.load_started: asyncio.Event | None = None  # set when a load begins
         self.footprint_bytes = 10 * MIB  # what a loaded instance measures
+        self.lost: dict[str, str] = {}  # device -> why gpud gave up on it (a crash loop)
 
     async def load_instance(self, inst: InstanceHandle, device: WorkerDevice) -> InstanceHandle:
         # described by the service, from the device inventory
@@ -66,15 +67,29 @@ class ScriptedPool:
     def memory_used_bytes(self, device_id: str) -> int:
         return sum(i.footprint_bytes for i in self.loaded.values() if i.device_id == device_id and i.ready)
 
+    def utilization_ratio(self, device_id: str) -> float | None:
+        return None
+
+    def unhealthy_reason(self, device_id: str) -> str | None:
+        return self.lost.get(device_id)
+
+    def crash_loop(self, device_id: str) -> None:
+        """What the supervisor does when the device's worker crash-loops: its instances go unready, it is given up
+        on."""
+        self.lost[device_id] = "crash loop: its worker died 3 times within 120 s (last: exit code 1)"
+        for inst in self.loaded.values():
+            if inst.device_id == device_id:
+                inst.ready = False
+
 
 @pytest.fixture
 def node(tmp_path):
     repo = tmp_path / "repo"
     write_example_repository(repo, ["mlp", "cnn"])
     (tmp_path / "node.yaml").write_text(NODE)
-    backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
-    registry = new_registry(has_gpus=True)
     pool = ScriptedPool()
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml", usage=pool)
+    registry = new_registry(has_gpus=True)
     service = PlacementService(backend, pool, registry, device_reserve_bytes=512 * MIB, time_limit_s=0)
     return ModelRepository(repo), registry, pool, service
 
@@ -299,3 +314,66 @@ def test_a_requested_placement_on_a_device_the_model_may_not_use_is_refused_whol
     assert exc.value.kind is ErrorKind.INVALID_ARGUMENT
     assert "model 'mlp' instance 1 may not run on cpu: kind: device kind 'cpu' not in allowed" in exc.value.message
     assert where(registry) == before and pool.events == events  # nothing changed
+
+
+class TestRecovery:
+    """A lost device's instances are put back elsewhere at once: recovery, not scaling (gpud.placing.recovery)."""
+
+    def on_gpu0(self, node, tmp_path):
+        """mlp, cnn and two_input serving on gpu0, gpu1 empty."""
+        repository, registry, pool, service = node
+        write_example_repository(tmp_path / "repo", ["two_input"])
+        asyncio.run(service.place(register_all(repository, registry)))
+        assert {d for placed in where(registry).values() for _, d in placed} == {"gpu0"}  # pack: the first device
+        pool.events.clear()
+        return registry, pool, service
+
+    def test_every_instance_of_a_crash_looping_device_moves_in_one_interval_whatever_the_cap(self, node, tmp_path):
+        registry, pool, service = self.on_gpu0(node, tmp_path)
+        pool.crash_loop("gpu0")
+        assert service.instances_on_unhealthy_devices() == 3
+        plan = asyncio.run(service.rescale({}, max_steps=1, apply=True))
+        assert sorted((s.kind, s.model, s.from_device, s.to_device, s.error) for s in plan.steps) == [
+            ("move", m, "gpu0", "gpu1", "") for m in ("cnn", "mlp", "two_input")]
+        assert plan.deferred == 0 and plan.unhealthy_devices == {"gpu0"}
+        assert where(registry) == {"mlp": [(0, "gpu1")], "cnn": [(0, "gpu1")], "two_input": [(0, "gpu1")]}
+        assert all(v.ready for v in registry.versions()) and service.instances_on_unhealthy_devices() == 0
+        # make-before-break: each lost instance goes once its replacement serves
+        for model in ("mlp", "cnn", "two_input"):
+            load = pool.events.index(("load", f"{model}:1:0@gpu1", "gpu1"))
+            assert pool.events.index(("unload", f"{model}:1:0", "gpu0")) > load
+
+    def test_scaling_steps_stay_capped_beside_a_recovery(self, node, tmp_path):
+        registry, pool, service = self.on_gpu0(node, tmp_path)
+        pool.crash_loop("gpu0")
+        plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=1, apply=True))
+        moved = [s for s in plan.steps if s.kind == "move"]
+        added = [s for s in plan.steps if s.kind == "add"]
+        assert len(moved) == 3 and len(added) == 1 and plan.deferred == 1  # mlp's second new instance: next time
+
+    def test_a_failed_recovery_load_stops_no_other_and_is_tried_again_next_interval(self, node, tmp_path):
+        registry, pool, service = self.on_gpu0(node, tmp_path)
+        pool.crash_loop("gpu0")
+        pool.fail_models = {"cnn"}
+        plan = asyncio.run(service.rescale({}, max_steps=1, apply=True))
+        assert sorted((s.model, bool(s.error)) for s in plan.steps) == [("cnn", True), ("mlp", False),
+                                                                        ("two_input", False)]
+        # the lost instance stays (down) until its replacement serves: its requests queue, the next interval retries
+        assert where(registry)["cnn"] == [(0, "gpu0")] and service.instances_on_unhealthy_devices() == 1
+        pool.fail_models = set()
+        plan = asyncio.run(service.rescale({}, max_steps=1, apply=True))
+        assert [(s.kind, s.model, s.error) for s in plan.steps] == [("move", "cnn", "")]
+        assert where(registry)["cnn"] == [(0, "gpu1")]
+
+    def test_what_finds_no_room_elsewhere_is_said_with_why(self, node, tmp_path, caplog):
+        registry, pool, service = self.on_gpu0(node, tmp_path)
+        pool.crash_loop("gpu0")
+        service.device_reserve_bytes = 40 * 2**30  # gpu1 has no room left
+        with caplog.at_level("ERROR", logger="gpud"):
+            plan = asyncio.run(service.rescale({}, max_steps=1, apply=True))
+        assert sorted((s.kind, s.model) for s in plan.steps) == [("remove", m) for m in ("cnn", "mlp", "two_input")]
+        assert sorted(u.model for u in plan.unplaced) == ["cnn", "mlp", "two_input"]
+        said = [r.getMessage() for r in caplog.records if "lost device gpu0: not placed elsewhere" in r.getMessage()]
+        assert len(said) == 3 and all("gpu1 with 0 B usable" in m for m in said), said
+        # nothing is left on the lost device; each is scaled to zero: its next request loads it where there is room
+        assert all(v.scaled_to_zero for v in registry.versions())

@@ -54,3 +54,19 @@ def test_the_example_models_file_plans_on_a_preset():
 
     assert main(["place", "--devices", "dgx-a100-80gb", "--models", str(ROOT / "config" / "models.example.yaml"),
                  "-o", "json"]) == 0
+
+
+def test_shuffle_runs_the_tests_in_an_order_its_seed_repeats():
+    """tests/conftest.py's --shuffle (what .ci/run uses to catch order dependence, issue 24)."""
+    import sys
+
+    def order(*extra: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                              *extra, "tests/test_examples.py", "tests/test_first_run.py"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return [line for line in out.stdout.splitlines() if "::" in line]
+
+    plain, shuffled = order(), order("--shuffle", "7")
+    assert sorted(shuffled) == sorted(plain) and shuffled != plain and order("--shuffle", "7") == shuffled
+    assert subprocess.run(["bash", "-n", str(ROOT / ".ci" / "run")]).returncode == 0

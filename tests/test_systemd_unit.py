@@ -126,3 +126,32 @@ def test_a_stalled_event_loop_sends_no_watchdog_pings(tmp_path, monkeypatch):
                 break
     start, end = messages.index("STALL=start"), messages.index("STALL=end")
     assert "WATCHDOG=1" in messages[:start] and end == start + 1 and "WATCHDOG=1" in messages[end:], messages
+
+
+def test_the_units_comments_agree_with_its_settings():
+    """A comment that names an on/off setting as Key=value names the value the unit sets (it once spoke of
+    'PrivateTmp=false' above PrivateTmp=yes). Other values may be alternatives (Type=notify-reload)."""
+    import re
+
+    lines = UNIT.read_text().splitlines()
+    settings: dict[str, set[str]] = {}
+    for line in lines:
+        if "=" in line and not line.startswith(("#", ";")):
+            key, value = line.split("=", 1)
+            settings.setdefault(key.strip(), set()).add(value.strip())
+    for line in lines:
+        if line.startswith("#"):
+            for key, value in re.findall(r"\b([A-Z][A-Za-z]+)=([A-Za-z0-9@~/_-]+)", line):
+                if key in settings and value.lower() in ("yes", "no", "true", "false", "on", "off"):
+                    assert value in settings[key], f"{line!r}: the unit sets {key}={sorted(settings[key])}"
+
+
+def test_the_install_guide_makes_the_venv_from_a_python_the_service_can_run():
+    """docs/install.md: the venv comes from the system's Python, not whatever python3 is first on PATH (a pyenv one
+    under a home directory cannot be run by the gpud user, and ProtectHome=yes hides it); and it says how to rate
+    the unit where no systemd runs."""
+    guide = (ROOT / "docs" / "install.md").read_text()
+    venv_lines = [line for line in guide.splitlines() if " -m venv /opt/gpud" in line]
+    assert venv_lines and all(line.startswith("/usr/bin/python3 -m venv") for line in venv_lines), venv_lines
+    assert "ProtectHome=yes" in guide and "systemd-analyze security --offline=yes" in guide
+    assert "ProtectHome=yes" in UNIT.read_text()

@@ -19,6 +19,9 @@ from gpud.executor.supervisor import DEFAULT_WORKER_HANG_S, CrashLoop, WorkerSup
 from gpud.executor.types import InferenceError
 
 
+log = logging.getLogger("gpud.executor")
+
+
 class ExecutorPool:
     """All device workers and every model instance on them. Also the UsageSource of the simulated devices and the
     CPU (what the instances it loaded hold, how long its workers were busy). It needs no device list: a device is
@@ -65,18 +68,20 @@ class ExecutorPool:
         if inst.device_id != device.id:
             raise ValueError(f"instance {inst.key} is for device {inst.device_id!r}, not {device.id!r}")
         inst.open_segments()
+        worker = None
         try:
             worker = await self._worker(device)
-        except InferenceError as exc:
-            inst.error = exc.message
-            inst.close_segments()
-            return inst
-        worker.instances[inst.key] = inst
-        inst.worker = worker
-        await worker.load(inst)
-        if not inst.ready:
-            worker.instances.pop(inst.key, None)
-            inst.close_segments()
+            worker.instances[inst.key] = inst
+            inst.worker = worker
+            await worker.load(inst)
+        except (InferenceError, OSError) as exc:  # the worker cannot start, or was gone before the load was sent
+            inst.error = exc.message if isinstance(exc, InferenceError) else f"cannot start its worker: {exc}"
+            log.error("instance %s on %s: not loaded: %s", inst.key, device.id, inst.error)
+        finally:  # also when cancelled: an instance that is not ready keeps no shared memory
+            if not inst.ready:
+                if worker is not None:
+                    worker.instances.pop(inst.key, None)
+                inst.close_segments()
         return inst
 
     def instance_keys(self, device_id: str) -> set[str]:

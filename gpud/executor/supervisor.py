@@ -214,8 +214,10 @@ class WorkerSupervisor:
             if not unloaded.done():
                 unloaded.set_result(None)
         self._unloads.clear()
-        if self._hello is not None and not self._hello.done():
-            self._hello.set_exception(err)
+        if self._hello is not None and not self._hello.done():  # it died starting: its start fails with how
+            self._hello.set_exception(InferenceError(ErrorKind.UNAVAILABLE, f"the worker for device "
+                                                     f"{self.device.id} (pid {self.pid}) exited while starting "
+                                                     f"({how})"))
         if self._stopping or not was_up:
             return
         if self._count_death("hung" if self._hung_after_s is not None else "died", how):

@@ -32,6 +32,7 @@ from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
 from gpud.placing.ondemand import OnDemand, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
+from gpud.placing.recovery import as_moves_off_lost_devices, recovering, steps_for_interval
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import DeviceRoom
 from gpud.scaling.plan import ScalingPlan, Step, Unplaced
@@ -223,7 +224,8 @@ class PlacementService(OnDemand):
         """Re-plan the node with these versions' instance counts (the others keep theirs), keeping moves few
         (placement's incremental re-plan: what runs stays where it is unless moving it lets more fit; instances on
         unhealthy devices are placed again elsewhere), and carry out the first `max_steps` steps in order, each
-        move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be).
+        move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be). Putting
+        back a lost device's instances is not capped and a failed one stops nothing (gpud.placing.recovery).
         `evict_idle_s`: an added instance with no room may evict instances of other versions idle this long
         (least recently used first, never below their minimum); None: never. `incremental` False plans the node
         from scratch, blind to where instances run, and moves them to that plan (what a re-plan that ignores the
@@ -246,11 +248,14 @@ class PlacementService(OnDemand):
                     break
                 for victim in victims:
                     evicted.append(await self._evict(victim, short[0]))
-            moves = diff(inputs.current, result.placements, inputs.devices, inputs.demands)
+            lost = {d.id for d in inputs.devices if not d.healthy}
+            moves = as_moves_off_lost_devices(diff(inputs.current, result.placements, inputs.devices,
+                                                   inputs.demands), lost)
             # A step with no room until others have moved would overcommit the device: left for a later interval.
             doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
-            # evictions count as steps, but the load they made room for is always taken
-            todo = doable[:max(1 if evicted else 0, max_steps - len(evicted))]
+            # Recovery is not capped (gpud.placing.recovery). Evictions count as steps, but the load they made room
+            # for is always taken.
+            todo = steps_for_interval(doable, lost, max(1 if evicted else 0, max_steps - len(evicted)))
             if apply:
                 steps = evicted + await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
             else:
@@ -262,12 +267,24 @@ class PlacementService(OnDemand):
             for u in result.unplaced:
                 key, index = inputs.instance(Assignment(u.model, u.instance, ""))
                 unplaced.append(Unplaced(key.model, key.version, index, u.reason))
-            unhealthy = {d.id for d in inputs.devices if not d.healthy}
-        for vs in wanted:  # requests came while its last instance was being unloaded (idle): load it again
+            why = {(u.model, u.instance): u.reason for u in result.unplaced}
+            recovered: set[RegisteredVersion] = set()
+            for m in todo:
+                if not recovering(m, lost):
+                    continue
+                key, index = inputs.instance(Assignment(m.model, m.instance, ""))
+                recovered.add(self.registry.version(key.model, key.version))
+                if m.kind == "remove" and apply and (m.model, m.instance) in why:
+                    # Said here, with the device: the controller's no-room warning does not name it.
+                    log.error("model %s version %s instance %d on lost device %s: not placed elsewhere: %s",
+                              key.model, key.version, index, m.from_device, why[(m.model, m.instance)])
+        # Requests came while its last instance was being unloaded (idle) or its device was lost with no room
+        # elsewhere: load it again where there is (or fail them with why not).
+        for vs in [*wanted, *recovered]:
             if vs.scaled_to_zero and vs.scheduler.pending_requests:
                 self.demand(vs)
         return ScalingPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
-                           frozenset(unhealthy))
+                           frozenset(lost))
 
     def unhealthy_devices(self) -> set[str]:
         """Leaf devices that read unhealthy: lost to the driver, or given up on by gpud (a crash-looping worker)."""
@@ -333,6 +350,7 @@ class PlacementService(OnDemand):
         the registry yet (a reload's), which the moves of their model and version are for."""
         undo: list[Callable[[], Awaitable[None]]] = []
         steps: list[Step] = []
+        lost = {d.id for d in inputs.devices if not d.healthy}
         by_key = {(v.name, v.version): v for v in staged}
         for mv in moves:
             key, index = inputs.instance(Assignment(mv.model, mv.instance, ""))
@@ -355,7 +373,8 @@ class PlacementService(OnDemand):
                                          f"'{vs.name}' could not load on {mv.to_device}: {inst.error}; "
                                          "nothing changed")
                 steps.append(replace(step, error=inst.error or "not ready"))
-                if stop_at_failure:
+                # A move off a lost device frees no room a later step counts on: the other recoveries go on.
+                if stop_at_failure and not recovering(mv, lost):
                     break
                 continue
             undo.append(partial(self._stop, vs, inst))

@@ -1,6 +1,8 @@
 """The placement controller in the daemon: every interval it reads the core's snapshot and the autoscaling hints,
 turns them into a target count per model version (gpud.scaling.rules, pure), and has the placement service re-plan
-and carry out the difference, make-before-break, at most `max_steps_per_interval` steps at a time.
+and carry out the difference, make-before-break, at most `max_steps_per_interval` steps at a time. Instances of a lost
+device (the driver's, or a crash-looping worker's) are put back elsewhere at once, whatever the cap and the cooldowns
+(recovery, not scaling: gpud.placing.recovery).
 
 Modes (`--placement-control`): `on` applies; `advise` plans the same steps, logs and exports them as not applied, and
 changes nothing; `off` runs no loop. Every step is logged with its reason, counted in
@@ -168,7 +170,9 @@ class ScalingController(Collector):
         # Windows count from when the plan's steps were done (loads can take minutes), not from the tick's start: an
         # instance that began serving late is not removed early.
         now_s = self.clock()
-        if applied and step.kind in ("add", "move"):
+        if reason == "device_lost":
+            pass  # recovery, not scaling: no cooldown starts, no back-off (the next interval tries again)
+        elif applied and step.kind in ("add", "move"):
             self._states[key] = after_added(self._states.get(key, VersionState()), now_s)
         elif applied and reason == "scale_down":
             self._states[key] = after_removed(self._states.get(key, VersionState()), now_s)

@@ -22,6 +22,7 @@ import urllib.request
 from typing import Any, TextIO
 
 from gpud.executor.pool import ExecutorPool
+from gpud.cli.check.progress import QUIET, Progress, outcome, wants_progress
 from gpud.cli.check.devices import (Observed, Tolerances, compare_devices, health_row, observe,
                                     observed_from_inspect, observed_from_metrics)
 from gpud.cli.check.report import Report, Row, Status
@@ -95,7 +96,8 @@ def parser() -> argparse.ArgumentParser:
     how.add_argument("--power-tolerance", type=_ratio, default=Tolerances.power_ratio, metavar="RATIO",
                      help="power draw and limit against nvidia-smi's (default 0.05)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="the report as JSON")
+    out.add_argument("--json", action="store_true", help="the report as JSON (and no progress on stderr, as when "
+                     "stdout is not a terminal)")
     out.add_argument("-v", "--verbose", action="store_true", help="log what the check and the workers do")
     return p
 
@@ -112,13 +114,14 @@ def check_main(argv: list[str] | None = None, *, nvml: Any = None, smi: Runner |
         parser().error("--metrics-url needs --url")
     runner = smi or subprocess_runner(args.nvidia_smi)
     tol = Tolerances(power_ratio=args.power_tolerance)
+    progress = Progress(sys.stderr if wants_progress(args.json, out) else None)
     if args.url:
-        report = check_daemon(args.url, args.metrics_url, runner, tol)
+        report = check_daemon(args.url, args.metrics_url, runner, tol, progress)
     else:
         options = ServingOptions(batch_sizes=args.batch_sizes, seconds=args.seconds,
                                  min_served_ratio=args.min_served_ratio, min_overlap_gain=args.min_overlap_gain)
         try:
-            report = asyncio.run(check_node(args, nvml, runner, raw or subprocess_raw, tol, options))
+            report = asyncio.run(check_node(args, nvml, runner, raw or subprocess_raw, tol, options, progress))
         except ValueError as exc:  # a bad node file or device list: nothing was started
             print(f"gpudctl check: {exc}", file=sys.stderr)
             return 2
@@ -163,7 +166,7 @@ def device_rows(backend: DeviceBackend, observed: list[Observed], runner: Runner
 
 
 async def check_node(args: argparse.Namespace, nvml: Any, runner: Runner, raw: RawRunner, tol: Tolerances,
-                     options: ServingOptions) -> Report:
+                     options: ServingOptions, progress: Progress = QUIET) -> Report:
     pool = ExecutorPool(worker_log_level=logging.INFO if args.verbose else logging.WARNING,
                         worker_start_timeout_s=120.0)
     backend, node_row = open_backend(args, pool, nvml)
@@ -179,17 +182,26 @@ async def check_node(args: argparse.Namespace, nvml: Any, runner: Runner, raw: R
             leaves = [d for d in leaves if d.id in wanted]
         report.add(node_row)
         # readings first, before any worker of this check holds memory on the devices
-        report.add(device_rows(backend, observe(backend), runner, tol))
+        progress.start(f"device readings ({backend.source})" + ("" if backend.source != "nvml"
+                                                                 else " against nvidia-smi"))
+        rows = device_rows(backend, observe(backend), runner, tol)
+        report.add(rows)
+        progress.end(outcome(rows))
         if not args.skip_serving:
+            progress.start("writing the check model")
             with tempfile.TemporaryDirectory(prefix="gpud-check-") as workdir:
                 serving = ServingCheck(backend, pool, workdir, options, raw)
+                progress.end("done")
                 healthy = {o.info.id for o in observe(backend, leaves) if o.reading.healthy}
                 for device in leaves:
                     if device.id not in healthy:
                         report.add(Row("serving", device.id, "load", Status.SKIP, reason="the device is unhealthy"))
                         continue
                     log.info("checking the serving path on %s", device.id)
-                    report.add(await serving.check_device(device))
+                    progress.start(f"serving path on {device.id}")
+                    rows = await serving.check_device(device, progress)
+                    report.add(rows)
+                    progress.end(outcome(rows))
     finally:
         await pool.shutdown()
         backend.close()
@@ -197,13 +209,18 @@ async def check_node(args: argparse.Namespace, nvml: Any, runner: Runner, raw: R
 
 
 # --- against a running daemon ----------------------------------------------------------------------------------------
-def check_daemon(url: str, metrics_url: str | None, runner: Runner, tol: Tolerances) -> Report:
+def check_daemon(url: str, metrics_url: str | None, runner: Runner, tol: Tolerances,
+                 progress: Progress = QUIET) -> Report:
     report = Report(node=f"gpud at {base_url(url)}")
+    progress.start(f"reading gpud at {base_url(url)}")
     try:
         doc = fetch_inspect(endpoint(url))
     except GpudUnreachable as exc:
         report.add(Row("daemon", "", "reachable", Status.FAIL, reason=str(exc)))
+        progress.end("unreachable")
         return report
+    progress.end("reachable")
+    progress.start("its devices, models and workers")
     source = doc.get("device_source", "")
     report.node += f" ({source})"
     report.add(Row("daemon", "", "reachable", Status.PASS, f"gpud {doc.get('server', {}).get('version', '')}",
@@ -239,6 +256,7 @@ def check_daemon(url: str, metrics_url: str | None, runner: Runner, tol: Toleran
         bad = w.get("unhealthy_reason") or ("" if w.get("alive") else "not running")
         report.add(Row("daemon", w["device"], "worker", Status.FAIL if bad else Status.PASS,
                        f"pid {w.get('pid')}", reason=bad or f"alive, {w.get('restarts', 0)} restart(s)"))
+    progress.end(outcome(report.rows[1:]))
     return report
 
 

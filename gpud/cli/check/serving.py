@@ -29,6 +29,7 @@ from gpud.executor.pool import ExecutorPool
 from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.supervisor import worker_env
 from gpud.executor.types import InferenceError, InferRequest, InferTensor
+from gpud.cli.check.progress import QUIET, Progress
 from gpud.cli.check.report import Row, Status
 from gpud.examples import write_example_repository
 from gpud.repository.footprint import estimate_footprint_bytes
@@ -150,16 +151,18 @@ class ServingCheck:
             return None
         return self.backend.sample(device.id).memory_used_bytes
 
-    async def check_device(self, device: DeviceInfo) -> list[Row]:
+    async def check_device(self, device: DeviceInfo, progress: Progress = QUIET) -> list[Row]:
+        """The serving rows of `device`; `progress` hears each part as it begins."""
         wdev = WorkerDevice(device.id, device.kind, device.uuid, device.simulated)
         dev = device.id
+        progress.part("worker")
         try:
             worker = await self.pool.start_worker(wdev)
         except InferenceError as exc:
             return [Row("serving", dev, "worker", Status.FAIL, reason=exc.message)]
         loaded: list[InstanceHandle] = []
         try:
-            return await self._check(device, wdev, worker.providers, loaded)
+            return await self._check(device, wdev, worker.providers, loaded, progress)
         finally:
             for inst in loaded:
                 await self.pool.unload_instance(inst)
@@ -175,9 +178,10 @@ class ServingCheck:
         return inst, (after - before) if before is not None and after is not None else None
 
     async def _check(self, device: DeviceInfo, wdev: WorkerDevice, offered: tuple[str, ...],
-                     loaded: list[InstanceHandle]) -> list[Row]:
+                     loaded: list[InstanceHandle], progress: Progress) -> list[Row]:
         opts, dev = self.options, device.id
         rows: list[Row] = []
+        progress.part("load")
         first, first_delta = await self._load(device, wdev, 0, loaded)
         if not first.ready:
             return [Row("serving", dev, "load", Status.FAIL, reason=first.error or "not ready after its load")]
@@ -186,7 +190,9 @@ class ServingCheck:
         rows.append(provider_row(dev, wdev.has_cuda, first.provider, offered))
         rows.append(estimate_row(dev, first.footprint_bytes, first.measured_by, self.estimate_bytes, first_delta))
         rng = np.random.default_rng(17)
+        progress.part("outputs")
         rows += await self._outputs(dev, first, rng)
+        progress.part("throughput")
         rows.append(await self._throughput(device, wdev, first, rng))
         if not wdev.has_cuda:
             what = "a simulated device (it computes on the CPU)" if device.simulated else "the CPU"
@@ -195,6 +201,7 @@ class ServingCheck:
             rows.append(Row("serving", dev, "overlap", Status.SKIP,
                             reason=f"overlap is a property of CUDA streams; instances on {what} share its cores"))
             return rows
+        progress.part("overlap")
         second, second_delta = await self._load(device, wdev, 1, loaded)
         if not second.ready:
             rows.append(Row("serving", dev, "load (2nd instance)", Status.FAIL, reason=second.error))
