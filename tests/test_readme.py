@@ -1,7 +1,7 @@
 """Every example in the README runs as written (issue 24, item 5): its shell and Python code blocks (and the `$ `
 commands of its transcripts) are read from README.md itself and run, in order, against a daemon this test starts
-as `./scripts/run` does (with --allow-client-shm, as the shared-memory example says; no --model-repository: the example models, in ~/.cache/gpud/example-models, on the demo
-node), with `localhost:8000/8001/8002` pointed at that daemon's ports and a home of its own. Each command must exit 0
+as `./scripts/run` does (no --model-repository: the example models, in ~/.cache/gpud/example-models, on the demo
+node; with --allow-client-shm, as the shared-memory example says), with `localhost:8000/8001/8002` pointed at that daemon's ports and a home of its own. Each command must exit 0
 and print what its `# -> TEXT` comment says. A command that is not run is listed in NOT_RUN with why: a new example
 that is neither runs or fails here, so the README cannot drift from what gpud does."""
 from __future__ import annotations
