@@ -272,9 +272,7 @@ def _check_file(region: Region, where: RegionSlice, what: str) -> None:
 def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     """An array of `shape` and the datatype's dtype that holds no memory (every element is one zero): what a tensor
     in a client's region looks like to the checks before its worker reads the real bytes."""
-    dtype = numpy_dtype(datatype)
-    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape),
-                                           writeable=False)
+    return np.ndarray(shape, numpy_dtype(datatype), _ZEROS, 0, (0,) * len(shape))  # strides 0: one element's bytes
 
 
 @dataclass(eq=False)
@@ -323,6 +321,7 @@ class Staged:
 
 
 _EMPTY = np.empty(0, dtype=np.uint8)
+_ZEROS = bytes(16)  # one zero element of any fixed-size datatype (read-only): what placeholders view
 NO_DATA = _EMPTY  # the data of a tensor in shared memory, which nobody reads
 
 

@@ -31,6 +31,7 @@ from gpud.executor.shm import Segment, align, new_segment_name, unlink
 from gpud.executor.types import RegionSlice
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
+_ZERO_ELEMENT = bytes(16)  # one zero element of any fixed-size datatype: what unstaged outputs view
 
 
 class TensorMeta(NamedTuple):
@@ -280,9 +281,10 @@ def read_outputs(done: Done, segment: Segment) -> list[tuple[str, str, np.ndarra
 
 def _unstaged(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     """An output of `shape` that holds no memory (every element one zero): the worker wrote it into clients' regions."""
-    dtype = numpy_dtype(datatype) if datatype != "BYTES" else np.dtype(object)
-    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=dtype), shape=shape, strides=(0,) * len(shape),
-                                           writeable=False)
+    if datatype == "BYTES":  # object elements: a view of a real object array (one element), never of raw bytes
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=object), shape=shape, strides=(0,) * len(shape),
+                                               writeable=False)
+    return np.ndarray(shape, numpy_dtype(datatype), _ZERO_ELEMENT, 0, (0,) * len(shape))
 
 
 # --- staging: the worker's side ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ CALLS = frozenset({"server_live", "server_ready", "server_metadata", "model_read
 REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cuda_register", "cuda_unregister",
                           "cuda_status"})
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
+SIGNATURES_MAX = 4096
 
 
 @dataclass(eq=False)
@@ -44,6 +45,7 @@ class FrontendProcess:
     reader: FrameReader | None = None
     sender: Sender | None = None
     submits: dict[int, Callable[[], None] | None] = field(default_factory=dict)
+    signatures: dict[int, object] = field(default_factory=dict)  # the process's signature numbers -> ours
     started_s: float = 0.0
     alive: bool = True
 
@@ -121,12 +123,14 @@ class FrontendHost:
     def _on_message(self, fp: FrontendProcess, message: tuple) -> None:
         kind = message[0]
         if kind == "submit":
-            _, ident, wire, placed = message
+            _, ident, wire, placed, token = message
             fp.submits[ident] = None  # answered before submit returns: the entry is gone, nothing to keep
             try:
                 where = {name: RegionSlice("", *at) for name, at in placed.items()} if placed else None
-                cancel = self.core.submit(request_of(wire), lambda result: self._answer(fp, ident, result),
-                                          placed=where)
+                request = request_of(wire)
+                if token is not None:
+                    request.signature = self._signature(fp, token)
+                cancel = self.core.submit(request, lambda result: self._answer(fp, ident, result), placed=where)
             except InferenceError as exc:
                 self._answer(fp, ident, exc)
                 return
@@ -143,6 +147,16 @@ class FrontendHost:
         elif kind == "call":
             _, ident, method, args = message
             self._call(fp, ident, method, args)
+
+    @staticmethod
+    def _signature(fp: FrontendProcess, token: int) -> object:
+        """Ours for the process's signature number: requests with the same header share it, and their checks."""
+        signature = fp.signatures.get(token)
+        if signature is None:
+            if len(fp.signatures) >= SIGNATURES_MAX:
+                fp.signatures.clear()
+            signature = fp.signatures[token] = object()
+        return signature
 
     def _answer(self, fp: FrontendProcess, ident: int, result: InferResponse | InferenceError) -> None:
         if fp.submits.pop(ident, 0) == 0 or not fp.alive:
@@ -220,6 +234,7 @@ class FrontendHost:
         for cancel in submits.values():
             if cancel is not None:
                 cancel()  # nobody waits for these answers any more
+        self._reap(fp)
         if self.stopping:
             return
         code = fp.proc.poll()
@@ -231,6 +246,11 @@ class FrontendHost:
         if fp.proc.poll() is None:
             fp.proc.kill()
         self._loop.call_later(delay, self._restart, fp.index)
+
+    def _reap(self, fp: FrontendProcess) -> None:
+        """Collect an ended process's exit status (no zombie left), checking again shortly while it has not."""
+        if fp.proc.poll() is None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_later(0.05, self._reap, fp)
 
     def _restart(self, index: int) -> None:
         if not self.stopping:

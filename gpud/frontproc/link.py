@@ -3,9 +3,10 @@
 Messages (plain tuples; pickle writes them in C):
 
     front end -> core   ("call", id, method, args)        an InferenceCore method (or "client_shm.<method>")
-                        ("submit", id, request, placed)   an inference request (`request_wire`); `placed`: {name:
+                        ("submit", id, request, placed, token)   an inference request (`request_wire`); `placed`: {name:
                                                            (path, offset, bytes)} of the tensors it put in its
-                                                           arena (their data is empty)
+                                                           arena (their data is empty); `token`: a number
+                                                           for requests of the same header (None: unknown)
                         ("cancel", id)                    the client went away
     core -> front end   ("result", id, ok, value)         a call's return value, or its InferenceError
                         ("answer", id, ok, value)         a request's answer (`response_wire`), or its

@@ -27,6 +27,7 @@ from gpud.repository.overrides import LoadOverride
 log = logging.getLogger("gpud.frontend")
 
 Done = Callable[[InferResponse | InferenceError], None]
+SIGNATURES_MAX = 4096
 
 
 def _lost() -> InferenceError:
@@ -87,6 +88,9 @@ class RemoteCore:
         self.on_lost: Callable[[], None] = lambda: None
         self.on_tune: Callable[[float, int], None] = lambda request_timeout_s, max_connections: None
         self.lost = False
+        # Request signatures (the front end's parse cache: requests with the same header) by a number the core maps
+        # to its own, so that it validates a header's requests once (gpud.executor.validation.PreparedCache).
+        self._signatures: dict[int, tuple[object, int]] = {}
         self._waiting = False  # in call_sync: answers that arrive meanwhile are delivered after it, from the loop
 
     def start(self) -> None:
@@ -202,11 +206,11 @@ class RemoteCore:
                     blocks.append(block)
                     placed[tensor.name] = (where.path, where.offset, where.byte_size)
                     tensor.data = NO_DATA
-        request.signature = None  # the front end's parse cache: nothing the core can use
+        token = self._token(request.signature)
         ident = next(self._ids)
         self._submits[ident] = (done, blocks)
         try:
-            self._send(("submit", ident, request_wire(request), placed))
+            self._send(("submit", ident, request_wire(request), placed, token))
         except InferenceError:
             self._submits.pop(ident, None)
             self._free(blocks)
@@ -219,6 +223,19 @@ class RemoteCore:
                 if not self.lost:
                     self.sender.put(("cancel", ident))
         return cancel
+
+    def _token(self, signature: object) -> int | None:
+        """The number standing for `signature` (new numbers are never reused, so the core's map cannot go stale)."""
+        if signature is None:
+            return None
+        entry = self._signatures.get(id(signature))
+        if entry is not None and entry[0] is signature:
+            return entry[1]
+        if len(self._signatures) >= SIGNATURES_MAX:
+            self._signatures.clear()
+        token = next(self._ids)
+        self._signatures[id(signature)] = (signature, token)  # held: its id is not reused while it is here
+        return token
 
     def _free(self, blocks: list[Block]) -> None:
         for block in blocks:
