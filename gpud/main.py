@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve HTTP from N front-end processes of their own, which parse requests and place their "
                         "tensors in shared memory, so that the core's event loop only batches and answers "
                         "(default 0: HTTP on the core's event loop)")
+    p.add_argument("--grpc-processes", type=int, metavar="N",
+                   help="serve gRPC from N front-end processes of their own, sharing the port (SO_REUSEPORT); each "
+                        "parses requests and places their tensors in shared memory (default 0: gRPC on the core's "
+                        "event loop)")
     p.add_argument("--json-processes", type=int, metavar="N",
                    help="child processes that decode large JSON inference bodies and encode large JSON answers, so "
                         "that none holds up other requests (orjson holds the GIL: a thread would not do); at most 4 "
@@ -222,7 +226,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         notify("STATUS=loading the model repository")
         await parts.start()
         if settings.allow_http and settings.http_processes:
-            runners.append(_start_frontends(core, admin, settings))
+            runners.append(await _start_frontends(core, admin, settings, "http"))
             ports["http"] = runners[-1].listen.getsockname()[1]
             log.info("HTTP (KServe v2) on %s:%d, in %d front-end process(es)", settings.http_address, ports["http"],
                      settings.http_processes)
@@ -253,7 +257,12 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                                                         max_tensor_elements=settings.max_tensor_elements))
             log.info("admin socket (the HTTP API; admin actions need no token there) on %s, mode 0660",
                      settings.admin_socket)
-        if settings.allow_grpc:
+        if settings.allow_grpc and settings.grpc_processes:
+            runners.append(await _start_frontends(core, admin, settings, "grpc"))
+            ports["grpc"] = runners[-1].listen.getsockname()[1]
+            log.info("gRPC (KServe v2) on %s:%d, in %d front-end process(es)", settings.grpc_address, ports["grpc"],
+                     settings.grpc_processes)
+        elif settings.allow_grpc:
             from gpud.api.grpc_api import start_grpc_server
 
             grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
@@ -308,21 +317,36 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     return 0
 
 
-def _start_frontends(core, admin: AdminAuth, settings: Settings):
-    """HTTP front ends in `settings.http_processes` processes of their own, accepting on one listening socket."""
+async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str):
+    """HTTP or gRPC front ends in processes of their own (--http-processes, --grpc-processes). HTTP: they accept on
+    one listening socket bound here. gRPC: grpc cannot take a socket, so each binds the port with SO_REUSEPORT, which
+    this process holds bound meanwhile (port 0 becomes one port for all)."""
     import socket
 
     from gpud.frontproc.host import FrontendHost
 
-    listen = socket.create_server((settings.http_address, settings.http_port), backlog=1024,
-                                  family=socket.AF_INET6 if ":" in settings.http_address else socket.AF_INET)
-    n = settings.http_processes
-    options = {"max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
+    http = kind == "http"
+    address = settings.http_address if http else settings.grpc_address
+    port = settings.http_port if http else settings.grpc_port
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    if http:
+        listen = socket.create_server((address, port), backlog=1024, family=family)
+    else:
+        listen = socket.socket(family, socket.SOCK_STREAM)
+        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listen.bind((address, port))
+    n = settings.http_processes if http else settings.grpc_processes
+    options = {"kind": kind, "address": address, "port": listen.getsockname()[1],
+               "max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
                "request_timeout_s": settings.http_request_timeout_seconds,
                "max_connections": max(1, -(-settings.http_max_connections // n)),
                "max_tensor_elements": settings.max_tensor_elements}
     host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
-    host.start()
+    try:
+        await host.start()
+    except OSError:
+        listen.close()
+        raise
     return host
 
 

@@ -1,7 +1,8 @@
 """HTTP front ends in processes of their own (--http-processes, issue 25): the same answers, errors, limits, admin
 rules and statistics as the in-process front end; tensors handed over in shared memory (binary and JSON bodies, text,
 a client's own regions); a front-end process killed under load is restarted while the others serve; SIGTERM drains
-every process with no accepted request lost."""
+every process with no accepted request lost. gRPC front ends in processes: the same answers, errors, streams and
+statistics."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -11,6 +12,7 @@ import signal
 import numpy as np
 import psutil
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -183,3 +185,48 @@ def test_sigterm_drains_every_process_with_no_accepted_request_lost(repo, tmp_pa
     finally:
         d.stop()
     assert "Traceback" not in d.log(), d.log()
+
+
+# --- gRPC in processes of their own (they share the port: SO_REUSEPORT) -------------------------------------------------
+@pytest.fixture(scope="module")
+def grpc_daemon(repo, tmp_path_factory):
+    d = start_daemon(repo, tmp_path_factory.mktemp("run-grpc"), "--grpc-processes", str(PROCESSES), node=None)
+    yield d
+    assert d.stop() == 0, d.log()
+    assert "Traceback" not in d.log(), d.log()
+
+
+def grpc_input(value: float = 1.0):
+    x = grpcclient.InferInput("input", [1, 256], "FP32")
+    x.set_data_from_numpy(np.full((1, 256), value, np.float32))
+    return x
+
+
+def test_grpc_processes_answer_as_the_in_process_front_end(grpc_daemon):
+    assert len(frontends(grpc_daemon)) == PROCESSES
+    client = grpcclient.InferenceServerClient(grpc_daemon.grpc_url)
+    over_http = httpclient.InferenceServerClient(grpc_daemon.http_url).infer("mlp", [mlp_input(0.25)])
+    np.testing.assert_allclose(client.infer("mlp", [grpc_input(0.25)]).as_numpy("output"),
+                               over_http.as_numpy("output"), rtol=1e-6)
+    assert client.get_model_metadata("mlp").name == "mlp" and client.is_server_ready()
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("nope", [grpc_input()])
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException) as info:
+        client.unload_model("mlp")  # model control none: UNAVAILABLE, as Triton
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+
+
+def test_grpc_streams_and_statistics_through_the_processes(grpc_daemon):
+    stats = lambda: grpc_daemon.get_json("/v2/models/mlp/stats")["model_stats"][0]["inference_stats"]  # noqa: E731
+    before = stats()["success"]["count"]
+    answers = []
+    client = grpcclient.InferenceServerClient(grpc_daemon.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.append(error or result))
+    for i in range(10):
+        client.async_stream_infer("mlp", [grpc_input(float(i))], request_id=str(i))
+    client.stop_stream()  # waits for the answers
+    assert sorted(int(a.get_response().id) for a in answers) == list(range(10))
+    for i in range(10):
+        client.infer("mlp", [grpc_input(float(i))])
+    assert stats()["success"]["count"] - before == 20

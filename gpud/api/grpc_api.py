@@ -545,11 +545,12 @@ if TYPE_CHECKING:
 async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_message_bytes: int = 2**31 - 1,
                             max_metadata_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                             max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
-                            admin: AdminAuth | None = None) -> BoundServer:
+                            admin: AdminAuth | None = None, reuse_port: bool = False) -> BoundServer:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
-    OSError (no SO_REUSEPORT sharing). Messages larger than
+    OSError (no SO_REUSEPORT sharing), unless `reuse_port` (gRPC front-end processes, which share the port the
+    daemon holds). Messages larger than
     max_message_bytes, either way, and request metadata (headers) over max_metadata_bytes are refused by grpc with
     RESOURCE_EXHAUSTED; a tensor shape over max_tensor_elements is INVALID_ARGUMENT. Stop with `await
     server.stop(grace)`. Must be called from the event loop that will run the server.
@@ -562,7 +563,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
         ("grpc.max_metadata_size", max_metadata_bytes),
         ("grpc.absolute_max_metadata_size", max_metadata_bytes),
         # grpc sets SO_REUSEPORT by default, which lets a second daemon bind a port in use and silently share it
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core, admin, max_tensor_elements),

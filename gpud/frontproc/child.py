@@ -1,6 +1,7 @@
-"""A front-end process: `python -m gpud.frontproc.child --link-fd N --listen-fd M --options JSON` (started by
-gpud.frontproc.host). Serves KServe v2 HTTP on the inherited listening socket over a RemoteCore, until the core says
-stop (or is gone); ignores SIGINT and SIGTERM, which are the core's to act on."""
+"""A front-end process: `python -m gpud.frontproc.child --link-fd N [--listen-fd M] --options JSON` (started by
+gpud.frontproc.host). Serves KServe v2 HTTP on the inherited listening socket, or gRPC on the port the daemon holds
+(SO_REUSEPORT: the kernel spreads connections over the processes), over a RemoteCore, until the core says stop (or
+is gone); ignores SIGINT and SIGTERM, which are the core's to act on."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,7 @@ from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
 log = logging.getLogger("gpud.frontend")
 
 
-async def serve(link: socket.socket, listen: socket.socket, options: dict) -> None:
+async def serve(link: socket.socket, listen: socket.socket | None, options: dict) -> None:
     arena = Arena()
     core = RemoteCore(link, arena)
     stop = asyncio.Event()
@@ -31,6 +32,23 @@ async def serve(link: socket.socket, listen: socket.socket, options: dict) -> No
     core.on_stop = on_stop
     core.on_lost = stop.set
     core.start()
+    if options["kind"] == "grpc":
+        from gpud.api.grpc_api import start_grpc_server
+
+        grpc_server = await start_grpc_server(core, options["address"], options["port"],
+                                              max_message_bytes=options["max_body_bytes"],
+                                              max_metadata_bytes=options["max_head_bytes"],
+                                              max_tensor_elements=options["max_tensor_elements"],
+                                              admin=RemoteAdmin(core), reuse_port=True)
+        core.ready()
+        try:
+            await stop.wait()
+            await grpc_server.stop(grace[0])
+        finally:
+            core.close()
+            arena.close()
+        return
+    assert listen is not None
     server = HttpServer(HttpApi(core, RemoteAdmin(core), options["max_tensor_elements"]),
                         max_body_bytes=options["max_body_bytes"], max_head_bytes=options["max_head_bytes"],
                         request_timeout_s=options["request_timeout_s"], max_connections=options["max_connections"])
@@ -40,6 +58,7 @@ async def serve(link: socket.socket, listen: socket.socket, options: dict) -> No
         server.max_connections = max_connections
     core.on_tune = on_tune
     await server.start_socket(listen)
+    core.ready()
     try:
         await stop.wait()
         await server.close(grace[0])
@@ -52,16 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpud-frontend", description="gpud front-end process (started by gpud)")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--link-fd", type=int, required=True)
-    parser.add_argument("--listen-fd", type=int, required=True)
+    parser.add_argument("--listen-fd", type=int, default=-1, help="the HTTP listening socket (gRPC binds its own)")
     parser.add_argument("--options", required=True, help="JSON")
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s gpud.frontend[{args.index}] %(message)s")
+                        format=f"%(asctime)s %(levelname)s gpud.frontend[{json.loads(args.options)['kind']} "
+                               f"{args.index}] %(message)s")
     link = socket.socket(fileno=args.link_fd)
-    listen = socket.socket(fileno=args.listen_fd)
+    listen = socket.socket(fileno=args.listen_fd) if args.listen_fd >= 0 else None
     try:
         import uvloop
 

@@ -48,11 +48,14 @@ class FrontendProcess:
     signatures: dict[int, object] = field(default_factory=dict)  # the process's signature numbers -> ours
     started_s: float = 0.0
     alive: bool = True
+    serving: asyncio.Future | None = None  # done when it says it serves
 
 
 class FrontendHost:
     def __init__(self, core: GpudCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
                  log_level: int = logging.INFO):
+        """`listen`: HTTP's listening socket, which the processes accept from; for gRPC (options["kind"]), the port's
+        socket the daemon holds (bound with SO_REUSEPORT, not listening), which the processes bind too."""
         self.core = core
         self.admin = admin  # the admin rules (a reload changes its token): front ends ask it
         self.count = count
@@ -65,10 +68,18 @@ class FrontendHost:
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def start(self) -> None:
+    async def start(self, timeout_s: float = 60.0) -> None:
+        """Start every process and wait until each serves (OSError when one cannot: its port, its start)."""
         self._loop = asyncio.get_running_loop()
         for i in range(self.count):
             self._spawn(i)
+        waiting = [p.serving for p in self.processes if p is not None and p.serving is not None]
+        done, pending = await asyncio.wait(waiting, timeout=timeout_s)
+        failed = [f for f in done if f.exception() is not None]
+        if pending or failed:
+            await self.stop(0)
+            why = failed[0].exception() if failed else f"not serving after {timeout_s:.0f} s"
+            raise OSError(f"{self.options['kind']} front-end processes could not start: {why}")
 
     # A reload's request timeout and connection cap (gpud.reload's HTTP servers), for every process: the cap is
     # shared out between them.
@@ -100,19 +111,21 @@ class FrontendHost:
 
     def _spawn(self, index: int) -> None:
         ours, theirs = socket.socketpair()
+        http = self.options["kind"] == "http"
         cmd = [sys.executable, "-m", "gpud.frontproc.child", "--index", str(index), "--link-fd", str(theirs.fileno()),
-               "--listen-fd", str(self.listen.fileno()), "--options", json.dumps(self.options),
+               *(["--listen-fd", str(self.listen.fileno())] if http else []), "--options", json.dumps(self.options),
                "--log-level", str(self.log_level)]
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.listen.fileno()))
+        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.listen.fileno()) if http else (theirs.fileno(),))
         theirs.close()
         ours.setblocking(False)
         fp = FrontendProcess(index, proc, ours, started_s=time.monotonic())
+        fp.serving = self._loop.create_future() if self._loop is not None else None
         fp.reader = FrameReader(ours, lambda message: self._on_message(fp, message))
         fp.sender = Sender(ours, lambda: self._lost(fp))
         self.processes[index] = fp
         assert self._loop is not None
         self._loop.add_reader(ours.fileno(), self._readable, fp)
-        log.info("front-end process %d started (pid %d)", index, proc.pid)
+        log.info("%s front-end process %d started (pid %d)", self.options["kind"], index, proc.pid)
 
     # --- messages ----------------------------------------------------------------------------------------------
     def _readable(self, fp: FrontendProcess) -> None:
@@ -147,6 +160,9 @@ class FrontendHost:
         elif kind == "call":
             _, ident, method, args = message
             self._call(fp, ident, method, args)
+        elif kind == "ready":
+            if fp.serving is not None and not fp.serving.done():
+                fp.serving.set_result(None)
 
     @staticmethod
     def _signature(fp: FrontendProcess, token: int) -> object:
@@ -230,6 +246,8 @@ class FrontendHost:
         except (ValueError, OSError, RuntimeError):
             pass
         fp.sock.close()
+        if fp.serving is not None and not fp.serving.done():
+            fp.serving.set_exception(OSError(f"process {fp.index} ended before serving (see its log above)"))
         submits, fp.submits = fp.submits, {}
         for cancel in submits.values():
             if cancel is not None:

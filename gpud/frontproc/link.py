@@ -2,7 +2,8 @@
 
 Messages (plain tuples; pickle writes them in C):
 
-    front end -> core   ("call", id, method, args)        an InferenceCore method (or "client_shm.<method>")
+    front end -> core   ("ready",)                          it serves now
+                        ("call", id, method, args)        an InferenceCore method (or "client_shm.<method>")
                         ("submit", id, request, placed, token)   an inference request (`request_wire`); `placed`: {name:
                                                            (path, offset, bytes)} of the tensors it put in its
                                                            arena (their data is empty); `token`: a number

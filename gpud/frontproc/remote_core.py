@@ -103,6 +103,10 @@ class RemoteCore:
             pass
         self.sock.close()
 
+    def ready(self) -> None:
+        """Tell the core this process serves now."""
+        self._send(("ready",), now=True)
+
     @property
     def in_flight(self) -> int:
         return len(self._submits)

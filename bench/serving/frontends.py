@@ -1,0 +1,122 @@
+"""Front ends in processes of their own (issue 25), scaled: gpud with 0, 1, 2, 4 HTTP (and gRPC) front-end processes
+under the same load, each count on a fresh daemon, interleaved.
+
+    .venv/bin/python bench/serving/frontends.py [--counts 0,1,2,4] [--concurrency 64] [--seconds 5] [--rounds 2]
+                                                [--protocols http,grpc] [--perf-analyzer PATH]
+
+HTTP: wrk with one fixed KServe binary body (run.py's harness, the tiny MLP, one 1x256 FP32 row per request). gRPC:
+perf_analyzer --async (--perf-analyzer, $GPUD_PERF_ANALYZER or run.py's own install). For each point it prints
+requests/s, p50 and p99, and the CPU per request of the core's process, of the front-end processes together and of
+the device workers. 0 is the front end on the core's event loop. Compare within one run: the client, the daemon's
+processes and the workers share the machine's cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import psutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import models  # noqa: E402
+import run  # noqa: E402
+
+
+def cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def split(server: run.GpudServer) -> tuple[list, list, list]:
+    core, *children = server.tree()
+    fe = [c for c in children if "gpud.frontproc.child" in " ".join(c.cmdline())]
+    return [core], fe, [c for c in children if c not in fe]
+
+
+def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: str, header_len: int,
+          tools: dict) -> dict:
+    ready = os.path.join(workdir, "gpud.ready")
+    if os.path.exists(ready):
+        os.remove(ready)
+    flag = "--http-processes" if protocol == "http" else "--grpc-processes"
+    server = run.GpudServer(workdir, repo, (flag, str(count)))
+    server.start()
+    try:
+        time.sleep(0.5)  # the front-end processes announce themselves; their CPU at start is not the load's
+        core, fe, workers = split(server)
+        before = (cpu(core), cpu(fe), cpu(workers))
+        if protocol == "http":
+            target = next(t for t in server.targets() if t.label == "gpud http-binary")
+            r = run.run_wrk(tools["wrk"], server, target, "mlp", args.concurrency, args.seconds, body_file, header_len,
+                            workdir)
+            n, rps = r["requests"], r["requests"] / (r["duration_us"] / 1e6)
+            p50, p99 = r["p50_us"] / 1e3, r["p99_us"] / 1e3
+        else:
+            t0 = time.monotonic()
+            r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds, workdir)
+            rps, p50, p99 = r["requests_per_s"], r["p50_us"] / 1e3, r["p99_us"] / 1e3
+            n = rps * (time.monotonic() - t0)  # perf_analyzer's windows plus its set-up: an estimate of the count
+        after = (cpu(core), cpu(fe), cpu(workers))
+    finally:
+        server.stop()
+    n = max(1, n)
+    return {"rps": rps, "p50": p50, "p99": p99, "core_us": (after[0] - before[0]) / n * 1e6,
+            "fe_us": (after[1] - before[1]) / n * 1e6, "worker_us": (after[2] - before[2]) / n * 1e6}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--counts", default="0,1,2,4")
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--protocols", default="http,grpc")
+    p.add_argument("--perf-analyzer", default=os.environ.get("GPUD_PERF_ANALYZER") or shutil.which("perf_analyzer"))
+    args = p.parse_args(argv)
+    counts = [int(c) for c in args.counts.split(",")]
+    protocols = [x for x in args.protocols.split(",") if x]
+    tools = {"wrk": run.ensure_wrk()}
+    if "grpc" in protocols:
+        tools["perf_analyzer"] = args.perf_analyzer or run.ensure_perf_analyzer()
+    print(f"# {os.cpu_count()} cores; mlp; concurrency {args.concurrency}; {args.seconds:.0f} s a point; "
+          f"best of {args.rounds} rounds (interleaved)")
+    best: dict[tuple[str, int], dict] = {}
+    with tempfile.TemporaryDirectory(prefix="gpud-frontends-") as workdir:
+        repo = os.path.join(workdir, "models")
+        models.write_repository(repo)
+        row = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+        body, header_len = run.kserve_binary(row)
+        body_file = os.path.join(workdir, "body")
+        with open(body_file, "wb") as f:
+            f.write(body)
+        for _ in range(args.rounds):
+            for protocol in protocols:
+                for count in counts:
+                    r = point(args, protocol, count, workdir, repo, body_file, header_len, tools)
+                    key = (protocol, count)
+                    if key not in best or r["rps"] > best[key]["rps"]:
+                        best[key] = r
+    print(f"{'protocol':8} {'processes':>9} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'core us/req':>11} "
+          f"{'front ends us/req':>17} {'workers us/req':>14} {'req/s vs 0':>10}")
+    for (protocol, count), r in best.items():
+        base = best[(protocol, counts[0])]["rps"]
+        print(f"{protocol:8} {count:9d} {r['rps']:8.0f} {r['p50']:7.2f} {r['p99']:7.2f} {r['core_us']:11.0f} "
+              f"{r['fe_us']:17.0f} {r['worker_us']:14.0f} {r['rps'] / base:10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
