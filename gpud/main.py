@@ -340,7 +340,8 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
                "max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
                "request_timeout_s": settings.http_request_timeout_seconds,
                "max_connections": max(1, -(-settings.http_max_connections // n)),
-               "max_tensor_elements": settings.max_tensor_elements}
+               "max_tensor_elements": settings.max_tensor_elements,
+               "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
     host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
     try:
         await host.start()

@@ -84,6 +84,14 @@ class Daemon:
         return self.proc.returncode
 
 
+# GPUD_TEST_FRONTEND_PROCESSES=N: every daemon the tests start serves HTTP and gRPC from N front-end processes of
+# their own (gpud.frontproc), so that the e2e suites run in that mode too (.ci/run runs them so).
+FRONTEND_PROCESSES: tuple[str, ...] = ()
+if os.environ.get("GPUD_TEST_FRONTEND_PROCESSES"):
+    FRONTEND_PROCESSES = ("--http-processes", os.environ["GPUD_TEST_FRONTEND_PROCESSES"],
+                          "--grpc-processes", os.environ["GPUD_TEST_FRONTEND_PROCESSES"])
+
+
 def start_daemon(repo: Path | None, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml",
                  env: dict[str, str] | None = None) -> Daemon:
     """`repo` None: gpud's example models, as ./scripts/run serves them. `env`: added to the daemon's environment
@@ -91,7 +99,7 @@ def start_daemon(repo: Path | None, tmp: Path, *extra: str, node: str | None = "
     ready_file = tmp / f"ready-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "gpud.main", *(["--model-repository", str(repo)] if repo is not None else []),
            "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-           "--ready-file", str(ready_file), *extra]
+           "--ready-file", str(ready_file), *FRONTEND_PROCESSES, *extra]
     if node:
         cmd += ["--node", str(ROOT / node)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -40,11 +40,12 @@ def daemon(repo, tmp_path_factory):
     assert "Traceback" not in d.log(), d.log()
 
 
-def frontends(daemon) -> list[psutil.Process]:
+def frontends(daemon, kind: str = "http") -> list[psutil.Process]:
     out = []
     for c in psutil.Process(daemon.proc.pid).children():
         try:
-            if c.status() != psutil.STATUS_ZOMBIE and "gpud.frontproc.child" in " ".join(c.cmdline()):
+            line = " ".join(c.cmdline())
+            if c.status() != psutil.STATUS_ZOMBIE and "gpud.frontproc.child" in line and f'"kind": "{kind}"' in line:
                 out.append(c)
         except psutil.Error:  # gone meanwhile
             pass
@@ -203,7 +204,7 @@ def grpc_input(value: float = 1.0):
 
 
 def test_grpc_processes_answer_as_the_in_process_front_end(grpc_daemon):
-    assert len(frontends(grpc_daemon)) == PROCESSES
+    assert len(frontends(grpc_daemon, "grpc")) == PROCESSES
     client = grpcclient.InferenceServerClient(grpc_daemon.grpc_url)
     over_http = httpclient.InferenceServerClient(grpc_daemon.http_url).infer("mlp", [mlp_input(0.25)])
     np.testing.assert_allclose(client.infer("mlp", [grpc_input(0.25)]).as_numpy("output"),

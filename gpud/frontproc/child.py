@@ -14,6 +14,7 @@ import sys
 
 from gpud.api.http_api import HttpApi
 from gpud.api.http_server import HttpServer
+from gpud.api.json_codec import JsonCodecPool
 from gpud.frontproc.arena import Arena
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
 
@@ -49,9 +50,13 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
             arena.close()
         return
     assert listen is not None
-    server = HttpServer(HttpApi(core, RemoteAdmin(core), options["max_tensor_elements"]),
+    # Large JSON bodies are decoded (and large JSON answers encoded) off this process's loop too, as on the core's.
+    json_codec = JsonCodecPool(options["json_processes"], options["json_offload_bytes"]) \
+        if options.get("json_processes") else None
+    server = HttpServer(HttpApi(core, RemoteAdmin(core), options["max_tensor_elements"], json_codec),
                         max_body_bytes=options["max_body_bytes"], max_head_bytes=options["max_head_bytes"],
-                        request_timeout_s=options["request_timeout_s"], max_connections=options["max_connections"])
+                        request_timeout_s=options["request_timeout_s"], max_connections=options["max_connections"],
+                        on_close=json_codec.close if json_codec is not None else None)
 
     def on_tune(request_timeout_s: float, max_connections: int) -> None:
         server.request_timeout_s = request_timeout_s

@@ -9,6 +9,7 @@ service): it stops when the core tells it to, after the core stopped taking new 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import socket
@@ -22,6 +23,7 @@ from typing import Any
 from gpud.api.admin import AdminAuth
 from gpud.core import GpudCore
 from gpud.executor.client_shm import NO_DATA
+from gpud.executor.shm import unlink
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
 from gpud.frontproc.link import FrameReader, Sender, request_of, response_wire
 
@@ -46,6 +48,9 @@ class FrontendProcess:
     sender: Sender | None = None
     submits: dict[int, Callable[[], None] | None] = field(default_factory=dict)
     signatures: dict[int, object] = field(default_factory=dict)  # the process's signature numbers -> ours
+    # Segments its recent answers' large outputs went in (link.response_wire): removed by the process once mapped;
+    # if it dies first, by us (a name already removed is no matter).
+    handed: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=1024))
     started_s: float = 0.0
     alive: bool = True
     serving: asyncio.Future | None = None  # done when it says it serves
@@ -181,7 +186,7 @@ class FrontendHost:
             for tensor in result.outputs:
                 if tensor.shm is not None:  # in the client's region: only the shape travels
                     tensor.data = NO_DATA
-            self._send(fp, ("answer", ident, True, response_wire(result)))
+            self._send(fp, ("answer", ident, True, response_wire(result, fp.handed.append)))
         else:
             self._send(fp, ("answer", ident, False, result))
 
@@ -248,6 +253,9 @@ class FrontendHost:
         fp.sock.close()
         if fp.serving is not None and not fp.serving.done():
             fp.serving.set_exception(OSError(f"process {fp.index} ended before serving (see its log above)"))
+        for name in fp.handed:
+            unlink(name)
+        fp.handed.clear()
         submits, fp.submits = fp.submits, {}
         for cancel in submits.values():
             if cancel is not None:

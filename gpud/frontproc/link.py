@@ -23,6 +23,9 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from gpud.executor.shm import Segment, new_segment_name, unlink
 from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput, ShmRef
 
 _HEADER = struct.Struct("<I")
@@ -52,16 +55,50 @@ def request_of(w: tuple) -> InferRequest:
                         priority, timeout_us, parameters, None, uses_shm)
 
 
-def response_wire(r: InferResponse) -> tuple:
-    return (r.model_name, r.model_version, r.id,
-            [(t.name, t.datatype, t.shape, t.data, _ref(t.shm)) for t in r.outputs], r.parameters, r.compute_ns)
+HANDOFF_MIN_BYTES = 64 << 10  # an answer's tensor at least this big goes in a segment of its own, not in the message
+
+
+def response_wire(r: InferResponse, handed: Callable[[str], None] | None = None) -> tuple:
+    """The answer as a tuple. With `handed`, each large fixed-size output is written into a shared-memory segment of
+    its own instead (one copy, where pickling and sending it would be three, and hold the loop while the other side
+    reads); the receiver maps it and removes its file; `handed(name)` is told each segment's name."""
+    outputs = []
+    for t in r.outputs:
+        data: Any = t.data
+        if handed is not None and t.shm is None and data.dtype.kind != "O" and data.nbytes >= HANDOFF_MIN_BYTES:
+            data = _hand_off(data)
+            handed(data[1])
+        outputs.append((t.name, t.datatype, t.shape, data, _ref(t.shm)))
+    return (r.model_name, r.model_version, r.id, outputs, r.parameters, r.compute_ns)
+
+
+def _hand_off(array: Any) -> tuple[str, str, str]:
+    name = new_segment_name("answer")
+    segment = Segment.create(name, array.nbytes)
+    segment.owner = False  # the receiver removes it once mapped
+    try:
+        segment.ndarray(0, array.shape, array.dtype)[...] = array
+    finally:
+        segment.close()
+    return ("segment", name, array.dtype.str)
+
+
+def _taken(data: Any, shape: tuple[int, ...]) -> Any:
+    """An output's array: as sent, or mapped from the segment it was handed over in (the file removed at once: the
+    mapping lives as long as the array)."""
+    if type(data) is not tuple:
+        return data
+    _, name, dtype = data
+    segment = Segment.attach(name)
+    unlink(name)
+    return segment.ndarray(0, shape, np.dtype(dtype))
 
 
 
 def response_of(w: tuple) -> InferResponse:
     name, version, ident, outputs, parameters, compute_ns = w
-    return InferResponse(name, version, [InferTensor(n, d, s, a, _unref(ref)) for n, d, s, a, ref in outputs], ident,
-                         parameters, compute_ns)
+    tensors = [InferTensor(n, d, s, _taken(a, s), _unref(ref)) for n, d, s, a, ref in outputs]
+    return InferResponse(name, version, tensors, ident, parameters, compute_ns)
 
 
 def frame(message: tuple) -> bytes:
@@ -122,13 +159,16 @@ class FrameReader:
 
 
 class Sender:
-    """Messages queued and sent together once the event loop's turn ends: one send for all the answers (or requests)
-    of a turn, instead of one each."""
+    """Messages queued and sent together once the event loop's turn ends (one send for all the answers, or requests,
+    of a turn), never blocking the loop: what the socket does not take now is sent when it can (a writer callback).
+    Neither side ever blocks on a full socket, so two processes writing to each other cannot wait on each other."""
 
     def __init__(self, sock: socket.socket, on_error: Callable[[], None]):
         self.sock = sock
         self.on_error = on_error
         self._frames: list[bytes] = []
+        self._pending = b""  # bytes the socket has not taken yet
+        self._writing = False
         self._loop: Any = None
 
     def put(self, message: tuple) -> None:
@@ -142,28 +182,48 @@ class Sender:
 
     def flush(self) -> None:
         frames, self._frames = self._frames, []
-        if not frames:
-            return
+        if frames:
+            self._pending = b"".join([self._pending, *frames]) if self._pending or len(frames) > 1 else frames[0]
+        if not self._writing:
+            self._write()
+
+    def _write(self) -> None:
+        data = memoryview(self._pending)
+        sent = 0
         try:
-            send_bytes(self.sock, b"".join(frames) if len(frames) > 1 else frames[0])
-        except OSError:
-            self.on_error()
-
-
-def send(sock: socket.socket, message: tuple) -> None:
-    """Send a whole message. The socket is non-blocking for reads; a full send buffer waits here (messages are
-    small: tensors travel in shared memory)."""
-    send_bytes(sock, frame(message))
-
-
-def send_bytes(sock: socket.socket, payload: bytes) -> None:
-    data = memoryview(payload)
-    while data:
-        try:
-            sent = sock.send(data)
+            while sent < len(data):
+                sent += self.sock.send(data[sent:])
         except (BlockingIOError, InterruptedError):
-            import select
+            pass
+        except OSError:
+            self._pending = b""
+            self._stop_writing()
+            self.on_error()
+            return
+        self._pending = bytes(data[sent:]) if sent < len(data) else b""
+        if self._pending and not self._writing:
+            self._writing = True
+            self._loop.add_writer(self.sock.fileno(), self._write)
+        elif not self._pending:
+            self._stop_writing()
 
-            select.select([], [sock], [])
-            continue
-        data = data[sent:]
+    def _stop_writing(self) -> None:
+        if self._writing:
+            self._writing = False
+            try:
+                self._loop.remove_writer(self.sock.fileno())
+            except (ValueError, OSError, RuntimeError):
+                pass
+
+    def drain_blocking(self) -> None:
+        """Send everything queued, waiting for the socket (a sync call, whose answer is awaited on the spot: the
+        core never blocks on its side, so this ends)."""
+        self.flush()
+        if self._pending:
+            self._stop_writing()
+            self.sock.setblocking(True)
+            try:
+                self.sock.sendall(self._pending)
+            finally:
+                self.sock.setblocking(False)
+            self._pending = b""

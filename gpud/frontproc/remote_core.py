@@ -169,7 +169,10 @@ class RemoteCore:
             raise _lost()
         self.sender.put(message)
         if now:
-            self.sender.flush()
+            try:
+                self.sender.drain_blocking()
+            except OSError:
+                self._gone()
         if self.lost:
             raise _lost()
 
