@@ -56,12 +56,20 @@ def inspect_document(server: ServerMetadata, snapshot: ServingSnapshot, placemen
     return out
 
 
+def _objective(st) -> dict[str, Any]:
+    """A version's latency objective and how it holds: its attainment (the share of requests within it so far)."""
+    counted = st.within_objective + st.over_objective
+    return {"seconds": st.objective_ns / 1e9, "share": st.objective_share, "within": st.within_objective,
+            "over": st.over_objective, "attainment": st.within_objective / counted if counted else None}
+
+
 def _version(v: VersionView) -> dict[str, Any]:
     st = v.stats
     n = st.success.count
     return {
         "name": v.model, "version": v.version, "state": v.state.value, "reason": v.reason,
         "max_batch_size": v.max_batch_size, "pending_requests": v.pending_requests,
+        **({} if not st.objective_ns else {"latency_objective": _objective(st)}),
         "requests_success": n, "requests_failed": st.fail.count,
         "executions": st.execution_count, "inferences": st.inference_count,
         "queue_seconds_avg": st.queue.ns / n / 1e9 if n else None,

@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tensor-elements", type=int, metavar="N",
                    help="an input whose declared shape spans more elements is refused (400 / INVALID_ARGUMENT) "
                         "before anything is allocated for it; zero dimensions count as one (default 268435456)")
+    p.add_argument("--latency-objective-ms", type=float, metavar="MS",
+                   help="the latency objective of models whose config.pbtxt sets no gpud_latency_objective_ms: "
+                        "--latency-objective-share of their requests within MS milliseconds inside gpud (queue + "
+                        "compute); counted (gpud_model_requests_within/over_objective_total) and the batch delay "
+                        "kept within it (default: none)")
+    p.add_argument("--latency-objective-share", type=float, metavar="SHARE",
+                   help="the share of requests the node's latency objective covers (default 0.99)")
     p.add_argument("--http-processes", type=int, metavar="N",
                    help="serve HTTP from N front-end processes of their own, which parse requests and place their "
                         "tensors in shared memory, so that the core's event loop only batches and answers "

@@ -14,6 +14,8 @@ import yaml
 
 from gpud.api.admin import read_token_file
 from gpud.model_control import ModelControl, ModelControlMode
+from gpud.executor.objective import (MAX_OBJECTIVE_MS, ObjectiveDefaults, parse_objective_ms,
+                                     parse_objective_share)
 from gpud.scaling.bounds import BoundsDefaults
 from gpud.scaling.hints import HintPolicy
 from gpud.scaling.rules import SCALING_MODES, ScalingMode, ScalingPolicy
@@ -82,6 +84,9 @@ class Settings:
     placement_control: str = "on"  # "on": apply; "advise": log and export what it would do; "off": no controller
     control_interval_seconds: float = 10.0  # how often the controller re-plans
     control_max_steps_per_interval: int = 4  # adds, removals and moves applied per interval; the rest waits
+    # --- latency objectives (gpud.executor.objective) for models whose config.pbtxt sets none ---
+    latency_objective_ms: float | None = None  # None: such models have no objective
+    latency_objective_share: float = 0.99  # of requests within it
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
@@ -98,6 +103,7 @@ class Prepared:
     scaling_policy: ScalingPolicy
     scaling_mode: ScalingMode  # placement_control, checked
     bounds_defaults: BoundsDefaults
+    objective_defaults: ObjectiveDefaults
     model_control: ModelControl
     admin_token: str | None
 
@@ -193,9 +199,23 @@ def prepare_settings(settings: Settings) -> Prepared:
     return Prepared(settings, hint_policy(settings), scaling_policy(settings),
                     cast(ScalingMode, settings.placement_control),  # scaling_policy checked it
                     BoundsDefaults(settings.min_instances, settings.max_instances),
+                    objective_defaults(settings),
                     # ModelControl checks the mode
                     ModelControl(cast(ModelControlMode, settings.model_control_mode), tuple(settings.load_model)),
                     read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
+
+
+def objective_defaults(settings: Settings) -> ObjectiveDefaults:
+    """The node's latency objective for models that set none; ValueError (exit 2) for values it refuses."""
+    ms, share = settings.latency_objective_ms, settings.latency_objective_share
+    try:
+        if ms is not None:
+            parse_objective_ms(str(ms))
+        parse_objective_share(str(share))
+    except ValueError:
+        raise ValueError(f"latency_objective_ms must be in (0, {MAX_OBJECTIVE_MS:g}] and latency_objective_share "
+                         f"in (0, 1), got {ms} and {share}") from None
+    return ObjectiveDefaults(ms, share)
 
 
 def hint_policy(settings: Settings) -> HintPolicy:

@@ -128,7 +128,8 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     # the hints on their tick), then the core that routes over it.
     registry = Registry(has_gpus(leaves), version_maker(unready_wait_s=settings.unready_wait_seconds,
                                                         default_max_queue_size=settings.default_max_queue_size,
-                                                        bounds_defaults=prepared.bounds_defaults))
+                                                        bounds_defaults=prepared.bounds_defaults,
+                                                        objective_defaults=prepared.objective_defaults))
     placement = PlacementService(devices, pool, registry, device_reserve_bytes=settings.device_reserve_bytes,
                                  strategy=settings.placement_strategy,
                                  time_limit_s=settings.placement_time_limit_seconds)

@@ -25,9 +25,10 @@ _FALLBACK = re.compile(r"\bor\s+(on\s*\(\s*\)\s*)?vector\(")
 
 
 def _panel_names(expr: str, recorded: dict[str, str]) -> set[str]:
+    """The exported metrics an expression reads, through recording rules (which may read other recording rules)."""
     names: set[str] = set()
     for name in metric_names(expr):
-        names |= metric_names(recorded[name]) if name in recorded else {name}
+        names |= _panel_names(recorded[name], recorded) if name in recorded else {name}
     return names
 
 
@@ -49,7 +50,8 @@ def test_every_panel_metric_has_samples_on_the_simulated_default_node(tmp_path):
     write_example_repository(repo, ["mlp"])
     # the embedded default node, named explicitly so a machine with a GPU runs this on the same simulated node
     daemon = start_daemon(repo, tmp_path, "--hints-interval-seconds", "1", "--hints-rate-window-seconds", "3",
-                          "--control-interval-seconds", "1", node=DEFAULT_NODE_FILE)
+                          "--control-interval-seconds", "1", "--latency-objective-ms", "1000",  # objective panels
+                          node=DEFAULT_NODE_FILE)
     try:
         import tritonclient.http as httpclient
 

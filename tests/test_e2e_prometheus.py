@@ -60,6 +60,16 @@ def test_promtool_checks_the_rules(tools):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_promtool_unit_tests_of_the_objective_rules_and_burn_rate_alerts(tools):
+    """config/prometheus/gpud-rules.test.yml: a version burning its budget 20x pages (fast: 1 h and 5 min windows),
+    warns (6 h and 30 min) and opens a ticket (3 d and 6 h); one meeting its objective does not; a 10-minute spike
+    that the hour has not confirmed does not page."""
+    tests_file = RULES.parent / "gpud-rules.test.yml"
+    proc = subprocess.run([tools[1], "test", "rules", tests_file.name], cwd=RULES.parent, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_dashboard_model():
     dash = json.loads(DASHBOARD.read_text())
     variables = {v["name"]: v for v in dash["templating"]["list"]}
@@ -160,7 +170,7 @@ def test_every_panel_and_rule_against_real_prometheus(tools, tmp_path):
     repo = tmp_path / "repo"
     write_example_repository(repo)
     daemon = start_daemon(repo, tmp_path, "--triton-metrics", "--hints-interval-seconds", "1",
-                          "--hints-rate-window-seconds", "3")
+                          "--hints-rate-window-seconds", "3", "--latency-objective-ms", "1000")  # objective panels
     prom = None
     load = _Load(daemon.http_url)
     try:

@@ -26,6 +26,18 @@ class TestReadOptions:
         assert options == ModelOptions(min_instances=0, max_instances=6, compute_fraction=0.25, batching="triton",
                                        cuda_tf32=True, intra_op_threads=2)
 
+    def test_a_latency_objective_and_the_nodes_default(self):
+        from gpud.executor.objective import LatencyObjective, ObjectiveDefaults, objective_of
+
+        own = read_options({"gpud_latency_objective_ms": "20", "gpud_latency_objective_share": "0.999",
+                            "gpud_latency_objective_shed": "true"}, ONE, PATH)
+        assert objective_of(own) == LatencyObjective(0.020, 0.999, True)
+        assert objective_of(own, ObjectiveDefaults(500.0, 0.9)) == LatencyObjective(0.020, 0.999, True)
+        share_only = read_options({"gpud_latency_objective_share": "0.95"}, ONE, PATH)
+        assert objective_of(share_only) is None  # no bound anywhere: none
+        assert objective_of(share_only, ObjectiveDefaults(150.0)) == LatencyObjective(0.150, 0.95)
+        assert objective_of(read_options({}, ONE, PATH), ObjectiveDefaults(150.0)) == LatencyObjective(0.150, 0.99)
+
     @pytest.mark.parametrize("key, text, message", [
         ("gpud_min_instances", "two", "parameter gpud_min_instances must be a whole number of instances >= 0, "
                                       "got 'two'"),
@@ -39,7 +51,17 @@ class TestReadOptions:
         ("gpud_cuda_tf32", "maybe", "parameter gpud_cuda_tf32 must be true or false, got 'maybe'"),
         ("intra_op_thread_count", "x", "parameter intra_op_thread_count must be a whole number of threads"),
         ("gpud_min_instance", "1", "unknown parameter 'gpud_min_instance'; gpud's parameters are gpud_batching, "
-                                   "gpud_compute_fraction, gpud_cuda_tf32, gpud_max_instances, gpud_min_instances"),
+                                   "gpud_compute_fraction, gpud_cuda_tf32, gpud_latency_objective_ms, "
+                                   "gpud_latency_objective_share, gpud_latency_objective_shed, gpud_max_instances, "
+                                   "gpud_min_instances"),
+        ("gpud_latency_objective_ms", "0", "parameter gpud_latency_objective_ms must be a number of milliseconds > 0"),
+        ("gpud_latency_objective_ms", "fast", "parameter gpud_latency_objective_ms must be a number of milliseconds"),
+        ("gpud_latency_objective_ms", "inf", "parameter gpud_latency_objective_ms must be a number of milliseconds"),
+        ("gpud_latency_objective_ms", "3600001", "and at most 3600000 (an hour), got '3600001'"),
+        ("gpud_latency_objective_share", "1", "parameter gpud_latency_objective_share must be a share of requests, "
+                                              "a number in (0, 1) such as 0.99, got '1'"),
+        ("gpud_latency_objective_share", "99%", "parameter gpud_latency_objective_share must be a share"),
+        ("gpud_latency_objective_shed", "yes", "parameter gpud_latency_objective_shed must be true or false"),
     ])
     def test_a_bad_value_names_the_file_the_key_and_what_is_allowed(self, key, text, message):
         with pytest.raises(ModelConfigError) as info:

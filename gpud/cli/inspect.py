@@ -61,13 +61,13 @@ def render_inspect(data: dict[str, Any]) -> str:
             lines += device_line(child, "    └─ ")
     lines += ["", "MODELS",
               f"  {'model':<20} {'ver':>3} {'state':<12} {'inst':>4} {'pending':>7} {'ok':>8} {'failed':>6} "
-              f"{'queue ms':>9} {'compute ms':>10}"]
+              f"{'queue ms':>9} {'compute ms':>10}  {'objective':<16} {'attained':>8}"]
     for m in data["models"]:
         ready = "-" if m.get("pipeline") else sum(1 for i in m["instances"] if i["ready"])  # an ensemble has none
         lines.append(f"  {m['name']:<20} {m['version']:>3} {m['state']:<12} {ready:>4} "
                      f"{m.get('pending_requests', 0):>7} {m.get('requests_success', 0):>8} "
                      f"{m.get('requests_failed', 0):>6} {_ms(m.get('queue_seconds_avg')):>9} "
-                     f"{_ms(m.get('compute_seconds_avg')):>10}")
+                     f"{_ms(m.get('compute_seconds_avg')):>10}  {_objective(m.get('latency_objective'))}")
         if m.get("reason"):
             lines.append(f"      reason: {m['reason']}")
         if "sequences_in_slots" in m:  # a sequence model
@@ -78,6 +78,17 @@ def render_inspect(data: dict[str, Any]) -> str:
     lines += _render_hints(data.get("hints"))
     lines += _render_controller(data.get("controller"), data.get("time_unix_s"))
     return "\n".join(lines)
+
+
+def _objective(o: dict[str, Any] | None) -> str:
+    """The OBJECTIVE and ATTAINED columns: "99% <= 40 ms", and the share of requests within it so far ("-": none
+    counted yet), flagged "!" below the share it must reach."""
+    if not o:
+        return f"{'-':<16} {'-':>8}"
+    spec = f"{o['share'] * 100:g}% <= {o['seconds'] * 1e3:g} ms"
+    attained = o.get("attainment")
+    text = "-" if attained is None else f"{attained * 100:.2f}%" + ("!" if attained < o["share"] else "")
+    return f"{spec:<16} {text:>8}"
 
 
 def _render_pipelines(models: list[dict[str, Any]]) -> list[str]:

@@ -75,6 +75,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpud.executor.objective import delay_budget_s
 from gpud.executor.model_config import DynamicBatching, QueuePolicy
 from gpud.executor.types import ErrorKind, InferenceError
 
@@ -103,6 +104,7 @@ class QueuedRequest:
     deadline_s: float | None = field(default=None, init=False)  # None = no timeout
     level: int = field(default=0, init=False)  # the priority level it is queued at (0 when levels are off)
     delayed: bool = field(default=False, init=False)  # its DELAY timeout passed: it now goes after the others
+    shed: bool = field(default=False, init=False)  # its deadline is the latency objective's: rejected when passed
     _deadline_seq: int = field(default=-1, init=False, repr=False)  # matches its live deadline-heap entry
 
 
@@ -334,13 +336,22 @@ class BatchQueue:
         quiet_factor: float = 4.0,
         min_quiet_s: float = 50e-6,
         gap_smoothing: float = 0.2,
+        latency_budget_s: float | None = None,
+        shed: bool = False,
     ):
-        """dispatch_lone_request: gpud's rule 6; quiet_dispatch: rule 7. Both False give Triton's behaviour."""
+        """dispatch_lone_request: gpud's rule 6; quiet_dispatch: rule 7. Both False give Triton's behaviour.
+        latency_budget_s: the model's latency objective (gpud.executor.objective): the delay never keeps the oldest
+        request past what it leaves once the batch's expected run time (`expected_run_s`, the driver's) is taken.
+        shed: a request still queued when it has waited latency_budget_s is rejected (expire() returns it, `shed`
+        set), whatever its level's timeout action."""
         _validate(max_batch_size, dynamic_batching)
         if default_max_queue_size < 0:
             raise ValueError(f"default_max_queue_size must be >= 0, got {default_max_queue_size}")
         self._config = _Config(max_batch_size, dynamic_batching, dispatch_lone_request, default_max_queue_size)
         self._clock = clock
+        self.latency_budget_s = latency_budget_s
+        self.shed = shed and latency_budget_s is not None
+        self.expected_run_s = 0.0  # how long a batch is expected to take once dispatched (the driver keeps it)
         self._quiet_dispatch = quiet_dispatch
         self._quiet_factor = quiet_factor
         self._min_quiet_s = min_quiet_s
@@ -438,6 +449,12 @@ class BatchQueue:
         req.level = level
         req.delayed = False
         req.deadline_s = now_s + timeout_us / 1e6 if timeout_us else None
+        req.shed = False
+        if self.shed:
+            assert self.latency_budget_s is not None
+            shed_s = now_s + self.latency_budget_s
+            if req.deadline_s is None or shed_s < req.deadline_s:
+                req.deadline_s, req.shed = shed_s, True
         self._levels.setdefault(level, _Level()).waiting[req] = None
         self._all[req] = None
         self._pending_rows += req.batch_rows
@@ -475,7 +492,7 @@ class BatchQueue:
             req = entry[2]
             if not self._is_live(entry):
                 continue  # stale entry: dispatched, removed or already delayed
-            if cfg.policy(req.level).timeout_action == "DELAY":
+            if cfg.policy(req.level).timeout_action == "DELAY" and not req.shed:
                 level = self._levels[req.level]
                 del level.waiting[req]
                 level.delayed[req] = None
@@ -545,7 +562,8 @@ class BatchQueue:
         for level_no in sorted(self._levels):
             rejects = cfg.policy(level_no).timeout_action == "REJECT"
             for req in self._levels[level_no]:
-                if now_s is not None and rejects and req.deadline_s is not None and now_s >= req.deadline_s:
+                if now_s is not None and (rejects or req.shed) and req.deadline_s is not None \
+                        and now_s >= req.deadline_s:
                     continue
                 yield req
 
@@ -553,7 +571,10 @@ class BatchQueue:
         # One expression for both the comparison and Wait.until_s, so waking at until_s always dispatches
         # (computing "waited >= delay" by subtraction could round the other way and spin).
         oldest_s = next(iter(self._all)).enqueue_time_s
-        return oldest_s + db.max_queue_delay_us / 1e6
+        ends_s = oldest_s + db.max_queue_delay_us / 1e6
+        if self.latency_budget_s is not None:  # the objective's room for waiting, once the run is taken
+            ends_s = min(ends_s, oldest_s + delay_budget_s(self.latency_budget_s, self.expected_run_s))
+        return ends_s
 
     def _dispatch(self, requests: list[QueuedRequest], reason: DispatchReason) -> Dispatch:
         for req in requests:

@@ -21,6 +21,7 @@ from gpud.executor import protocol
 from gpud.executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.model_config import ModelConfig
+from gpud.executor.objective import LatencyObjective
 from gpud.executor.scheduler import Done, Pending, RequestHandle, SchedulerBase, defer_step
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 
@@ -42,12 +43,15 @@ class DynamicScheduler(SchedulerBase):
     """Queues, batches and runs the requests of one model version on its instances."""
 
     def __init__(self, config: ModelConfig, version: str, *, clock: Callable[[], float] = time.monotonic,
-                 unready_wait_s: float = 30.0, default_max_queue_size: int = 0):
-        super().__init__(config, version, clock, unready_wait_s)
+                 unready_wait_s: float = 30.0, default_max_queue_size: int = 0,
+                 objective: LatencyObjective | None = None):
+        super().__init__(config, version, clock, unready_wait_s, objective)
         adaptive = config.options.batching == "adaptive"  # "triton": Triton's exact dynamic batcher
         self.queue = BatchQueue(max_batch_size=config.max_batch_size, dynamic_batching=config.dynamic_batching,
                                 clock=clock, dispatch_lone_request=adaptive, quiet_dispatch=adaptive,
-                                default_max_queue_size=default_max_queue_size)
+                                default_max_queue_size=default_max_queue_size,
+                                latency_budget_s=objective.seconds if objective is not None else None,
+                                shed=objective is not None and objective.shed)
         self._free: deque[InstanceHandle] = deque()
         self._running: dict[InstanceHandle, list[Pending]] = {}
         self._polled_s = 0.0
@@ -175,7 +179,7 @@ class DynamicScheduler(SchedulerBase):
 
     def step(self) -> None:
         for q in self.queue.expire():
-            self._fail([q.payload], timeout_error())
+            self._fail([q.payload], self._shed_error() if q.shed else timeout_error())
         while True:
             decision = self.queue.decide(len(self._free))
             if isinstance(decision, Dispatch):
@@ -188,6 +192,18 @@ class DynamicScheduler(SchedulerBase):
             self._arm_timer(decision.until_s if isinstance(decision, Wait) else None)
             break
         self._notify_if_idle()
+
+    def _ran(self, seconds: float) -> None:
+        q = self.queue  # smoothed, but a slower batch counts at once: the budget errs towards going early
+        prev = q.expected_run_s
+        q.expected_run_s = seconds if seconds > prev else prev + 0.2 * (seconds - prev)
+
+    def _shed_error(self) -> InferenceError:
+        assert self.objective is not None
+        return InferenceError(ErrorKind.UNAVAILABLE,
+                              f"request queued past model '{self.config.name}''s latency objective of "
+                              f"{self.objective.seconds * 1e3:g} ms: answered now instead of late "
+                              "(gpud_latency_objective_shed); retry, or add instances")
 
     # --- one batch -------------------------------------------------------------------------------------------
     def _run(self, inst: InstanceHandle, batch: list[Pending]) -> None:

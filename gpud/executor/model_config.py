@@ -99,6 +99,9 @@ MAX_INSTANCES = "gpud_max_instances"
 COMPUTE_FRACTION = "gpud_compute_fraction"
 BATCHING = "gpud_batching"
 CUDA_TF32 = "gpud_cuda_tf32"
+LATENCY_OBJECTIVE_MS = "gpud_latency_objective_ms"
+LATENCY_OBJECTIVE_SHARE = "gpud_latency_objective_share"
+LATENCY_OBJECTIVE_SHED = "gpud_latency_objective_shed"
 INTRA_OP_THREADS = "intra_op_thread_count"  # Triton's onnxruntime backend parameter
 
 
@@ -114,6 +117,11 @@ class ModelOptions:
     batching: BatchingMode = "adaptive"  # gpud_batching: "triton" is Triton's exact dynamic batcher
     cuda_tf32: bool = False  # gpud_cuda_tf32: FP32 MatMul and Conv may round to TF32 on the CUDA EP
     intra_op_threads: int | None = None  # intra_op_thread_count (Triton's onnxruntime backend); None: gpud's default
+    # The latency objective (gpud.executor.objective): the share of requests whose server-side latency (queue +
+    # compute) must stay within the milliseconds. None: the node's default (--latency-objective-ms / -share).
+    latency_objective_ms: float | None = None
+    latency_objective_share: float | None = None
+    latency_objective_shed: bool = False  # answer UNAVAILABLE at once a request queued past the objective
 
 
 @dataclass(frozen=True)

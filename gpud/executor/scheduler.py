@@ -26,6 +26,7 @@ import numpy as np
 from gpud.executor import protocol
 from gpud.executor.batcher import QueuedRequest
 from gpud.executor.instance import InstanceHandle
+from gpud.executor.objective import LatencyObjective
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
@@ -287,15 +288,19 @@ class SchedulerBase:
         return False
     _unready_note = ""  # added to the message of requests failed for want of a ready instance
 
-    def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float):
+    def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float,
+                 objective: LatencyObjective | None = None):
         self.config = config
         self.version = version
         self.clock = clock
+        self.objective = objective  # the version's latency objective (gpud.executor.objective), if it has one
         # With no instance ready (its worker restarting, or being placed elsewhere), requests wait in the queue at
         # most this long; then the queued ones fail with UNAVAILABLE and the reason.
         self.unready_wait_s = unready_wait_s
         self._unready_timer: asyncio.TimerHandle | None = None
         self.stats = ModelStats()  # the one record of this version's requests (gpud.executor.stats): others read it
+        if objective is not None:
+            self.stats.objective_ns, self.stats.objective_share = objective.ns, objective.share
         self._instances: list[InstanceHandle] = []  # the one list of them: `instances` to read it
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s: float | None = None
@@ -429,6 +434,12 @@ class SchedulerBase:
                     request_ns += [now_ns - p.arrival_ns] * p.members
                 p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
+        if self.objective is not None and batch:
+            self._ran((now_ns - batch[0].dispatch_ns) / 1e9)
+
+    def _ran(self, seconds: float) -> None:
+        """A batch took `seconds` from dispatch to its answers (versions with a latency objective: what the batch
+        delay leaves room for)."""
 
     def _fail(self, batch: list[Pending], exc: InferenceError) -> None:
         now_ns = time.perf_counter_ns()

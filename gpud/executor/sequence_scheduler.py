@@ -27,6 +27,7 @@ import numpy as np
 from gpud.executor import protocol
 from gpud.executor.batcher import Wait
 from gpud.executor.instance import InstanceHandle
+from gpud.executor.objective import LatencyObjective
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.scheduler import Done, Pending, RequestHandle, SchedulerBase
 from gpud.executor.sequence_batcher import (CorrelationId, SequenceBatcher, SequenceDispatch, SequenceRequest,
@@ -79,10 +80,10 @@ class SequenceScheduler(SchedulerBase):
     _unready_note = "; its sequences keep their state"
 
     def __init__(self, config: ModelConfig, version: str, *, clock=time.monotonic, unready_wait_s: float = 30.0,
-                 default_max_queue_size: int = 0):
+                 default_max_queue_size: int = 0, objective: LatencyObjective | None = None):
         if config.sequence_batching is None:
             raise ValueError(f"model '{config.name}' has no sequence_batching")
-        super().__init__(config, version, clock, unready_wait_s)
+        super().__init__(config, version, clock, unready_wait_s, objective)
         self.policy = policy = config.sequence_batching
         self.exec_config = execution_config(config)
         self.batcher = SequenceBatcher(policy, model_name=config.name, max_batch_size=config.max_batch_size,

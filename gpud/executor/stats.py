@@ -76,6 +76,12 @@ class ModelStats:
     evictions: int = 0  # instances unloaded (least recently used first) to make room for another model's load
     batches: dict[int, BatchStats] = field(default_factory=dict)
     histograms: LatencyHistograms = field(default_factory=LatencyHistograms)
+    # The latency objective (gpud.executor.objective), when the version has one: its bound (0: none) and share,
+    # and the requests within it and over it (a failed request counts over: it did not meet it).
+    objective_ns: int = 0
+    objective_share: float = 0.0
+    within_objective: int = 0
+    over_objective: int = 0
 
     def record_batch(self, rows: int, queue_ns: Sequence[int], request_ns: Sequence[int], input_ns: int,
                      infer_ns: int, output_ns: int, wall_ms: int) -> None:
@@ -102,6 +108,10 @@ class ModelStats:
                 buckets[bisect_left(bounds, v)] += 1
                 total += v
             d.add(total, n)
+        if self.objective_ns:
+            within = sum(1 for v in request_ns if v <= self.objective_ns)
+            self.within_objective += within
+            self.over_objective += n - within
         for d, buckets, v in ((self.compute_input, h.compute_input, input_ns),
                               (self.compute_infer, h.compute_infer, infer_ns),
                               (self.compute_output, h.compute_output, output_ns)):
@@ -116,3 +126,5 @@ class ModelStats:
         """One failed request, `request_ns` after it arrived. Failures add no latencies (as in Triton): a failure's
         timings would mix rejected-at-once with timed-out-in-queue and mislead the latency panels."""
         self.fail.add(request_ns)
+        if self.objective_ns:
+            self.over_objective += 1

@@ -12,7 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpud.executor.model_config import (BATCHING, BATCHING_MODES, COMPUTE_FRACTION, CUDA_TF32, INTRA_OP_THREADS,
+                                        LATENCY_OBJECTIVE_MS, LATENCY_OBJECTIVE_SHARE, LATENCY_OBJECTIVE_SHED,
                                         MAX_INSTANCES, MIN_INSTANCES, InstanceGroup, ModelOptions)
+from gpud.executor.objective import parse_objective_ms, parse_objective_share
 from gpud.repository.errors import ModelConfigError
 
 
@@ -53,6 +55,11 @@ _READERS: dict[str, tuple[str, Callable[[str], Any], str]] = {
     BATCHING: ("batching", _mode, f"one of {', '.join(BATCHING_MODES)}"),
     CUDA_TF32: ("cuda_tf32", _bool, "true or false"),
     INTRA_OP_THREADS: ("intra_op_threads", _count, "a whole number of threads >= 0 (0: onnxruntime's default)"),
+    LATENCY_OBJECTIVE_MS: ("latency_objective_ms", parse_objective_ms,
+                           "a number of milliseconds > 0 and at most 3600000 (an hour)"),
+    LATENCY_OBJECTIVE_SHARE: ("latency_objective_share", parse_objective_share,
+                              "a share of requests, a number in (0, 1) such as 0.99"),
+    LATENCY_OBJECTIVE_SHED: ("latency_objective_shed", _bool, "true or false"),
 }
 KNOWN = tuple(sorted(_READERS))
 

@@ -78,6 +78,10 @@ _COUNTERS: tuple[tuple[str, str, Callable[[ModelStats], int | float]], ...] = (
      "instance serving, seconds.", lambda st: st.cold_start_seconds),
     ("gpud_model_evictions", "Instances of the version unloaded while idle (least recently used first) to make "
      "room for another model's load.", lambda st: st.evictions),
+    ("gpud_model_requests_within_objective", "Requests answered within the version's latency objective (queue + "
+     "compute inside gpud); 0 for versions without one.", lambda st: st.within_objective),
+    ("gpud_model_requests_over_objective", "Requests answered over the version's latency objective, or failed; "
+     "0 for versions without one.", lambda st: st.over_objective),
 )
 # `le` label values, as prometheus_client writes them (0.00025, 1.0, +Inf).
 _LES = tuple(tuple(floatToGoString(b) for b in bounds) + ("+Inf",) for _, _, bounds, _, _ in _HISTOGRAMS)
@@ -187,14 +191,23 @@ def _gauge_families() -> list[GaugeMetricFamily]:
         GaugeMetricFamily("gpud_model_sequences", "Live sequences of a sequence model: holding a slot of an "
                           "instance (where=slot), or waiting for one (where=backlog).",
                           labels=("model", "version", "where")),
+        GaugeMetricFamily("gpud_model_latency_objective_seconds", "The version's latency objective: the bound on a "
+                          "request's latency inside gpud (queue + compute), seconds. Only versions with one.",
+                          labels=MODEL_LABELS),
+        GaugeMetricFamily("gpud_model_latency_objective_share", "The share of requests the version's latency "
+                          "objective covers (0.99: 99% within the bound); its error budget is 1 - share.",
+                          labels=MODEL_LABELS),
     ]
 
 
 def _collect_gauges(versions: list[VersionView]) -> list[GaugeMetricFamily]:
     families = _gauge_families()
-    pending_fam, instances_fam, memory_fam, load_fam, ready_fam, sequences_fam = families
+    pending_fam, instances_fam, memory_fam, load_fam, ready_fam, sequences_fam, objective_fam, share_fam = families
     for v in versions:
         pending_fam.add_metric([v.model, v.version], float(v.pending_requests))
+        if v.stats.objective_ns:
+            objective_fam.add_metric([v.model, v.version], v.stats.objective_ns / 1e9)
+            share_fam.add_metric([v.model, v.version], v.stats.objective_share)
         if v.sequences_in_slots is not None:
             sequences_fam.add_metric([v.model, v.version, "slot"], float(v.sequences_in_slots))
             sequences_fam.add_metric([v.model, v.version, "backlog"], float(v.sequences_in_backlog))

@@ -1,0 +1,197 @@
+"""Latency objectives per model (issue 26): the batch delay capped by what the objective leaves (fake clock),
+shedding, the counts of requests within and over it, its metrics, and a daemon that sheds, counts and exports."""
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from gpud.executor.batcher import BatchQueue, Dispatch, DispatchReason, QueuedRequest, Wait
+from gpud.executor.model_config import DynamicBatching, QueuePolicy
+from gpud.executor.objective import LatencyObjective, delay_budget_s
+from gpud.executor.stats import ModelStats
+from tests.daemon_harness import save, slow_model, start_daemon
+from tests.fakes import FakeClock
+
+DB = DynamicBatching(max_queue_delay_us=10_000)  # 10 ms
+
+
+def queue(clock, **kw) -> BatchQueue:
+    # Triton's rules (no lone/quiet dispatch): only the delay sends a batch that is not full
+    return BatchQueue(max_batch_size=8, dynamic_batching=kw.pop("db", DB), clock=clock, dispatch_lone_request=False,
+                      quiet_dispatch=False, **kw)
+
+
+class TestBatchDelay:
+    def test_the_delay_ends_when_the_objective_leaves_only_the_run(self):
+        clock = FakeClock()
+        q = queue(clock, latency_budget_s=0.005)
+        q.expected_run_s = 0.002
+        q.enqueue(QueuedRequest("a", 1, "k"))
+        assert q.decide(1) == Wait(until_s=pytest.approx(0.003))  # 5 ms objective - 2 ms run, not the 10 ms delay
+        clock.now = 0.003
+        d = q.decide(1)
+        assert isinstance(d, Dispatch) and d.reason is DispatchReason.DELAY
+
+    def test_a_roomy_objective_leaves_the_configured_delay(self):
+        clock = FakeClock()
+        q = queue(clock, latency_budget_s=0.5)
+        q.expected_run_s = 0.002
+        q.enqueue(QueuedRequest("a", 1, "k"))
+        assert q.decide(1) == Wait(until_s=pytest.approx(0.010))
+
+    def test_a_run_longer_than_the_objective_sends_at_once(self):
+        clock = FakeClock()
+        q = queue(clock, latency_budget_s=0.005)
+        q.expected_run_s = 0.008
+        q.enqueue(QueuedRequest("a", 1, "k"))
+        assert isinstance(q.decide(1), Dispatch)
+        assert delay_budget_s(0.005, 0.008) == 0.0
+
+    def test_the_oldest_requests_budget_counts(self):
+        clock = FakeClock()
+        q = queue(clock, latency_budget_s=0.006)
+        q.expected_run_s = 0.001
+        q.enqueue(QueuedRequest("a", 1, "k"))
+        clock.now = 0.004
+        q.enqueue(QueuedRequest("b", 1, "k"))
+        assert q.decide(1) == Wait(until_s=pytest.approx(0.005))  # a's 6 ms - 1 ms, from a's arrival
+
+
+class TestShedding:
+    def test_a_request_queued_past_the_objective_is_rejected_as_shed(self):
+        clock = FakeClock()
+        q = queue(clock, latency_budget_s=0.005, shed=True)
+        a, b = QueuedRequest("a", 1, "k"), QueuedRequest("b", 1, "k")
+        q.enqueue(a)
+        clock.now = 0.003
+        q.enqueue(b)
+        assert q.decide(0) == Wait(until_s=pytest.approx(0.005))  # no instance free: wake for a's shedding
+        clock.now = 0.005
+        assert q.expire() == [a] and a.shed
+        clock.now = 0.008
+        assert q.expire() == [b] and len(q) == 0
+
+    def test_shedding_rejects_whatever_the_levels_timeout_action(self):
+        clock = FakeClock()
+        db = DynamicBatching(max_queue_delay_us=10_000, default_queue_policy=QueuePolicy(
+            default_timeout_us=100_000, timeout_action="DELAY"))
+        q = queue(clock, db=db, latency_budget_s=0.005, shed=True)
+        a = QueuedRequest("a", 1, "k")
+        q.enqueue(a)
+        clock.now = 0.006
+        assert q.expire() == [a] and a.shed
+
+    def test_a_shorter_queue_timeout_is_a_timeout_not_a_shed(self):
+        clock = FakeClock()
+        db = DynamicBatching(max_queue_delay_us=10_000, default_queue_policy=QueuePolicy(default_timeout_us=1_000))
+        q = queue(clock, db=db, latency_budget_s=0.005, shed=True)
+        a = QueuedRequest("a", 1, "k")
+        q.enqueue(a)
+        clock.now = 0.002
+        assert q.expire() == [a] and not a.shed
+
+    def test_without_shedding_nothing_is_rejected(self):
+        clock = FakeClock()
+        q = queue(clock, latency_budget_s=0.005)
+        q.enqueue(QueuedRequest("a", 1, "k"))
+        clock.now = 1.0
+        assert q.expire() == []
+
+
+def test_requests_are_counted_within_and_over_the_objective():
+    stats = ModelStats(objective_ns=10_000_000, objective_share=0.99)
+    stats.record_batch(2, [1, 1], [5_000_000, 15_000_000], 1, 1, 1, 0)
+    stats.record_batch(1, [1], [10_000_000], 1, 1, 1, 0)  # exactly at the bound: within
+    stats.record_failure(1_000)  # failed: not within
+    assert (stats.within_objective, stats.over_objective) == (2, 2)
+    plain = ModelStats()
+    plain.record_batch(1, [1], [15_000_000], 1, 1, 1, 0)
+    assert (plain.within_objective, plain.over_objective) == (0, 0)
+
+
+def test_objective_describes_itself():
+    assert LatencyObjective(0.05, 0.99).describe() == "0.99 of requests within 50 ms"
+
+
+# --- a daemon ---------------------------------------------------------------------------------------------------
+SLOW = """max_batch_size: 4
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+instance_group [ { count: 1, kind: KIND_CPU } ]
+parameters { key: "gpud_latency_objective_ms" value: { string_value: "40" } }
+parameters { key: "gpud_latency_objective_shed" value: { string_value: "true" } }
+"""
+
+
+@pytest.mark.slow
+def test_a_daemon_counts_exports_and_sheds_by_the_objective(tmp_path):
+    repo = tmp_path / "repo"
+    save(slow_model(width=512, layers=1200), repo, "slow", SLOW)  # ~20 ms a batch of 4: 16 at once queue longer
+    from gpud.examples import write_example_repository
+
+    write_example_repository(repo, ["mlp"])
+    d = start_daemon(repo, tmp_path, "--latency-objective-ms", "250", node=None)
+    try:
+        x = np.ones((1, 256), np.float32)
+
+        def one(_):
+            client = httpclient.InferenceServerClient(d.http_url)
+            inp = httpclient.InferInput("x", [1, 512], "FP32")
+            inp.set_data_from_numpy(np.ones((1, 512), np.float32))
+            try:
+                client.infer("slow", [inp])
+                return "ok"
+            except InferenceServerException as exc:
+                return exc.message()
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(one, range(48)))
+        shed = [r for r in results if r != "ok"]
+        assert shed and len(shed) < 48, results  # some were shed at once instead of run late, some were served
+        assert all("latency objective of 40 ms" in r for r in shed), shed[:3]
+        mlp = httpclient.InferenceServerClient(d.http_url)
+        inp = httpclient.InferInput("input", [1, 256], "FP32")
+        inp.set_data_from_numpy(x)
+        for _ in range(5):
+            mlp.infer("mlp", [inp])
+        import urllib.request
+
+        text = urllib.request.urlopen(d.metrics_url, timeout=30).read().decode()
+        assert 'gpud_model_latency_objective_seconds{model="slow",version="1"} 0.04' in text
+        assert 'gpud_model_latency_objective_seconds{model="mlp",version="1"} 0.25' in text  # the node's default
+        assert 'gpud_model_latency_objective_share{model="mlp",version="1"} 0.99' in text
+        within = _sample(text, 'gpud_model_requests_within_objective_total{model="slow",version="1"}')
+        over = _sample(text, 'gpud_model_requests_over_objective_total{model="slow",version="1"}')
+        assert within + over == 48 and over >= len(shed)
+        assert _sample(text, 'gpud_model_requests_within_objective_total{model="mlp",version="1"}') == 5
+        [slow] = [m for m in d.inspect()["models"] if m["name"] == "slow"]
+        assert slow["latency_objective"] == {"seconds": 0.04, "share": 0.99, "within": within, "over": over,
+                                             "attainment": pytest.approx(within / 48)}
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def _sample(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {series} in the exposition")
+
+
+def test_gpudctl_inspect_shows_the_objective_and_its_attainment():
+    from gpud.cli.inspect import render_inspect
+
+    def model(name, objective):
+        return {"name": name, "version": "1", "state": "READY", "instances": [], "pending_requests": 0,
+                **({"latency_objective": objective} if objective else {})}
+    text = render_inspect({"server": {"version": "0.1.0"}, "device_source": "simulated", "devices": [], "models": [
+        model("ranker", {"seconds": 0.04, "share": 0.99, "within": 970, "over": 30, "attainment": 0.97}),
+        model("vision", {"seconds": 0.4, "share": 0.99, "within": 0, "over": 0, "attainment": None}),
+        model("plain", None)]})
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("  ") and "1" in line}
+    assert "objective" in text and "attained" in text
+    assert "99% <= 40 ms" in lines["ranker"] and "97.00%!" in lines["ranker"]  # under its share: flagged
+    assert "99% <= 400 ms" in lines["vision"] and lines["vision"].rstrip().endswith("-")
+    assert lines["plain"].rstrip().endswith("-")
