@@ -195,3 +195,99 @@ def test_gpudctl_inspect_shows_the_objective_and_its_attainment():
     assert "99% <= 40 ms" in lines["ranker"] and "97.00%!" in lines["ranker"]  # under its share: flagged
     assert "99% <= 400 ms" in lines["vision"] and lines["vision"].rstrip().endswith("-")
     assert lines["plain"].rstrip().endswith("-")
+
+
+# --- the controller's hint aims at the objective (gpud.scaling.hints) -------------------------------------------------
+from gpud.scaling.bounds import InstanceBounds  # noqa: E402
+from gpud.scaling.hints import (BatchLine, HintPolicy, ModelObservation, batch_line,  # noqa: E402
+                                objective_recommendation, predicted_latency_s, recommend)
+
+LINE = BatchLine(0.004, 0.001)  # 4 ms + 1 ms a row
+ANY = InstanceBounds(0, None)
+
+
+def obs(current: int, arrival: float, attainment: float | None, objective_s: float = 0.030,
+        line: BatchLine | None = LINE) -> ModelObservation:
+    return ModelObservation(ready_instances=current, arrival_rate_per_second=arrival,
+                            throughput_per_instance_per_second=1000.0, queue_seconds=0.050,
+                            objective_seconds=objective_s, objective_share=0.99, attainment=attainment,
+                            batch_line=line, max_batch_size=32)
+
+
+class TestPrediction:
+    def test_latency_grows_with_the_load_and_falls_with_instances(self):
+        light = predicted_latency_s(100, 1, LINE, 32)
+        heavy = predicted_latency_s(800, 1, LINE, 32)
+        assert 0.008 < light < heavy < float("inf")
+        assert predicted_latency_s(800, 2, LINE, 32) < heavy
+        assert predicted_latency_s(1000, 1, LINE, 32) == float("inf")  # full batches: 32 rows / 36 ms = 889 rows/s
+        assert predicted_latency_s(0, 0, LINE, 32) == 0.0
+
+    def test_the_batch_line_is_fitted_from_the_measured_sizes(self):
+        line = batch_line([(1, 10, 10 * 5_000_000), (8, 10, 10 * 12_000_000)])  # 5 ms at 1 row, 12 ms at 8
+        assert line is not None
+        assert line.slope_s == pytest.approx(0.001) and line.intercept_s == pytest.approx(0.004)
+
+
+class TestObjectiveDecisions:
+    def test_a_missed_objective_adds_instances(self):
+        n, *_, reason = objective_recommendation(obs(2, 900, attainment=0.95), ANY)
+        assert n >= 3 and "missed" in reason and "objective 0.99 <= 30 ms" in reason
+
+    def test_a_met_objective_with_a_fitting_count_holds(self):
+        need = next(k for k in range(1, 10) if predicted_latency_s(900, k, LINE, 32) <= 0.030)
+        n, *_ = objective_recommendation(obs(need, 900, attainment=0.999), ANY)
+        assert n == need
+
+    def test_fewer_instances_only_with_margin(self):
+        # 4 instances for a load 1 serves at ~10 ms (< 0.7 x 30 ms): down
+        assert predicted_latency_s(100, 1, LINE, 32) <= 0.030 * 0.7
+        assert objective_recommendation(obs(4, 100, attainment=1.0), ANY)[0] == 1
+        # a load whose fewer-instance prediction is within the objective but not the margin: held
+        load = next(a for a in range(100, 3000, 10)
+                    if 0.030 * 0.7 < predicted_latency_s(a, 1, LINE, 32) <= 0.030)
+        assert objective_recommendation(obs(2, load, attainment=1.0), ANY)[0] == 2
+        # the objective missed in the window: never fewer, whatever the prediction
+        assert objective_recommendation(obs(4, 100, attainment=0.9), ANY)[0] >= 4
+
+    def test_overload_asks_for_more_at_most_doubling(self):
+        n, *_ = objective_recommendation(obs(2, 50_000, attainment=0.5), ANY)
+        assert n == 4
+
+    def test_no_requests_no_instances_within_the_bounds(self):
+        assert objective_recommendation(obs(3, 0, attainment=None), InstanceBounds(1, None))[0] == 1
+
+    def test_the_node_wide_queue_target_does_not_drive_a_version_with_an_objective(self):
+        # queue 50 ms against the policy's 10 ms would double a plain version; this one meets its objective
+        need = next(k for k in range(1, 10) if predicted_latency_s(900, k, LINE, 32) <= 0.030)
+        rec, *_ = recommend(HintPolicy(), obs(need, 900, attainment=0.999), ANY)
+        assert rec == need
+        plain = ModelObservation(ready_instances=need, arrival_rate_per_second=900,
+                                 throughput_per_instance_per_second=10_000.0, queue_seconds=0.050)
+        assert recommend(HintPolicy(), plain, ANY)[0] == 2 * need
+
+
+def test_a_window_of_counters_gives_the_attainment_and_the_batch_line():
+    from gpud.scaling.hints import ModelCounters, observe
+
+    def at(t, within, over, batches):
+        return ModelCounters(time_s=t, requests=within + over, successes=within + over, queue_ns=0,
+                             batch_compute_ns=sum(ns for *_, ns in batches), ready_instances=2, batches=batches,
+                             max_batch_size=32, objective_seconds=0.03, objective_share=0.99,
+                             within_objective=within, over_objective=over)
+    o = observe(at(0.0, 100, 0, ((1, 10, 50_000_000),)),
+                at(10.0, 1090, 10, ((1, 20, 100_000_000), (8, 10, 120_000_000))))
+    assert o.attainment == pytest.approx(990 / 1000) and o.arrival_rate_per_second == pytest.approx(100)
+    assert o.objective_seconds == 0.03 and o.batch_line == BatchLine(pytest.approx(0.004), pytest.approx(0.001))
+
+
+def test_a_change_the_objective_drove_says_so_in_its_reason():
+    from gpud.scaling.rules import ScalingPolicy, VersionObservation, VersionState, decide_target
+
+    def target(desired, hint_reason):
+        return decide_target(ScalingPolicy(), VersionState(), VersionObservation(
+            "ranker", "1", 2, ANY, desired, hint_reason=hint_reason), now_s=1000.0)
+    up = target(3, "objective 0.99 <= 30 ms: predicted 25.0 ms at 3 instance(s), attained 95.00% (missed)")
+    assert (up.target, up.reason) == (3, "objective_up") and "objective 0.99 <= 30 ms" in up.detail
+    assert target(1, "objective 0.99 <= 30 ms: predicted 9.0 ms at 1 instance(s)").reason == "objective_down"
+    assert target(3, "queue 50.0 ms over target 10.0 ms").reason == "scale_up"

@@ -36,8 +36,9 @@ Key = tuple[str, str]  # (model, version)
 # The steps each reason can make (see ScalingController._record): their counters are exported at 0 from the start,
 # so that a dashboard tells "no action yet" from "no controller", and rate() sees the first step.
 ACTION_REASONS: tuple[tuple[str, Reason], ...] = (
-    ("add", "scale_up"), ("add", "min_instances"), ("add", "make_room"),
-    ("remove", "scale_down"), ("remove", "max_instances"), ("remove", "idle"), ("remove", "evicted"),
+    ("add", "scale_up"), ("add", "objective_up"), ("add", "min_instances"), ("add", "make_room"),
+    ("remove", "scale_down"), ("remove", "objective_down"), ("remove", "max_instances"), ("remove", "idle"),
+    ("remove", "evicted"),
     ("remove", "device_lost"), ("remove", "make_room"),
     ("move", "make_room"), ("move", "device_lost"),
 )
@@ -174,7 +175,7 @@ class ScalingController(Collector):
             pass  # recovery, not scaling: no cooldown starts, no back-off (the next interval tries again)
         elif applied and step.kind in ("add", "move"):
             self._states[key] = after_added(self._states.get(key, VersionState()), now_s)
-        elif applied and reason == "scale_down":
+        elif applied and reason in ("scale_down", "objective_down"):
             self._states[key] = after_removed(self._states.get(key, VersionState()), now_s)
         elif step.error:
             self._states[key] = after_failed_load(self.policy, self._states.get(key, VersionState()), now_s)

@@ -57,6 +57,17 @@ class HintPolicy:
 
 
 @dataclass(frozen=True)
+class BatchLine:
+    """A batch's run time by its rows: intercept_s + slope_s * rows (least squares over measured sizes)."""
+
+    intercept_s: float
+    slope_s: float
+
+    def seconds(self, rows: float) -> float:
+        return self.intercept_s + self.slope_s * rows
+
+
+@dataclass(frozen=True)
 class ModelObservation:
     """What one model version did over the last sampling window."""
 
@@ -65,6 +76,13 @@ class ModelObservation:
     # Requests one instance completes per second with full batches (batch_capacity_per_second); None: not measured.
     throughput_per_instance_per_second: float | None
     queue_seconds: float | None  # mean queue time of the requests that finished in the window; None: none finished
+    # The version's latency objective (gpud.executor.objective), when it has one: then it, not the queue target,
+    # decides (objective_recommendation).
+    objective_seconds: float | None = None
+    objective_share: float = 0.99
+    attainment: float | None = None  # requests within it / counted, over the window; None: none counted
+    batch_line: BatchLine | None = None  # the window's batch time by size, for predictions
+    max_batch_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,8 @@ def _ceil(x: float) -> int:
 def recommend(policy: HintPolicy, obs: ModelObservation,
               bounds: InstanceBounds) -> tuple[int, int | None, int | None, float | None, str]:
     """The instantaneous recommendation (within `bounds`, not stabilized) and the proposals it came from."""
+    if obs.objective_seconds is not None:
+        return objective_recommendation(obs, bounds)
     current = obs.ready_instances
     load = util = None
     in_tolerance = False
@@ -130,6 +150,81 @@ def recommend(policy: HintPolicy, obs: ModelObservation,
     if bounded != raw:
         reason += f"; bounded to {bounds.describe()}"
     return bounded, load, queue, util, reason
+
+
+# --- latency objectives ------------------------------------------------------------------------------------------
+# Fewer instances only when the latency predicted with them is within this share of the objective (and the objective
+# held over the window): room for the load's variation and the prediction's error, so a scale-down does not miss it.
+SCALE_DOWN_MARGIN = 0.7
+
+
+def predicted_latency_s(arrival_per_s: float, instances: int, line: BatchLine, max_batch_size: int) -> float:
+    """A request's latency with `instances` sharing `arrival_per_s` (inf: they cannot keep up). Each instance takes
+    its share as batches that fill while the one before runs: the steady batch b solves b = rate * t(b), i.e.
+    b = rate * a / (1 - rate * c) for t(b) = a + c b; a request waits for the batch in progress, then runs in the
+    next: about 2 t(b). A model that does not batch (max_batch_size 0) runs one request a batch."""
+    if instances <= 0:
+        return math.inf if arrival_per_s > 0 else 0.0
+    rate = arrival_per_s / instances
+    largest = max(1, max_batch_size)
+    a, c = max(0.0, line.intercept_s), max(0.0, line.slope_s)
+    if rate * c >= 1:
+        return math.inf
+    rows = min(float(largest), max(1.0, rate * a / (1 - rate * c)))
+    if rate * line.seconds(rows) > rows + 1e-9:  # even full batches cannot keep up
+        return math.inf
+    return 2 * line.seconds(rows)
+
+
+def instances_for_objective(arrival_per_s: float, line: BatchLine, max_batch_size: int, objective_s: float,
+                            limit: int, within: float = 1.0) -> int | None:
+    """The fewest instances (1..limit) whose predicted latency is within `within` x the objective; None: not even
+    `limit`."""
+    for n in range(1, max(1, limit) + 1):
+        if predicted_latency_s(arrival_per_s, n, line, max_batch_size) <= objective_s * within:
+            return n
+    return None
+
+
+def objective_recommendation(obs: ModelObservation,
+                             bounds: InstanceBounds) -> tuple[int, int | None, int | None, float | None, str]:
+    """What a version with a latency objective needs: the fewest instances whose predicted latency meets it (from
+    the arrival rate and the batch time by size); at least one more while the window's attainment is below its
+    share (the prediction is then wrong about something); fewer only when the objective held and the prediction with
+    fewer is within SCALE_DOWN_MARGIN of it. The node-wide queue target plays no part."""
+    current = obs.ready_instances
+    assert obs.objective_seconds is not None
+    objective_s, share = obs.objective_seconds, obs.objective_share
+    spec = f"objective {share:.4g} <= {objective_s * 1e3:g} ms"
+    missed = obs.attainment is not None and obs.attainment < share
+    attained = "" if obs.attainment is None else f", attained {obs.attainment:.2%}"
+    limit = max(2 * max(current, 1), current + 1)  # as the queue metric: at most doubling per step
+    if bounds.maximum is not None:
+        limit = min(limit, max(bounds.maximum, 1))
+    if obs.arrival_rate_per_second <= 0:
+        raw, reason = (current, f"{spec}: missed{attained}, no arrivals to predict: holding") if missed else \
+            (0, f"{spec}: no requests")
+    elif obs.batch_line is None:
+        raw = min(current + 1, limit) if missed else current
+        reason = f"{spec}{attained}: " + ("missed, adding one" if missed else "no batch times yet: holding")
+    else:
+        line, largest = obs.batch_line, obs.max_batch_size
+        need = instances_for_objective(obs.arrival_rate_per_second, line, largest, objective_s, limit)
+        raw = limit if need is None else need
+        if missed:
+            raw = max(raw, min(current + 1, limit))
+        if raw < current:
+            fewer_ok = not missed and obs.attainment is not None and \
+                predicted_latency_s(obs.arrival_rate_per_second, raw, line, largest) <= objective_s * SCALE_DOWN_MARGIN
+            if not fewer_ok:
+                raw = current
+        predicted = predicted_latency_s(obs.arrival_rate_per_second, max(raw, 1), line, largest)
+        shown = "overloaded" if math.isinf(predicted) else f"{predicted * 1e3:.1f} ms"
+        reason = f"{spec}: predicted {shown} at {raw} instance(s){attained}" + (" (missed)" if missed else "")
+    bounded = bounds.clamp(raw)
+    if bounded != raw:
+        reason += f"; bounded to {bounds.describe()}"
+    return bounded, raw, None, None, reason
 
 
 def desired_instances(policy: HintPolicy, state: HintState, obs: ModelObservation, now_s: float,
@@ -176,12 +271,33 @@ class ModelCounters:
     # per batch size: (rows, executions, compute ns summed over them); empty: not known (busy time alone is used)
     batches: tuple[tuple[int, int, int], ...] = ()
     max_batch_size: int = 0  # the model's; 0: it does not batch (one request per execution)
+    objective_seconds: float | None = None  # its latency objective, if it has one
+    objective_share: float = 0.99
+    within_objective: int = 0
+    over_objective: int = 0
 
 
 # A batch size this many times the largest seen in the window is as far as the batch-time line is trusted: on a GPU a
 # batch's time is flat while the device is underused, so a line through small batches overstates large ones. As the
 # load grows (or instances go) larger batches are seen and the reach grows with them.
 EXTRAPOLATION_LIMIT = 1.5
+
+
+def batch_line(batches: Sequence[tuple[int, int, int]]) -> BatchLine | None:
+    """The least-squares line of mean batch time over batch size (each size weighted by its executions); one size
+    alone: a line through the origin. `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
+    sizes = [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
+    if not sizes:
+        return None
+    if len(sizes) < 2:
+        rows, _, t = sizes[0]
+        return BatchLine(0.0, t / rows) if rows > 1 else BatchLine(t, 0.0)
+    weight = sum(n for _, n, _ in sizes)
+    mean_b = sum(n * b for b, n, _ in sizes) / weight
+    mean_t = sum(n * t for _, n, t in sizes) / weight
+    var_b = sum(n * (b - mean_b) ** 2 for b, n, _ in sizes) / weight
+    slope = max(0.0, sum(n * (b - mean_b) * (t - mean_t) for b, n, t in sizes) / weight / var_b)
+    return BatchLine(mean_t - slope * mean_b, slope)
 
 
 def batch_capacity_per_second(batches: Sequence[tuple[int, int, int]], max_batch_size: int) -> float | None:
@@ -223,9 +339,14 @@ def observe(older: ModelCounters, newer: ModelCounters,
     if throughput is None:
         throughput = done / busy_s if done > 0 and busy_s > 0 else last_throughput_per_second
     queue_s = (newer.queue_ns - older.queue_ns) / done / 1e9 if done > 0 else None
+    within, over = newer.within_objective - older.within_objective, newer.over_objective - older.over_objective
     return ModelObservation(ready_instances=newer.ready_instances,
                             arrival_rate_per_second=(newer.requests - older.requests) / dt,
-                            throughput_per_instance_per_second=throughput, queue_seconds=queue_s)
+                            throughput_per_instance_per_second=throughput, queue_seconds=queue_s,
+                            objective_seconds=newer.objective_seconds, objective_share=newer.objective_share,
+                            attainment=within / (within + over) if within + over > 0 else None,
+                            batch_line=batch_line(window) if newer.batches else None,
+                            max_batch_size=newer.max_batch_size)
 
 
 # --- headroom ------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ Rules, per model version, each interval:
 4. Scale to zero: a version whose minimum is 0 (`gpud_min_instances: 0`) and that has had no request for
    `idle_unload_seconds` goes to 0 instances (reason idle); its next request loads it again (a cold start, the
    placement service's). Otherwise such a version keeps at least one instance: a hint never takes it to zero.
-The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason), min_instances
+The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason; objective_up /
+objective_down when the version's latency objective drove the hint, its detail naming it), min_instances
 / max_instances (the bounds), idle, and for steps the planner adds, make_room (a move that lets more fit),
 device_lost and evicted (an idle instance unloaded to make room for a scale-up).
 
@@ -37,8 +38,9 @@ from gpud.scaling.bounds import InstanceBounds
 ScalingMode = Literal["off", "advise", "on"]
 SCALING_MODES: tuple[ScalingMode, ...] = ("off", "advise", "on")
 
-Reason = Literal["scale_up", "scale_down", "min_instances", "max_instances", "hold", "idle", "make_room",
-                 "device_lost", "evicted"]
+Reason = Literal["scale_up", "scale_down", "objective_up", "objective_down", "min_instances", "max_instances",
+                 "hold", "idle", "make_room", "device_lost", "evicted"]
+OBJECTIVE_HINT = "objective "  # how a hint driven by a latency objective begins its reason (gpud.scaling.hints)
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,9 @@ def decide_target(policy: ScalingPolicy, state: VersionState, obs: VersionObserv
     if target > n and state.retry_after_s is not None and now_s < state.retry_after_s:
         return out(n, "hold", f"wants {target}, but {state.failed_loads} load(s) failed in a row; next try in "
                               f"{state.retry_after_s - now_s:.0f} s")
+    by_objective = obs.hint_reason.startswith(OBJECTIVE_HINT)  # the version's latency objective, not the queue
     if target > n:
-        return out(target, "scale_up", obs.hint_reason or f"hint {wanted}")
+        return out(target, "objective_up" if by_objective else "scale_up", obs.hint_reason or f"hint {wanted}")
     if target < n:
         cooldown = policy.scale_down_cooldown_seconds
         since = None if state.last_added_s is None else now_s - state.last_added_s
@@ -129,7 +132,7 @@ def decide_target(policy: ScalingPolicy, state: VersionState, obs: VersionObserv
         detail = obs.hint_reason or f"hint {wanted}"
         if target < n - step:
             target, detail = n - step, f"{detail}; {step} of {n} at a time"
-        return out(target, "scale_down", detail)
+        return out(target, "objective_down" if by_objective else "scale_down", detail)
     return out(n, "hold", "at target" if obs.desired is not None else "no hint yet (first rate window)")
 
 

@@ -67,7 +67,10 @@ def read_counters(snapshot: ServingSnapshot,
         out[(v.model, v.version)] = (st, ModelCounters(
             time_s=now_s, requests=st.success.count + st.fail.count, successes=st.success.count,
             queue_ns=st.queue.ns, batch_compute_ns=sum(ns for _, _, ns in per_size),
-            ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size),
+            ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size,
+            objective_seconds=st.objective_ns / 1e9 if st.objective_ns else None,
+            objective_share=st.objective_share or 0.99, within_objective=st.within_objective,
+            over_objective=st.over_objective),
             InstanceBounds(v.min_instances, v.max_instances))
     return out
 
