@@ -291,3 +291,32 @@ def test_a_change_the_objective_drove_says_so_in_its_reason():
     assert (up.target, up.reason) == (3, "objective_up") and "objective 0.99 <= 30 ms" in up.detail
     assert target(1, "objective 0.99 <= 30 ms: predicted 9.0 ms at 1 instance(s)").reason == "objective_down"
     assert target(3, "queue 50.0 ms over target 10.0 ms").reason == "scale_up"
+
+
+@pytest.mark.slow
+def test_a_missed_objective_under_a_load_step_adds_instances_with_zero_failed_requests(tmp_path):
+    """The slow model (a batch computes for tens of ms) with an objective of 20 ms, under six closed-loop clients:
+    one instance misses it, and the controller adds instances saying the objective drove it (not the queue target,
+    set here so high it could not)."""
+    from tests.test_e2e_control import CONFIG, WIDTH, Load, _instances
+
+    repo = tmp_path / "repo"
+    save(slow_model(width=WIDTH, layers=400), repo, "slow",
+         CONFIG + 'parameters { key: "gpud_latency_objective_ms" value: { string_value: "20" } }\n')
+    d = start_daemon(repo, tmp_path, "--hints-interval-seconds", "0.5", "--hints-rate-window-seconds", "2",
+                     "--hints-target-queue-seconds", "100", "--hints-target-utilization-ratio", "1.0",
+                     "--hints-scale-up-stabilization-seconds", "1", "--hints-scale-down-stabilization-seconds", "60",
+                     "--control-interval-seconds", "1")
+    try:
+        assert _instances(d) == 1
+        with Load(d) as load:
+            from tests.daemon_harness import wait_for
+
+            wait_for(lambda: _instances(d) >= 2, 60, "the controller to add an instance for the objective")
+        decisions = d.inspect()["controller"]["decisions"]
+        added = [x for x in decisions if x["action"] == "add" and x["applied"]]
+        assert added and all(x["reason"] == "objective_up" for x in added), decisions
+        assert "objective 0.99 <= 20 ms" in added[0]["detail"]
+        assert load.failures == [], load.failures[:5]
+    finally:
+        assert d.stop() == 0, d.log()
