@@ -27,6 +27,7 @@ from gpud.scaling.plan import ScalingPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
 from gpud.repository.layout import ModelEntry
+from gpud.executor.objective import objective_of
 from gpud.scaling.bounds import instance_bounds
 from gpud.repository.layout import ModelRepository
 from gpud.telemetry.devices import DeviceBackend
@@ -54,6 +55,7 @@ class ModelSpec:
     compute_fraction: float = 0.0  # gpud_compute_fraction
     min_instances: int = 0  # gpud_min_instances
     max_instances: int | None = None  # gpud_max_instances
+    objective_ms: float | None = None  # gpud_latency_objective_ms (the "objectives" policy sets it)
 
 
 class SimScheduler(DynamicScheduler):
@@ -110,7 +112,8 @@ class SimPool:
 def config_pbtxt(spec: ModelSpec) -> str:
     """The model's config.pbtxt: its batching, instance group and gpud's per-model parameters."""
     params = {"gpud_min_instances": spec.min_instances, "gpud_max_instances": spec.max_instances,
-              "gpud_compute_fraction": spec.compute_fraction or None, "intra_op_thread_count": spec.threads or None}
+              "gpud_compute_fraction": spec.compute_fraction or None, "intra_op_thread_count": spec.threads or None,
+              "gpud_latency_objective_ms": spec.objective_ms}
     lines = [f"max_batch_size: {spec.max_batch_size}", "dynamic_batching { }",
              f"instance_group [ {{ count: 1, kind: {spec.device_kind} }} ]"]
     lines += [f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}' for k, v in params.items()
@@ -198,7 +201,7 @@ class ControlPlane:
 
     def _make_version(self, registry: Registry, entry: ModelEntry, version: str) -> RegisteredVersion:
         """gpud's version record around the real scheduler object, whose queue is the serving model's."""
-        sched = SimScheduler(entry.config, version)
+        sched = SimScheduler(entry.config, version, objective=objective_of(entry.config.options))
         sched.sim, sched.serving = self.serving.models[(entry.name, version)], self.serving
         sched.sim.stats = sched.stats  # one record: the model writes it, the hints read it
         return RegisteredVersion(entry.name, version, entry, sched, instance_bounds(entry.config))

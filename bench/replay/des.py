@@ -100,6 +100,13 @@ class SimModel:
     within_slo: int = 0
     failed: int = 0
     queue_s_total: float = 0.0
+    objective_s: float | None = None  # its latency objective (queue + compute), for every policy's accounting
+    within_objective: int = 0  # measured requests answered within it
+
+    @property
+    def objective_attainment(self) -> float:
+        total = self.served + self.failed
+        return self.within_objective / total if total else math.nan
 
     def arrived(self, now_s: float) -> int:
         """Index one past the last request arrived by now."""
@@ -259,6 +266,11 @@ class Serving:
         inst.batch = None
         compute_ns = round((self.now_s - b.start_s) * NS)
         request_ns = [q + compute_ns for q in b.queue_ns]
+        if model.objective_s is not None:
+            bound_ns = model.objective_s * NS
+            start_ns = b.start_s * NS
+            model.within_objective += sum(1 for q, r in zip(b.queue_ns, request_ns)
+                                          if r <= bound_ns and start_ns - q >= self.measure_from_s * NS)
         model.stats.record_batch(b.rows, b.queue_ns, request_ns, 0, compute_ns, 0,
                                  int(self.wall_clock() * 1000))
         if inst.draining:

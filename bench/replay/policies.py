@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ from .control import ControlPlane, ControlSettings, instances_needed, scratch_di
 from .des import Serving, SimDevice, memory_hours, slo_attainment
 from .scenario import Scenario
 
-POLICIES = ("triton", "peak", "average", "scratch", "gpud")
+POLICIES = ("triton", "peak", "average", "scratch", "gpud", "objectives")
 SAMPLE_S = 10.0
 
 
@@ -50,6 +50,8 @@ class Result:
     unplaced: list[str] = field(default_factory=list)  # instances a static policy could not place
     seconds: float = 0.0  # wall time of the simulation
     series: dict[str, list[float]] = field(default_factory=dict)  # every SAMPLE_S: t, memory GiB, instances, SLO
+    # per model: the share of its requests within its own latency objective (queue + compute), every policy
+    objective_attainment: dict[str, float] = field(default_factory=dict)
 
     @property
     def moves(self) -> int:
@@ -107,6 +109,7 @@ def _result(policy: str, serving: Serving, started: float, series: dict, **kw) -
     return Result(policy, slo_attainment(models), served + sum(m.failed for m in models), sum(m.failed for m in models),
                   1e3 * sum(m.queue_s_total for m in models) / served if served else math.nan,
                   memory_hours(serving.memory_byte_seconds), seconds=time.perf_counter() - started, series=series,
+                  objective_attainment={m.name: m.objective_attainment for m in models if m.objective_s is not None},
                   **kw)
 
 
@@ -155,13 +158,18 @@ def run_static(policy: str, scenario: Scenario, placement: list[tuple[str, str]]
 
 
 # --- controlled policies --------------------------------------------------------------------------------------
-def run_controlled(policy: str, scenario: Scenario, settings: ControlSettings, workdir: Path | None = None) -> Result:
+def run_controlled(policy: str, scenario: Scenario, settings: ControlSettings, workdir: Path | None = None,
+                   objectives: bool = False) -> Result:
+    """(d), (e); `objectives`: each model's config carries its latency objective (gpud_latency_objective_ms), which
+    then drives its instance count instead of the queue target."""
     started = time.perf_counter()
     backend = SimulatedBackend.from_file(scenario.node_file)
     serving = _serving(scenario, backend)
     series: dict[str, list[float]] = {}
     _sampler(serving, series)
-    plane = ControlPlane(serving, backend, scenario.specs, settings, workdir or scratch_dir())
+    specs = {name: replace(spec, objective_ms=scenario.objectives_ms.get(name)) if objectives else spec
+             for name, spec in scenario.specs.items()}
+    plane = ControlPlane(serving, backend, specs, settings, workdir or scratch_dir())
     try:
         plane.start()
         serving.finish(scenario.duration_s)
@@ -189,4 +197,6 @@ def run_policy(policy: str, scenario: Scenario, **controller: float) -> Result:
         return run_static(policy, scenario, *planned(scenario, backend, counts))
     if policy in ("scratch", "gpud"):
         return run_controlled(policy, scenario, settings_for(scenario, incremental=policy == "gpud", **controller))
+    if policy == "objectives":
+        return run_controlled(policy, scenario, settings_for(scenario, incremental=True, **controller), objectives=True)
     raise ValueError(f"unknown policy {policy!r} (policies: {', '.join(POLICIES)})")

@@ -4,7 +4,7 @@ the same arguments replay the same requests."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ class Scenario:
     trace_step_s: float
     node_file: Path = NODE_FILE
     seed: int = 0
+    objectives_ms: dict[str, float] = field(default_factory=dict)  # model -> its latency objective (queue + compute)
 
     def kind_of(self, model: str) -> Kind:
         return self.kinds[self.specs[model].kind]
@@ -50,8 +51,13 @@ class Scenario:
         """The serving model's versions with their arrivals (the same for every policy of a run)."""
         rng = np.random.default_rng(self.seed + 1000 + seed_offset)
         return [SimModel(name, "1", self.kind_of(name), spec.max_batch_size,
-                         poisson_arrivals(self.rates_per_s[name], 1.0, rng))
+                         poisson_arrivals(self.rates_per_s[name], 1.0, rng),
+                         objective_s=self.objectives_ms[name] / 1e3 if name in self.objectives_ms else None)
                 for name, spec in sorted(self.specs.items())]
+
+
+# Each kind's latency objective (99% of requests within it, queue + compute): heterogeneous, as a node's models are.
+OBJECTIVES_MS = {"ranker": 50.0, "encoder": 150.0, "vision": 400.0}
 
 
 def build(data_dir: str | Path, *, models: int = 12, start_day: float = 18.0, days: float = 10.0,
@@ -88,5 +94,6 @@ def build(data_dir: str | Path, *, models: int = 12, start_day: float = 18.0, da
         peaks[name] = 0.95 * n_peak * thr * target_utilization  # just within n_peak instances at the target
         shape = np.interp(step_of_t, np.arange(steps), curve.shape())
         rates[name] = peaks[name] * shape
+    objectives = {name: OBJECTIVES_MS[spec.kind] for name, spec in specs.items()}
     return Scenario(specs, kinds, services, peaks, rates, duration_s, warmup_s, slo_queue_s, target_utilization,
-                    seconds_per_trace_step, trace_step_s, seed=seed)
+                    seconds_per_trace_step, trace_step_s, seed=seed, objectives_ms=objectives)
