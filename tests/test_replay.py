@@ -215,3 +215,19 @@ gpud_model_queue_duration_seconds_count{model="a",version="1"} 4.0
 gpud_model_queue_duration_seconds_sum{model="a",version="1"} 0.35
 """
     assert queue_share_from_metrics(text, "a") == 0.75
+
+
+def test_each_request_is_counted_within_its_models_own_objective():
+    # the same 5 requests: a batch of 4 answered at 20 ms, the 5th at 30 ms (queued 20 ms, ran 10 ms)
+    s = serving({"m": [0.0] * 5})
+    s.models[("m", "1")].objective_s = 0.025
+    instance(s, "m")
+    s.finish(1.0)
+    m = s.models[("m", "1")]
+    assert m.within_objective == 4 and m.objective_attainment == pytest.approx(0.8)
+
+
+def test_the_objectives_policy_puts_the_objective_in_the_models_config():
+    spec = ModelSpec("m", "ranker", GIB, 1.0, objective_ms=50.0)
+    assert 'key: "gpud_latency_objective_ms" value: { string_value: "50.0" }' in config_pbtxt(spec)
+    assert "gpud_latency_objective_ms" not in config_pbtxt(ModelSpec("m", "ranker", GIB, 1.0))
