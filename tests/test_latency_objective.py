@@ -320,3 +320,17 @@ def test_a_missed_objective_under_a_load_step_adds_instances_with_zero_failed_re
         assert load.failures == [], load.failures[:5]
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_an_idle_version_whose_cold_start_would_miss_its_objective_is_kept():
+    from gpud.scaling.rules import ScalingPolicy, VersionObservation, VersionState, decide_target
+
+    def target(objective_s, load_s):
+        return decide_target(ScalingPolicy(idle_unload_seconds=300), VersionState(), VersionObservation(
+            "vision", "1", 1, InstanceBounds(0, None), 1, "", idle_s=600.0, objective_s=objective_s,
+            load_s=load_s), now_s=1000.0)
+    kept = target(0.4, 12.0)  # a 12 s load against a 400 ms objective
+    assert (kept.target, kept.reason) == (1, "hold") and "cold start (12.0 s) would miss" in kept.detail
+    assert target(0.4, None).target == 1  # not measured: kept
+    assert (target(None, 12.0).target, target(None, 12.0).reason) == (0, "idle")  # no objective: unloaded
+    assert target(30.0, 12.0).target == 0  # an objective a cold start meets: unloaded

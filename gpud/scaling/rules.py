@@ -74,6 +74,8 @@ class VersionObservation:
     desired: int | None  # the hint; None before its first window
     hint_reason: str = ""
     idle_s: float | None = None  # seconds without a request (nothing queued or running); None: in use now
+    objective_s: float | None = None  # its latency objective (gpud.executor.objective), if it has one
+    load_s: float | None = None  # how long one of its instances took to load (its cold start); None: not known
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,11 @@ def decide_target(policy: ScalingPolicy, state: VersionState, obs: VersionObserv
     if n < lo and wanted <= lo and (state.retry_after_s is None or now_s >= state.retry_after_s):
         return out(lo, "min_instances", f"{n} running, {MIN_INSTANCES_PARAMETER} is {lo}")
     if lo == 0 and n > 0 and obs.idle_s is not None and obs.idle_s >= policy.idle_unload_seconds:
+        if obs.objective_s is not None and (obs.load_s is None or obs.load_s > obs.objective_s):
+            # Its next request would wait out a cold start far past the objective: unloading would break it.
+            return out(n, "hold", f"idle {obs.idle_s:.0f} s, but kept: a cold start "
+                                  f"({'unmeasured' if obs.load_s is None else f'{obs.load_s:.1f} s'}) would miss "
+                                  f"its latency objective of {obs.objective_s * 1e3:g} ms")
         return out(0, "idle", f"no request for {obs.idle_s:.0f} s (>= {policy.idle_unload_seconds:g} s, "
                               f"{MIN_INSTANCES_PARAMETER} is 0): unloaded until its next request")
     floor = lo if lo > 0 or n == 0 else 1  # to zero only when idle (above), never on a hint
