@@ -158,3 +158,44 @@ class TestInProcess:
     def test_not_utf8_is_refused(self, server):
         with pytest.raises(InferenceError, match="input 'TEXT' element 0 is not UTF-8 text"):
             server.infer("echo", {"TEXT": as_array([b"\xc3("])})
+
+
+# --- text through a sequence model's state (the state carries bytes from one request of a sequence to the next) -------
+def last_text_model() -> onnx.ModelProto:
+    """PREV = the state (the sequence's previous TEXT; "" at its start); the new state = TEXT."""
+    vi = lambda name, t: helper.make_tensor_value_info(name, t, ["N", 1])  # noqa: E731
+    graph = helper.make_graph([helper.make_node("Identity", ["INPUT_STATE"], ["PREV"]),
+                               helper.make_node("Identity", ["TEXT"], ["OUTPUT_STATE"])], "last_text",
+                              [vi("TEXT", TensorProto.STRING), vi("INPUT_STATE", TensorProto.STRING),
+                               vi("START", TensorProto.INT32)],
+                              [vi("PREV", TensorProto.STRING), vi("OUTPUT_STATE", TensorProto.STRING)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
+LAST_TEXT_CONFIG = """max_batch_size: 4
+sequence_batching {
+  direct { }
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "INPUT_STATE" output_name: "OUTPUT_STATE" data_type: TYPE_STRING dims: [ 1 ] } ]
+}
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "PREV" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { count: 1, kind: KIND_CPU } ]
+"""
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["workers", "in-process"])
+def test_text_through_a_sequence_models_state(tmp_path, in_process):
+    save(last_text_model(), tmp_path, "last_text", LAST_TEXT_CONFIG)
+    texts = [b"he\x00llo", "h\u00e9llo".encode(), b"", "\U0001f600".encode() * 40]
+    with gpud.Server(tmp_path, node=NODE, models_in_process=in_process) as server:
+        got = []
+        for i, text in enumerate(texts):
+            arr = np.empty((1, 1), dtype=object)
+            arr[0, 0] = text
+            out = server.infer("last_text", {"TEXT": arr}, parameters={"sequence_id": 42, "sequence_start": i == 0,
+                                                                       "sequence_end": i == len(texts) - 1})
+            got.append(out["PREV"][0, 0])
+    assert got == [b""] + texts[:-1]  # each request sees the one before it, byte for byte
