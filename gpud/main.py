@@ -309,6 +309,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None
     log.info("model control: %s; over TCP, load, unload and placement %s", prepared.model_control.mode,
              admin.describe())
+    hosts = [r for r in runners if isinstance(r, FrontendHost)]
+    if hosts:  # gpudctl inspect's FRONT ENDS
+        core.views["frontends"] = _FrontendsView(hosts)
     reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller,
                                    [r for r in runners if isinstance(r, (HttpServer, FrontendHost))]))
 
@@ -322,6 +325,16 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     await _close(runners, grpc_server, settings.exit_timeout_seconds)
     log.info("stopped")
     return 0
+
+
+class _FrontendsView:
+    """The front-end processes of every protocol, as one section of `gpudctl inspect`."""
+
+    def __init__(self, hosts: list) -> None:
+        self.hosts = hosts
+
+    def inspect(self) -> dict:
+        return {"processes": [p for host in self.hosts for p in host.inspect()]}
 
 
 async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str):

@@ -231,3 +231,16 @@ def test_grpc_streams_and_statistics_through_the_processes(grpc_daemon):
     for i in range(10):
         client.infer("mlp", [grpc_input(float(i))])
     assert stats()["success"]["count"] - before == 20
+
+
+def test_gpudctl_inspect_lists_the_front_end_processes(daemon):
+    from gpud.cli.inspect import render_inspect
+
+    view = daemon.inspect()
+    processes = view["frontends"]["processes"]
+    http = [p for p in processes if p["kind"] == "http"]
+    assert len(http) == PROCESSES and all(p["alive"] for p in http)
+    assert {p["pid"] for p in http} == {p.pid for p in frontends(daemon)}
+    text = render_inspect(view)
+    assert "FRONT ENDS (processes of their own)" in text
+    assert all(f" {p['pid']} " in text for p in http)

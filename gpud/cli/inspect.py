@@ -75,6 +75,7 @@ def render_inspect(data: dict[str, Any]) -> str:
                          "for one")
     lines += _render_pipelines(data["models"])
     lines += _render_workers(data.get("workers") or [])
+    lines += _render_frontends((data.get("frontends") or {}).get("processes") or [])
     lines += _render_hints(data.get("hints"))
     lines += _render_controller(data.get("controller"), data.get("time_unix_s"))
     return "\n".join(lines)
@@ -106,6 +107,22 @@ def _render_pipelines(models: list[dict[str, Any]]) -> list[str]:
             outputs = ", ".join(f"{o}->{t}" for o, t in s["outputs"].items())
             state = "ready" if s["ready"] else "NOT READY"
             lines.append(f"    step {s['step']}  {serving:<24} ({wanted}) {state:<9}  in: {inputs}  out: {outputs}")
+    return lines
+
+
+def _render_frontends(frontends: list[dict[str, Any]]) -> list[str]:
+    """One line per front-end process (--http-processes, --grpc-processes): none when the front ends run on the
+    core's event loop."""
+    if not frontends:
+        return []
+    lines = ["", "FRONT ENDS (processes of their own)", f"  {'protocol':<8} {'#':>2} {'pid':>8} {'state':<10} "
+             f"{'in flight':>9}"]
+    for f in sorted(frontends, key=lambda f: (f["kind"], f["index"])):
+        state = "up" if f["alive"] else "restarting"
+        lines.append(f"  {f['kind']:<8} {f['index']:>2} {f['pid']:>8} {state:<10} {f['in_flight']:>9}")
+    restarts = max(f.get("restarts_of_all", 0) for f in frontends)
+    if restarts:
+        lines.append(f"  restarted {restarts} time(s) since gpud started (see its log)")
     return lines
 
 

@@ -111,6 +111,12 @@ class FrontendHost:
             if fp is not None and fp.alive:
                 self._send(fp, ("tune", self.options["request_timeout_s"], self.options["max_connections"]))
 
+    def inspect(self) -> list[dict[str, Any]]:
+        """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now."""
+        return [{"kind": self.options["kind"], "index": p.index, "pid": p.proc.pid, "alive": p.alive,
+                 "in_flight": len(p.submits), "restarts_of_all": self.restarts}
+                for p in self.processes if p is not None]
+
     def pids(self) -> list[int]:
         return [p.proc.pid for p in self.processes if p is not None and p.alive]
 
