@@ -154,6 +154,7 @@ def test_a_killed_front_end_process_is_restarted_and_the_others_serve_meanwhile(
     wait_for(lambda: len(frontends(daemon)) == PROCESSES and victim.pid not in {p.pid for p in frontends(daemon)},
              60, "the killed front-end process replaced")
     assert survivor.is_running()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"gpud-{victim.pid}-")]  # its arena: removed
     assert len(served) + len(client_errors) == 200 and len(served) >= 150
     assert "front-end process" in daemon.log() and "restarting it" in daemon.log()
     assert httpclient.InferenceServerClient(daemon.http_url).infer("mlp", [mlp_input()]).as_numpy("output") is not None

@@ -27,6 +27,11 @@ def _dir() -> str:
     return _SHM_DIR
 
 
+def shm_dir() -> str:
+    """Where segments are (/dev/shm, or the temporary directory where there is none)."""
+    return _dir()
+
+
 def segment_path(name: str) -> str:
     """The file a segment's name stands for (how another process opens it)."""
     return os.path.join(_dir(), name)

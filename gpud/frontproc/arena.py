@@ -8,14 +8,28 @@ the size needed at least: the arena grows with the bytes in flight, never per re
 from __future__ import annotations
 
 import bisect
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpud.executor.shm import Segment, align, new_segment_name, segment_path
+from gpud.executor.shm import Segment, align, new_segment_name, segment_path, shm_dir, unlink
 from gpud.executor.types import RegionSlice
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
+ARENA_TAG = "fe"  # its segments' names: gpud-<the process's pid>-fe-<n>-<random>
+
+
+def remove_arena_of(pid: int) -> None:
+    """Remove a front-end process's arena segments (gpud.frontproc.host, once the process is gone: killed, it could
+    not remove them itself)."""
+    prefix = f"gpud-{pid}-{ARENA_TAG}-"
+    try:
+        names = [n for n in os.listdir(shm_dir()) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        unlink(name)
 
 
 @dataclass(eq=False)
@@ -74,7 +88,7 @@ class Arena:
             offset = space.take(size)
             if offset is not None:
                 return Block(space, offset, size)
-        segment = Segment.create(new_segment_name("fe"), max(self.segment_bytes, 2 * size))
+        segment = Segment.create(new_segment_name(ARENA_TAG), max(self.segment_bytes, 2 * size))
         space = _Space(segment, segment_path(segment.name), [(0, segment.size_bytes)])
         self._spaces.append(space)
         offset = space.take(size)

@@ -24,6 +24,7 @@ from gpud.api.admin import AdminAuth
 from gpud.core import GpudCore
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import unlink
+from gpud.frontproc.arena import remove_arena_of
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
 from gpud.frontproc.link import FrameReader, Sender, request_of, response_wire
 
@@ -262,6 +263,9 @@ class FrontendHost:
         for name in fp.handed:
             unlink(name)
         fp.handed.clear()
+        if fp.proc.poll() is None:
+            fp.proc.kill()  # its link is gone: it serves no one (SIGKILL: its arena may be removed under it)
+        remove_arena_of(fp.proc.pid)  # a process killed had no chance to remove its own
         submits, fp.submits = fp.submits, {}
         for cancel in submits.values():
             if cancel is not None:
@@ -275,8 +279,6 @@ class FrontendHost:
         delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)] \
             if time.monotonic() - fp.started_s < 10 else 0.0
         self.restarts += 1
-        if fp.proc.poll() is None:
-            fp.proc.kill()
         self._loop.call_later(delay, self._restart, fp.index)
 
     def _reap(self, fp: FrontendProcess) -> None:
