@@ -36,12 +36,12 @@ def version_maker(*, unready_wait_s: float = 30.0, default_max_queue_size: int =
 
     def make(registry: Registry, entry: ModelEntry, version: str) -> RegisteredVersion:
         config = entry.config
+        objective = objective_of(config.options, objective_defaults)
         if config.ensemble is not None:
-            return RegisteredEnsemble(entry.name, version, entry, EnsembleScheduler(config, version,
-                                                                                   step_route(registry)),
+            return RegisteredEnsemble(entry.name, version, entry,
+                                      EnsembleScheduler(config, version, step_route(registry), objective),
                                       NO_INSTANCES, state=ModelState.READY, registry=registry)
         scheduler: Scheduler
-        objective = objective_of(config.options, objective_defaults)
         if objective is None and (config.options.latency_objective_share is not None
                                   or config.options.latency_objective_shed):
             log.warning("model %s: gpud_latency_objective_share / _shed are set but no objective is "

@@ -340,3 +340,24 @@ def test_an_idle_version_whose_cold_start_would_miss_its_objective_is_kept():
     assert target(0.4, None).target == 1  # not measured: kept
     assert (target(None, 12.0).target, target(None, 12.0).reason) == (0, "idle")  # no objective: unloaded
     assert target(30.0, 12.0).target == 0  # an objective a cold start meets: unloaded
+
+
+def test_an_ensemble_counts_its_requests_against_its_objective_end_to_end(tmp_path):
+    import gpud
+    from tests.ensemble_models import write_ensemble_repository
+
+    write_ensemble_repository(tmp_path)
+    with gpud.Server(tmp_path, node=None, latency_objective_ms=60_000, models_in_process=True) as server:
+        image = np.zeros((1, 16), np.uint8)
+        for _ in range(3):
+            server.infer("pipeline", {"IMAGE": image})
+        [pipeline] = [m for m in server.inspect()["models"] if m["name"] == "pipeline"]
+    assert pipeline["latency_objective"]["within"] == 3 and pipeline["latency_objective"]["seconds"] == 60.0
+
+
+def test_the_in_process_server_refuses_the_front_ends_settings(tmp_path):
+    import gpud
+
+    for key in ("allow_client_shm", "http_processes", "grpc_processes"):
+        with pytest.raises(ValueError, match=f"{key}: not a setting of the in-process server"):
+            gpud.Server(tmp_path, **{key: 1})

@@ -47,6 +47,7 @@ from typing import Any, cast
 import numpy as np
 
 from gpud.executor.model_config import EnsembleStep, ModelConfig
+from gpud.executor.objective import LatencyObjective
 from gpud.executor.stats import ModelStats
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.scheduler import (Done, RequestHandle, Scheduler, after_delivery, delivering, gathering,
@@ -203,13 +204,16 @@ class EnsembleScheduler:
     moves_client_tensors = False  # the core reads a request's regions and writes its outputs there
     instances: tuple[InstanceHandle, ...] = ()
 
-    def __init__(self, config: ModelConfig, version: str, route: Route):
+    def __init__(self, config: ModelConfig, version: str, route: Route, objective: LatencyObjective | None = None):
         if config.ensemble is None:
             raise ValueError(f"model '{config.name}' is not an ensemble")
         self.config = config
         self.version = version
         self.route = route
+        self.objective = objective  # the pipeline's latency objective, end to end (counted in its record)
         self.stats = ModelStats()
+        if objective is not None:
+            self.stats.objective_ns, self.stats.objective_share = objective.ns, objective.share
         self._runs: set[_Run] = set()
         self._idle_waiters: list[asyncio.Future] = []
         self._prepare = PreparedCache(config).prepare

@@ -59,6 +59,7 @@ DAEMON_ONLY_SETTINGS = frozenset({
     "allow_http", "allow_grpc", "allow_metrics", "admin_token_file", "admin_socket", "admin_open",
     "http_request_timeout_seconds", "http_max_connections", "max_request_bytes", "max_header_bytes",
     "max_tensor_elements", "json_processes", "json_offload_bytes", "log_level", "ready_file",
+    "allow_client_shm", "http_processes", "grpc_processes",
 })
 
 
