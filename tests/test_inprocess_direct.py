@@ -115,16 +115,24 @@ def test_the_loops_path_runs_short_batches_on_the_loop_and_long_ones_on_the_inst
     # A call with a timeout goes the loop's way (a caller's own run could not be given up on). The mlp's batch takes
     # well under a millisecond: the loop's thread runs it. slow_alone's 64 rows take much longer: its own thread.
     x = np.zeros((1, 256), np.float32)
-    # Until a batch has shown how long it takes, one is estimated from the load's time (its own thread): one batch
-    # first, so the test does not depend on the tests before it having run the mlp.
-    server.infer("mlp", {"input": x}, timeout=60)
+    # Where a batch runs follows from how long the instance's last batch took. That time is set here rather than
+    # measured: on a machine busy with other work even the mlp's batch can take over a millisecond now and then
+    # (then, rightly, the next one goes to its own thread), and the test would depend on that.
     with Recorder(server, "mlp") as rec:
+        _last_batch(rec, seconds=0.0001)  # a quick one: the next runs on the loop's thread
         server.infer("mlp", {"input": x}, timeout=60)
     assert rec.threads == ["gpud-server"]
     with Recorder(server, "slow_alone") as rec:
-        server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
-        server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
+        for _ in range(2):
+            _last_batch(rec, seconds=0.5)  # a long one: the next runs on the instance's own thread
+            server.infer("slow_alone", {"x": np.zeros((64, 512), np.float32)}, timeout=120)
     assert [t.startswith("instance-") for t in rec.threads] == [True, True], rec.threads
+
+
+def _last_batch(rec: Recorder, seconds: float, rows: int = 1) -> None:
+    """Make the instance's last batch one of `seconds` and `rows` (what LocalWorker decides the next one by)."""
+    local = rec.inst.worker._local[rec.inst.key]  # noqa: SLF001
+    local.last_run_s, local.last_rows = seconds, rows
 
 
 def test_infer_async_runs_only_quick_calls_in_the_callers_loop(server):
