@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from gpud.executor.datatypes import numpy_dtype
+from gpud.executor.datatypes import numpy_dtype, placeholder
 from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
                                  ShmRef)
 
@@ -269,12 +269,6 @@ def _check_file(region: Region, where: RegionSlice, what: str) -> None:
                        f"{where.byte_size} bytes at offset {where.offset}: the client truncated it")
 
 
-def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """An array of `shape` and the datatype's dtype that holds no memory (every element is one zero): what a tensor
-    in a client's region looks like to the checks before its worker reads the real bytes."""
-    return np.ndarray(shape, numpy_dtype(datatype), _ZEROS, 0, (0,) * len(shape))  # strides 0: one element's bytes
-
-
 @dataclass(eq=False)
 class Staged:
     """The regions a request uses (held open until `release`) and where its shared-memory outputs go."""
@@ -302,7 +296,7 @@ class Staged:
             ref, where = target
             write_tensor(where, tensor.name, tensor.datatype, tensor.data)
             tensor.shm = ref
-            tensor.data = _EMPTY
+            tensor.data = NO_DATA
 
     def answering(self, done: Callable[[Any], None]) -> Callable[[Any], None]:
         """`done`, given the response with its shared-memory outputs delivered; the regions released either way."""
@@ -320,9 +314,7 @@ class Staged:
         return answer
 
 
-_EMPTY = np.empty(0, dtype=np.uint8)
-_ZEROS = bytes(16)  # one zero element of any fixed-size datatype (read-only): what placeholders view
-NO_DATA = _EMPTY  # the data of a tensor in shared memory, which nobody reads
+NO_DATA = np.empty(0, dtype=np.uint8)  # the data of a tensor in shared memory, which nobody reads
 
 
 def shm_ref_of(params: dict[str, Any], what: str) -> ShmRef:

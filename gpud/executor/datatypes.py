@@ -31,6 +31,20 @@ def numpy_dtype(datatype: str) -> np.dtype:
         raise ValueError(f"unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}") from None
 
 
+_ZERO_ELEMENT = bytes(16)  # one zero element of any fixed-size datatype (read-only)
+_NO_TEXT = np.zeros(1, dtype=object)  # one element of a BYTES tensor
+
+
+def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An array of `shape` and the datatype's dtype that holds no memory (strides 0: every element is the same zero):
+    what a tensor another process reads or writes looks like where only its shape and datatype count (a client's
+    shared-memory input before its worker reads it; an output the worker wrote into a client's region)."""
+    strides = (0,) * len(shape)
+    if datatype == "BYTES":  # object elements: a view of a real object array, never of raw bytes
+        return np.lib.stride_tricks.as_strided(_NO_TEXT, shape=shape, strides=strides, writeable=False)
+    return np.ndarray(shape, numpy_dtype(datatype), _ZERO_ELEMENT, 0, strides)
+
+
 def triton_type(datatype: str) -> str:
     """Triton config enum name for a KServe datatype ("FP32" -> "TYPE_FP32")."""
     try:

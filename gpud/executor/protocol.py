@@ -26,12 +26,11 @@ import numpy as np
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.model_config import ModelConfig, TensorSpec
-from gpud.executor.datatypes import numpy_dtype
+from gpud.executor.datatypes import numpy_dtype, placeholder
 from gpud.executor.shm import Segment, align, new_segment_name, unlink
 from gpud.executor.types import RegionSlice
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
-_ZERO_ELEMENT = bytes(16)  # one zero element of any fixed-size datatype: what unstaged outputs view
 
 
 class TensorMeta(NamedTuple):
@@ -266,7 +265,7 @@ def read_outputs(done: Done, segment: Segment) -> list[tuple[str, str, np.ndarra
         outputs = []
         for name, datatype, shape, offset, nbytes in done.outputs:
             if offset < 0:  # every row of it went into clients' regions: only its shape comes back
-                arr = _unstaged(datatype, shape)
+                arr = placeholder(datatype, shape)
             elif datatype == "BYTES":
                 arr = decode_bytes_elements(seg.buf[offset:offset + nbytes], math.prod(shape)).reshape(shape)
             else:
@@ -277,14 +276,6 @@ def read_outputs(done: Done, segment: Segment) -> list[tuple[str, str, np.ndarra
         if done.ovf_seg:
             seg.close()
             unlink(done.ovf_seg)
-
-
-def _unstaged(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
-    """An output of `shape` that holds no memory (every element one zero): the worker wrote it into clients' regions."""
-    if datatype == "BYTES":  # object elements: a view of a real object array (one element), never of raw bytes
-        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype=object), shape=shape, strides=(0,) * len(shape),
-                                               writeable=False)
-    return np.ndarray(shape, numpy_dtype(datatype), _ZERO_ELEMENT, 0, (0,) * len(shape))
 
 
 # --- staging: the worker's side ----------------------------------------------------------------------------------
