@@ -20,24 +20,12 @@ import tempfile
 import time
 
 import numpy as np
-import psutil
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import models  # noqa: E402
 import run  # noqa: E402
-
-
-def cpu(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
 
 
 def split(server: run.GpudServer) -> tuple[list, list, list]:
@@ -57,7 +45,7 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
     try:
         time.sleep(0.5)  # the front-end processes announce themselves; their CPU at start is not the load's
         core, fe, workers = split(server)
-        before = (cpu(core), cpu(fe), cpu(workers))
+        before = (run.cpu_seconds(core), run.cpu_seconds(fe), run.cpu_seconds(workers))
         if protocol == "http":
             target = next(t for t in server.targets() if t.label == "gpud http-binary")
             r = run.run_wrk(tools["wrk"], server, target, "mlp", args.concurrency, args.seconds, body_file, header_len,
@@ -69,7 +57,7 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
             r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds, workdir)
             rps, p50, p99 = r["requests_per_s"], r["p50_us"] / 1e3, r["p99_us"] / 1e3
             n = rps * (time.monotonic() - t0)  # perf_analyzer's windows plus its set-up: an estimate of the count
-        after = (cpu(core), cpu(fe), cpu(workers))
+        after = (run.cpu_seconds(core), run.cpu_seconds(fe), run.cpu_seconds(workers))
     finally:
         server.stop()
     n = max(1, n)

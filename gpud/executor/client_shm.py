@@ -168,9 +168,7 @@ class ClientRegions:
                              "CUDA shared memory is not implemented by this gpud yet; use system shared memory")
 
     def cuda_unregister(self, name: str = "") -> None:
-        self._check_allowed()
-        if name:  # none can be registered
-            return
+        self._check_allowed()  # none can be registered (cuda_register): nothing to remove
 
     def cuda_status(self, name: str = "") -> list[Any]:
         if name:

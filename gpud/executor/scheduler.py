@@ -15,6 +15,7 @@ record, waiting until idle).
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import logging
 import threading
 import time
@@ -489,9 +490,9 @@ class SchedulerBase:
         self._idle_waiters.append(fut)
         await fut
 
-async def infer_through(scheduler: Scheduler, request: InferRequest) -> InferResponse:
-    """`scheduler.submit` as a coroutine: the answer, or the error raised; cancelling the awaiting task withdraws the
-    request."""
+async def answer_of(submit: Callable[[Done], Callable[[], None]]) -> InferResponse:
+    """A request submitted with a callback, as a coroutine: `submit(done)` sends it and returns its cancel; the
+    answer is returned, the error raised, and cancelling the awaiting task withdraws the request."""
     future = asyncio.get_running_loop().create_future()
 
     def done(result: Any) -> None:
@@ -501,9 +502,14 @@ async def infer_through(scheduler: Scheduler, request: InferRequest) -> InferRes
             else:
                 future.set_result(result)
 
-    handle = scheduler.submit(request, done)
+    cancel = submit(done)
     try:
         return await future
     except asyncio.CancelledError:
-        scheduler.cancel(handle)
+        cancel()
         raise
+
+
+async def infer_through(scheduler: Scheduler, request: InferRequest) -> InferResponse:
+    """`scheduler.submit` as a coroutine (answer_of)."""
+    return await answer_of(lambda done: partial(scheduler.cancel, scheduler.submit(request, done)))

@@ -118,9 +118,6 @@ class FrontendHost:
                  "in_flight": len(p.submits), "restarts_of_all": self.restarts}
                 for p in self.processes if p is not None]
 
-    def pids(self) -> list[int]:
-        return [p.proc.pid for p in self.processes if p is not None and p.alive]
-
     def _spawn(self, index: int) -> None:
         ours, theirs = socket.socketpair()
         http = self.options["kind"] == "http"

@@ -19,6 +19,7 @@ from gpud.api.admin import AdminAuth
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
 from gpud.executor.client_shm import NO_DATA, RegionStatus
+from gpud.executor.scheduler import answer_of
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.link import FrameReader, Sender, request_wire, response_of
@@ -106,10 +107,6 @@ class RemoteCore:
     def ready(self) -> None:
         """Tell the core this process serves now."""
         self._send(("ready",), now=True)
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._submits)
 
     # --- the link ----------------------------------------------------------------------------------------------
     def _readable(self) -> None:
@@ -249,20 +246,7 @@ class RemoteCore:
             self.arena.free(block)
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        future = asyncio.get_running_loop().create_future()
-
-        def done(result: InferResponse | InferenceError) -> None:
-            if not future.done():
-                if isinstance(result, InferenceError):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
-        cancel = self.submit(request, done)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            cancel()
-            raise
+        return await answer_of(lambda done: self.submit(request, done))
 
     # --- the rest of InferenceCore, asked of the core --------------------------------------------------------------
     def server_live(self) -> bool:
