@@ -70,7 +70,7 @@ class FrontendHost:
         self.log_level = log_level
         self.processes: list[FrontendProcess | None] = [None] * count
         self.stopping = False
-        self.restarts = 0
+        self.restarts = [0] * count  # per process slot: how often its process was started again
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -115,7 +115,7 @@ class FrontendHost:
     def inspect(self) -> list[dict[str, Any]]:
         """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now."""
         return [{"kind": self.options["kind"], "index": p.index, "pid": p.proc.pid, "alive": p.alive,
-                 "in_flight": len(p.submits), "restarts_of_all": self.restarts}
+                 "in_flight": len(p.submits), "restarts": self.restarts[p.index]}
                 for p in self.processes if p is not None]
 
     def _spawn(self, index: int) -> None:
@@ -273,9 +273,9 @@ class FrontendHost:
         code = fp.proc.poll()
         log.error("front-end process %d (pid %d) ended (%s); its connections are lost; restarting it", fp.index,
                   fp.proc.pid, f"exit code {code}" if code is not None else "its link closed")
-        delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)] \
+        delay = RESTART_BACKOFF_S[min(self.restarts[fp.index], len(RESTART_BACKOFF_S) - 1)] \
             if time.monotonic() - fp.started_s < 10 else 0.0
-        self.restarts += 1
+        self.restarts[fp.index] += 1
         self._loop.call_later(delay, self._restart, fp.index)
 
     def _reap(self, fp: FrontendProcess) -> None:
