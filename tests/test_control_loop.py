@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.rules import ScalingPolicy
-from gpud.scaling.plan import ScalingPlan, Step, Unplaced
+from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Step, Unplaced
 from gpud.scaling.hints import HintDecision
 from tests.fakes import FakeClock
 from tests.promtool_check import promtool_check
@@ -27,13 +27,15 @@ class ScriptedPlacer:
     def __init__(self, serving: FakeServing) -> None:
         self.serving = serving
         self.calls: list[tuple[dict, bool]] = []
+        self.claims: list[Claims] = []
         self.unhealthy = 0
         self.plan: ScalingPlan | None = None
         self.clock: FakeClock | None = None
         self.load_s = 0.0
 
-    async def rescale(self, totals, *, max_steps, apply, evict_idle_s=None):
+    async def rescale(self, totals, *, max_steps, apply, evict_idle_s=None, claims=NO_CLAIMS):
         self.calls.append((dict(totals), apply))
+        self.claims.append(claims)
         if self.clock is not None:
             self.clock.now += self.load_s  # the steps' loads take time
         if self.plan is not None:

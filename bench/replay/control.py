@@ -23,7 +23,7 @@ from gpud.executor.instance import InstanceHandle
 from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.rules import ScalingPolicy
-from gpud.scaling.plan import ScalingPlan
+from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredVersion, Registry
 from gpud.repository.layout import ModelEntry
@@ -159,9 +159,10 @@ class FromScratch:
     def __init__(self, service: PlacementService):
         self.service = service
 
-    async def rescale(self, totals, *, max_steps: int, apply: bool, evict_idle_s: float | None = None) -> ScalingPlan:
+    async def rescale(self, totals, *, max_steps: int, apply: bool, evict_idle_s: float | None = None,
+                      claims: Claims = NO_CLAIMS) -> ScalingPlan:
         return await self.service.rescale(totals, max_steps=10**6, apply=apply, evict_idle_s=evict_idle_s,
-                                          incremental=False)
+                                          incremental=False, claims=claims)
 
     def instances_on_unhealthy_devices(self) -> int:
         return self.service.instances_on_unhealthy_devices()
@@ -190,7 +191,8 @@ class ControlPlane:
                                   rate_window_s=settings.rate_window_s)
         placer = self.service if settings.incremental else FromScratch(self.service)
         self.controller = ScalingController(self.registry.snapshot, self.hints.decisions, placer, settings.control, "on",
-                                      clock=serving.clock, wall_clock=serving.wall_clock, history=10**6)
+                                      clock=serving.clock, wall_clock=serving.wall_clock, history=10**6,
+                                      standings=self.hints.standings)
         repo = write_repository(workdir, specs)
         self.versions: list[RegisteredVersion] = []
         for name, entry in repo.scan().items():

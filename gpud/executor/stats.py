@@ -73,7 +73,7 @@ class ModelStats:
     last_inference_ms: int = 0  # wall clock (ms since the epoch) of the last batch
     cold_starts: int = 0  # loads from zero instances because a request came (scale to zero, load on demand)
     cold_start_seconds: float = 0.0  # their total time, from the first waiting request to an instance serving
-    evictions: int = 0  # instances unloaded (least recently used first) to make room for another model's load
+    evictions: int = 0  # instances unloaded (idle, or spare by its objective) to make room for another model's load
     batches: dict[int, BatchStats] = field(default_factory=dict)
     histograms: LatencyHistograms = field(default_factory=LatencyHistograms)
     # The latency objective (gpud.executor.objective), when the version has one: its bound (0: none) and share,

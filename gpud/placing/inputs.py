@@ -95,6 +95,11 @@ class PlacementInputs:
     first_index: Mapping[GroupKey, int]  # version index of the group's first instance
     names: Mapping[GroupKey, str] = field(default_factory=dict)  # instance group -> demand name
 
+    def version_of(self, demand: str) -> tuple[str, str]:
+        """The (model, version) a demand of this problem is an instance group of."""
+        key = self.groups[demand]
+        return key.model, key.version
+
     def instance(self, a: Assignment) -> tuple[GroupKey, int]:
         """An assignment's instance group and its index within its model version."""
         key = self.groups[a.model]

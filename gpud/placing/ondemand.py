@@ -122,15 +122,18 @@ class OnDemand:
                     evicted.append(f"{step.model}:{step.version}:{step.index}")
             return ""
 
-    async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion) -> Step:
+    async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion,
+                     why: str = "") -> Step:
+        """Unload `victim` for `beneficiary`'s load: an idle instance (least recently used), or, with `why`, a spare
+        one (its version's latency objective holds with margin without it)."""
         owner, inst = victim
-        log.info("model %s version %s: evicting idle instance %d of model %s version %s on %s (least recently "
-                 "used) to make room", beneficiary.name, beneficiary.version, inst.index, owner.name, owner.version,
-                 inst.device_id)
+        log.info("model %s version %s: evicting %s instance %d of model %s version %s on %s to make room",
+                 beneficiary.name, beneficiary.version, "a spare" if why else "the idle (least recently used)",
+                 inst.index, owner.name, owner.version, inst.device_id + (f" ({why})" if why else ""))
         await self._stop(owner, inst)
         owner.scheduler.stats.evictions += 1
         return Step("remove", owner.name, owner.version, inst.index, inst.device_id, None,
-                    evicted_for=beneficiary.name)
+                    evicted_for=beneficiary.name, evicted_why=why)
 
     async def _victims(self, vs: RegisteredVersion, versions: Sequence[RegisteredVersion],
                        totals: Mapping[tuple[str, str], int],
@@ -164,6 +167,24 @@ class OnDemand:
         return eviction_candidates(vs, self._live(), kinds, self.registry.has_gpus, self.wall_clock(),
                                    exclude=exclude, min_idle_s=min_idle_s)
 
+    def _spare_candidates(self, vs: RegisteredVersion, spare: Mapping[tuple[str, str], tuple[int, str]], *,
+                          exclude: Collection[RegisteredVersion] = frozenset()
+                          ) -> list[tuple[RegisteredVersion, InstanceHandle]]:
+        """The instances versions in `spare` can give up for `vs` (their count each, their highest numbers, on
+        device kinds `vs` can use), in `spare`'s order (the most margin first); never below a version's minimum."""
+        kinds = {k for g in vs.entry.config.instance_groups for k in candidate_kinds(g.kind, self.registry.has_gpus)}
+        device_kinds = {d.id: d.kind for d in self.devices.leaf_devices()}
+        out = []
+        for (model, version), (count, _) in spare.items():
+            other = self.registry.version(model, version)
+            if other is vs or other in exclude or other not in self._live():
+                continue
+            count = min(count, len(other.instances) - max(1, other.minimum_instances))
+            mine = [i for i in sorted(other.instances, key=lambda i: -i.index)
+                    if device_kinds.get(i.device_id) in kinds]
+            out += [(other, i) for i in mine[:max(0, count)]]
+        return out
+
 
 
 def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion], device_kinds: Mapping[str, str],
@@ -194,5 +215,4 @@ def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion]
 
 def unplaced_of(vs: RegisteredVersion, inputs: PlacementInputs, result: Plan) -> int:
     """How many of `vs`'s instances the plan left without a device."""
-    return sum(1 for u in result.unplaced if (inputs.groups[u.model].model, inputs.groups[u.model].version)
-               == (vs.name, vs.version))
+    return sum(1 for u in result.unplaced if inputs.version_of(u.model) == (vs.name, vs.version))

@@ -74,8 +74,7 @@ def desired_assignments(inputs: PlacementInputs, requested: Sequence[RequestedPl
         seen.add((a.model, a.instance))
         wanted.append(a)
     touched = {(vs.name, vs.version) for vs in named.values()}
-    kept = [a for a in inputs.current if (inputs.groups[a.model].model, inputs.groups[a.model].version)
-            not in touched]
+    kept = [a for a in inputs.current if inputs.version_of(a.model) not in touched]
     return sorted(kept + wanted)
 
 

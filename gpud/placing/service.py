@@ -35,7 +35,7 @@ from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, Versio
 from gpud.placing.recovery import as_moves_off_lost_devices, recovering, steps_for_interval
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import DeviceRoom
-from gpud.scaling.plan import ScalingPlan, Step, Unplaced
+from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
 from gpud.placement import Assignment, Move, Plan, PlannerConfig, diff, plan
 from gpud.telemetry.devices import DeviceBackend, DeviceInfo
@@ -220,39 +220,59 @@ class PlacementService(OnDemand):
 
     # --- the controller ----------------------------------------------------------------------------------------
     async def rescale(self, totals: Mapping[tuple[str, str], int], *, max_steps: int, apply: bool,
-                      evict_idle_s: float | None = None, incremental: bool = True) -> ScalingPlan:
+                      evict_idle_s: float | None = None, incremental: bool = True,
+                      claims: Claims = NO_CLAIMS) -> ScalingPlan:
         """Re-plan the node with these versions' instance counts (the others keep theirs), keeping moves few
         (placement's incremental re-plan: what runs stays where it is unless moving it lets more fit; instances on
         unhealthy devices are placed again elsewhere), and carry out the first `max_steps` steps in order, each
         move make-before-break, stopping at a failed load (or, not `apply`, only say what they would be). Putting
         back a lost device's instances is not capped and a failed one stops nothing (gpud.placing.recovery).
         `evict_idle_s`: an added instance with no room may evict instances of other versions idle this long
-        (least recently used first, never below their minimum); None: never. `incremental` False plans the node
-        from scratch, blind to where instances run, and moves them to that plan (what a re-plan that ignores the
-        current placement does: the replay benchmark's comparison, bench/replay)."""
+        (least recently used first, never below their minimum); None: never. `claims` (the controller's, from the
+        latency objectives): when not every growing version fits, room goes to them in `claims.first`'s order, and
+        one missing its objective may also take the spare instances of versions whose objective holds with margin.
+        `incremental` False plans the node from scratch, blind to where instances run, and moves them to that plan
+        (what a re-plan that ignores the current placement does: the replay benchmark's comparison, bench/replay)."""
+        totals_asked = dict(totals)
         async with self.lock:
             wanted = [self.registry.version(m, v) for m, v in totals]
             placeable = [vs for vs in wanted if vs.state in (ModelState.READY, ModelState.UNAVAILABLE)]
+            rank = {k: n for n, k in enumerate(claims.first)}
+            wanted.sort(key=lambda vs: rank.get((vs.name, vs.version), len(rank)))
+            totals = dict(totals)
+            held_back: dict[tuple[str, str], str] = {}
+            ordered = False
             evicted: list[Step] = []
             while True:
                 inputs = self.inputs(placeable, totals)
                 result = await self._plan(inputs if incremental else replace(inputs, current=()),
                                           replace(self.config, move_current=True))
-                if not apply or evict_idle_s is None or len(evicted) >= max_steps:
-                    break
-                growing = {vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)}
+                growing = [vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)]
                 short = [vs for vs in growing if unplaced_of(vs, inputs, result)]
-                victims = await self._victims(short[0], placeable, totals, self._eviction_candidates(
-                    short[0], exclude=growing, min_idle_s=evict_idle_s)) if short else []
-                if not victims:
+                if not short:
                     break
-                for victim in victims:
-                    evicted.append(await self._evict(victim, short[0]))
+                if apply and evict_idle_s is not None and len(evicted) < max_steps:
+                    victims, beneficiary, spare_of = await self._victims_for(short, growing, placeable, totals,
+                                                                             claims, evict_idle_s)
+                    if victims:
+                        for victim in victims:
+                            spared = claims.spare.get((victim[0].name, victim[0].version)) \
+                                if id(victim[1]) in spare_of else None
+                            evicted.append(await self._evict(victim, beneficiary, spared[1] if spared else ""))
+                        continue
+                if claims.urgent and not ordered:
+                    # Not all fit: the most urgent take the room first; the rest get what is left.
+                    totals, held_back = await self._by_claims(placeable, totals, wanted, claims)
+                    ordered = True
+                    continue
+                break
             lost = {d.id for d in inputs.devices if not d.healthy}
             moves = as_moves_off_lost_devices(diff(inputs.current, result.placements, inputs.devices,
                                                    inputs.demands), lost)
             # A step with no room until others have moved would overcommit the device: left for a later interval.
             doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
+            if claims.first:  # under the cap, the most urgent version's adds go first
+                doable = adds_in_order(doable, lambda m: rank.get(inputs.version_of(m.model), len(rank)))
             # Recovery is not capped (gpud.placing.recovery). Evictions count as steps, but the load they made room
             # for is always taken.
             todo = steps_for_interval(doable, lost, max(1 if evicted else 0, max_steps - len(evicted)))
@@ -267,6 +287,12 @@ class PlacementService(OnDemand):
             for u in result.unplaced:
                 key, index = inputs.instance(Assignment(u.model, u.instance, ""))
                 unplaced.append(Unplaced(key.model, key.version, index, u.reason))
+            for vs in wanted:
+                held = held_back.get((vs.name, vs.version))
+                if held:
+                    asked = totals_asked[(vs.name, vs.version)]
+                    unplaced += [Unplaced(vs.name, vs.version, i, held)
+                                 for i in range(totals[(vs.name, vs.version)], asked)]
             why = {(u.model, u.instance): u.reason for u in result.unplaced}
             recovered: set[RegisteredVersion] = set()
             for m in todo:
@@ -285,6 +311,62 @@ class PlacementService(OnDemand):
                 self.demand(vs)
         return ScalingPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
                            frozenset(lost))
+
+    async def _victims_for(self, short: Sequence[RegisteredVersion], growing: Sequence[RegisteredVersion],
+                           versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],
+                           claims: Claims, evict_idle_s: float
+                           ) -> tuple[list[tuple[RegisteredVersion, InstanceHandle]], RegisteredVersion,
+                                      set[int]]:
+        """The first of `short` (the most urgent first) that evicting instances would give room, and those
+        instances: idle ones of other versions (least recently used first), and for a version missing its latency
+        objective, then the spare instances of versions whose objective holds with margin. Checked with the
+        growing versions after it asking for no more than they run, so the room is for it. The last: the ids of
+        the victims that are spare ones."""
+        for vs in short:
+            after = growing[growing.index(vs) + 1:]
+            trial = {**totals, **{(g.name, g.version): len(g.instances) for g in after}}
+            idle = self._eviction_candidates(vs, exclude=growing, min_idle_s=evict_idle_s)
+            spare = self._spare_candidates(vs, claims.spare, exclude=[*growing, *(c for c, _ in idle)]) \
+                if (vs.name, vs.version) in claims.urgent else []
+            victims = await self._victims(vs, versions, trial, idle + spare)
+            if victims:
+                return victims, vs, {id(i) for _, i in spare}
+        return [], short[0], set()
+
+    async def _by_claims(self, versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],
+                         wanted: Sequence[RegisteredVersion], claims: Claims
+                         ) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], str]]:
+        """`totals` cut so that the growing versions get room in `wanted`'s order (claims.first): each in turn
+        asks for its total with the ones before it holding theirs; what does not fit is held back, with why. Checked
+        with the planner's heuristics alone (the plan itself follows, with these totals)."""
+        config = replace(self.config, move_current=True, time_limit_seconds=0.0)
+        cut = dict(totals)
+        growing = [vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)]
+        for vs in growing:
+            cut[(vs.name, vs.version)] = len(vs.instances)
+        held: dict[tuple[str, str], str] = {}
+        before: list[str] = []
+        granted: list[RegisteredVersion] = []
+        for vs in growing:
+            key = (vs.name, vs.version)
+            granted.append(vs)
+            reason = ""
+            # Its whole total first, then one fewer at a time: the heuristics may place it by leaving out one that
+            # came before, so what counts is that nothing granted so far is left out.
+            for total in range(totals[key], len(vs.instances) - 1, -1):
+                cut[key] = total
+                inputs = self.inputs(versions, cut)
+                result = await self._plan(inputs, config)
+                if not any(unplaced_of(g, inputs, result) for g in granted):
+                    break
+                reason = reason or next((u.reason for u in result.unplaced if inputs.version_of(u.model) == key),
+                                        "no room")
+            if cut[key] < totals[key]:
+                held[key] = reason + (f"; the room went first to {', '.join(before)} (further from their latency "
+                                      "objective)" if before else "")
+            if key in claims.urgent:
+                before.append(f"model {vs.name}")
+        return cut, held
 
     def unhealthy_devices(self) -> set[str]:
         """Leaf devices that read unhealthy: lost to the driver, or given up on by gpud (a crash-looping worker)."""
@@ -437,6 +519,22 @@ class PlacementService(OnDemand):
         self._changes += 1
         vs.scheduler.remove_instance(inst)
         await self.pool.unload_instance(inst)
+
+
+def adds_in_order(moves: Sequence[Move], rank: Callable[[Move], int]) -> list[Move]:
+    """`moves` with each run of consecutive adds sorted by `rank` (stable): an add never passes the removal or move
+    before it, whose room it may count on."""
+    out: list[Move] = []
+    run: list[Move] = []
+    for m in [*moves, None]:
+        if m is not None and m.kind == "add":
+            run.append(m)
+            continue
+        out += sorted(run, key=rank)
+        run = []
+        if m is not None:
+            out.append(m)
+    return out
 
 
 def _config_counts(versions: Sequence[RegisteredVersion]) -> dict[GroupKey, int]:

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpud.scaling.plan import ScalingPlan, Step
+from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Step
+from gpud.scaling.priority import ObjectiveStanding, room_order, spare_order
 from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import HintDecision
 from gpud.scaling.idle import idle_seconds
@@ -44,13 +45,14 @@ ACTION_REASONS: tuple[tuple[str, Reason], ...] = (
 )
 REFUSALS = ("no_room", "load_failed")
 HintsSource = Callable[[], Mapping[Key, HintDecision]]
+StandingsSource = Callable[[], Mapping[Key, ObjectiveStanding]]
 
 
 class Placer(Protocol):
     """What the loop needs of the placement service."""
 
     async def rescale(self, totals: Mapping[Key, int], *, max_steps: int, apply: bool,
-                      evict_idle_s: float | None = None) -> ScalingPlan: ...
+                      evict_idle_s: float | None = None, claims: Claims = NO_CLAIMS) -> ScalingPlan: ...
 
     def instances_on_unhealthy_devices(self) -> int: ...
 
@@ -79,9 +81,10 @@ class ScalingController(Collector):
     def __init__(self, snapshot: SnapshotSource, hints: HintsSource, placement: Placer, policy: ScalingPolicy,
                  mode: ScalingMode, *, clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, history: int = 50,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, standings: StandingsSource = dict):
         self.snapshot = snapshot
         self.hints = hints
+        self.standings = standings
         self.placement = placement
         self.policy = policy
         self.mode = mode
@@ -132,9 +135,11 @@ class ScalingController(Collector):
         if not changes and not self.placement.instances_on_unhealthy_devices():
             return
         apply = self.mode == "on"
-        # A scale-up with no room may evict instances idle for the scale-down window (least recently used first).
+        # A scale-up with no room may evict instances idle for the scale-down window (least recently used first),
+        # and one missing its latency objective the spare instances of versions whose objective holds with margin.
         plan = await self.placement.rescale(changes, max_steps=self.policy.max_steps_per_interval, apply=apply,
-                                            evict_idle_s=self.policy.scale_down_cooldown_seconds)
+                                            evict_idle_s=self.policy.scale_down_cooldown_seconds,
+                                            claims=self._claims(targets, now))
         self.plans += 1
         self.last_plan_unix_s = self.wall_clock()
         by_key = {(t.model, t.version): t for t in targets}
@@ -153,10 +158,36 @@ class ScalingController(Collector):
         if plan.deferred:
             log.info("placement control: %d step(s) left for the next interval(s)", plan.deferred)
 
+    def _claims(self, targets: Iterable[Target], now_s: float) -> Claims:
+        """Room first for the versions furthest from their objective; spare instances from those whose objective
+        holds with margin, unless they change this interval or an instance was added to them within the cooldown
+        (never added and taken within one window: the same rule as a scale-down's)."""
+        standings = self.standings()
+        if not standings:
+            return NO_CLAIMS
+        growing = [(t.model, t.version) for t in targets if t.target > t.current]
+        if not growing:
+            return NO_CLAIMS
+        first = room_order(growing, standings)
+        urgent = frozenset(k for k in growing if k in standings and standings[k].missing)
+        cooldown = self.policy.scale_down_cooldown_seconds
+        steady = [(t.model, t.version) for t in targets if t.target == t.current]
+        spare = {}
+        for key in spare_order({k: standings[k] for k in steady if k in standings}):
+            added_s = self._states.get(key, VersionState()).last_added_s
+            if added_s is not None and now_s - added_s < cooldown:
+                continue
+            s = standings[key]
+            spare[key] = (s.spare_instances, f"{s.describe()}; {s.spare_instances} fewer would be predicted at "
+                          + ("an unknown latency" if s.spare_predicted_s is None
+                             else f"{s.spare_predicted_s * 1e3:.1f} ms"))
+        return Claims(tuple(first), urgent, spare)
+
     def _record(self, step: Step, target: Target | None, plan: ScalingPlan, apply: bool) -> None:
         if step.evicted_for:
             reason: Reason = "evicted"
-            detail = f"idle, least recently used: room for model {step.evicted_for}"
+            detail = (f"spare ({step.evicted_why})" if step.evicted_why else "idle, least recently used") + \
+                f": room for model {step.evicted_for}"
         elif step.from_device in plan.unhealthy_devices:
             reason = "device_lost"
             detail = f"device {step.from_device} is unhealthy"

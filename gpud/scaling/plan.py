@@ -2,9 +2,26 @@
 placement service that carries it out (gpud.placing.service.PlacementService.rescale)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from gpud.placement.model import MoveKind
+
+Key = tuple[str, str]  # (model, version)
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What the controller tells the placement service about room when the node cannot hold every target (from the
+    versions' latency objectives: gpud.scaling.priority)."""
+
+    first: tuple[Key, ...] = ()  # growing versions, most urgent first: the room goes to them in this order
+    urgent: frozenset[Key] = frozenset()  # of those, the ones missing their objective: they may take spare instances
+    # Versions that may give up instances for an urgent one, the most margin first: how many, and why (for the log).
+    spare: Mapping[Key, tuple[int, str]] = field(default_factory=dict)
+
+
+NO_CLAIMS = Claims()
 
 
 @dataclass(frozen=True)
@@ -19,6 +36,7 @@ class Step:
     to_device: str | None
     error: str = ""  # why the new instance did not load; "" when the step was done
     evicted_for: str = ""  # a removal to make room for this model's load (least recently used, idle)
+    evicted_why: str = ""  # what made it the one to go, when not idleness (its objective's margin)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from gpud.executor.stats import ModelStats
 from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
                              ModelObservation, desired_instances, node_headroom, observe)
+from gpud.scaling.priority import ObjectiveStanding, standing_of
 from gpud.telemetry.serving import ServingSnapshot, SnapshotSource
 
 log = logging.getLogger("gpud.autoscale")  # the name operators filter on (before gpud.scaling)
@@ -50,6 +51,7 @@ class _Track:
     throughput: float | None = None  # last measured, kept through idle windows
     observation: ModelObservation | None = None
     decision: HintDecision | None = None
+    minimum_instances: int = 0
 
 
 def read_counters(snapshot: ServingSnapshot,
@@ -139,6 +141,7 @@ class HintsSampler(Collector):
             track.throughput = track.observation.throughput_per_instance_per_second
             track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now,
                                                             bounds)
+            track.minimum_instances = bounds.minimum
         try:
             self.headroom = node_headroom(self.free_devices(), model_footprints(snapshot))
         except Exception:  # noqa: BLE001 - a device read failing must not stop the hints of the models
@@ -156,6 +159,15 @@ class HintsSampler(Collector):
     # --- views -----------------------------------------------------------------------------------------------
     def decisions(self) -> dict[Key, HintDecision]:
         return {k: t.decision for k, t in self._tracks.items() if t.decision is not None}
+
+    def standings(self) -> dict[Key, ObjectiveStanding]:
+        """Where each version with a latency objective stands over the last window (gpud.scaling.priority)."""
+        out = {}
+        for k, t in self._tracks.items():
+            standing = None if t.observation is None else standing_of(t.observation, t.minimum_instances)
+            if standing is not None:
+                out[k] = standing
+        return out
 
     def inspect(self) -> dict[str, Any]:
         models = []

@@ -76,8 +76,9 @@ _COUNTERS: tuple[tuple[str, str, Callable[[ModelStats], int | float]], ...] = (
      "load on demand).", lambda st: st.cold_starts),
     ("gpud_model_cold_start_seconds", "Time of those cold starts, from the request that triggered one to an "
      "instance serving, seconds.", lambda st: st.cold_start_seconds),
-    ("gpud_model_evictions", "Instances of the version unloaded while idle (least recently used first) to make "
-     "room for another model's load.", lambda st: st.evictions),
+    ("gpud_model_evictions", "Instances of the version unloaded to make room for another model's load: idle ones "
+     "(least recently used first), or spare ones while its latency objective holds with margin.",
+     lambda st: st.evictions),
     ("gpud_model_requests_within_objective", "Requests answered within the version's latency objective (queue + "
      "compute inside gpud); 0 for versions without one.", lambda st: st.within_objective),
     ("gpud_model_requests_over_objective", "Requests answered over the version's latency objective, or failed; "
