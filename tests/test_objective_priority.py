@@ -31,9 +31,9 @@ def observed(n: int, rate: float, attainment: float | None, objective_ms: float 
 
 
 def standing(shortfall: float = 0.0, predicted_ms: float | None = 10.0, spare: int = 0,
-             spare_ms: float | None = None) -> ObjectiveStanding:
+             spare_ms: float | None = None, instances: int = 3) -> ObjectiveStanding:
     return ObjectiveStanding(0.05, 0.99, 0.99 - shortfall, None if predicted_ms is None else predicted_ms / 1e3,
-                             spare, None if spare_ms is None else spare_ms / 1e3)
+                             instances, spare, None if spare_ms is None else spare_ms / 1e3)
 
 
 # --- pure ----------------------------------------------------------------------------------------------------------
@@ -119,6 +119,29 @@ def test_a_version_missing_its_objective_takes_a_spare_instance_of_one_that_hold
     assert core.registry.version("mlp").scheduler.stats.evictions == 1 and plan.unplaced == ()
 
 
+def test_a_cold_start_with_an_objective_takes_a_spare_instance_and_one_without_does_not(tmp_path):
+    def cold(objective_ns: int, where) -> tuple[list, str]:
+        core, pool, wall = node(where, {"mlp": 1, "cnn": 0, "two_input": 1}, room_bytes=21 * MIB)
+        asyncio.run(core.start())
+        service = core.placement
+        asyncio.run(service.rescale({("cnn", "1"): 0}, max_steps=4, apply=True))
+        asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=4, apply=True))
+        cnn = core.registry.version("cnn")
+        assert not cnn.instances and len(core.registry.version("mlp").instances) == 2
+        cnn.scheduler.stats.objective_ns = objective_ns
+        cnn.estimate_bytes = 6 * MIB  # the 0.6 MiB left does not hold it
+        service.spare_source = lambda: {("mlp", "1"): (1, "mlp holds its objective")}
+        service._eviction_candidates = lambda vs, **kw: []  # mlp is busy: nothing idle to evict
+        pool.events.clear()
+        error = asyncio.run(service.cold_start(cnn))
+        return [(e[0], e[1]) for e in pool.events], error
+
+    events, error = cold(50_000_000, tmp_path / "a")
+    assert error == "" and events == [("unload", "mlp:1:1"), ("load", "cnn:1:0")]
+    events, error = cold(0, tmp_path / "b")
+    assert events == [] and "no idle instance of another model to evict" in error
+
+
 def test_spare_instances_go_only_to_a_version_missing_its_objective_and_never_below_a_minimum(tmp_path):
     spare = {("mlp", "1"): (1, "mlp holds its objective")}
     core, pool = spare_node(tmp_path / "a", 1)  # cnn grows by the queue target, not a missed objective
@@ -169,8 +192,11 @@ def test_the_controller_claims_room_first_for_the_missed_objective_and_offers_th
     claims = placer.claims[0]
     assert claims.first == (("ranker", "1"), ("encoder", "1")) and claims.urgent == {("ranker", "1")}
     # fresh had an instance added 30 s ago (cooldown 60 s): not offered
-    assert list(claims.spare) == [("vision", "1")] and claims.spare[("vision", "1")][0] == 2
-    assert "2 fewer would be predicted at 20.0 ms" in claims.spare[("vision", "1")][1]
+    assert list(claims.spare) == [("vision", "1")] and claims.spare[("vision", "1")][0] == 1  # it keeps 1 of 3
+    assert "with 1 instance(s) it would be predicted at 20.0 ms" in claims.spare[("vision", "1")][1]
+    assert loop.spare_now() == claims.spare  # what a cold start of a version with an objective may take
+    loop.mode = "advise"
+    assert loop.spare_now() == {}
 
 
 def test_without_objectives_the_controller_claims_nothing():

@@ -150,6 +150,7 @@ class ControlSettings:
     time_limit_s: float = 2.0
     incremental: bool = True  # False: policy (d), re-plan from scratch every interval
     max_steps: int | None = None  # None: the policy's max_steps_per_interval
+    ranked: bool = True  # False: no claims (room in the planner's order, no spare instances taken): the comparison
 
 
 class FromScratch:
@@ -192,7 +193,9 @@ class ControlPlane:
         placer = self.service if settings.incremental else FromScratch(self.service)
         self.controller = ScalingController(self.registry.snapshot, self.hints.decisions, placer, settings.control, "on",
                                       clock=serving.clock, wall_clock=serving.wall_clock, history=10**6,
-                                      standings=self.hints.standings)
+                                      standings=self.hints.standings if settings.ranked else dict)
+        if settings.ranked:
+            self.service.spare_source = self.controller.spare_now
         repo = write_repository(workdir, specs)
         self.versions: list[RegisteredVersion] = []
         for name, entry in repo.scan().items():

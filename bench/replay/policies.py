@@ -29,7 +29,7 @@ from .control import ControlPlane, ControlSettings, instances_needed, scratch_di
 from .des import Serving, SimDevice, memory_hours, slo_attainment
 from .scenario import Scenario
 
-POLICIES = ("triton", "peak", "average", "scratch", "gpud", "objectives")
+POLICIES = ("triton", "peak", "average", "scratch", "gpud", "objectives", "objectives-unranked")
 SAMPLE_S = 10.0
 
 
@@ -197,6 +197,7 @@ def run_policy(policy: str, scenario: Scenario, **controller: float) -> Result:
         return run_static(policy, scenario, *planned(scenario, backend, counts))
     if policy in ("scratch", "gpud"):
         return run_controlled(policy, scenario, settings_for(scenario, incremental=policy == "gpud", **controller))
-    if policy == "objectives":
-        return run_controlled(policy, scenario, settings_for(scenario, incremental=True, **controller), objectives=True)
+    if policy in ("objectives", "objectives-unranked"):  # unranked: without the priority under scarcity
+        settings = replace(settings_for(scenario, incremental=True, **controller), ranked=policy == "objectives")
+        return run_controlled(policy, scenario, settings, objectives=True)
     raise ValueError(f"unknown policy {policy!r} (policies: {', '.join(POLICIES)})")

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .policies import POLICIES, Result, run_policy
@@ -55,10 +55,11 @@ def objective_table(results: dict[str, Result], scenario: Scenario) -> str:
     """Per model: the share of its requests within its own latency objective, under each policy."""
     names = sorted(scenario.objectives_ms)
     policies = [r for r in results.values() if r.objective_attainment]
-    rows = [f"{'model':<12} {'objective':>10} " + " ".join(f"{r.policy:>10}" for r in policies)]
+    widths = [max(10, len(r.policy)) for r in policies]
+    rows = [f"{'model':<12} {'objective':>10} " + " ".join(f"{r.policy:>{w}}" for r, w in zip(policies, widths))]
     for name in names:
         rows.append(f"{name:<12} {scenario.objectives_ms[name]:>7.0f} ms " +
-                    " ".join(f"{r.objective_attainment.get(name, math.nan):>10.2%}" for r in policies))
+                    " ".join(f"{r.objective_attainment.get(name, math.nan):>{w}.2%}" for r, w in zip(policies, widths)))
     return "\n".join(rows)
 
 
@@ -141,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--days", type=float, default=10.0)
     p.add_argument("--seconds-per-hour", type=float, default=30.0, help="model seconds per trace hour")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--node", help="the node file (default: config/nodes/hgx-a100-8gpu-mig.yaml); a smaller one, e.g. "
+                   "config/nodes/dgx-a100-2gpu-mig.yaml, makes room scarce")
     control = p.add_argument_group("gpud's controller in policies (d) and (e), in model seconds")
     control.add_argument("--interval", type=float, default=5.0, help="control interval (default 5)")
     control.add_argument("--scale-up-window", type=float, default=5.0, help="hints' scale-up window (default 5)")
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no trace under {args.data}/traces/alibaba-gpu-v2025 (pass --data)")
     scenario = build(args.data, models=args.models, start_day=args.start_day, days=args.days,
                      seconds_per_trace_step=args.seconds_per_hour, seed=args.seed)
+    if args.node:
+        scenario = replace(scenario, node_file=Path(args.node).resolve())
     print(describe(scenario), flush=True)
     controller = dict(interval_s=args.interval, scale_up_s=args.scale_up_window, scale_down_s=args.scale_down_window,
                       idle_unload_s=args.idle_unload, queue_target_share=args.queue_target_share)

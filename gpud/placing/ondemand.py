@@ -35,6 +35,9 @@ class OnDemand:
     _changes: int  # instances started or stopped so far
     _cold: dict[RegisteredVersion, asyncio.Task[None]]  # cold starts under way
     _cold_failed: dict[RegisteredVersion, tuple[int, str, float]]  # changes then, why, when logged
+    # What versions may give up for a cold start of one with a latency objective (the controller's spare_now, set by
+    # the wiring when the controller acts; Claims.spare's form).
+    spare_source: Callable[[], Mapping[tuple[str, str], tuple[int, str]]]
 
     def inputs(self, versions: Sequence[RegisteredVersion] | None = None,
                totals: Mapping[tuple[str, str], int] | None = None,
@@ -111,6 +114,11 @@ class OnDemand:
                         return f"instance {steps[0].index} on {steps[0].to_device}: {steps[0].error}"
                     continue
                 candidates = self._eviction_candidates(vs)
+                # With a latency objective, a request waiting for a cold start misses it: it may also take the spare
+                # instances of versions whose objective holds with margin (the controller's, when it acts).
+                spare = self.spare_source() if vs.scheduler.stats.objective_ns else {}
+                spares = self._spare_candidates(vs, spare, exclude=[c for c, _ in candidates])
+                candidates += spares
                 victims = await self._victims(vs, [vs], {(vs.name, vs.version): 1}, candidates)
                 if not victims:
                     why = next((u.reason for u in result.unplaced), "no room")
@@ -118,7 +126,9 @@ class OnDemand:
                                   if candidates else "; no idle instance of another model to evict") \
                         + (f" (evicted {', '.join(evicted)})" if evicted else "")
                 for victim in victims:
-                    step = await self._evict(victim, vs)
+                    spared = spare.get((victim[0].name, victim[0].version)) \
+                        if any(i is victim[1] for _, i in spares) else None
+                    step = await self._evict(victim, vs, spared[1] if spared else "")
                     evicted.append(f"{step.model}:{step.version}:{step.index}")
             return ""
 
@@ -170,16 +180,17 @@ class OnDemand:
     def _spare_candidates(self, vs: RegisteredVersion, spare: Mapping[tuple[str, str], tuple[int, str]], *,
                           exclude: Collection[RegisteredVersion] = frozenset()
                           ) -> list[tuple[RegisteredVersion, InstanceHandle]]:
-        """The instances versions in `spare` can give up for `vs` (their count each, their highest numbers, on
-        device kinds `vs` can use), in `spare`'s order (the most margin first); never below a version's minimum."""
+        """The instances versions in `spare` can give up for `vs` (those beyond what each keeps, their highest
+        numbers, on device kinds `vs` can use), in `spare`'s order (the most margin first); never below a version's
+        minimum nor one instance."""
         kinds = {k for g in vs.entry.config.instance_groups for k in candidate_kinds(g.kind, self.registry.has_gpus)}
         device_kinds = {d.id: d.kind for d in self.devices.leaf_devices()}
         out = []
-        for (model, version), (count, _) in spare.items():
+        for (model, version), (keep, _) in spare.items():
             other = self.registry.version(model, version)
             if other is vs or other in exclude or other not in self._live():
                 continue
-            count = min(count, len(other.instances) - max(1, other.minimum_instances))
+            count = len(other.instances) - max(keep, 1, other.minimum_instances)
             mine = [i for i in sorted(other.instances, key=lambda i: -i.index)
                     if device_kinds.get(i.device_id) in kinds]
             out += [(other, i) for i in mine[:max(0, count)]]

@@ -55,6 +55,7 @@ class PlacementService(OnDemand):
         # instance started or stopped): until then requests fail at once with its reason, with no plan and no log
         # line each (a busy client would otherwise flood both). The same failure is logged again after this long.
         self.cold_start_log_s = cold_start_log_s
+        self.spare_source: Callable[[], Mapping[tuple[str, str], tuple[int, str]]] = dict  # none until the wiring's
         self._changes = 0  # instances started or stopped so far
         self._cold_failed: dict[RegisteredVersion, tuple[int, str, float]] = {}  # changes then, why, when logged
         self.wall_clock = wall_clock

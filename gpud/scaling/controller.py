@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -158,18 +158,28 @@ class ScalingController(Collector):
         if plan.deferred:
             log.info("placement control: %d step(s) left for the next interval(s)", plan.deferred)
 
-    def _claims(self, targets: Iterable[Target], now_s: float) -> Claims:
-        """Room first for the versions furthest from their objective; spare instances from those whose objective
-        holds with margin, unless they change this interval or an instance was added to them within the cooldown
-        (never added and taken within one window: the same rule as a scale-down's)."""
+    def _claims(self, targets: Sequence[Target], now_s: float) -> Claims:
+        """Room first for the versions furthest from their objective (gpud.scaling.priority.room_order), and the
+        spare instances of those whose objective holds with margin (`_spare`)."""
         standings = self.standings()
-        if not standings:
-            return NO_CLAIMS
         growing = [(t.model, t.version) for t in targets if t.target > t.current]
-        if not growing:
+        if not standings or not growing:
             return NO_CLAIMS
-        first = room_order(growing, standings)
         urgent = frozenset(k for k in growing if k in standings and standings[k].missing)
+        return Claims(tuple(room_order(growing, standings)), urgent, self._spare(standings, targets, now_s))
+
+    def spare_now(self) -> dict[Key, tuple[int, str]]:
+        """The spare instances as of the last interval, for a cold start of a version with an objective (the
+        placement service's spare_source); none unless the controller acts (mode on)."""
+        if self.mode != "on":
+            return {}
+        return self._spare(self.standings(), self.targets, self.clock())
+
+    def _spare(self, standings: Mapping[Key, ObjectiveStanding], targets: Sequence[Target],
+               now_s: float) -> dict[Key, tuple[int, str]]:
+        """Versions whose objective holds with margin with fewer instances, the most margin first, and how many each
+        keeps (Claims.spare): never one that changes this interval, nor one with an instance added within the
+        cooldown (never added and taken within one window: a scale-down's rule)."""
         cooldown = self.policy.scale_down_cooldown_seconds
         steady = [(t.model, t.version) for t in targets if t.target == t.current]
         spare = {}
@@ -178,10 +188,11 @@ class ScalingController(Collector):
             if added_s is not None and now_s - added_s < cooldown:
                 continue
             s = standings[key]
-            spare[key] = (s.spare_instances, f"{s.describe()}; {s.spare_instances} fewer would be predicted at "
+            keep = s.instances - s.spare_instances
+            spare[key] = (keep, f"{s.describe()}; with {keep} instance(s) it would be predicted at "
                           + ("an unknown latency" if s.spare_predicted_s is None
                              else f"{s.spare_predicted_s * 1e3:.1f} ms"))
-        return Claims(tuple(first), urgent, spare)
+        return spare
 
     def _record(self, step: Step, target: Target | None, plan: ScalingPlan, apply: bool) -> None:
         if step.evicted_for:

@@ -17,7 +17,8 @@ class Claims:
 
     first: tuple[Key, ...] = ()  # growing versions, most urgent first: the room goes to them in this order
     urgent: frozenset[Key] = frozenset()  # of those, the ones missing their objective: they may take spare instances
-    # Versions that may give up instances for an urgent one, the most margin first: how many, and why (for the log).
+    # Versions that may give up instances for an urgent one, the most margin first: how many instances each keeps
+    # (what its objective needs: the rest is spare), and why (for the log).
     spare: Mapping[Key, tuple[int, str]] = field(default_factory=dict)
 
 

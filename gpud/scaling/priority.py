@@ -28,6 +28,7 @@ class ObjectiveStanding:
     share: float
     attainment: float | None  # over the window; None: no request counted
     predicted_s: float | None  # at the current instance count (inf: it cannot keep up); None: no batch times yet
+    instances: int  # it runs now
     spare_instances: int  # it could run this many fewer with its objective predicted within the margin
     spare_predicted_s: float | None = None  # the prediction with that many fewer
 
@@ -74,7 +75,7 @@ def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None
                 spare = n - max(need, floor)
         if spare:
             spare_predicted = None if line is None else predicted_latency_s(rate, n - spare, line, largest)
-    return ObjectiveStanding(objective_s, obs.objective_share, obs.attainment, predicted, spare, spare_predicted)
+    return ObjectiveStanding(objective_s, obs.objective_share, obs.attainment, predicted, n, spare, spare_predicted)
 
 
 def room_order(growing: Sequence[Key], standings: Mapping[Key, ObjectiveStanding]) -> list[Key]:
