@@ -282,6 +282,44 @@ def test_a_window_of_counters_gives_the_attainment_and_the_batch_line():
     assert o.objective_seconds == 0.03 and o.batch_line == BatchLine(pytest.approx(0.004), pytest.approx(0.001))
 
 
+def test_arrivals_count_the_growth_of_the_queue_and_the_last_interval_sees_a_ramp_first():
+    from gpud.scaling.hints import ModelCounters, observe
+
+    def at(t, finished, pending, load_s=4.0):
+        return ModelCounters(time_s=t, requests=finished, successes=finished, queue_ns=0, batch_compute_ns=0,
+                             ready_instances=1, max_batch_size=32, objective_seconds=0.05, pending=pending,
+                             load_s=load_s)
+    # Over 10 s, 500 finished and the queue grew by 300: 80 arrived a second, not the 50 the instance finished.
+    o = observe(at(0.0, 0, 0), at(10.0, 500, 300))
+    assert o.arrival_rate_per_second == pytest.approx(80) and o.recent_arrival_rate_per_second is None
+    assert o.planned_arrival_rate_per_second() == pytest.approx(80)
+    # A ramp: 20/s over the window [0, 10], 60/s over its last 2.5 s. The two rates stand for t = 5 and t = 8.75:
+    # a rise of 40 / 3.75 per second, planned over the 4 s an added instance takes to load.
+    o = observe(at(0.0, 0, 0), at(10.0, 200, 0), previous=at(7.5, 50, 0))
+    assert o.recent_arrival_rate_per_second == pytest.approx(60)
+    assert o.arrival_rise_per_second2 == pytest.approx(40 / 3.75) and o.lead_s == 4.0
+    assert o.planned_arrival_rate_per_second() == pytest.approx(60 + 40 / 3.75 * 4)
+    # A fall plans for the window's rate (a lull does not take instances away faster than the window says).
+    o = observe(at(0.0, 0, 0), at(10.0, 200, 0), previous=at(7.5, 190, 0))
+    assert o.arrival_rise_per_second2 == 0 and o.planned_arrival_rate_per_second() == pytest.approx(20)
+
+
+def test_a_ramp_adds_an_instance_before_the_window_rate_would():
+    window_only = obs(1, 150, attainment=1.0)
+    need_now = objective_recommendation(window_only, ANY)[0]
+    ramp = ModelObservation(**{**window_only.__dict__, "recent_arrival_rate_per_second": 600.0,
+                               "arrival_rise_per_second2": 100.0, "lead_s": 4.0})
+    assert objective_recommendation(ramp, ANY)[0] > need_now
+
+
+def test_one_batch_size_seen_says_nothing_of_larger_ones_no_gain_is_assumed():
+    # Only single-row batches: the line goes through the origin (8 rows cost 8 x one), not flat (8 rows for free).
+    line = batch_line([(1, 10, 10 * 5_000_000)])
+    assert line == BatchLine(0.0, pytest.approx(0.005))
+    assert predicted_latency_s(250, 1, line, 32) == float("inf")  # 250/s x 5 ms a row: one instance cannot keep up
+    assert predicted_latency_s(250, 1, BatchLine(0.005, 0.0), 32) < 0.05  # what a flat line would have promised
+
+
 def test_a_change_the_objective_drove_says_so_in_its_reason():
     from gpud.scaling.rules import ScalingPolicy, VersionObservation, VersionState, decide_target
 

@@ -72,7 +72,7 @@ class ModelObservation:
     """What one model version did over the last sampling window."""
 
     ready_instances: int
-    arrival_rate_per_second: float  # requests arriving (finished successfully or not) per second
+    arrival_rate_per_second: float  # requests arriving per second: finished (successfully or not) + queue growth
     # Requests one instance completes per second with full batches (batch_capacity_per_second); None: not measured.
     throughput_per_instance_per_second: float | None
     queue_seconds: float | None  # mean queue time of the requests that finished in the window; None: none finished
@@ -83,6 +83,21 @@ class ModelObservation:
     attainment: float | None = None  # requests within it / counted, over the window; None: none counted
     batch_line: BatchLine | None = None  # the window's batch time by size, for predictions
     max_batch_size: int = 0
+    # The arrival rate over the last sampling interval alone: a version with an objective plans for the larger of the
+    # two, so a step up in load is seen within one interval rather than a rate window (None: not known).
+    recent_arrival_rate_per_second: float | None = None
+    # How fast the arrival rate rose (the recent rate against the window's; 0 when it did not), and how long one more
+    # instance takes to load: a version with an objective plans for the rate expected once an added one serves.
+    arrival_rise_per_second2: float = 0.0
+    lead_s: float = 0.0
+
+    def planned_arrival_rate_per_second(self) -> float:
+        """The rate a version with an objective plans for: the larger of the window's and the last interval's, plus
+        the rise expected over the lead time (a ramp is met when the instance it needs is ready, not after)."""
+        recent = self.recent_arrival_rate_per_second
+        if recent is None:
+            return self.arrival_rate_per_second
+        return max(self.arrival_rate_per_second, recent + self.arrival_rise_per_second2 * self.lead_s)
 
 
 @dataclass(frozen=True)
@@ -189,19 +204,21 @@ def instances_for_objective(arrival_per_s: float, line: BatchLine, max_batch_siz
 def objective_recommendation(obs: ModelObservation,
                              bounds: InstanceBounds) -> tuple[int, int | None, int | None, float | None, str]:
     """What a version with a latency objective needs: the fewest instances whose predicted latency meets it (from
-    the arrival rate and the batch time by size); at least one more while the window's attainment is below its
-    share (the prediction is then wrong about something); fewer only when the objective held and the prediction with
-    fewer is within SCALE_DOWN_MARGIN of it. The node-wide queue target plays no part."""
+    the rate planned for, ModelObservation.planned_arrival_rate_per_second, and the batch time by size); at least
+    one more while the window's attainment is below its share (the prediction is then wrong about something); fewer
+    only when the objective held and the prediction with fewer is within SCALE_DOWN_MARGIN of it. The node-wide
+    queue target plays no part."""
     current = obs.ready_instances
     assert obs.objective_seconds is not None
     objective_s, share = obs.objective_seconds, obs.objective_share
     spec = f"objective {share:.4g} <= {objective_s * 1e3:g} ms"
+    rate = obs.planned_arrival_rate_per_second()
     missed = obs.attainment is not None and obs.attainment < share
     attained = "" if obs.attainment is None else f", attained {obs.attainment:.2%}"
     limit = max(2 * max(current, 1), current + 1)  # as the queue metric: at most doubling per step
     if bounds.maximum is not None:
         limit = min(limit, max(bounds.maximum, 1))
-    if obs.arrival_rate_per_second <= 0:
+    if rate <= 0:
         raw, reason = (current, f"{spec}: missed{attained}, no arrivals to predict: holding") if missed else \
             (0, f"{spec}: no requests")
     elif obs.batch_line is None:
@@ -209,16 +226,16 @@ def objective_recommendation(obs: ModelObservation,
         reason = f"{spec}{attained}: " + ("missed, adding one" if missed else "no batch times yet: holding")
     else:
         line, largest = obs.batch_line, obs.max_batch_size
-        need = instances_for_objective(obs.arrival_rate_per_second, line, largest, objective_s, limit)
+        need = instances_for_objective(rate, line, largest, objective_s, limit)
         raw = limit if need is None else need
         if missed:
             raw = max(raw, min(current + 1, limit))
         if raw < current:
             fewer_ok = not missed and obs.attainment is not None and \
-                predicted_latency_s(obs.arrival_rate_per_second, raw, line, largest) <= objective_s * SCALE_DOWN_MARGIN
+                predicted_latency_s(rate, raw, line, largest) <= objective_s * SCALE_DOWN_MARGIN
             if not fewer_ok:
                 raw = current
-        predicted = predicted_latency_s(obs.arrival_rate_per_second, max(raw, 1), line, largest)
+        predicted = predicted_latency_s(rate, max(raw, 1), line, largest)
         shown = "overloaded" if math.isinf(predicted) else f"{predicted * 1e3:.1f} ms"
         reason = f"{spec}: predicted {shown} at {raw} instance(s){attained}" + (" (missed)" if missed else "")
     bounded = bounds.clamp(raw)
@@ -275,6 +292,8 @@ class ModelCounters:
     objective_share: float = 0.99
     within_objective: int = 0
     over_objective: int = 0
+    pending: int = 0  # queued or running at that instant
+    load_s: float = 0.0  # how long its instances took to load (the longest of the ready ones); 0: not known
 
 
 # A batch size this many times the largest seen in the window is as far as the batch-time line is trusted: on a GPU a
@@ -285,13 +304,15 @@ EXTRAPOLATION_LIMIT = 1.5
 
 def batch_line(batches: Sequence[tuple[int, int, int]]) -> BatchLine | None:
     """The least-squares line of mean batch time over batch size (each size weighted by its executions); one size
-    alone: a line through the origin. `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
+    alone: a line through the origin (no gain from batching assumed: a load that has only made batches of one row
+    says nothing of what larger ones cost, and taking them as free would predict one instance meets any rate).
+    `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
     sizes = [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
     if not sizes:
         return None
     if len(sizes) < 2:
         rows, _, t = sizes[0]
-        return BatchLine(0.0, t / rows) if rows > 1 else BatchLine(t, 0.0)
+        return BatchLine(0.0, t / rows)
     weight = sum(n for _, n, _ in sizes)
     mean_b = sum(n * b for b, n, _ in sizes) / weight
     mean_t = sum(n * t for _, n, t in sizes) / weight
@@ -322,11 +343,20 @@ def batch_capacity_per_second(batches: Sequence[tuple[int, int, int]], max_batch
     return max(shown, full / t_full) if t_full > 0 else shown
 
 
+def arrivals_per_second(older: ModelCounters, newer: ModelCounters) -> float:
+    """Requests that arrived per second over [older, newer]: those finished, and the growth of those queued or
+    running (under overload the finished ones alone would show the capacity, not the load)."""
+    arrived = newer.requests - older.requests + newer.pending - older.pending
+    return max(0.0, arrived / (newer.time_s - older.time_s))
+
+
 def observe(older: ModelCounters, newer: ModelCounters,
-            last_throughput_per_second: float | None = None) -> ModelObservation:
-    """Rates over [older, newer]. Throughput is one instance's capacity with full batches, from the window's batch
-    times by size (batch_capacity_per_second); without them, requests completed per second an instance was busy. A
-    window with no execution keeps the last measured throughput."""
+            last_throughput_per_second: float | None = None,
+            previous: ModelCounters | None = None) -> ModelObservation:
+    """Rates over [older, newer] (and, given the `previous` sample, the arrival rate over [previous, newer] too).
+    Throughput is one instance's capacity with full batches, from the window's batch times by size
+    (batch_capacity_per_second); without them, requests completed per second an instance was busy. A window with no
+    execution keeps the last measured throughput."""
     dt = newer.time_s - older.time_s
     if dt <= 0:
         raise ValueError(f"observation window must be positive, got {older.time_s} -> {newer.time_s}")
@@ -340,13 +370,22 @@ def observe(older: ModelCounters, newer: ModelCounters,
         throughput = done / busy_s if done > 0 and busy_s > 0 else last_throughput_per_second
     queue_s = (newer.queue_ns - older.queue_ns) / done / 1e9 if done > 0 else None
     within, over = newer.within_objective - older.within_objective, newer.over_objective - older.over_objective
+    recent, rise = None, 0.0
+    if previous is not None and older.time_s <= previous.time_s < newer.time_s:
+        recent = arrivals_per_second(previous, newer)
+        # Each rate stands for the middle of its span: the rise is the slope between the two (a rise only).
+        apart_s = (previous.time_s - older.time_s) / 2
+        if apart_s > 0:
+            rise = max(0.0, (recent - arrivals_per_second(older, newer)) / apart_s)
     return ModelObservation(ready_instances=newer.ready_instances,
-                            arrival_rate_per_second=(newer.requests - older.requests) / dt,
+                            arrival_rate_per_second=arrivals_per_second(older, newer),
                             throughput_per_instance_per_second=throughput, queue_seconds=queue_s,
                             objective_seconds=newer.objective_seconds, objective_share=newer.objective_share,
                             attainment=within / (within + over) if within + over > 0 else None,
                             batch_line=batch_line(window) if newer.batches else None,
-                            max_batch_size=newer.max_batch_size)
+                            max_batch_size=newer.max_batch_size,
+                            recent_arrival_rate_per_second=recent, arrival_rise_per_second2=rise,
+                            lead_s=newer.load_s)
 
 
 # --- headroom ------------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None
     if obs.objective_seconds is None:
         return None
     objective_s, n = obs.objective_seconds, obs.ready_instances
-    line, largest, rate = obs.batch_line, obs.max_batch_size, obs.arrival_rate_per_second
+    line, largest = obs.batch_line, obs.max_batch_size
+    rate = obs.planned_arrival_rate_per_second()  # as the hint plans
     predicted = None if line is None or n <= 0 else predicted_latency_s(rate, n, line, largest)
     held = obs.attainment is None or obs.attainment >= obs.objective_share
     floor = max(1, minimum)

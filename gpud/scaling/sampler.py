@@ -72,7 +72,8 @@ def read_counters(snapshot: ServingSnapshot,
             ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size,
             objective_seconds=st.objective_ns / 1e9 if st.objective_ns else None,
             objective_share=st.objective_share or 0.99, within_objective=st.within_objective,
-            over_objective=st.over_objective),
+            over_objective=st.over_objective, pending=v.pending_requests,
+            load_s=max((i.load_seconds for i in v.instances if i.ready), default=0.0)),
             InstanceBounds(v.min_instances, v.max_instances))
     return out
 
@@ -137,7 +138,7 @@ class HintsSampler(Collector):
                 samples.popleft()
             if counters.time_s <= samples[0].time_s:
                 continue  # a clock that did not move: no rate to compute
-            track.observation = observe(samples[0], counters, track.throughput)
+            track.observation = observe(samples[0], counters, track.throughput, samples[-2])
             track.throughput = track.observation.throughput_per_instance_per_second
             track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now,
                                                             bounds)
