@@ -299,3 +299,13 @@ gpud_model_requests_over_objective_total{model="slow",version="1"} 0.0
         instance(s, "m", device="cpu")
         s.finish(1.0)
         assert s.models[("m", "1")].stats.compute_infer.ns == 20_000_000
+
+    def test_a_load_takes_a_core_of_the_cpu_while_it_runs(self):
+        s = serving({"m": [0.0, 0.0]}, max_batch=1, kind=Kind("k", ((1, 0.010),), share=1.0))
+        s.take("cpu", 1.0)  # a load holds 1 of the 2 cores: the two 10 ms batches share the other one
+        instance(s, "m", device="cpu")
+        instance(s, "m", device="cpu")
+        s.run_until(0.010)
+        s.take("cpu", -1.0)  # the load is done at 10 ms, each batch half done: 5 ms of work left at full speed
+        s.finish(1.0)
+        assert s.models[("m", "1")].stats.compute_infer.ns == 2 * 15_000_000  # both finish at 10 + 5 = 15 ms
