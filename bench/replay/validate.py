@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from gpud.executor.stats import LATENCY_BUCKETS_SECONDS, ModelStats
 from gpud.telemetry.simulated import SimulatedBackend
@@ -183,8 +184,6 @@ def run_real(c: Case, settings: ControlSettings, times: dict[str, np.ndarray], w
     counts: dict[str, list[tuple[float, int]]] = {name: [] for name in c.specs}
     cpu: list[tuple[float, float, float]] = []  # (s since the start, machine busy CPU s, gpud's workers' CPU s)
     loads: list[float] = []
-    import psutil
-
     daemon = psutil.Process(proc.pid)
 
     def inspect() -> dict:
@@ -205,7 +204,8 @@ def run_real(c: Case, settings: ControlSettings, times: dict[str, np.ndarray], w
     async def tick(start: float) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            cpu.append((loop.time() - start, *busy()))
+            t = loop.time() - start
+            cpu.append((t, *await loop.run_in_executor(None, busy)))
             doc = await loop.run_in_executor(None, inspect)
             for m in doc["models"]:
                 counts.setdefault(m["name"], []).append((loop.time() - start, len(m["instances"])))
