@@ -231,3 +231,81 @@ def test_the_objectives_policy_puts_the_objective_in_the_models_config():
     spec = ModelSpec("m", "ranker", GIB, 1.0, objective_ms=50.0)
     assert 'key: "gpud_latency_objective_ms" value: { string_value: "50.0" }' in config_pbtxt(spec)
     assert "gpud_latency_objective_ms" not in config_pbtxt(ModelSpec("m", "ranker", GIB, 1.0))
+
+
+class TestObjectiveValidation:
+    """replay.validate --objectives: each model's attainment from the real gpud's metrics against the model's
+    record, in points; the arithmetic only (the real run takes minutes)."""
+
+    METRICS = """# TYPE gpud_model_requests_within_objective_total counter
+gpud_model_requests_within_objective_total{model="fast",version="1"} 970.0
+gpud_model_requests_within_objective_total{model="slow",version="1"} 100.0
+# TYPE gpud_model_requests_over_objective_total counter
+gpud_model_requests_over_objective_total{model="fast",version="1"} 30.0
+gpud_model_requests_over_objective_total{model="slow",version="1"} 0.0
+"""
+
+    def test_the_real_side_reads_gpuds_objective_counters(self):
+        from replay.validate import Attainment, attainment_from_metrics
+
+        assert attainment_from_metrics(self.METRICS, "fast") == Attainment(970, 30)  # 970 / 1000 = 97%
+        assert attainment_from_metrics(self.METRICS, "slow").share == 1.0
+        assert math.isnan(attainment_from_metrics(self.METRICS, "absent").share)  # no requests: no attainment
+
+    def test_the_model_side_reads_the_same_counters_of_its_record(self):
+        from gpud.executor.stats import ModelStats
+        from replay.validate import Attainment, attainment_from_record
+
+        st = ModelStats(objective_ns=50_000_000, objective_share=0.99)
+        # 3 requests of one batch answered at 20, 50 and 60 ms (`le` inclusive: 50 ms is within), and one failure
+        st.record_batch(3, [0, 30_000_000, 40_000_000], [20_000_000, 50_000_000, 60_000_000], 0, 20_000_000, 0, 0)
+        st.record_failure(1_000_000)
+        assert attainment_from_record(st) == Attainment(2, 2)
+
+    @pytest.mark.parametrize("measured, predicted, gap, within", [
+        ((970, 30), (985, 15), 1.5, True),  # 98.5% - 97.0% = +1.5 points
+        ((970, 30), (950, 50), -2.0, True),  # 95.0% - 97.0% = -2.0: the bound is inclusive
+        ((900, 100), (990, 10), 9.0, False),  # 99.0% - 90.0% = +9.0: optimistic by 9 points
+    ])
+    def test_the_gap_is_prediction_minus_measurement_in_points(self, measured, predicted, gap, within):
+        from replay.validate import Attainment, gap_points, within_tolerance
+
+        g = gap_points(Attainment(*measured), Attainment(*predicted))
+        assert g == pytest.approx(gap) and within_tolerance(g) is within
+
+    def test_the_cores_left_to_batches_are_the_machines_busy_cpu_less_the_workers(self):
+        from replay.validate import other_cores
+
+        # (s, machine busy CPU s, workers' CPU s): in 0..1 s the machine ran 1.5 CPU s, the workers 1.0 -> 0.5
+        # cores elsewhere; in 1..3 s 2.0 and 1.6 -> 0.4 / 2 s = 0.2 cores
+        assert other_cores([(0.0, 10.0, 4.0), (1.0, 11.5, 5.0), (3.0, 13.5, 6.6)]) == \
+            [(0.0, pytest.approx(0.5)), (1.0, pytest.approx(0.2))]
+
+    def test_a_kind_from_the_real_runs_batch_stats(self):
+        from replay.validate import kind_from_batch_stats
+
+        def size(rows, count, infer_ns):
+            return {"batch_size": rows, "compute_input": {"count": count, "ns": count * 1_000_000},
+                    "compute_infer": {"count": count, "ns": infer_ns}, "compute_output": {"count": count, "ns": 0}}
+
+        # rows 1: 10 x (1 + 20) ms = 21 ms a batch; rows 2: too few batches (3 < 5) to count; rows 4: 1 + 30 ms
+        kind = kind_from_batch_stats("k", [size(4, 5, 150_000_000), size(1, 10, 200_000_000), size(2, 3, 1)])
+        assert kind.batch_seconds == (pytest.approx((1, 0.021)), pytest.approx((4, 0.031)))
+        assert kind_from_batch_stats("k", [size(1, 2, 1)]) is None
+
+    def test_cores_taken_by_others_slow_the_batches_down(self):
+        s = serving({"m": [0.0]}, kind=Kind("k", ((1, 0.010),), share=1.0))
+        s.set_capacity("cpu", 0.5)  # half a core left: a 10 ms batch at half speed takes 20 ms
+        instance(s, "m", device="cpu")
+        s.finish(1.0)
+        assert s.models[("m", "1")].stats.compute_infer.ns == 20_000_000
+
+    def test_a_load_takes_a_core_of_the_cpu_while_it_runs(self):
+        s = serving({"m": [0.0, 0.0]}, max_batch=1, kind=Kind("k", ((1, 0.010),), share=1.0))
+        s.take("cpu", 1.0)  # a load holds 1 of the 2 cores: the two 10 ms batches share the other one
+        instance(s, "m", device="cpu")
+        instance(s, "m", device="cpu")
+        s.run_until(0.010)
+        s.take("cpu", -1.0)  # the load is done at 10 ms, each batch half done: 5 ms of work left at full speed
+        s.finish(1.0)
+        assert s.models[("m", "1")].stats.compute_infer.ns == 2 * 15_000_000  # both finish at 10 + 5 = 15 ms

@@ -76,6 +76,7 @@ class SimPool:
         self.serving = serving
         self.specs = specs
         self.instant = False  # loads take no time (the start-up placement, before the replay's time starts)
+        self.load_compute = 0.0  # of its device's compute a load takes while it runs (a CPU node's: 1 core)
         self.live: dict[int, tuple[InstanceHandle, SimInstance]] = {}  # id(handle) ->
         self.loads = 0
         self.unloads = 0
@@ -86,7 +87,9 @@ class SimPool:
                                         spec.memory_bytes)
         self.live[id(inst)] = (inst, sim)
         if not self.instant:
+            self.serving.take(inst.device_id, self.load_compute)
             self.serving.run_until(self.serving.now_s + spec.load_seconds)  # serving goes on while it loads
+            self.serving.take(inst.device_id, -self.load_compute)
             self.loads += 1
         inst.ready, inst.memory_bytes, inst.measured_by = True, spec.memory_bytes, "simulated"
         inst.load_seconds = spec.load_seconds

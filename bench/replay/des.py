@@ -11,7 +11,9 @@ Rules (the model's spec; tests/test_replay_des.py checks each):
    `capacity` (1.0 for a whole GPU, slices / 7 for a MIG instance). The batches running on a device share it fairly,
    none above its own cap (water-filling), so a batch runs at speed min(share, fair part) / share of its measured
    speed: two small models overlap on a whole GPU at full speed, and a 1g MIG slice runs a model that needs half a GPU
-   at (1/7) / 0.5 = 0.29 of its speed.
+   at (1/7) / 0.5 = 0.29 of its speed. Other work may hold part of a device's capacity for a while (`take`,
+   `set_capacity`: an instance load, or the front end and other processes on a CPU node); the batches share what is
+   left, never less than MIN_CAPACITY of it.
 4. A request waits at most `timeout_s` in the queue: older ones fail when an instance would next take them (gpud's
    --unready-wait-secs while no instance is ready; under overload they stand for the requests a bounded queue sheds).
 5. An instance holds its memory from the start of its load until its last batch is done after it was removed.
@@ -31,6 +33,7 @@ import numpy as np
 from gpud.executor.stats import ModelStats
 
 NS = 1_000_000_000
+MIN_CAPACITY = 0.1  # of a device's, left to its batches however much other work takes (the OS shares, never stops)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class SimDevice:
     capacity: float  # share of a whole GPU's compute (MIG: slices / 7)
     gpu_memory: bool  # counts towards GPU memory-hours (GPUs and MIG instances, not the CPU)
     running: list[Batch] = field(default_factory=list)
+    taken: float = 0.0  # of the capacity, by work other than batches (instance loads on a CPU node)
     updated_s: float = 0.0
     epoch: int = 0  # bumped at every change: completion events of an older epoch are stale
 
@@ -202,6 +206,22 @@ class Serving:
         if inst.device.gpu_memory:
             self.memory_bytes += sign * inst.memory_bytes
 
+    def set_capacity(self, device_id: str, capacity: float) -> None:
+        """The device's compute changes from now (rule 3 re-shares it): on a CPU node the front end, the clients and
+        other processes take part of the cores, more the more requests arrive."""
+        device = self.devices[device_id]
+        self._progress(device)
+        device.capacity = capacity
+        self._reshare(device)
+
+    def take(self, device_id: str, amount: float) -> None:
+        """`amount` of the device's compute goes to other work from now (negative: it comes back), as an instance
+        load on a CPU node, whose session building runs on the same cores as the batches."""
+        device = self.devices[device_id]
+        self._progress(device)
+        device.taken += amount
+        self._reshare(device)
+
     # --- requests and batches -----------------------------------------------------------------------------------
     def dispatch(self, model: SimModel) -> None:
         """Start batches on the model's free ready instances while requests wait (rule 2); else wake at the next
@@ -289,7 +309,7 @@ class Serving:
         device.epoch += 1
         if not device.running:
             return
-        left, n = device.capacity, len(device.running)
+        left, n = max(MIN_CAPACITY * device.capacity, device.capacity - device.taken), len(device.running)
         for b in sorted(device.running, key=lambda b: b.instance.model.kind.share):
             cap = b.instance.model.kind.share
             rate = min(cap, left / n)

@@ -58,11 +58,13 @@ def build(spec: KindSpec, seed: int = 0) -> onnx.ModelProto:
     return model
 
 
-def measure(repeats: int = 15) -> dict[str, list[tuple[int, float]]]:
+def measure(repeats: int = 15, names: tuple[str, ...] | None = None) -> dict[str, list[tuple[int, float]]]:
     import onnxruntime as ort
 
     out = {}
     for spec in SPECS:
+        if names is not None and spec.name not in names:
+            continue
         so = ort.SessionOptions()
         so.intra_op_num_threads = 1
         session = ort.InferenceSession(build(spec).SerializeToString(), so, providers=["CPUExecutionProvider"])
