@@ -1,0 +1,231 @@
+"""The core's own CPU per request with the front ends out of process (issue 25, item 3), without HTTP in the way.
+
+    .venv/bin/python bench/serving/core_cost.py [--requests 20000] [--concurrency 64] [--rounds 3] [--profile N]
+
+The core runs in this process (gpud.wiring, the tiny MLP of run.py in a real worker process), behind the real
+FrontendHost. A stand-in front-end process on the other end of the link keeps `--concurrency` requests in flight, each
+one 1x256 FP32 row placed in its arena as an HTTP front-end process places it (one header: one signature number),
+and sends a new one for each answer. The CPU of this process (every thread of it; the worker and the stand-in are
+other processes) over the measured requests, divided by their count, is the core's CPU per request.
+
+The baseline, measured in the same run on the same link: the host with a core that answers every request at once
+with a ready answer (no validation, no batch, no worker): what the link alone costs (framing, pickling, the socket).
+Printed: µs/request of CPU for both, the core's own (the difference), requests/s, rows per batch, and the ratio
+core / link. Rounds alternate the two, the median of each is kept. `--profile N`: cProfile over the core's N most
+expensive functions (by own time), in one extra round.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import logging
+import os
+import pickle
+import pstats
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+# --- the stand-in front end (its own process) ------------------------------------------------------------------
+def frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
+    from gpud.executor.client_shm import NO_DATA
+    from gpud.executor.types import InferRequest, InferTensor, RequestedOutput
+    from gpud.frontproc.arena import Arena
+    from gpud.frontproc.link import FrameReader, frame, request_wire
+
+    sock = socket.socket(fileno=link_fd)
+    arena = Arena()
+    row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    where, _ = arena.put(row)  # read-only to everyone: every request may point at the same block
+    outputs = [RequestedOutput("output", {"binary_data": True})]
+    request = InferRequest("mlp", [InferTensor("input", "FP32", (1, 256), NO_DATA)], outputs=outputs)
+    wire = request_wire(request)
+    placed = {"input": (where.path, where.offset, where.byte_size)}
+    sent = answered = 0
+    marks = {warmup: "start", warmup + requests: "end"}
+    total = warmup + requests
+    out: list[bytes] = []
+
+    def submit() -> None:
+        nonlocal sent
+        out.append(frame(("submit", sent, wire, placed, 1)))
+        sent += 1
+
+    def on_message(message: tuple) -> None:
+        nonlocal answered
+        if message[0] != "answer":
+            return
+        if not message[2]:
+            raise SystemExit(f"request failed: {message[3]}")
+        answered += 1
+        if answered in marks:
+            out.append(frame(("mark", marks[answered])))
+        if sent < total:
+            submit()
+
+    reader = FrameReader(sock, on_message)
+    if warmup == 0:
+        out.append(frame(("mark", "start")))
+    for _ in range(min(concurrency, total)):
+        submit()
+    while answered < total:
+        if out:
+            sock.sendall(b"".join(out))
+            out.clear()
+        data = sock.recv(1 << 18)
+        if not data:
+            raise SystemExit("the core is gone")
+        reader._buf += data
+        reader.handle_frames()
+    if out:
+        sock.sendall(b"".join(out))
+    arena.close()
+
+
+# --- the core's side -------------------------------------------------------------------------------------------
+class _Answering:
+    """The baseline's core: every request answered at once with the same answer."""
+
+    def __init__(self, response):
+        self.response = response
+
+    def submit(self, request, done, placed=None):
+        done(self.response)
+        return lambda: None
+
+
+async def measure(core, requests: int, warmup: int, concurrency: int, profile: cProfile.Profile | None) -> float:
+    """CPU seconds of this process over `requests` requests through a FrontendHost onto `core`."""
+    from gpud.api.admin import AdminAuth
+    from gpud.frontproc.host import FrontendHost, FrontendProcess
+    from gpud.frontproc.link import FrameReader, Sender
+
+    loop = asyncio.get_running_loop()
+    host = FrontendHost(core, AdminAuth(), 1, socket.socket(), {"kind": "http"})
+    host._loop = loop
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, __file__, "--frontend", str(theirs.fileno()), str(requests), str(warmup),
+                             str(concurrency)], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    ours.setblocking(False)
+    fp = FrontendProcess(0, proc, ours)
+    cpu: dict[str, float] = {}
+    finished = loop.create_future()
+
+    def on_message(message: tuple) -> None:
+        if message[0] == "mark":
+            cpu[message[1]] = time.process_time()
+            if profile is not None:
+                (profile.enable if message[1] == "start" else profile.disable)()
+            if message[1] == "end" and not finished.done():
+                finished.set_result(None)
+            return
+        host._on_message(fp, message)
+
+    fp.reader = FrameReader(ours, on_message)
+    fp.sender = Sender(ours, lambda: None)
+    host.processes[0] = fp
+
+    def readable() -> None:
+        assert fp.reader is not None
+        if not fp.reader.read():  # the stand-in is done (after its last mark) or failed
+            loop.remove_reader(ours.fileno())
+            if not finished.done():
+                finished.set_exception(RuntimeError("the stand-in front end ended early"))
+    loop.add_reader(ours.fileno(), readable)
+    try:
+        await asyncio.wait_for(finished, 600)
+    finally:
+        loop.remove_reader(ours.fileno())
+        proc.wait()
+        host.stopping = True
+        ours.close()
+    return cpu["end"] - cpu["start"]
+
+
+async def main_async(args) -> int:
+    from gpud import wiring
+    from gpud.executor.types import InferResponse, InferTensor
+    from gpud.settings import Settings, prepare_settings
+
+    import models
+
+    workdir = tempfile.mkdtemp(prefix="gpud-core-cost-")
+    try:
+        repo = os.path.join(workdir, "models")
+        models.write_repository(repo)
+        shutil.rmtree(os.path.join(repo, "heavy"))
+        settings = Settings(model_repository=repo, allow_metrics=False, placement_control="off", json_processes=0,
+                            log_level="WARNING")
+        parts = wiring.build(prepare_settings(settings))
+        await parts.start()
+        try:
+            core = parts.core
+            scheduler = core.registry.version("mlp", "").scheduler
+            out = np.zeros((1, 16), np.float32)
+            link_only = _Answering(InferResponse("mlp", "1", [InferTensor("output", "FP32", (1, 16), out)]))
+            n, warm, c = args.requests, args.warmup, args.concurrency
+            await measure(core, 2000, 0, c, None)  # the worker's first batches, onnxruntime's first runs
+            runs: dict[str, list[float]] = {"core": [], "link": []}
+            rates: list[float] = []
+            rows: list[float] = []
+            for _ in range(args.rounds):
+                s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+                t0 = time.perf_counter()
+                runs["core"].append(await measure(core, n, warm, c, None) / n * 1e6)
+                rates.append((n + warm) / (time.perf_counter() - t0))
+                s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+                rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))
+                runs["link"].append(await measure(link_only, n, warm, c, None) / n * 1e6)
+            core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
+            print(f"# {n} requests a round after {warm} of warm-up, {c} in flight, {args.rounds} rounds (medians); "
+                  f"CPU of the core's process")
+            print(f"core   {core_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['core'])}); "
+                  f"{statistics.median(rates):.0f} req/s; {statistics.median(rows):.1f} rows per batch")
+            print(f"link   {link_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['link'])})")
+            print(f"core's own (core - link) {core_us - link_us:.1f} us/req; core / link {core_us / link_us:.2f}")
+            if args.profile:
+                profile = cProfile.Profile(time.process_time)  # CPU, not wall time: the loop is preempted
+                await measure(core, n, warm, c, profile)
+                stats = pstats.Stats(profile)
+                stats.sort_stats("tottime").print_stats(args.profile)
+        finally:
+            await parts.shutdown(5.0)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--frontend":
+        frontend(*(int(a) for a in argv[1:5]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--warmup", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, metavar="N")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    try:  # the daemon's event loop (gpud.main): uvloop where installed
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_async(args))
+    return uvloop.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
