@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import Segment, new_segment_name, unlink
 from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput, ShmRef
 
@@ -42,15 +43,27 @@ def _unref(ref: tuple | None) -> ShmRef | None:
     return None if ref is None else ShmRef(*ref)
 
 
+# An ndarray pickles through numpy's reduce (its dtype too): ~6 µs each way for a small one, more than the rest of a
+# request's message. So a placed tensor's empty data travels as None, and an answer's fixed-size output as its bytes.
+def _data_wire(data: Any) -> Any:
+    return None if data is NO_DATA else data
+
+
+def _data_of(data: Any) -> Any:
+    return NO_DATA if data is None else data
+
+
 def request_wire(r: InferRequest) -> tuple:
-    return (r.model_name, r.model_version, r.id, [(t.name, t.datatype, t.shape, t.data, _ref(t.shm)) for t in r.inputs],
+    return (r.model_name, r.model_version, r.id,
+            [(t.name, t.datatype, t.shape, _data_wire(t.data), _ref(t.shm)) for t in r.inputs],
             None if r.outputs is None else [(o.name, o.parameters, _ref(o.shm)) for o in r.outputs],
             r.priority, r.timeout_us, r.parameters, r.uses_shm)
 
 
 def request_of(w: tuple) -> InferRequest:
     name, version, ident, inputs, outputs, priority, timeout_us, parameters, uses_shm = w
-    return InferRequest(name, [InferTensor(n, d, s, a, _unref(ref)) for n, d, s, a, ref in inputs], version, ident,
+    return InferRequest(name, [InferTensor(n, d, s, _data_of(a), _unref(ref)) for n, d, s, a, ref in inputs], version,
+                        ident,
                         None if outputs is None else [RequestedOutput(n, p, _unref(ref)) for n, p, ref in outputs],
                         priority, timeout_us, parameters, None, uses_shm)
 
@@ -65,9 +78,14 @@ def response_wire(r: InferResponse, handed: Callable[[str], None] | None = None)
     outputs = []
     for t in r.outputs:
         data: Any = t.data
-        if handed is not None and t.shm is None and data.dtype.kind != "O" and data.nbytes >= HANDOFF_MIN_BYTES:
-            data = _hand_off(data)
-            handed(data[1])
+        if data is NO_DATA:  # in the client's region (host._answer): only the shape travels
+            data = None
+        elif data.dtype.kind != "O":  # (text stays an array: its elements are Python objects)
+            if handed is not None and t.shm is None and data.nbytes >= HANDOFF_MIN_BYTES:
+                data = _hand_off(data)
+                handed(data[1])
+            else:
+                data = ("bytes", data.dtype.str, data.shape, data.tobytes())
         outputs.append((t.name, t.datatype, t.shape, data, _ref(t.shm)))
     return (r.model_name, r.model_version, r.id, outputs, r.parameters, r.compute_ns)
 
@@ -84,10 +102,13 @@ def _hand_off(array: Any) -> tuple[str, str, str]:
 
 
 def _taken(data: Any, shape: tuple[int, ...]) -> Any:
-    """An output's array: as sent, or mapped from the segment it was handed over in (the file removed at once: the
-    mapping lives as long as the array)."""
+    """An output's array: as sent, from its bytes, or mapped from the segment it was handed over in (the file removed
+    at once: the mapping lives as long as the array)."""
     if type(data) is not tuple:
-        return data
+        return _data_of(data)
+    if data[0] == "bytes":  # a writable array of its own, as an unpickled one is
+        _, dtype, own_shape, raw = data
+        return np.frombuffer(bytearray(raw), np.dtype(dtype)).reshape(own_shape)
     _, name, dtype = data
     segment = Segment.attach(name)
     unlink(name)
