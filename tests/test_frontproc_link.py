@@ -48,3 +48,31 @@ def test_a_placed_input_keeps_its_marker_and_an_inline_one_its_data():
     assert back.inputs[0].data is NO_DATA and back.inputs[0].shape == (1, 256)
     assert list(back.inputs[1].data) == [b"x"]
     assert back.outputs == request.outputs and (back.priority, back.timeout_us) == (2, 5)
+
+
+def test_a_turns_messages_go_as_one_frame_and_arrive_in_order(caplog):
+    import asyncio
+    import socket
+
+    from gpud.frontproc.link import FrameReader, Sender
+
+    async def main() -> list:
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        got: list = []
+        reader = FrameReader(theirs, got.append)
+        sender = Sender(ours, lambda: None)
+        sender.put(("a", 1))
+        sender.put(("bad", lambda: None))  # cannot be pickled: dropped and logged, its turn's others still go
+        sender.put(("b", 2))
+        sender.flush()
+        sender.put(("c", 3))
+        sender.flush()
+        reader.read()
+        ours.close()
+        theirs.close()
+        return got
+
+    assert asyncio.run(main()) == [("a", 1), ("b", 2), ("c", 3)]
+    assert "a 'bad' message to the other process could not be pickled" in caplog.text

@@ -39,12 +39,20 @@ sys.path.insert(0, HERE)
 
 # --- the stand-in front end (its own process) ------------------------------------------------------------------
 def frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
+    asyncio.run(_frontend(link_fd, requests, warmup, concurrency))
+
+
+async def _frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
+    """What an HTTP front-end process sends for each request, through the same link code (gpud.frontproc.link:
+    each turn's messages sent together), and nothing else."""
     from gpud.executor.client_shm import NO_DATA
     from gpud.executor.types import InferRequest, InferTensor, RequestedOutput
     from gpud.frontproc.arena import Arena
-    from gpud.frontproc.link import FrameReader, frame, request_wire
+    from gpud.frontproc.link import FrameReader, Sender, request_wire
 
+    loop = asyncio.get_running_loop()
     sock = socket.socket(fileno=link_fd)
+    sock.setblocking(False)
     arena = Arena()
     row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
     where, _ = arena.put(row)  # read-only to everyone: every request may point at the same block
@@ -52,14 +60,15 @@ def frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None
     request = InferRequest("mlp", [InferTensor("input", "FP32", (1, 256), NO_DATA)], outputs=outputs)
     wire = request_wire(request)
     placed = {"input": (where.path, where.offset, where.byte_size)}
-    sent = answered = 0
-    marks = {warmup: "start", warmup + requests: "end"}
     total = warmup + requests
-    out: list[bytes] = []
+    marks = {warmup: "start", total: "end"}
+    sent = answered = 0
+    finished = loop.create_future()
+    sender = Sender(sock, lambda: None)
 
     def submit() -> None:
         nonlocal sent
-        out.append(frame(("submit", sent, wire, placed, 1)))
+        sender.put(("submit", sent, wire, placed, 1))
         sent += 1
 
     def on_message(message: tuple) -> None:
@@ -70,26 +79,21 @@ def frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None
             raise SystemExit(f"request failed: {message[3]}")
         answered += 1
         if answered in marks:
-            out.append(frame(("mark", marks[answered])))
+            sender.put(("mark", marks[answered]))
         if sent < total:
             submit()
+        elif answered == total and not finished.done():
+            finished.set_result(None)
 
     reader = FrameReader(sock, on_message)
+    loop.add_reader(sock.fileno(), reader.read)
     if warmup == 0:
-        out.append(frame(("mark", "start")))
+        sender.put(("mark", "start"))
     for _ in range(min(concurrency, total)):
         submit()
-    while answered < total:
-        if out:
-            sock.sendall(b"".join(out))
-            out.clear()
-        data = sock.recv(1 << 18)
-        if not data:
-            raise SystemExit("the core is gone")
-        reader._buf += data
-        reader.handle_frames()
-    if out:
-        sock.sendall(b"".join(out))
+    await finished
+    sender.drain_blocking()
+    loop.remove_reader(sock.fileno())
     arena.close()
 
 

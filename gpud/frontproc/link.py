@@ -1,4 +1,6 @@
-"""The socket between a front-end process and the core: length-prefixed pickled tuples, read without blocking.
+"""The socket between a front-end process and the core: length-prefixed frames, read without blocking; each frame is
+the list of messages one side sent in one turn of its event loop, pickled together (one pickler call per turn, not
+per message).
 
 Messages (plain tuples; pickle writes them in C):
 
@@ -17,6 +19,8 @@ Messages (plain tuples; pickle writes them in C):
 """
 from __future__ import annotations
 
+import collections
+import logging
 import pickle
 import socket
 import struct
@@ -28,6 +32,8 @@ import numpy as np
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import Segment, new_segment_name, unlink
 from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput, ShmRef
+
+log = logging.getLogger("gpud.frontend")
 
 _HEADER = struct.Struct("<I")
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -122,8 +128,8 @@ def response_of(w: tuple) -> InferResponse:
     return InferResponse(name, version, tensors, ident, parameters, compute_ns)
 
 
-def frame(message: tuple) -> bytes:
-    data = pickle.dumps(message, _PICKLE)
+def frame(messages: list[tuple]) -> bytes:
+    data = pickle.dumps(messages, _PICKLE)
     return _HEADER.pack(len(data)) + data
 
 
@@ -134,6 +140,9 @@ class FrameReader:
         self.sock = sock
         self.on_message = on_message
         self._buf = bytearray()
+        # Messages read and not yet handled, in order: a handler that reads again (read_blocking_until) goes on
+        # from here, so messages are handled in the order they were sent.
+        self._messages: collections.deque[Any] = collections.deque()
 
     def read(self) -> bool:
         alive = True
@@ -156,14 +165,16 @@ class FrameReader:
 
     def handle_frames(self) -> None:
         buf = self._buf
+        messages = self._messages
         while len(buf) >= 4:
             (size,) = _HEADER.unpack_from(buf)
             end = 4 + size
             if len(buf) < end:
-                return
-            message = pickle.loads(memoryview(buf)[4:end])
+                break
+            messages.extend(pickle.loads(memoryview(buf)[4:end]))
             del buf[:end]
-            self.on_message(message)
+        while messages:
+            self.on_message(messages.popleft())
 
     def read_blocking_until(self, done: Callable[[], bool]) -> None:
         """Block on the socket until `done()` (a sync call's answer handled); EOFError when the other end is gone."""
@@ -187,26 +198,40 @@ class Sender:
     def __init__(self, sock: socket.socket, on_error: Callable[[], None]):
         self.sock = sock
         self.on_error = on_error
-        self._frames: list[bytes] = []
+        self._messages: list[tuple] = []  # this turn's, sent as one frame
         self._pending = b""  # bytes the socket has not taken yet
         self._writing = False
         self._loop: Any = None
 
     def put(self, message: tuple) -> None:
-        if not self._frames:
+        if not self._messages:
             if self._loop is None:
                 import asyncio
 
                 self._loop = asyncio.get_running_loop()
             self._loop.call_soon(self.flush)
-        self._frames.append(frame(message))
+        self._messages.append(message)
 
     def flush(self) -> None:
-        frames, self._frames = self._frames, []
-        if frames:
-            self._pending = b"".join([self._pending, *frames]) if self._pending or len(frames) > 1 else frames[0]
+        messages, self._messages = self._messages, []
+        if messages:
+            try:
+                data = frame(messages)
+            except Exception:  # noqa: BLE001 - one message that cannot be pickled must not take its turn's others
+                data = b"".join(self._each(messages))
+            self._pending = self._pending + data if self._pending else data
         if not self._writing:
             self._write()
+
+    @staticmethod
+    def _each(messages: list[tuple]) -> list[bytes]:
+        frames = []
+        for message in messages:
+            try:
+                frames.append(frame([message]))
+            except Exception:  # noqa: BLE001 - a bug: logged with what it was, the rest is sent
+                log.exception("a %r message to the other process could not be pickled; dropped", message[0])
+        return frames
 
     def _write(self) -> None:
         data = memoryview(self._pending)
