@@ -21,7 +21,6 @@ import asyncio
 import cProfile
 import logging
 import os
-import pickle
 import pstats
 import shutil
 import socket
