@@ -1,6 +1,7 @@
 """The core's own CPU per request with the front ends out of process (issue 25, item 3), without HTTP in the way.
 
     .venv/bin/python bench/serving/core_cost.py [--requests 20000] [--concurrency 64] [--rounds 3] [--profile N]
+                                                [--against TREE]
 
 The core runs in this process (gpud.wiring, the tiny MLP of run.py in a real worker process), behind the real
 FrontendHost. A stand-in front-end process on the other end of the link keeps `--concurrency` requests in flight, each
@@ -12,13 +13,16 @@ The baseline, measured in the same run on the same link: the host with a core th
 with a ready answer (no validation, no batch, no worker): what the link alone costs (framing, pickling, the socket).
 Printed: µs/request of CPU for both, the core's own (the difference), requests/s, rows per batch, and the ratio
 core / link. Rounds alternate the two, the median of each is kept. `--profile N`: cProfile over the core's N most
-expensive functions (by own time), in one extra round.
+expensive functions (by own time, CPU time), in one extra round. `--against TREE`: the same in this tree and in
+another checkout of gpud (the code before a change), a process each, alternating, `--rounds` each: medians and
+head / base (on a shared machine the CPU per request drifts with the load: compare only within one such run).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import cProfile
+import json
 import logging
 import os
 import pstats
@@ -108,8 +112,9 @@ class _Answering:
         return lambda: None
 
 
-async def measure(core, requests: int, warmup: int, concurrency: int, profile: cProfile.Profile | None) -> float:
-    """CPU seconds of this process over `requests` requests through a FrontendHost onto `core`."""
+async def measure(core, requests: int, warmup: int, concurrency: int,
+                  profile: cProfile.Profile | None) -> tuple[float, float]:
+    """CPU seconds of this process, and wall seconds, over `requests` requests through a FrontendHost onto `core`."""
     from gpud.api.admin import AdminAuth
     from gpud.frontproc.host import FrontendHost, FrontendProcess
     from gpud.frontproc.link import FrameReader, Sender
@@ -124,11 +129,13 @@ async def measure(core, requests: int, warmup: int, concurrency: int, profile: c
     ours.setblocking(False)
     fp = FrontendProcess(0, proc, ours)
     cpu: dict[str, float] = {}
+    wall: dict[str, float] = {}
     finished = loop.create_future()
 
     def on_message(message: tuple) -> None:
         if message[0] == "mark":
             cpu[message[1]] = time.process_time()
+            wall[message[1]] = time.perf_counter()
             if profile is not None:
                 (profile.enable if message[1] == "start" else profile.disable)()
             if message[1] == "end" and not finished.done():
@@ -154,7 +161,7 @@ async def measure(core, requests: int, warmup: int, concurrency: int, profile: c
         proc.wait()
         host.stopping = True
         ours.close()
-    return cpu["end"] - cpu["start"]
+    return cpu["end"] - cpu["start"], wall["end"] - wall["start"]
 
 
 async def main_async(args) -> int:
@@ -185,13 +192,17 @@ async def main_async(args) -> int:
             rows: list[float] = []
             for _ in range(args.rounds):
                 s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                t0 = time.perf_counter()
-                runs["core"].append(await measure(core, n, warm, c, None) / n * 1e6)
-                rates.append((n + warm) / (time.perf_counter() - t0))
+                cpu_s, wall_s = await measure(core, n, warm, c, None)
+                runs["core"].append(cpu_s / n * 1e6)
+                rates.append(n / wall_s)
                 s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))
-                runs["link"].append(await measure(link_only, n, warm, c, None) / n * 1e6)
+                rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))  # (the warm-up's batches too)
+                runs["link"].append((await measure(link_only, n, warm, c, None))[0] / n * 1e6)
             core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
+            if args.json:
+                print(json.dumps({"core_us": core_us, "link_us": link_us, "rps": statistics.median(rates),
+                                  "rows": statistics.median(rows)}))
+                return 0
             print(f"# {n} requests a round after {warm} of warm-up, {c} in flight, {args.rounds} rounds (medians); "
                   f"CPU of the core's process")
             print(f"core   {core_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['core'])}); "
@@ -210,6 +221,40 @@ async def main_async(args) -> int:
     return 0
 
 
+def against(args) -> int:
+    """This tree and another (`--against`: a checkout of gpud, e.g. `git worktree add /tmp/base <commit>`), one
+    process each per round, alternating which goes first; the medians and head / base."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    arms = {"base": os.path.abspath(args.against), "head": root}
+    got: dict[str, list[dict]] = {"base": [], "head": []}
+    for r in range(args.rounds):
+        for arm in (("base", "head") if r % 2 == 0 else ("head", "base")):
+            tree = arms[arm]
+            env = dict(os.environ, PYTHONPATH=tree)  # its gpud, and its workers' (they start from its directory)
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", "--rounds", "1",
+                                  "--requests", str(args.requests), "--warmup", str(args.warmup),
+                                  "--concurrency", str(args.concurrency)],
+                                 cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+            if out.returncode != 0:
+                raise SystemExit(f"{arm} ({tree}) failed:\n{out.stderr[-3000:]}")
+            got[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"# {args.requests} requests a round, {args.concurrency} in flight, {args.rounds} rounds a tree "
+          f"(alternating), medians; base {arms['base']}, head {arms['head']}")
+    print(f"{'tree':5} {'core us/req':>11} {'link us/req':>11} {'core - link':>11} {'req/s':>7} {'rows/batch':>10}  "
+          "core us/req each")
+    med = {}
+    for arm in ("base", "head"):
+        rs = got[arm]
+        m = {k: statistics.median(x[k] for x in rs) for k in ("core_us", "link_us", "rps", "rows")}
+        med[arm] = m
+        each = ", ".join(f"{x['core_us']:.1f}" for x in rs)
+        print(f"{arm:5} {m['core_us']:11.1f} {m['link_us']:11.1f} {m['core_us'] - m['link_us']:11.1f} "
+              f"{m['rps']:7.0f} {m['rows']:10.1f}  {each}")
+    print(f"head / base: core CPU per request {med['head']['core_us'] / med['base']['core_us']:.2f}, "
+          f"req/s {med['head']['rps'] / med['base']['rps']:.2f}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--frontend":
@@ -221,7 +266,11 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--against", metavar="TREE", help="another checkout of gpud: both measured, alternating")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.against:
+        return against(args)
     logging.basicConfig(level=logging.WARNING)
     try:  # the daemon's event loop (gpud.main): uvloop where installed
         import uvloop
