@@ -205,6 +205,8 @@ class Registry:
                 raise InferenceError(ErrorKind.UNAVAILABLE,
                                      f"Request for unknown model: '{name}' has no available versions"
                                      + (f" ({model.error})" if model.error else ""))
+            if len(model.versions) == 1:  # the usual case, asked on every request: no numbers compared
+                return next(iter(model.versions.values()))
             return model.versions[max(model.versions, key=int)]
         vs = model.versions.get(version)
         if vs is None:

@@ -92,7 +92,7 @@ def timeout_error() -> InferenceError:
     return InferenceError(ErrorKind.UNAVAILABLE, REQUEST_TIMEOUT_MESSAGE)
 
 
-@dataclass(eq=False)  # identity semantics: two requests with equal fields are still two requests
+@dataclass(eq=False, slots=True)  # identity semantics: two requests with equal fields are still two requests
 class QueuedRequest:
     payload: Any  # opaque to the batcher (the driver's request + future)
     batch_rows: int  # rows this request contributes (its batch dim; 1 for a model that does not batch)
@@ -249,18 +249,25 @@ class _Config:
     dynamic_batching: DynamicBatching | None
     dispatch_lone_request: bool
     default_max_queue_size: int = 0  # the bound where the model's queue policy sets none (0: none either)
+    # Derived once (every request reads them): see __post_init__.
+    batches_dynamically: bool = field(init=False)
+    priority_levels: int = field(init=False)
+    default_level: int = field(init=False)  # where priority 0 queues
+    max_rows: int = field(init=False)  # a model that does not batch takes one "row": the whole request
 
-    @property
-    def batches_dynamically(self) -> bool:
-        return self.max_batch_size > 0 and self.dynamic_batching is not None
-
-    @property
-    def priority_levels(self) -> int:
-        return self.dynamic_batching.priority_levels if self.dynamic_batching else 0
+    def __post_init__(self) -> None:
+        db = self.dynamic_batching
+        object.__setattr__(self, "batches_dynamically", self.max_batch_size > 0 and db is not None)
+        object.__setattr__(self, "priority_levels", db.priority_levels if db else 0)
+        object.__setattr__(self, "default_level", db.default_priority_level if db else 0)
+        object.__setattr__(self, "max_rows", max(1, self.max_batch_size))
 
     def policy(self, level: int) -> QueuePolicy:
         # Without dynamic batching Triton has no queue policy: no size limit, no timeouts.
-        return self.dynamic_batching.queue_policy(level) if self.dynamic_batching else QueuePolicy()
+        return self.dynamic_batching.queue_policy(level) if self.dynamic_batching else _NO_POLICY
+
+
+_NO_POLICY = QueuePolicy()
 
 
 def _validate(max_batch_size: int, db: DynamicBatching | None) -> None:
@@ -396,6 +403,12 @@ class BatchQueue:
         return req in self._all
 
     @property
+    def watches_deadlines(self) -> bool:
+        """Whether a queued request may have a deadline (False: expire() has nothing to do, and with no free
+        instance decide() is Idle)."""
+        return bool(self._deadlines)
+
+    @property
     def pending_rows(self) -> int:
         return self._pending_rows
 
@@ -418,17 +431,16 @@ class BatchQueue:
             raise InferenceError(
                 ErrorKind.INVALID_ARGUMENT, f"inference request batch-size must be >= 1, got {req.batch_rows}"
             )
-        max_rows = max(1, cfg.max_batch_size)  # a model that does not batch takes one "row": the whole request
+        max_rows = cfg.max_rows
         if req.batch_rows > max_rows:
             raise InferenceError(
                 ErrorKind.INVALID_ARGUMENT, f"inference request batch-size must be <= {max_rows}, got {req.batch_rows}"
             )
-        db = cfg.dynamic_batching
-        level = resolve_level(req.priority, cfg.priority_levels, db.default_priority_level if db else 0)
+        level = resolve_level(req.priority, cfg.priority_levels, cfg.default_level)
         policy = cfg.policy(level)
         timeout_us = effective_timeout_us(req.timeout_us, policy)
         queue = self._levels.get(level)
-        queued_at_level = len(queue) if queue else 0
+        queued_at_level = len(queue) if queue is not None else 0
         limit = policy.max_queue_size or cfg.default_max_queue_size
         if limit and queued_at_level >= limit:
             raise InferenceError(
@@ -455,7 +467,9 @@ class BatchQueue:
             shed_s = now_s + self.latency_budget_s
             if req.deadline_s is None or shed_s < req.deadline_s:
                 req.deadline_s, req.shed = shed_s, True
-        self._levels.setdefault(level, _Level()).waiting[req] = None
+        if queue is None:
+            queue = self._levels[level] = _Level()
+        queue.waiting[req] = None
         self._all[req] = None
         self._pending_rows += req.batch_rows
         req._deadline_seq = next(self._seq)
@@ -590,13 +604,13 @@ class BatchQueue:
     def _forget(self, req: QueuedRequest) -> None:
         level = self._levels[req.level]
         level.discard(req)
-        if not len(level):
+        if not level.waiting and not level.delayed:
             del self._levels[req.level]
         del self._all[req]
         self._pending_rows -= req.batch_rows
         # Its heap entry goes stale; compact when stale entries dominate so a burst of dispatched requests with
         # long timeouts does not keep the heap large.
-        if len(self._deadlines) > 2 * len(self._all) + 64:
+        if self._deadlines and len(self._deadlines) > 2 * len(self._all) + 64:
             self._deadlines = [e for e in self._deadlines if self._is_live(e)]
             heapq.heapify(self._deadlines)
 

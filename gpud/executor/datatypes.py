@@ -38,11 +38,24 @@ _NO_TEXT = np.zeros(1, dtype=object)  # one element of a BYTES tensor
 def placeholder(datatype: str, shape: tuple[int, ...]) -> np.ndarray:
     """An array of `shape` and the datatype's dtype that holds no memory (strides 0: every element is the same zero):
     what a tensor another process reads or writes looks like where only its shape and datatype count (a client's
-    shared-memory input before its worker reads it; an output the worker wrote into a client's region)."""
-    strides = (0,) * len(shape)
-    if datatype == "BYTES":  # object elements: a view of a real object array, never of raw bytes
-        return np.lib.stride_tricks.as_strided(_NO_TEXT, shape=shape, strides=strides, writeable=False)
-    return np.ndarray(shape, numpy_dtype(datatype), _ZERO_ELEMENT, 0, strides)
+    shared-memory input before its worker reads it; an output the worker wrote into a client's region). Read-only,
+    so one is shared by every request of the same datatype and shape (made once: every placed input needs one)."""
+    key = (datatype, tuple(shape))
+    array = _PLACEHOLDERS.get(key)
+    if array is None:
+        strides = (0,) * len(shape)
+        if datatype == "BYTES":  # object elements: a view of a real object array, never of raw bytes
+            array = np.lib.stride_tricks.as_strided(_NO_TEXT, shape=shape, strides=strides, writeable=False)
+        else:
+            array = np.ndarray(shape, numpy_dtype(datatype), _ZERO_ELEMENT, 0, strides)
+        if len(_PLACEHOLDERS) >= _PLACEHOLDERS_MAX:
+            _PLACEHOLDERS.clear()  # shapes churn (variable dims): start over
+        _PLACEHOLDERS[key] = array
+    return array
+
+
+_PLACEHOLDERS: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
+_PLACEHOLDERS_MAX = 1024
 
 
 def triton_type(datatype: str) -> str:

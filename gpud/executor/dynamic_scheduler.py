@@ -118,7 +118,9 @@ class DynamicScheduler(SchedulerBase):
         ensemble's step for several of its requests): it is batched and answered as one, and counted as that many
         requests in the statistics."""
         pending = self._enqueue(request, done, members)
-        if not defer_step(self):  # deferred: batched once the answers being delivered are all out
+        # deferred: batched once the answers being delivered are all out. With no instance free and no deadline to
+        # watch, a step would decide nothing (the batcher's Idle): the next instance free steps it.
+        if not defer_step(self) and (self._free or self.queue.watches_deadlines):
             self.step()
         if not self._free:
             self._arm_unready_deadline()

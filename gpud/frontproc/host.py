@@ -38,6 +38,7 @@ REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cud
                           "cuda_status"})
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
 SIGNATURES_MAX = 4096
+SLICES_MAX = 4096
 
 
 @dataclass(eq=False)
@@ -49,6 +50,9 @@ class FrontendProcess:
     sender: Sender | None = None
     submits: dict[int, Callable[[], None] | None] = field(default_factory=dict)
     signatures: dict[int, object] = field(default_factory=dict)  # the process's signature numbers -> ours
+    # Where its placed tensors lie, by (path, offset, bytes): its arena hands the same blocks out again and again, and
+    # a RegionSlice (frozen: shared safely) costs more to make than to look up.
+    slices: dict[tuple, RegionSlice] = field(default_factory=dict)
     # Segments its recent answers' large outputs went in (link.response_wire): removed by the process once mapped;
     # if it dies first, by us (a name already removed is no matter).
     handed: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=1024))
@@ -148,7 +152,7 @@ class FrontendHost:
             _, ident, wire, placed, token = message
             fp.submits[ident] = None  # answered before submit returns: the entry is gone, nothing to keep
             try:
-                where = {name: RegionSlice("", *at) for name, at in placed.items()} if placed else None
+                where = {name: self._slice(fp, at) for name, at in placed.items()} if placed else None
                 request = request_of(wire)
                 if token is not None:
                     request.signature = self._signature(fp, token)
@@ -172,6 +176,15 @@ class FrontendHost:
         elif kind == "ready":
             if fp.serving is not None and not fp.serving.done():
                 fp.serving.set_result(None)
+
+    @staticmethod
+    def _slice(fp: FrontendProcess, at: tuple) -> RegionSlice:
+        where = fp.slices.get(at)
+        if where is None:
+            if len(fp.slices) >= SLICES_MAX:
+                fp.slices.clear()
+            where = fp.slices[at] = RegionSlice("", *at)
+        return where
 
     @staticmethod
     def _signature(fp: FrontendProcess, token: int) -> object:

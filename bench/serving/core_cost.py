@@ -1,0 +1,283 @@
+"""The core's own CPU per request with the front ends out of process (issue 25, item 3), without HTTP in the way.
+
+    .venv/bin/python bench/serving/core_cost.py [--requests 20000] [--concurrency 64] [--rounds 3] [--profile N]
+                                                [--against TREE]
+
+The core runs in this process (gpud.wiring, the tiny MLP of run.py in a real worker process), behind the real
+FrontendHost. A stand-in front-end process on the other end of the link keeps `--concurrency` requests in flight, each
+one 1x256 FP32 row placed in its arena as an HTTP front-end process places it (one header: one signature number),
+and sends a new one for each answer. The CPU of this process (every thread of it; the worker and the stand-in are
+other processes) over the measured requests, divided by their count, is the core's CPU per request.
+
+The baseline, measured in the same run on the same link: the host with a core that answers every request at once
+with a ready answer (no validation, no batch, no worker): what the link alone costs (framing, pickling, the socket).
+Printed: µs/request of CPU for both, the core's own (the difference), requests/s, rows per batch, and the ratio
+core / link. Rounds alternate the two, the median of each is kept. `--profile N`: cProfile over the core's N most
+expensive functions (by own time, CPU time), in one extra round. `--against TREE`: the same in this tree and in
+another checkout of gpud (the code before a change), a process each, alternating, `--rounds` each: medians and
+head / base (on a shared machine the CPU per request drifts with the load: compare only within one such run).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import logging
+import os
+import pstats
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+# --- the stand-in front end (its own process) ------------------------------------------------------------------
+def frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
+    asyncio.run(_frontend(link_fd, requests, warmup, concurrency))
+
+
+async def _frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
+    """What an HTTP front-end process sends for each request, through the same link code (gpud.frontproc.link:
+    each turn's messages sent together), and nothing else."""
+    from gpud.executor.client_shm import NO_DATA
+    from gpud.executor.types import InferRequest, InferTensor, RequestedOutput
+    from gpud.frontproc.arena import Arena
+    from gpud.frontproc.link import FrameReader, Sender, request_wire
+
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(fileno=link_fd)
+    sock.setblocking(False)
+    arena = Arena()
+    row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    where, _ = arena.put(row)  # read-only to everyone: every request may point at the same block
+    outputs = [RequestedOutput("output", {"binary_data": True})]
+    request = InferRequest("mlp", [InferTensor("input", "FP32", (1, 256), NO_DATA)], outputs=outputs)
+    wire = request_wire(request)
+    placed = {"input": (where.path, where.offset, where.byte_size)}
+    total = warmup + requests
+    marks = {warmup: "start", total: "end"}
+    sent = answered = 0
+    finished = loop.create_future()
+    sender = Sender(sock, lambda: None)
+
+    def submit() -> None:
+        nonlocal sent
+        sender.put(("submit", sent, wire, placed, 1))
+        sent += 1
+
+    def on_message(message: tuple) -> None:
+        nonlocal answered
+        if message[0] != "answer":
+            return
+        if not message[2]:
+            raise SystemExit(f"request failed: {message[3]}")
+        answered += 1
+        if answered in marks:
+            sender.put(("mark", marks[answered]))
+        if sent < total:
+            submit()
+        elif answered == total and not finished.done():
+            finished.set_result(None)
+
+    reader = FrameReader(sock, on_message)
+    loop.add_reader(sock.fileno(), reader.read)
+    if warmup == 0:
+        sender.put(("mark", "start"))
+    for _ in range(min(concurrency, total)):
+        submit()
+    await finished
+    sender.drain_blocking()
+    loop.remove_reader(sock.fileno())
+    arena.close()
+
+
+# --- the core's side -------------------------------------------------------------------------------------------
+class _Answering:
+    """The baseline's core: every request answered at once with the same answer."""
+
+    def __init__(self, response):
+        self.response = response
+
+    def submit(self, request, done, placed=None):
+        done(self.response)
+        return lambda: None
+
+
+async def measure(core, requests: int, warmup: int, concurrency: int,
+                  profile: cProfile.Profile | None) -> tuple[float, float]:
+    """CPU seconds of this process, and wall seconds, over `requests` requests through a FrontendHost onto `core`."""
+    from gpud.api.admin import AdminAuth
+    from gpud.frontproc.host import FrontendHost, FrontendProcess
+    from gpud.frontproc.link import FrameReader, Sender
+
+    loop = asyncio.get_running_loop()
+    host = FrontendHost(core, AdminAuth(), 1, socket.socket(), {"kind": "http"})
+    host._loop = loop
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([sys.executable, __file__, "--frontend", str(theirs.fileno()), str(requests), str(warmup),
+                             str(concurrency)], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    ours.setblocking(False)
+    fp = FrontendProcess(0, proc, ours)
+    cpu: dict[str, float] = {}
+    wall: dict[str, float] = {}
+    finished = loop.create_future()
+
+    def on_message(message: tuple) -> None:
+        if message[0] == "mark":
+            cpu[message[1]] = time.process_time()
+            wall[message[1]] = time.perf_counter()
+            if profile is not None:
+                (profile.enable if message[1] == "start" else profile.disable)()
+            if message[1] == "end" and not finished.done():
+                finished.set_result(None)
+            return
+        host._on_message(fp, message)
+
+    fp.reader = FrameReader(ours, on_message)
+    fp.sender = Sender(ours, lambda: None)
+    host.processes[0] = fp
+
+    def readable() -> None:
+        assert fp.reader is not None
+        if not fp.reader.read():  # the stand-in is done (after its last mark) or failed
+            loop.remove_reader(ours.fileno())
+            if not finished.done():
+                finished.set_exception(RuntimeError("the stand-in front end ended early"))
+    loop.add_reader(ours.fileno(), readable)
+    try:
+        await asyncio.wait_for(finished, 600)
+    finally:
+        loop.remove_reader(ours.fileno())
+        proc.wait()
+        host.stopping = True
+        ours.close()
+    return cpu["end"] - cpu["start"], wall["end"] - wall["start"]
+
+
+async def main_async(args) -> int:
+    from gpud import wiring
+    from gpud.executor.types import InferResponse, InferTensor
+    from gpud.settings import Settings, prepare_settings
+
+    import models
+
+    workdir = tempfile.mkdtemp(prefix="gpud-core-cost-")
+    try:
+        repo = os.path.join(workdir, "models")
+        models.write_repository(repo)
+        shutil.rmtree(os.path.join(repo, "heavy"))
+        settings = Settings(model_repository=repo, allow_metrics=False, placement_control="off", json_processes=0,
+                            log_level="WARNING")
+        parts = wiring.build(prepare_settings(settings))
+        await parts.start()
+        try:
+            core = parts.core
+            scheduler = core.registry.version("mlp", "").scheduler
+            out = np.zeros((1, 16), np.float32)
+            link_only = _Answering(InferResponse("mlp", "1", [InferTensor("output", "FP32", (1, 16), out)]))
+            n, warm, c = args.requests, args.warmup, args.concurrency
+            await measure(core, 2000, 0, c, None)  # the worker's first batches, onnxruntime's first runs
+            runs: dict[str, list[float]] = {"core": [], "link": []}
+            rates: list[float] = []
+            rows: list[float] = []
+            for _ in range(args.rounds):
+                s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+                cpu_s, wall_s = await measure(core, n, warm, c, None)
+                runs["core"].append(cpu_s / n * 1e6)
+                rates.append(n / wall_s)
+                s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+                rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))  # (the warm-up's batches too)
+                runs["link"].append((await measure(link_only, n, warm, c, None))[0] / n * 1e6)
+            core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
+            if args.json:
+                print(json.dumps({"core_us": core_us, "link_us": link_us, "rps": statistics.median(rates),
+                                  "rows": statistics.median(rows)}))
+                return 0
+            print(f"# {n} requests a round after {warm} of warm-up, {c} in flight, {args.rounds} rounds (medians); "
+                  f"CPU of the core's process")
+            print(f"core   {core_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['core'])}); "
+                  f"{statistics.median(rates):.0f} req/s; {statistics.median(rows):.1f} rows per batch")
+            print(f"link   {link_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['link'])})")
+            print(f"core's own (core - link) {core_us - link_us:.1f} us/req; core / link {core_us / link_us:.2f}")
+            if args.profile:
+                profile = cProfile.Profile(time.process_time)  # CPU, not wall time: the loop is preempted
+                await measure(core, n, warm, c, profile)
+                stats = pstats.Stats(profile)
+                stats.sort_stats("tottime").print_stats(args.profile)
+        finally:
+            await parts.shutdown(5.0)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+def against(args) -> int:
+    """This tree and another (`--against`: a checkout of gpud, e.g. `git worktree add /tmp/base <commit>`), one
+    process each per round, alternating which goes first; the medians and head / base."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    arms = {"base": os.path.abspath(args.against), "head": root}
+    got: dict[str, list[dict]] = {"base": [], "head": []}
+    for r in range(args.rounds):
+        for arm in (("base", "head") if r % 2 == 0 else ("head", "base")):
+            tree = arms[arm]
+            env = dict(os.environ, PYTHONPATH=tree)  # its gpud, and its workers' (they start from its directory)
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", "--rounds", "1",
+                                  "--requests", str(args.requests), "--warmup", str(args.warmup),
+                                  "--concurrency", str(args.concurrency)],
+                                 cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+            if out.returncode != 0:
+                raise SystemExit(f"{arm} ({tree}) failed:\n{out.stderr[-3000:]}")
+            got[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"# {args.requests} requests a round, {args.concurrency} in flight, {args.rounds} rounds a tree "
+          f"(alternating), medians; base {arms['base']}, head {arms['head']}")
+    print(f"{'tree':5} {'core us/req':>11} {'link us/req':>11} {'core - link':>11} {'req/s':>7} {'rows/batch':>10}  "
+          "core us/req each")
+    med = {}
+    for arm in ("base", "head"):
+        rs = got[arm]
+        m = {k: statistics.median(x[k] for x in rs) for k in ("core_us", "link_us", "rps", "rows")}
+        med[arm] = m
+        each = ", ".join(f"{x['core_us']:.1f}" for x in rs)
+        print(f"{arm:5} {m['core_us']:11.1f} {m['link_us']:11.1f} {m['core_us'] - m['link_us']:11.1f} "
+              f"{m['rps']:7.0f} {m['rows']:10.1f}  {each}")
+    print(f"head / base: core CPU per request {med['head']['core_us'] / med['base']['core_us']:.2f}, "
+          f"req/s {med['head']['rps'] / med['base']['rps']:.2f}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--frontend":
+        frontend(*(int(a) for a in argv[1:5]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--warmup", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--against", metavar="TREE", help="another checkout of gpud: both measured, alternating")
+    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.against:
+        return against(args)
+    logging.basicConfig(level=logging.WARNING)
+    try:  # the daemon's event loop (gpud.main): uvloop where installed
+        import uvloop
+    except ImportError:
+        return asyncio.run(main_async(args))
+    return uvloop.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
