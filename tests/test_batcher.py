@@ -643,6 +643,13 @@ class TestReconfigure:
         q.reconfigure(max_batch_size=4, dynamic_batching=DynamicBatching())
         assert names(q.decide(1).requests) == ["big"]  # the model rejects it; it must not block the queue
 
+    def test_the_daemons_default_queue_bound_survives_a_reconfigure(self, clock):
+        q = BatchQueue(max_batch_size=8, dynamic_batching=DynamicBatching(), clock=clock, default_max_queue_size=1)
+        q.reconfigure(max_batch_size=4, dynamic_batching=DynamicBatching())
+        q.enqueue(req("a"))
+        with pytest.raises(InferenceError, match="--default-max-queue-size"):
+            q.enqueue(req("b"))
+
     def test_invalid_reconfigure_keeps_old(self, clock):
         q = make(clock)
         with pytest.raises(ValueError):

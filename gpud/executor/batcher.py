@@ -388,7 +388,8 @@ class BatchQueue:
     def reconfigure(self, *, max_batch_size: int, dynamic_batching: DynamicBatching | None) -> None:
         """New limits for the next decisions. Queued requests keep their level and deadline."""
         _validate(max_batch_size, dynamic_batching)
-        self._config = _Config(max_batch_size, dynamic_batching, self._config.dispatch_lone_request)
+        old = self._config
+        self._config = _Config(max_batch_size, dynamic_batching, old.dispatch_lone_request, old.default_max_queue_size)
 
     # -- state -------------------------------------------------------------------------------------------------
 
