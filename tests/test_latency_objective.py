@@ -309,7 +309,8 @@ def test_a_ramp_adds_an_instance_before_the_window_rate_would():
     need_now = objective_recommendation(window_only, ANY)[0]
     ramp = ModelObservation(**{**window_only.__dict__, "recent_arrival_rate_per_second": 600.0,
                                "arrival_rise_per_second2": 100.0, "lead_s": 4.0})
-    assert objective_recommendation(ramp, ANY)[0] > need_now
+    n, *_, reason = objective_recommendation(ramp, ANY)
+    assert n > need_now and "planned for 1000.0 req/s, rising (window 150.0)" in reason
 
 
 def test_one_batch_size_seen_says_nothing_of_larger_ones_no_gain_is_assumed():

@@ -238,6 +238,8 @@ def objective_recommendation(obs: ModelObservation,
         predicted = predicted_latency_s(rate, max(raw, 1), line, largest)
         shown = "overloaded" if math.isinf(predicted) else f"{predicted * 1e3:.1f} ms"
         reason = f"{spec}: predicted {shown} at {raw} instance(s){attained}" + (" (missed)" if missed else "")
+        if rate > 1.05 * obs.arrival_rate_per_second:
+            reason += f"; planned for {rate:.1f} req/s, rising (window {obs.arrival_rate_per_second:.1f})"
     bounded = bounds.clamp(raw)
     if bounded != raw:
         reason += f"; bounded to {bounds.describe()}"

@@ -180,6 +180,9 @@ class HintsSampler(Collector):
                 "desired_instances": d.desired_instances if d else None,
                 "recommended_instances": d.recommended_instances if d else None,
                 "arrival_rate_per_second": o.arrival_rate_per_second if o else None,
+                # what a version with a latency objective plans for (the last interval's rate and its rise too)
+                "planned_arrival_rate_per_second": o.planned_arrival_rate_per_second()
+                if o and o.objective_seconds is not None else None,
                 "throughput_per_instance_per_second": o.throughput_per_instance_per_second if o else None,
                 "queue_seconds": o.queue_seconds if o else None,
                 "utilization_ratio": d.utilization_ratio if d else None,
