@@ -171,6 +171,8 @@ def recommend(policy: HintPolicy, obs: ModelObservation,
 # Fewer instances only when the latency predicted with them is within this share of the objective (and the objective
 # held over the window): room for the load's variation and the prediction's error, so a scale-down does not miss it.
 SCALE_DOWN_MARGIN = 0.7
+# An objective below a lone request's latency (unreachable): instances are sized for this many times that latency.
+UNREACHABLE_AIM = 1.25
 
 
 def predicted_latency_s(arrival_per_s: float, instances: int, line: BatchLine, max_batch_size: int) -> float:
@@ -226,18 +228,28 @@ def objective_recommendation(obs: ModelObservation,
         reason = f"{spec}{attained}: " + ("missed, adding one" if missed else "no batch times yet: holding")
     else:
         line, largest = obs.batch_line, obs.max_batch_size
-        need = instances_for_objective(rate, line, largest, objective_s, limit)
+        # A lone request's latency (the prediction as the rate per instance goes to 0) is the model's own: an
+        # objective below it is not met by any count. Instances can still take away the load's queueing: aim at a
+        # latency they can give, and do not add one per missed window (that would fill the node for nothing).
+        floor_s = predicted_latency_s(0.0, 1, line, largest)
+        unreachable = floor_s >= objective_s
+        aim_s = UNREACHABLE_AIM * floor_s if unreachable else objective_s
+        need = instances_for_objective(rate, line, largest, aim_s, limit)
         raw = limit if need is None else need
-        if missed:
+        if missed and not unreachable:
             raw = max(raw, min(current + 1, limit))
         if raw < current:
-            fewer_ok = not missed and obs.attainment is not None and \
-                predicted_latency_s(rate, raw, line, largest) <= objective_s * SCALE_DOWN_MARGIN
+            # (an unreachable objective's aim has its margin already: 1.25 x what a lone request takes)
+            fewer_ok = (unreachable or not missed) and obs.attainment is not None and \
+                predicted_latency_s(rate, raw, line, largest) <= (aim_s if unreachable else aim_s * SCALE_DOWN_MARGIN)
             if not fewer_ok:
                 raw = current
         predicted = predicted_latency_s(rate, max(raw, 1), line, largest)
         shown = "overloaded" if math.isinf(predicted) else f"{predicted * 1e3:.1f} ms"
         reason = f"{spec}: predicted {shown} at {raw} instance(s){attained}" + (" (missed)" if missed else "")
+        if unreachable:
+            reason += (f"; unreachable: a lone request takes {floor_s * 1e3:.1f} ms, so instances are sized for "
+                       f"{aim_s * 1e3:.1f} ms")
         if rate > 1.05 * obs.arrival_rate_per_second:
             reason += f"; planned for {rate:.1f} req/s, rising (window {obs.arrival_rate_per_second:.1f})"
     bounded = bounds.clamp(raw)
