@@ -66,6 +66,7 @@ def test_a_turns_messages_go_as_one_frame_and_arrive_in_order(caplog):
         sender.put(("a", 1))
         sender.put(("bad", lambda: None))  # cannot be pickled: dropped and logged, its turn's others still go
         sender.put(("b", 2))
+        sender.put(("answer", 7, True, lambda: None))  # an answer that cannot go: its request hears why instead
         sender.flush()
         sender.put(("c", 3))
         sender.flush()
@@ -74,5 +75,8 @@ def test_a_turns_messages_go_as_one_frame_and_arrive_in_order(caplog):
         theirs.close()
         return got
 
-    assert asyncio.run(main()) == [("a", 1), ("b", 2), ("c", 3)]
+    got = asyncio.run(main())
+    assert got[:2] == [("a", 1), ("b", 2)] and got[3] == ("c", 3)
+    kind, ident, ok, error = got[2]
+    assert (kind, ident, ok) == ("answer", 7, False) and "could not be sent to the front-end process" in error.message
     assert "a 'bad' message to the other process could not be pickled" in caplog.text

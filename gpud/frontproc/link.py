@@ -31,7 +31,8 @@ import numpy as np
 
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import Segment, new_segment_name, unlink
-from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput, ShmRef
+from gpud.executor.types import (ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor,
+                                 RequestedOutput, ShmRef)
 
 log = logging.getLogger("gpud.frontend")
 
@@ -229,8 +230,11 @@ class Sender:
         for message in messages:
             try:
                 frames.append(frame([message]))
-            except Exception:  # noqa: BLE001 - a bug: logged with what it was, the rest is sent
+            except Exception as exc:  # noqa: BLE001 - a bug: logged with what it was, the rest is sent
                 log.exception("a %r message to the other process could not be pickled; dropped", message[0])
+                if message[0] in ("answer", "result"):  # its request or call waits for it: it hears why instead
+                    frames.append(frame([(message[0], message[1], False, InferenceError(
+                        ErrorKind.INTERNAL, f"the answer could not be sent to the front-end process: {exc}"))]))
         return frames
 
     def _write(self) -> None:
