@@ -194,9 +194,9 @@ class ControlPlane:
                                   settings.hints, clock=serving.clock, interval_s=settings.hints_interval_s,
                                   rate_window_s=settings.rate_window_s)
         placer = self.service if settings.incremental else FromScratch(self.service)
-        self.controller = ScalingController(self.registry.snapshot, self.hints.decisions, placer, settings.control, "on",
-                                      clock=serving.clock, wall_clock=serving.wall_clock, history=10**6,
-                                      standings=self.hints.standings if settings.ranked else dict)
+        self.controller = ScalingController(self.registry.snapshot, self.hints.decisions, placer, settings.control,
+                                            "on", clock=serving.clock, wall_clock=serving.wall_clock, history=10**6,
+                                            standings=self.hints.standings if settings.ranked else dict)
         if settings.ranked:
             self.service.spare_source = self.controller.spare_now
         repo = write_repository(workdir, specs)

@@ -58,7 +58,7 @@ class Kind:
 
 @dataclass(eq=False)
 class Batch:
-    instance: "SimInstance"
+    instance: SimInstance
     rows: int
     start_s: float
     work_s: float  # left, in seconds at full speed
@@ -80,7 +80,7 @@ class SimDevice:
 @dataclass(eq=False)
 class SimInstance:
     key: str
-    model: "SimModel"
+    model: SimModel
     device: SimDevice
     memory_bytes: int
     ready: bool = False

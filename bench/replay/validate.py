@@ -255,7 +255,7 @@ def _steps(decisions: list[dict], by_model: bool = False) -> dict[str, int]:
     return out
 
 
-# --- the model ---------------------------------------------------------------------------------------------------------
+# --- the model --------------------------------------------------------------------------------------------------------
 def run_model(c: Case, settings: ControlSettings, times: dict[str, np.ndarray], load_s: float | dict[str, float],
               workdir: Path,
               other: list[tuple[float, float]] | None = None, load_cores: float = 0.0) -> dict:
