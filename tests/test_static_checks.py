@@ -25,6 +25,6 @@ def test_mypy_is_clean_on_gpud():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_ruff_is_clean_on_gpud():
+def test_ruff_is_clean_on_gpud_and_the_replay():
     out = _run("ruff", "check", "gpud", "bench/replay")  # the replay runs gpud's own control plane
     assert out.returncode == 0, out.stdout + out.stderr
