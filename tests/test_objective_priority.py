@@ -57,6 +57,14 @@ def test_a_held_objective_spares_what_the_margin_allows_and_never_below_the_floo
     assert standing_of(observed(4, 100.0, 1.0, line=None), 1).spare_instances == 0
 
 
+def test_an_unreachable_objective_never_makes_a_version_urgent():
+    # LINE: a lone request takes 2 x 2.1 ms; an objective of 3 ms is missed whatever the count
+    s = standing_of(observed(1, 100.0, 0.0, objective_ms=3.0), 1)
+    assert s is not None and not s.reachable and s.shortfall > 0 and not s.missing
+    assert "unreachable" in s.describe()
+    assert room_order([("plain", "1"), ("bad", "1")], {("bad", "1"): s}) == [("plain", "1"), ("bad", "1")]
+
+
 def test_a_prediction_past_the_objective_is_missing_even_while_attained():
     s = standing_of(observed(1, 5000.0, 1.0, objective_ms=5.0), 1)
     assert s is not None and s.shortfall == 0 and s.slack < 0 and s.missing

@@ -31,6 +31,7 @@ class ObjectiveStanding:
     instances: int  # it runs now
     spare_instances: int  # it could run this many fewer with its objective predicted within the margin
     spare_predicted_s: float | None = None  # the prediction with that many fewer
+    reachable: bool = True  # False: a lone request takes longer than the objective (no count meets it)
 
     @property
     def shortfall(self) -> float:
@@ -46,13 +47,16 @@ class ObjectiveStanding:
 
     @property
     def missing(self) -> bool:
-        return self.shortfall > 0 or self.slack < 0
+        """Below its share or predicted to be, and instances could change that: an unreachable objective (one a
+        lone request misses) never makes a version urgent, or a misconfigured one would take the room first."""
+        return self.reachable and (self.shortfall > 0 or self.slack < 0)
 
     def describe(self) -> str:
         shown = ("overloaded" if self.predicted_s is not None and math.isinf(self.predicted_s)
                  else "not predicted yet" if self.predicted_s is None else f"predicted {self.predicted_s * 1e3:.1f} ms")
         attained = "no request counted" if self.attainment is None else f"attained {self.attainment:.2%}"
-        return f"objective {self.share:.4g} <= {self.objective_s * 1e3:g} ms, {attained}, {shown}"
+        return (f"objective {self.share:.4g} <= {self.objective_s * 1e3:g} ms, {attained}, {shown}"
+                + ("" if self.reachable else ", unreachable (a lone request takes longer)"))
 
 
 def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None:
@@ -76,7 +80,9 @@ def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None
                 spare = n - max(need, floor)
         if spare:
             spare_predicted = None if line is None else predicted_latency_s(rate, n - spare, line, largest)
-    return ObjectiveStanding(objective_s, obs.objective_share, obs.attainment, predicted, n, spare, spare_predicted)
+    reachable = line is None or predicted_latency_s(0.0, 1, line, largest) < objective_s
+    return ObjectiveStanding(objective_s, obs.objective_share, obs.attainment, predicted, n, spare, spare_predicted,
+                             reachable)
 
 
 def room_order(growing: Sequence[Key], standings: Mapping[Key, ObjectiveStanding]) -> list[Key]:
