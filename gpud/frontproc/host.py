@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gpud.api.admin import AdminAuth
 from gpud.core import GpudCore
@@ -39,6 +39,18 @@ REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cud
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
 SIGNATURES_MAX = 4096
 SLICES_MAX = 4096
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _bounded_get(cache: dict[K, V], key: K, limit: int, make: Callable[[], V]) -> V:
+    """`cache[key]`, made and kept when missing; a cache at `limit` starts over (what a process sends churns)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= limit:
+            cache.clear()
+        value = cache[key] = make()
+    return value
 
 
 @dataclass(eq=False)
@@ -179,22 +191,12 @@ class FrontendHost:
 
     @staticmethod
     def _slice(fp: FrontendProcess, at: tuple) -> RegionSlice:
-        where = fp.slices.get(at)
-        if where is None:
-            if len(fp.slices) >= SLICES_MAX:
-                fp.slices.clear()
-            where = fp.slices[at] = RegionSlice("", *at)
-        return where
+        return _bounded_get(fp.slices, at, SLICES_MAX, lambda: RegionSlice("", *at))
 
     @staticmethod
     def _signature(fp: FrontendProcess, token: int) -> object:
         """Ours for the process's signature number: requests with the same header share it, and their checks."""
-        signature = fp.signatures.get(token)
-        if signature is None:
-            if len(fp.signatures) >= SIGNATURES_MAX:
-                fp.signatures.clear()
-            signature = fp.signatures[token] = object()
-        return signature
+        return _bounded_get(fp.signatures, token, SIGNATURES_MAX, object)
 
     def _answer(self, fp: FrontendProcess, ident: int, result: InferResponse | InferenceError) -> None:
         if fp.submits.pop(ident, 0) == 0 or not fp.alive:
