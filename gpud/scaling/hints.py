@@ -316,17 +316,13 @@ class ModelCounters:
 EXTRAPOLATION_LIMIT = 1.5
 
 
-def batch_line(batches: Sequence[tuple[int, int, int]]) -> BatchLine | None:
-    """The least-squares line of mean batch time over batch size (each size weighted by its executions); one size
-    alone: a line through the origin (no gain from batching assumed: a load that has only made batches of one row
-    says nothing of what larger ones cost, and taking them as free would predict one instance meets any rate).
-    `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
-    sizes = [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
-    if not sizes:
-        return None
-    if len(sizes) < 2:
-        rows, _, t = sizes[0]
-        return BatchLine(0.0, t / rows)
+def _measured_sizes(batches: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, float]]:
+    """(rows, executions, mean seconds) of each size measured, from (rows, executions, compute ns)."""
+    return [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
+
+
+def _fitted_line(sizes: Sequence[tuple[int, int, float]]) -> BatchLine:
+    """The least-squares line through two or more measured sizes, each weighted by its executions."""
     weight = sum(n for _, n, _ in sizes)
     mean_b = sum(n * b for b, n, _ in sizes) / weight
     mean_t = sum(n * t for _, n, t in sizes) / weight
@@ -335,25 +331,33 @@ def batch_line(batches: Sequence[tuple[int, int, int]]) -> BatchLine | None:
     return BatchLine(mean_t - slope * mean_b, slope)
 
 
+def batch_line(batches: Sequence[tuple[int, int, int]]) -> BatchLine | None:
+    """The least-squares line of mean batch time over batch size (each size weighted by its executions); one size
+    alone: a line through the origin (no gain from batching assumed: a load that has only made batches of one row
+    says nothing of what larger ones cost, and taking them as free would predict one instance meets any rate).
+    `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
+    sizes = _measured_sizes(batches)
+    if not sizes:
+        return None
+    if len(sizes) < 2:
+        rows, _, t = sizes[0]
+        return BatchLine(0.0, t / rows)
+    return _fitted_line(sizes)
+
+
 def batch_capacity_per_second(batches: Sequence[tuple[int, int, int]], max_batch_size: int) -> float | None:
     """Requests one instance completes per second when the load fills its batches: `size / t(size)` at the largest
     batch the model takes (at most EXTRAPOLATION_LIMIT x the largest seen), where t is the least-squares line of the
     measured mean batch time over batch size (each size weighted by its executions), and never less than the best
     throughput a measured size showed. `batches`: (rows, executions, compute ns) per size. None: nothing measured."""
-    sizes = [(rows, n, ns / n / 1e9) for rows, n, ns in batches if n > 0 and ns > 0 and rows > 0]
+    sizes = _measured_sizes(batches)
     if not sizes:
         return None
     shown = max(rows / t for rows, _, t in sizes)
     if len(sizes) < 2:
         return shown
-    weight = sum(n for _, n, _ in sizes)
-    mean_b = sum(n * b for b, n, _ in sizes) / weight
-    mean_t = sum(n * t for _, n, t in sizes) / weight
-    var_b = sum(n * (b - mean_b) ** 2 for b, n, _ in sizes) / weight
-    slope = max(0.0, sum(n * (b - mean_b) * (t - mean_t) for b, n, t in sizes) / weight / var_b)
-    intercept = mean_t - slope * mean_b
     full = min(max(1, max_batch_size), EXTRAPOLATION_LIMIT * max(b for b, _, _ in sizes))
-    t_full = intercept + slope * full
+    t_full = _fitted_line(sizes).seconds(full)
     return max(shown, full / t_full) if t_full > 0 else shown
 
 
@@ -384,15 +388,16 @@ def observe(older: ModelCounters, newer: ModelCounters,
         throughput = done / busy_s if done > 0 and busy_s > 0 else last_throughput_per_second
     queue_s = (newer.queue_ns - older.queue_ns) / done / 1e9 if done > 0 else None
     within, over = newer.within_objective - older.within_objective, newer.over_objective - older.over_objective
+    arrival = arrivals_per_second(older, newer)
     recent, rise = None, 0.0
     if previous is not None and older.time_s <= previous.time_s < newer.time_s:
         recent = arrivals_per_second(previous, newer)
         # Each rate stands for the middle of its span: the rise is the slope between the two (a rise only).
         apart_s = (previous.time_s - older.time_s) / 2
         if apart_s > 0:
-            rise = max(0.0, (recent - arrivals_per_second(older, newer)) / apart_s)
+            rise = max(0.0, (recent - arrival) / apart_s)
     return ModelObservation(ready_instances=newer.ready_instances,
-                            arrival_rate_per_second=arrivals_per_second(older, newer),
+                            arrival_rate_per_second=arrival,
                             throughput_per_instance_per_second=throughput, queue_seconds=queue_s,
                             objective_seconds=newer.objective_seconds, objective_share=newer.objective_share,
                             attainment=within / (within + over) if within + over > 0 else None,
