@@ -121,13 +121,12 @@ class ScalingController(Collector):
             key = (v.model, v.version)
             hint = hints.get(key)
             idle_s = idle_seconds(v.last_used_unix_s, v.pending_requests, wall_now)
-            loads = [i.load_seconds for i in v.instances if i.ready and i.load_seconds > 0]
             obs = VersionObservation(v.model, v.version, len(v.instances),
                                      InstanceBounds(v.min_instances, v.max_instances),
                                      None if hint is None else hint.desired_instances,
                                      "" if hint is None else hint.reason, idle_s,
                                      v.stats.objective_ns / 1e9 if v.stats.objective_ns else None,
-                                     max(loads) if loads else None)
+                                     v.load_seconds)
             targets.append(decide_target(self.policy, self._states.get(key, VersionState()), obs, now))
         self.targets = targets
         self._states = {k: s for k, s in self._states.items() if any((t.model, t.version) == k for t in targets)}

@@ -73,7 +73,7 @@ def read_counters(snapshot: ServingSnapshot,
             objective_seconds=st.objective_ns / 1e9 if st.objective_ns else None,
             objective_share=st.objective_share or 0.99, within_objective=st.within_objective,
             over_objective=st.over_objective, pending=v.pending_requests,
-            load_s=max((i.load_seconds for i in v.instances if i.ready), default=0.0)),
+            load_s=v.load_seconds or 0.0),
             InstanceBounds(v.min_instances, v.max_instances))
     return out
 

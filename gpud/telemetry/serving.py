@@ -81,6 +81,12 @@ class VersionView:
     def ready_instances(self) -> int:
         return sum(1 for i in self.instances if i.ready)
 
+    @property
+    def load_seconds(self) -> float | None:
+        """How long one of its instances takes to load (its cold start): the longest of the ready ones measured;
+        None when none is."""
+        return max((i.load_seconds for i in self.instances if i.ready and i.load_seconds > 0), default=None)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelView:
