@@ -125,12 +125,18 @@ class OnDemand:
                     return why + ("; unloading the idle instances of other models would not make room either"
                                   if candidates else "; no idle instance of another model to evict") \
                         + (f" (evicted {', '.join(evicted)})" if evicted else "")
-                for victim in victims:
-                    spared = spare.get((victim[0].name, victim[0].version)) \
-                        if any(i is victim[1] for _, i in spares) else None
-                    step = await self._evict(victim, vs, spared[1] if spared else "")
+                for step in await self._evict_all(victims, vs, spares, spare):
                     evicted.append(f"{step.model}:{step.version}:{step.index}")
             return ""
+
+    async def _evict_all(self, victims: Sequence[tuple[RegisteredVersion, InstanceHandle]],
+                         beneficiary: RegisteredVersion, spares: Sequence[tuple[RegisteredVersion, InstanceHandle]],
+                         spare: Mapping[tuple[str, str], tuple[int, str]]) -> list[Step]:
+        """Evict `victims` for `beneficiary`: those among `spares` (_spare_candidates of `spare`) with their
+        version's reason, the others as idle ones."""
+        spare_ids = {id(i) for _, i in spares}
+        return [await self._evict(v, beneficiary, spare[(v[0].name, v[0].version)][1] if id(v[1]) in spare_ids
+                                  else "") for v in victims]
 
     async def _evict(self, victim: tuple[RegisteredVersion, InstanceHandle], beneficiary: RegisteredVersion,
                      why: str = "") -> Step:

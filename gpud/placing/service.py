@@ -234,36 +234,32 @@ class PlacementService(OnDemand):
         one missing its objective may also take the spare instances of versions whose objective holds with margin.
         `incremental` False plans the node from scratch, blind to where instances run, and moves them to that plan
         (what a re-plan that ignores the current placement does: the replay benchmark's comparison, bench/replay)."""
-        totals_asked = dict(totals)
         async with self.lock:
             wanted = [self.registry.version(m, v) for m, v in totals]
             placeable = [vs for vs in wanted if vs.state in (ModelState.READY, ModelState.UNAVAILABLE)]
             rank = {k: n for n, k in enumerate(claims.first)}
             wanted.sort(key=lambda vs: rank.get((vs.name, vs.version), len(rank)))
-            totals = dict(totals)
+            counts = dict(totals)  # what is planned: `totals`, less what claims hold back
             held_back: dict[tuple[str, str], str] = {}
             ordered = False
             evicted: list[Step] = []
             while True:
-                inputs = self.inputs(placeable, totals)
+                inputs = self.inputs(placeable, counts)
                 result = await self._plan(inputs if incremental else replace(inputs, current=()),
                                           replace(self.config, move_current=True))
-                growing = [vs for vs in wanted if totals[(vs.name, vs.version)] > len(vs.instances)]
+                growing = [vs for vs in wanted if counts[(vs.name, vs.version)] > len(vs.instances)]
                 short = [vs for vs in growing if unplaced_of(vs, inputs, result)]
                 if not short:
                     break
                 if apply and evict_idle_s is not None and len(evicted) < max_steps:
-                    victims, beneficiary, spare_of = await self._victims_for(short, growing, placeable, totals,
-                                                                             claims, evict_idle_s)
+                    victims, beneficiary, spares = await self._victims_for(short, growing, placeable, counts,
+                                                                           claims, evict_idle_s)
                     if victims:
-                        for victim in victims:
-                            spared = claims.spare.get((victim[0].name, victim[0].version)) \
-                                if id(victim[1]) in spare_of else None
-                            evicted.append(await self._evict(victim, beneficiary, spared[1] if spared else ""))
+                        evicted += await self._evict_all(victims, beneficiary, spares, claims.spare)
                         continue
                 if claims.urgent and not ordered:
                     # Not all fit: the most urgent take the room first; the rest get what is left.
-                    totals, held_back = await self._by_claims(placeable, totals, wanted, claims)
+                    counts, held_back = await self._by_claims(placeable, counts, wanted, claims)
                     ordered = True
                     continue
                 break
@@ -291,9 +287,8 @@ class PlacementService(OnDemand):
             for vs in wanted:
                 held = held_back.get((vs.name, vs.version))
                 if held:
-                    asked = totals_asked[(vs.name, vs.version)]
                     unplaced += [Unplaced(vs.name, vs.version, i, held)
-                                 for i in range(totals[(vs.name, vs.version)], asked)]
+                                 for i in range(counts[(vs.name, vs.version)], totals[(vs.name, vs.version)])]
             why = {(u.model, u.instance): u.reason for u in result.unplaced}
             recovered: set[RegisteredVersion] = set()
             for m in todo:
@@ -317,12 +312,12 @@ class PlacementService(OnDemand):
                            versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],
                            claims: Claims, evict_idle_s: float
                            ) -> tuple[list[tuple[RegisteredVersion, InstanceHandle]], RegisteredVersion,
-                                      set[int]]:
+                                      list[tuple[RegisteredVersion, InstanceHandle]]]:
         """The first of `short` (the most urgent first) that evicting instances would give room, and those
         instances: idle ones of other versions (least recently used first), and for a version missing its latency
         objective, then the spare instances of versions whose objective holds with margin. Checked with the
-        growing versions after it asking for no more than they run, so the room is for it. The last: the ids of
-        the victims that are spare ones."""
+        growing versions after it asking for no more than they run, so the room is for it. The last: the spare
+        instances it could take (for _evict_all)."""
         for vs in short:
             after = growing[growing.index(vs) + 1:]
             trial = {**totals, **{(g.name, g.version): len(g.instances) for g in after}}
@@ -331,8 +326,8 @@ class PlacementService(OnDemand):
                 if (vs.name, vs.version) in claims.urgent else []
             victims = await self._victims(vs, versions, trial, idle + spare)
             if victims:
-                return victims, vs, {id(i) for _, i in spare}
-        return [], short[0], set()
+                return victims, vs, spare
+        return [], short[0], []
 
     async def _by_claims(self, versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],
                          wanted: Sequence[RegisteredVersion], claims: Claims
