@@ -36,7 +36,7 @@ class Step:
     from_device: str | None
     to_device: str | None
     error: str = ""  # why the new instance did not load; "" when the step was done
-    evicted_for: str = ""  # a removal to make room for this model's load (least recently used, idle)
+    evicted_for: str = ""  # a removal to make room for this model's load (an idle or a spare instance)
     evicted_why: str = ""  # what made it the one to go, when not idleness (its objective's margin)
 
 

@@ -22,7 +22,8 @@ Rules, per model version, each interval:
 The reason of a change says which rule made it: scale_up / scale_down (the hint, with its own reason; objective_up /
 objective_down when the version's latency objective drove the hint, its detail naming it), min_instances
 / max_instances (the bounds), idle, and for steps the planner adds, make_room (a move that lets more fit),
-device_lost and evicted (an idle instance unloaded to make room for a scale-up).
+device_lost and evicted (an idle instance unloaded to make room for a scale-up, or a spare one of a version whose
+latency objective holds with margin, for one that misses its own: gpud.scaling.priority).
 
 Which idle instances a load may evict is gpud.scaling.idle's rule.
 """
