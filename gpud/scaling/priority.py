@@ -18,8 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpud.scaling.hints import SCALE_DOWN_MARGIN, ModelObservation, instances_for_objective, predicted_latency_s
-
-Key = tuple[str, str]  # (model, version)
+from gpud.scaling.plan import Key
 
 
 @dataclass(frozen=True)
