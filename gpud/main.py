@@ -126,9 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "tensors in shared memory, so that the core's event loop only batches and answers "
                         "(default 0: HTTP on the core's event loop)")
     p.add_argument("--grpc-processes", type=int, metavar="N",
-                   help="serve gRPC from N front-end processes of their own, sharing the port (SO_REUSEPORT); each "
-                        "parses requests and places their tensors in shared memory (default 0: gRPC on the core's "
-                        "event loop)")
+                   help="serve gRPC from N front-end processes of their own, which parse requests and place their "
+                        "tensors in shared memory (default 0: gRPC on the core's event loop)")
+    p.add_argument("--grpc-server", choices=("gpud", "grpcio"),
+                   help="the gRPC server: gpud's own HTTP/2 server (default; about a quarter of grpcio's CPU per "
+                        "call) or grpcio's (the reference implementation, for a client that needs what only it has)")
     p.add_argument("--json-processes", type=int, metavar="N",
                    help="child processes that decode large JSON inference bodies and encode large JSON answers, so "
                         "that none holds up other requests (orjson holds the GIL: a thread would not do); at most 4 "
@@ -275,7 +277,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
             grpc_server = await start_grpc_server(core, settings.grpc_address, settings.grpc_port,
                                                   max_message_bytes=settings.max_request_bytes,
                                                   max_metadata_bytes=settings.max_header_bytes,
-                                                  max_tensor_elements=settings.max_tensor_elements, admin=admin)
+                                                  max_tensor_elements=settings.max_tensor_elements, admin=admin,
+                                                  implementation=settings.grpc_server)
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
@@ -338,9 +341,9 @@ class _FrontendsView:
 
 
 async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str):
-    """HTTP or gRPC front ends in processes of their own (--http-processes, --grpc-processes). HTTP: they accept on
-    one listening socket bound here. gRPC: grpc cannot take a socket, so each binds the port with SO_REUSEPORT, which
-    this process holds bound meanwhile (port 0 becomes one port for all)."""
+    """HTTP or gRPC front ends in processes of their own (--http-processes, --grpc-processes): they accept on one
+    listening socket bound here. gRPC on grpcio (--grpc-server grpcio) cannot take a socket, so each binds the port
+    with SO_REUSEPORT, which this process holds bound meanwhile (port 0 becomes one port for all)."""
     import socket
 
     from gpud.frontproc.host import FrontendHost
@@ -349,7 +352,7 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
     address = settings.http_address if http else settings.grpc_address
     port = settings.http_port if http else settings.grpc_port
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    if http:
+    if http or settings.grpc_server == "gpud":
         listen = socket.create_server((address, port), backlog=1024, family=family)
     else:
         listen = socket.socket(family, socket.SOCK_STREAM)
@@ -360,7 +363,7 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
                "max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
                "request_timeout_s": settings.http_request_timeout_seconds,
                "max_connections": max(1, -(-settings.http_max_connections // n)),
-               "max_tensor_elements": settings.max_tensor_elements,
+               "max_tensor_elements": settings.max_tensor_elements, "grpc_server": settings.grpc_server,
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
     host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
     try:

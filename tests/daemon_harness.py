@@ -90,6 +90,11 @@ FRONTEND_PROCESSES: tuple[str, ...] = ()
 if os.environ.get("GPUD_TEST_FRONTEND_PROCESSES"):
     FRONTEND_PROCESSES = ("--http-processes", os.environ["GPUD_TEST_FRONTEND_PROCESSES"],
                           "--grpc-processes", os.environ["GPUD_TEST_FRONTEND_PROCESSES"])
+# GPUD_TEST_GRPC_SERVER=grpcio: every daemon (and tests/test_grpc_api.py's server) serves gRPC on grpcio's server
+# instead of gpud's own (.ci/run runs the gRPC suites so).
+GRPC_SERVER = os.environ.get("GPUD_TEST_GRPC_SERVER", "gpud")
+if GRPC_SERVER != "gpud":
+    FRONTEND_PROCESSES += ("--grpc-server", GRPC_SERVER)
 
 
 def start_daemon(repo: Path | None, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml",

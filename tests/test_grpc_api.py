@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from gpud.executor.types import ShmRef, ErrorKind, InferenceError  # noqa: E402
 from gpud.api.grpc_api import decode_inputs, start_grpc_server  # noqa: E402
 from gpud.proto import grpc_service_pb2 as pb  # noqa: E402
+from tests.daemon_harness import GRPC_SERVER  # noqa: E402
 from tests.fake_core import FakeCore  # noqa: E402
 
 TIMEOUT_S = 10.0  # bound on every client call and on server start/stop
@@ -32,6 +33,7 @@ class ServerThread:
     """start_grpc_server on a private event loop in a daemon thread."""
 
     def __init__(self, core, max_message_bytes: int = MAX_MESSAGE_BYTES, **kw):
+        kw.setdefault("implementation", GRPC_SERVER)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-test-server", daemon=True)
         self.thread.start()

@@ -2,10 +2,11 @@
 under the same load, each count on a fresh daemon, interleaved.
 
     .venv/bin/python bench/serving/frontends.py [--counts 0,1,2,4] [--concurrency 64] [--seconds 5] [--rounds 2]
-                                                [--protocols http,grpc] [--perf-analyzer PATH]
+                                                [--protocols http,grpc,grpcio] [--perf-analyzer PATH]
 
 HTTP: wrk with one fixed KServe binary body (run.py's harness, the tiny MLP, one 1x256 FP32 row per request). gRPC:
-perf_analyzer --async (--perf-analyzer, $GPUD_PERF_ANALYZER or run.py's own install). For each point it prints
+perf_analyzer --async (--perf-analyzer, $GPUD_PERF_ANALYZER or run.py's own install) on gpud's own gRPC server
+("grpc") or grpcio's ("grpcio": --grpc-server grpcio). For each point it prints
 requests/s, p50 and p99, and the CPU per request of the core's process, of the front-end processes together and of
 the device workers. 0 is the front end on the core's event loop. Compare within one run: the client, the daemon's
 processes and the workers share the machine's cores.
@@ -40,7 +41,8 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
     if os.path.exists(ready):
         os.remove(ready)
     flag = "--http-processes" if protocol == "http" else "--grpc-processes"
-    server = run.GpudServer(workdir, repo, (flag, str(count)))
+    extra = ("--grpc-server", "grpcio") if protocol == "grpcio" else ()
+    server = run.GpudServer(workdir, repo, (flag, str(count), *extra))
     server.start()
     try:
         time.sleep(0.5)  # the front-end processes announce themselves; their CPU at start is not the load's
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
     counts = [int(c) for c in args.counts.split(",")]
     protocols = [x for x in args.protocols.split(",") if x]
     tools = {"wrk": run.ensure_wrk()}
-    if "grpc" in protocols:
+    if "grpc" in protocols or "grpcio" in protocols:
         tools["perf_analyzer"] = args.perf_analyzer or run.ensure_perf_analyzer()
     print(f"# {os.cpu_count()} cores; mlp; concurrency {args.concurrency}; {args.seconds:.0f} s a point; "
           f"best of {args.rounds} rounds (interleaved)")
@@ -98,11 +100,13 @@ def main(argv=None) -> int:
                     if key not in best or r["rps"] > best[key]["rps"]:
                         best[key] = r
     print(f"{'protocol':8} {'processes':>9} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'core us/req':>11} "
-          f"{'front ends us/req':>17} {'workers us/req':>14} {'req/s vs 0':>10}")
+          f"{'front ends us/req':>17} {'workers us/req':>14} {'req/s vs 0':>10} {'vs HTTP':>7}")
     for (protocol, count), r in best.items():
         base = best[(protocol, counts[0])]["rps"]
+        http = best.get(("http", count))
+        vs_http = f"{r['rps'] / http['rps']:7.2f}" if http else f"{'-':>7}"
         print(f"{protocol:8} {count:9d} {r['rps']:8.0f} {r['p50']:7.2f} {r['p99']:7.2f} {r['core_us']:11.0f} "
-              f"{r['fe_us']:17.0f} {r['worker_us']:14.0f} {r['rps'] / base:10.2f}")
+              f"{r['fe_us']:17.0f} {r['worker_us']:14.0f} {r['rps'] / base:10.2f} {vs_http}")
     return 0
 
 

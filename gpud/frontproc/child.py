@@ -1,7 +1,7 @@
 """A front-end process: `python -m gpud.frontproc.child --link-fd N [--listen-fd M] --options JSON` (started by
-gpud.frontproc.host). Serves KServe v2 HTTP on the inherited listening socket, or gRPC on the port the daemon holds
-(SO_REUSEPORT: the kernel spreads connections over the processes), over a RemoteCore, until the core says stop (or
-is gone); ignores SIGINT and SIGTERM, which are the core's to act on."""
+gpud.frontproc.host). Serves KServe v2 HTTP or gRPC on the inherited listening socket (grpcio's gRPC server: on the
+port the daemon holds, SO_REUSEPORT: the kernel spreads connections over the processes), over a RemoteCore, until
+the core says stop (or is gone); ignores SIGINT and SIGTERM, which are the core's to act on."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +40,8 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
                                               max_message_bytes=options["max_body_bytes"],
                                               max_metadata_bytes=options["max_head_bytes"],
                                               max_tensor_elements=options["max_tensor_elements"],
-                                              admin=RemoteAdmin(core), reuse_port=True)
+                                              admin=RemoteAdmin(core), reuse_port=True, listen=listen,
+                                              implementation=options.get("grpc_server", "gpud"))
         core.ready()
         try:
             await stop.wait()
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpud-frontend", description="gpud front-end process (started by gpud)")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--link-fd", type=int, required=True)
-    parser.add_argument("--listen-fd", type=int, default=-1, help="the HTTP listening socket (gRPC binds its own)")
+    parser.add_argument("--listen-fd", type=int, default=-1,
+                        help="the listening socket (gRPC on grpcio binds its own)")
     parser.add_argument("--options", required=True, help="JSON")
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)

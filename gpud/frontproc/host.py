@@ -76,8 +76,8 @@ class FrontendProcess:
 class FrontendHost:
     def __init__(self, core: GpudCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
                  log_level: int = logging.INFO):
-        """`listen`: HTTP's listening socket, which the processes accept from; for gRPC (options["kind"]), the port's
-        socket the daemon holds (bound with SO_REUSEPORT, not listening), which the processes bind too."""
+        """`listen`: the listening socket the processes accept from; for gRPC on grpcio (options["grpc_server"]),
+        the port's socket the daemon holds (bound with SO_REUSEPORT, not listening), which the processes bind too."""
         self.core = core
         self.admin = admin  # the admin rules (a reload changes its token): front ends ask it
         self.count = count
@@ -136,7 +136,9 @@ class FrontendHost:
 
     def _spawn(self, index: int) -> None:
         ours, theirs = socket.socketpair()
-        http = self.options["kind"] == "http"
+        # HTTP's processes, and gRPC's on gpud's own server, accept on the daemon's listening socket; grpcio's bind
+        # the port themselves (SO_REUSEPORT)
+        http = self.options["kind"] == "http" or self.options.get("grpc_server") == "gpud"
         cmd = [sys.executable, "-m", "gpud.frontproc.child", "--index", str(index), "--link-fd", str(theirs.fileno()),
                *(["--listen-fd", str(self.listen.fileno())] if http else []), "--options", json.dumps(self.options),
                "--log-level", str(self.log_level)]

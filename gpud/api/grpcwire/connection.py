@@ -1,0 +1,589 @@
+"""One client connection of gpud's gRPC server: HTTP/2 framing, streams, flow control, and each call's task.
+
+A unary call runs when its request has ended (END_STREAM); its answer (headers, message, trailers) goes out in one
+write, with the other answers of the same event-loop turn. A streaming call runs from its headers on, its requests
+fed to the handler as they arrive. Errors a client causes end its stream with a status (or its connection, for a
+violation of HTTP/2), never the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from gpud.api.grpcwire import calls, frames
+from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageError, MessageReader, Method
+from gpud.api.grpcwire.hpack import Decoder, HpackError
+
+if TYPE_CHECKING:
+    from gpud.api.grpcwire.server import GrpcServer
+
+log = logging.getLogger("gpud.grpc")
+
+# What gpud lets a client send before it acknowledges: a stream's window, and the connection's. Received data is
+# acknowledged when it is read (the message limit bounds what one call holds), once half a window is used.
+STREAM_WINDOW_BYTES = 4 * 2**20
+CONNECTION_WINDOW_BYTES = 16 * 2**20
+MAX_FRAME_BYTES = 2**20  # the largest frame a client may send (advertised; HTTP/2's default is 16 KiB)
+MAX_CONCURRENT_STREAMS = 1024
+
+_END = object()  # the end of a streaming call's requests
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class _Stream:
+    __slots__ = ("id", "method", "context", "reader", "request", "requests", "task", "remote_closed", "done",
+                 "send_window", "unacked", "pending", "headers_sent", "deadline", "writable")
+
+    def __init__(self, stream_id: int, send_window: int):
+        self.id = stream_id
+        self.method: Method | None = None
+        self.context: CallContext | None = None
+        self.reader: MessageReader | None = None
+        self.request: bytes | None = None  # a unary call's request, once in
+        self.requests: asyncio.Queue | None = None  # a streaming call's requests
+        self.task: asyncio.Task | None = None
+        self.remote_closed = False
+        self.done = False  # this side has sent its end (trailers or a reset)
+        self.send_window = send_window
+        self.unacked = 0  # received bytes not yet acknowledged by a WINDOW_UPDATE
+        self.pending: list[bytes] = []  # DATA payload bytes waiting for window; then the trailers' block, if any
+        self.headers_sent = False
+        self.deadline: asyncio.TimerHandle | None = None
+        self.writable: asyncio.Event | None = None  # set when a streaming call's output is no longer blocked
+
+
+class GrpcConnection(asyncio.Protocol):
+    def __init__(self, server: GrpcServer):
+        self._server = server
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._preface = False
+        self._decoder = Decoder()
+        self._streams: dict[int, _Stream] = {}
+        self._last_stream_id = 0
+        self._send_window = frames.DEFAULT_WINDOW_BYTES  # the connection's, for DATA this side sends
+        self._peer_stream_window = frames.DEFAULT_WINDOW_BYTES
+        self._peer_max_frame = frames.DEFAULT_MAX_FRAME_BYTES
+        self._unacked = 0
+        self._continuation: tuple[int, int, list[bytes]] | None = None  # a header block in pieces
+        self._blocked: dict[int, _Stream] = {}
+        self._out: list[bytes] = []
+        self._flush_scheduled = False
+        self._going_away = False
+        self.peer = "unknown"
+        self.idle = asyncio.Event()  # no stream open: set when the server may close the connection
+        self.idle.set()
+
+    # --- asyncio.Protocol ------------------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self.peer = calls.peer_string(transport.get_extra_info("peername"))
+        self._server.connections.add(self)
+        self._write(frames.settings_frame({
+            frames.SETTINGS_MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+            frames.SETTINGS_INITIAL_WINDOW_SIZE: STREAM_WINDOW_BYTES,
+            frames.SETTINGS_MAX_FRAME_SIZE: MAX_FRAME_BYTES,
+            frames.SETTINGS_ENABLE_PUSH: 0,
+        }) + frames.window_update(0, CONNECTION_WINDOW_BYTES - frames.DEFAULT_WINDOW_BYTES))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._server.connections.discard(self)
+        for stream in list(self._streams.values()):
+            self._drop(stream)
+        self.idle.set()
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        i = 0
+        try:
+            if not self._preface:
+                if len(buffer) < len(frames.PREFACE):
+                    if not frames.PREFACE.startswith(bytes(buffer)):
+                        raise _ConnectionError(frames.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    return
+                if buffer[:len(frames.PREFACE)] != frames.PREFACE:
+                    raise _ConnectionError(frames.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                self._preface = True
+                i = len(frames.PREFACE)
+            n = len(buffer)
+            while n - i >= 9:
+                length = (buffer[i] << 16) | (buffer[i + 1] << 8) | buffer[i + 2]
+                if length > MAX_FRAME_BYTES:
+                    raise _ConnectionError(frames.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                end = i + 9 + length
+                if end > n:
+                    break
+                kind, flags = buffer[i + 3], buffer[i + 4]
+                stream_id = int.from_bytes(buffer[i + 5:i + 9], "big") & 0x7FFFFFFF
+                payload = bytes(buffer[i + 9:end])
+                i = end
+                self._frame(kind, flags, stream_id, payload)
+                if self._transport is None:
+                    return
+        except _ConnectionError as exc:
+            log.info("gRPC connection from %s closed: %s", self.peer, exc)
+            self._close(exc.code, str(exc))
+            return
+        del buffer[:i]
+
+    def pause_writing(self) -> None:  # the transport's buffer fills: flow control bounds what streams queue
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # --- frames in -------------------------------------------------------------------------------------------------
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._continuation is not None and kind != frames.CONTINUATION:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, "a header block interrupted")
+        if kind == frames.DATA:
+            self._on_data(flags, stream_id, payload)
+        elif kind == frames.HEADERS:
+            self._on_headers(flags, stream_id, payload)
+        elif kind == frames.CONTINUATION:
+            if self._continuation is None or self._continuation[0] != stream_id:
+                raise _ConnectionError(frames.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            first_id, first_flags, pieces = self._continuation
+            pieces.append(payload)
+            if flags & frames.END_HEADERS:
+                self._continuation = None
+                self._on_header_block(stream_id, first_flags, b"".join(pieces))
+            elif sum(map(len, pieces)) > self._server.max_metadata_bytes + 65536:
+                raise _ConnectionError(frames.PROTOCOL_ERROR, "a header block over the metadata limit")
+        elif kind == frames.SETTINGS:
+            self._on_settings(flags, stream_id, payload)
+        elif kind == frames.WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == frames.PING:
+            if len(payload) != 8 or stream_id:
+                raise _ConnectionError(frames.FRAME_SIZE_ERROR if len(payload) != 8 else frames.PROTOCOL_ERROR,
+                                       "a malformed PING")
+            if not flags & frames.ACK:
+                self._write(frames.frame(frames.PING, frames.ACK, 0, payload))
+        elif kind == frames.RST_STREAM:
+            if not stream_id or len(payload) != 4:
+                raise _ConnectionError(frames.PROTOCOL_ERROR, "a malformed RST_STREAM")
+            stream = self._streams.get(stream_id)
+            if stream is not None:
+                self._drop(stream)
+        elif kind == frames.GOAWAY:
+            self._going_away = True  # the client opens no more streams; the open ones finish
+        elif kind == frames.PUSH_PROMISE:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # PRIORITY and unknown frame types are ignored, as HTTP/2 asks
+
+    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, "DATA on stream 0")
+        self._unacked += len(payload)
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.remote_closed:
+            if stream_id > self._last_stream_id:
+                raise _ConnectionError(frames.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            if self._unacked >= CONNECTION_WINDOW_BYTES // 2:
+                self._write(frames.window_update(0, self._unacked))
+                self._unacked = 0
+            return  # a stream this side ended or reset: its data is dropped (and counted for the connection)
+        if self._unacked >= CONNECTION_WINDOW_BYTES // 2:  # acknowledged once half a window is used
+            self._write(frames.window_update(0, self._unacked))
+            self._unacked = 0
+        stream.unacked += len(payload)
+        if stream.unacked >= STREAM_WINDOW_BYTES // 2 and not flags & frames.END_STREAM:
+            self._write(frames.window_update(stream_id, stream.unacked))
+            stream.unacked = 0
+        if flags & frames.PADDED:
+            payload = _unpad(payload)
+        if stream.reader is not None and payload and not stream.done:
+            try:
+                messages = stream.reader.feed(payload)
+            except MessageError as exc:
+                self._finish(stream, exc.code, exc.details)
+                messages = []
+            for message in messages:
+                if stream.requests is not None:
+                    stream.requests.put_nowait(message)
+                elif stream.request is None:
+                    stream.request = message
+                else:
+                    self._finish(stream, calls.UNIMPLEMENTED, "more than one request message for a unary method")
+                    break
+        if flags & frames.END_STREAM:
+            self._remote_end(stream)
+
+    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if not stream_id:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, "HEADERS on stream 0")
+        if flags & frames.PADDED:
+            payload = _unpad(payload)
+        if flags & frames.PRIORITY_FLAG:
+            payload = payload[5:]
+        if not flags & frames.END_HEADERS:
+            self._continuation = (stream_id, flags, [payload])
+            return
+        self._on_header_block(stream_id, flags, payload)
+
+    def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        try:
+            headers = self._decoder.decode(block)  # always, so that the decoder's table stays in step
+        except HpackError as exc:
+            raise _ConnectionError(frames.COMPRESSION_ERROR, str(exc)) from None
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # the client's trailers: the end of its requests
+            if not flags & frames.END_STREAM:
+                raise _ConnectionError(frames.PROTOCOL_ERROR, "a second header block without END_STREAM")
+            self._remote_end(stream)
+            return
+        if stream_id % 2 == 0:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, f"HEADERS opening stream {stream_id}")
+        if stream_id <= self._last_stream_id:
+            return  # a stream this side has ended or reset: what was in flight is ignored
+        self._last_stream_id = stream_id
+        if self._going_away or self._server.stopping or len(self._streams) >= MAX_CONCURRENT_STREAMS:
+            self._write(frames.rst_stream(stream_id, frames.REFUSED_STREAM))
+            return
+        stream = _Stream(stream_id, self._peer_stream_window)
+        self._streams[stream_id] = stream
+        self.idle.clear()
+        if flags & frames.END_STREAM:
+            stream.remote_closed = True
+        self._open(stream, headers)
+
+    def _open(self, stream: _Stream, headers: list[tuple[str, str]]) -> None:
+        server = self._server
+        path = method_name = content_type = encoding = timeout = None
+        size = 0
+        for name, value in headers:
+            size += len(name) + len(value) + 32
+            if name == ":path":
+                path = value
+            elif name == ":method":
+                method_name = value
+            elif name == "content-type":
+                content_type = value
+            elif name == "grpc-encoding":
+                encoding = value
+            elif name == "grpc-timeout":
+                timeout = value
+        if method_name != "POST":
+            self._refuse(stream, 405)
+            return
+        if content_type is None or not content_type.startswith("application/grpc"):
+            self._refuse(stream, 415)
+            return
+        if size > server.max_metadata_bytes:
+            self._finish(stream, calls.RESOURCE_EXHAUSTED,
+                         f"received metadata of {size} bytes, over the limit of {server.max_metadata_bytes}")
+            return
+        method = server.methods.get(path or "")
+        if method is None:
+            self._finish(stream, calls.UNIMPLEMENTED, f"Method not found: {path}")
+            return
+        if encoding is not None and encoding not in calls.SUPPORTED_ENCODINGS:
+            self._finish(stream, calls.UNIMPLEMENTED, f"grpc-encoding '{encoding}' is not supported")
+            return
+        stream.method = method
+        stream.context = CallContext(headers, self.peer)
+        stream.reader = MessageReader(server.max_message_bytes, encoding)
+        if timeout is not None:
+            seconds = calls.timeout_seconds(timeout)
+            if seconds is not None:
+                stream.deadline = self._loop.call_later(seconds, self._expire, stream)
+        if method.client_streaming:
+            stream.requests = asyncio.Queue()
+            stream.task = self._loop.create_task(self._run_streaming(stream, method))
+            if stream.remote_closed:
+                stream.requests.put_nowait(_END)
+        elif stream.remote_closed:
+            self._remote_end(stream)
+
+    def _remote_end(self, stream: _Stream) -> None:
+        if stream.remote_closed and stream.task is not None:
+            return
+        stream.remote_closed = True
+        if stream.done:
+            self._forget(stream)
+            return
+        if stream.reader is not None and stream.reader.partial:
+            self._finish(stream, calls.INTERNAL, "the request ended inside a message")
+            return
+        if stream.requests is not None:
+            stream.requests.put_nowait(_END)
+        elif stream.method is not None and stream.task is None:
+            if stream.request is None:
+                self._finish(stream, calls.UNIMPLEMENTED, "no request message for a unary method")
+                return
+            if stream.method.server_streaming:
+                stream.task = self._loop.create_task(self._run_streaming(stream, stream.method, stream.request))
+            else:
+                stream.task = self._loop.create_task(self._run_unary(stream, stream.method, stream.request))
+            stream.request = None
+
+    def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id or len(payload) % 6:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, "a malformed SETTINGS frame")
+        if flags & frames.ACK:
+            return
+        for key, value in frames.parse_settings(payload):
+            if key == frames.SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > frames.MAX_WINDOW_BYTES:
+                    raise _ConnectionError(frames.FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+                delta = value - self._peer_stream_window
+                self._peer_stream_window = value
+                for stream in self._streams.values():
+                    stream.send_window += delta
+            elif key == frames.SETTINGS_MAX_FRAME_SIZE:
+                if not frames.DEFAULT_MAX_FRAME_BYTES <= value <= 2**24 - 1:
+                    raise _ConnectionError(frames.PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
+                self._peer_max_frame = value
+        self._write(frames.frame(frames.SETTINGS, frames.ACK, 0))
+        self._pump_blocked()
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(frames.FRAME_SIZE_ERROR, "a malformed WINDOW_UPDATE")
+        increment = frames.u32(payload) & 0x7FFFFFFF
+        if stream_id == 0:
+            self._send_window += increment
+            if self._send_window > frames.MAX_WINDOW_BYTES:
+                raise _ConnectionError(frames.FLOW_CONTROL_ERROR, "the connection's window over 2^31-1")
+            self._pump_blocked()
+            return
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            stream.send_window += increment
+            if stream.pending:
+                self._pump(stream)
+
+    # --- calls -----------------------------------------------------------------------------------------------------
+    async def _run_unary(self, stream: _Stream, method: Method, request: bytes) -> None:
+        try:
+            response = await method.handler(method.parse(request), stream.context)
+            message = method.serialize(response)
+        except CallAborted as exc:
+            self._finish(stream, exc.code, exc.details)
+        except Exception as exc:  # noqa: BLE001 - a handler's bug answers INTERNAL; the server goes on
+            log.error("gRPC call on %s failed", _path_of(stream), exc_info=exc)
+            self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
+        else:
+            self._answer(stream, message)
+
+    async def _run_streaming(self, stream: _Stream, method: Method, request: bytes = b"") -> None:
+        """A call with a stream either way; `request`: the one request of a call that streams only answers."""
+        try:
+            argument: Any
+            if method.client_streaming:
+                argument = self._requests(stream, method)
+            else:
+                argument = method.parse(request)
+            if method.server_streaming:
+                async for response in method.handler(argument, stream.context):
+                    if stream.done:
+                        return
+                    self._send_message(stream, method.serialize(response))
+                    if stream.pending:  # the client reads slower than the handler answers: wait for its window
+                        stream.writable = stream.writable or asyncio.Event()
+                        stream.writable.clear()
+                        await stream.writable.wait()
+            else:
+                self._send_message(stream, method.serialize(await method.handler(argument, stream.context)))
+        except CallAborted as exc:
+            self._finish(stream, exc.code, exc.details)
+        except Exception as exc:  # noqa: BLE001
+            log.error("gRPC call on %s failed", _path_of(stream), exc_info=exc)
+            self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
+        else:
+            self._finish(stream, calls.OK, "")
+
+    async def _requests(self, stream: _Stream, method: Method):
+        assert stream.requests is not None
+        while (message := await stream.requests.get()) is not _END:
+            yield method.parse(message)
+
+    def _expire(self, stream: _Stream) -> None:
+        stream.deadline = None
+        if stream.done:
+            return
+        if stream.task is not None:
+            stream.task.cancel()
+        self._finish(stream, calls.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    # --- frames out ------------------------------------------------------------------------------------------------
+    def _answer(self, stream: _Stream, message: bytes) -> None:
+        """A unary call's whole answer, in one write when the windows allow it (almost always)."""
+        if stream.done:
+            return
+        if len(message) > self._server.max_message_bytes:
+            self._finish(stream, calls.RESOURCE_EXHAUSTED,
+                         f"Sent message larger than max ({len(message)} vs. {self._server.max_message_bytes})")
+            return
+        body = b"\x00" + len(message).to_bytes(4, "big") + message
+        n = len(body)
+        if n <= self._peer_max_frame and n <= self._send_window and n <= stream.send_window:
+            self._send_window -= n
+            stream.send_window -= n
+            stream.headers_sent = stream.done = True
+            sid = stream.id
+            self._write(b"".join((
+                frames.frame_head(frames.HEADERS, frames.END_HEADERS, sid, len(frames.RESPONSE_HEADERS)),
+                frames.RESPONSE_HEADERS,
+                frames.frame_head(frames.DATA, 0, sid, n), body,
+                frames.frame_head(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, sid,
+                                  len(frames.STATUS_OK_TRAILERS)),
+                frames.STATUS_OK_TRAILERS)))
+            self._closed(stream)
+            return
+        self._send_message(stream, message, framed=body)
+        self._finish(stream, calls.OK, "")
+
+    def _send_message(self, stream: _Stream, message: bytes, framed: bytes | None = None) -> None:
+        if stream.done:
+            return
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            self._write(frames.frame(frames.HEADERS, frames.END_HEADERS, stream.id, frames.RESPONSE_HEADERS))
+        stream.pending.append(framed if framed is not None else
+                              b"\x00" + len(message).to_bytes(4, "big") + message)
+        self._pump(stream)
+
+    def _finish(self, stream: _Stream, code: int, details: str) -> None:
+        """End the call with a status: after its messages (trailers), or alone (trailers-only)."""
+        if stream.done:
+            return
+        stream.done = True
+        if stream.task is not None and code != calls.OK and asyncio.current_task() is not stream.task:
+            stream.task.cancel()
+        status = frames.status_block(code, details)
+        if stream.headers_sent:
+            stream.pending.append(status)  # the trailers go after the data that waits for window
+            self._pump(stream)
+            return
+        stream.headers_sent = True
+        self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
+                                 frames.RESPONSE_HEADERS + status))
+        self._closed(stream)
+
+    def _refuse(self, stream: _Stream, http_status: int) -> None:
+        """Not a gRPC request: an HTTP status alone."""
+        stream.done = stream.headers_sent = True
+        self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
+                                 frames.http_status_block(http_status)))
+        self._closed(stream)
+
+    def _pump(self, stream: _Stream) -> None:
+        """Send what the windows allow of the stream's waiting output; its trailers once the data is out."""
+        pending = stream.pending
+        while pending:
+            item = pending[0]
+            if stream.done and len(pending) == 1:  # the trailers' block (the last item once the call is done)
+                pending.clear()
+                self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id, item))
+                self._blocked.pop(stream.id, None)
+                self._closed(stream)
+                return
+            allowed = min(len(item), self._send_window, stream.send_window, self._peer_max_frame)
+            if allowed <= 0:
+                self._blocked[stream.id] = stream
+                return
+            self._write(frames.frame_head(frames.DATA, 0, stream.id, allowed) + item[:allowed])
+            self._send_window -= allowed
+            stream.send_window -= allowed
+            if allowed == len(item):
+                pending.pop(0)
+            else:
+                pending[0] = item[allowed:]
+        self._blocked.pop(stream.id, None)
+        if stream.writable is not None:
+            stream.writable.set()
+
+    def _pump_blocked(self) -> None:
+        for stream in list(self._blocked.values()):
+            self._pump(stream)
+            if self._send_window <= 0:
+                return
+
+    def _closed(self, stream: _Stream) -> None:
+        """This side has sent its end of the stream."""
+        if stream.deadline is not None:
+            stream.deadline.cancel()
+            stream.deadline = None
+        if not stream.remote_closed:
+            # the client may still be sending (an early error): tell it to stop; the stream is over
+            self._write(frames.rst_stream(stream.id, frames.NO_ERROR))
+            stream.remote_closed = True
+        self._forget(stream)
+
+    def _forget(self, stream: _Stream) -> None:
+        self._streams.pop(stream.id, None)
+        self._blocked.pop(stream.id, None)
+        if not self._streams:
+            self.idle.set()
+
+    def _drop(self, stream: _Stream) -> None:
+        """The client reset the stream (or the connection is gone): stop its call, send nothing more."""
+        stream.done = stream.remote_closed = True
+        if stream.deadline is not None:
+            stream.deadline.cancel()
+            stream.deadline = None
+        if stream.task is not None:
+            stream.task.cancel()
+        if stream.writable is not None:
+            stream.writable.set()
+        self._forget(stream)
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is None:
+            return
+        self._out.append(data)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        if self._transport is not None and out:
+            self._transport.write(b"".join(out) if len(out) > 1 else out[0])
+
+    # --- stopping --------------------------------------------------------------------------------------------------
+    def go_away(self) -> None:
+        """No new streams (GOAWAY naming the last one this side took); the open ones finish."""
+        if self._transport is not None:
+            self._write(frames.goaway(self._last_stream_id, frames.NO_ERROR))
+
+    def abort(self) -> None:
+        """Cancel what is still running and close."""
+        for stream in list(self._streams.values()):
+            if not stream.done:
+                self._finish(stream, calls.UNAVAILABLE, "the server is shutting down")
+            self._drop(stream)
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+
+    def _close(self, code: int, message: str) -> None:
+        self._write(frames.goaway(self._last_stream_id, code, message.encode()[:256]))
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload:
+        raise _ConnectionError(frames.PROTOCOL_ERROR, "a padded frame without its pad length")
+    pad = payload[0]
+    if pad >= len(payload):
+        raise _ConnectionError(frames.PROTOCOL_ERROR, "padding as long as the frame")
+    return payload[1:len(payload) - pad]
+
+
+def _path_of(stream: _Stream) -> str:
+    return f"stream {stream.id}"

@@ -1,0 +1,55 @@
+"""gpud's gRPC server: listens, holds the connections, stops gracefully (GOAWAY, the open calls finish within the
+grace, then the rest are answered UNAVAILABLE)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from gpud.api.grpcwire.calls import Method
+from gpud.api.grpcwire.connection import GrpcConnection
+
+log = logging.getLogger("gpud.grpc")
+
+
+class GrpcServer:
+    def __init__(self, methods: dict[str, Method], *, max_message_bytes: int, max_metadata_bytes: int):
+        """`methods`: by path ("/package.Service/Method")."""
+        self.methods = methods
+        self.max_message_bytes = max_message_bytes
+        self.max_metadata_bytes = max_metadata_bytes
+        self.connections: set[GrpcConnection] = set()
+        self.stopping = False
+        self.bound_port = 0
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
+        """Listen on host:port (0: an ephemeral port; `bound_port` says which). OSError when it cannot bind."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: GrpcConnection(self), host, port, backlog=1024,
+                                                reuse_port=reuse_port or None)
+        self.bound_port = self._server.sockets[0].getsockname()[1]
+
+    async def start_socket(self, listen: socket.socket) -> None:
+        """Accept on a socket already bound and listening (a front-end process's, shared with its siblings)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: GrpcConnection(self), sock=listen, backlog=1024)
+        self.bound_port = listen.getsockname()[1]
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop accepting; the open calls get `grace` seconds (None: none) to finish, then are answered
+        UNAVAILABLE and their connections closed. grpc.aio's Server.stop, in effect."""
+        self.stopping = True
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.go_away()
+        if grace and self.connections:
+            waits = [asyncio.ensure_future(c.idle.wait()) for c in list(self.connections)]
+            _, pending = await asyncio.wait(waits, timeout=grace)
+            for wait in pending:
+                wait.cancel()
+        for connection in list(self.connections):
+            connection.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
