@@ -428,3 +428,22 @@ def test_raw_protocol_violations_close_the_connection_with_goaway(server):
     assert int.from_bytes(payload[4:8], "big") == frames.COMPRESSION_ERROR
     with grpc.insecure_channel(server.url) as ch:  # the server goes on
         assert _unary(ch, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
+
+
+def test_raw_incomplete_messages_are_bounded_per_connection():
+    """Each stream's half-sent message is within the limit; together over twice it, the stream that passes the
+    bound is refused, the others go on."""
+    small = ServerThread(max_message_bytes=1000)
+    try:
+        raw = Raw(small.url)
+        decoder = hpack.Decoder()
+        for stream_id in (1, 3, 5):
+            raw.send(raw.headers(stream_id, GRPC_HEADERS)
+                     + frames.frame(frames.DATA, 0, stream_id, b"\x00" + (1000).to_bytes(4, "big") + b"p" * 900))
+        _, _, stream_id, block = raw.until(frames.HEADERS)
+        assert stream_id == 5 and ("grpc-status", "8") in decoder.decode(block)
+        raw.send(frames.frame(frames.DATA, frames.END_STREAM, 1, b"q" * 100))
+        _, _, stream_id, payload = raw.until(frames.DATA)
+        assert stream_id == 1 and payload == _framed(b"p" * 900 + b"q" * 100)
+    finally:
+        small.close()

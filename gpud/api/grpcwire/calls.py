@@ -151,6 +151,11 @@ class MessageReader:
     def partial(self) -> bool:
         return bool(self._chunks)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """What the incomplete message holds so far."""
+        return self._have if self._chunks else 0
+
     def _decompress(self, message: bytes) -> bytes:
         if self._encoding in ("gzip", "deflate"):
             inflater = zlib.decompressobj(wbits=31 if self._encoding == "gzip" else 15)

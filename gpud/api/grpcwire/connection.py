@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from gpud.api.grpcwire import calls, frames
 from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageError, MessageReader, Method
 from gpud.api.grpcwire.hpack import Decoder, HpackError
-
-if TYPE_CHECKING:
-    from gpud.api.grpcwire.server import GrpcServer
 
 log = logging.getLogger("gpud.grpc")
 
@@ -28,6 +25,16 @@ MAX_FRAME_BYTES = 2**20  # the largest frame a client may send (advertised; HTTP
 MAX_CONCURRENT_STREAMS = 1024
 
 _END = object()  # the end of a streaming call's requests
+
+
+class ServerSide(Protocol):
+    """What a connection reads of its server (gpud.api.grpcwire.server.GrpcServer)."""
+
+    methods: dict[str, Method]
+    max_message_bytes: int
+    max_metadata_bytes: int
+    connections: set[GrpcConnection]
+    stopping: bool
 
 
 class _ConnectionError(Exception):
@@ -59,7 +66,7 @@ class _Stream:
 
 
 class GrpcConnection(asyncio.Protocol):
-    def __init__(self, server: GrpcServer):
+    def __init__(self, server: ServerSide):
         self._server = server
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
@@ -72,6 +79,7 @@ class GrpcConnection(asyncio.Protocol):
         self._peer_stream_window = frames.DEFAULT_WINDOW_BYTES
         self._peer_max_frame = frames.DEFAULT_MAX_FRAME_BYTES
         self._unacked = 0
+        self._buffered = 0  # bytes of incomplete messages, over all streams
         self._continuation: tuple[int, int, list[bytes]] | None = None  # a header block in pieces
         self._blocked: dict[int, _Stream] = {}
         self._out: list[bytes] = []
@@ -203,10 +211,21 @@ class GrpcConnection(asyncio.Protocol):
         if flags & frames.PADDED:
             payload = _unpad(payload)
         if stream.reader is not None and payload and not stream.done:
+            reader = stream.reader
+            before = reader.buffered_bytes
+            error: MessageError | None = None
             try:
-                messages = stream.reader.feed(payload)
+                messages = reader.feed(payload)
             except MessageError as exc:
-                self._finish(stream, exc.code, exc.details)
+                error, messages = exc, []
+            self._buffered += reader.buffered_bytes - before
+            if error is not None:
+                self._finish(stream, error.code, error.details)
+            elif self._buffered > 2 * self._server.max_message_bytes:
+                # Each message is within the limit, but the connection's streams together hold more than two: one
+                # client must not hold the daemon's memory with many half-sent messages.
+                self._finish(stream, calls.RESOURCE_EXHAUSTED, "the connection's incomplete messages hold over "
+                             f"{2 * self._server.max_message_bytes} bytes; send fewer large messages at once")
                 messages = []
             for message in messages:
                 if stream.requests is not None:
@@ -522,6 +541,9 @@ class GrpcConnection(asyncio.Protocol):
         self._forget(stream)
 
     def _forget(self, stream: _Stream) -> None:
+        if stream.reader is not None:
+            self._buffered -= stream.reader.buffered_bytes
+            stream.reader = None
         self._streams.pop(stream.id, None)
         self._blocked.pop(stream.id, None)
         if not self._streams:
