@@ -464,13 +464,13 @@ def run_wrk(wrk: str, server: Server, target: Target, model: str, c: int, second
 
 def run_perf_analyzer(pa: str, server: Server, model: str, c: int, seconds: float, workdir: str,
                       extra_args: tuple[str, ...] = ()) -> dict:
-    """perf_analyzer over gRPC, async mode; three windows of seconds/3 (reported: their average)."""
+    """perf_analyzer over gRPC, async mode; windows of seconds/3 until three agree, at most ten (reported: the last three's average)."""
     csv = os.path.join(workdir, "pa.csv")
     if os.path.exists(csv):
         os.remove(csv)
     window_ms = max(500, int(seconds * 1000 / 3))
     cmd = [pa, "-m", model, "-u", f"127.0.0.1:{server.grpc_port}", "-i", "grpc", "--async",
-           "--concurrency-range", str(c), "-p", str(window_ms), "-s", "100", "-r", "3", "-f", csv, *extra_args]
+           "--concurrency-range", str(c), "-p", str(window_ms), "-s", "100", "-r", "10", "-f", csv, *extra_args]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0 or not os.path.exists(csv):
         raise RuntimeError(f"perf_analyzer failed ({out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-2000:]}")
