@@ -447,3 +447,44 @@ def test_raw_incomplete_messages_are_bounded_per_connection():
         assert stream_id == 1 and payload == _framed(b"p" * 900 + b"q" * 100)
     finally:
         small.close()
+
+
+_frame_kinds = st.sampled_from([frames.DATA, frames.HEADERS, frames.PRIORITY, frames.RST_STREAM, frames.SETTINGS,
+                                frames.PING, frames.GOAWAY, frames.WINDOW_UPDATE, frames.CONTINUATION, 0x42])
+_stream_ids = st.sampled_from([0, 1, 2, 3, 5, 7, 2**31 - 1])
+
+
+def _valid_headers_block() -> bytes:
+    return hpack.Encoder().encode(GRPC_HEADERS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(_frame_kinds, st.integers(0, 255), _stream_ids,
+                          st.one_of(st.binary(max_size=40), st.just(_valid_headers_block()),
+                                    st.just(_framed(b"x")))), max_size=12))
+def test_raw_frame_sequences_never_break_the_server(fuzz_server, sequence):
+    """Any frames at all after the preface: the connection answers or closes, the server's loop logs no exception,
+    and a well-formed call on a new connection is answered."""
+    raw = Raw(fuzz_server.url)
+    raw.sock.settimeout(2.0)
+    raw.send(b"".join(frames.frame(kind, flags, sid, payload) for kind, flags, sid, payload in sequence))
+    raw.send(frames.frame(frames.PING, 0, 0, b"fuzzping"))
+    try:  # the PING's answer, or the connection's end
+        while (f := raw.read_frame()) is not None and not (f[0] == frames.PING and f[3] == b"fuzzping"):
+            pass
+    except (ConnectionResetError, socket.timeout):
+        pass
+    raw.sock.close()
+    with grpc.insecure_channel(fuzz_server.url) as ch:
+        assert _unary(ch, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
+    assert fuzz_server.errors == []
+
+
+@pytest.fixture(scope="module")
+def fuzz_server():
+    running = ServerThread()
+    running.errors = []
+    running.loop.call_soon_threadsafe(running.loop.set_exception_handler,
+                                      lambda loop, context: running.errors.append(context))
+    yield running
+    running.close()
