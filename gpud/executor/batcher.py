@@ -254,6 +254,9 @@ class _Config:
     priority_levels: int = field(init=False)
     default_level: int = field(init=False)  # where priority 0 queues
     max_rows: int = field(init=False)  # a model that does not batch takes one "row": the whole request
+    # What a request with neither a priority nor a timeout of its own gets (most requests): its level, the level's
+    # policy, its timeout and the level's size limit, worked out here instead of on each of them.
+    plain: tuple[int, QueuePolicy, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         db = self.dynamic_batching
@@ -261,6 +264,10 @@ class _Config:
         object.__setattr__(self, "priority_levels", db.priority_levels if db else 0)
         object.__setattr__(self, "default_level", db.default_priority_level if db else 0)
         object.__setattr__(self, "max_rows", max(1, self.max_batch_size))
+        level = resolve_level(0, self.priority_levels, self.default_level)
+        policy = self.policy(level)
+        object.__setattr__(self, "plain", (level, policy, effective_timeout_us(0, policy),
+                                           policy.max_queue_size or self.default_max_queue_size))
 
     def policy(self, level: int) -> QueuePolicy:
         # Without dynamic batching Triton has no queue policy: no size limit, no timeouts.
@@ -437,18 +444,22 @@ class BatchQueue:
             raise InferenceError(
                 ErrorKind.INVALID_ARGUMENT, f"inference request batch-size must be <= {max_rows}, got {req.batch_rows}"
             )
-        level = resolve_level(req.priority, cfg.priority_levels, cfg.default_level)
-        policy = cfg.policy(level)
-        timeout_us = effective_timeout_us(req.timeout_us, policy)
+        if req.priority == 0 and req.timeout_us == 0:
+            level, policy, timeout_us, limit = cfg.plain
+        else:
+            level = resolve_level(req.priority, cfg.priority_levels, cfg.default_level)
+            policy = cfg.policy(level)
+            timeout_us = effective_timeout_us(req.timeout_us, policy)
+            limit = policy.max_queue_size or cfg.default_max_queue_size
         queue = self._levels.get(level)
-        queued_at_level = len(queue) if queue is not None else 0
-        limit = policy.max_queue_size or cfg.default_max_queue_size
-        if limit and queued_at_level >= limit:
-            raise InferenceError(
-                ErrorKind.UNAVAILABLE,
-                f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level {level}"
-                + ("" if policy.max_queue_size else "; the daemon's --default-max-queue-size") + ")",
-            )
+        if limit:
+            queued_at_level = len(queue) if queue is not None else 0
+            if queued_at_level >= limit:
+                raise InferenceError(
+                    ErrorKind.UNAVAILABLE,
+                    f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level "
+                    f"{level}" + ("" if policy.max_queue_size else "; the daemon's --default-max-queue-size") + ")",
+                )
 
         now_s = self._clock()
         self._lone_gap_s = None if self._last_arrival_s is None else now_s - self._last_arrival_s

@@ -433,7 +433,7 @@ class SchedulerBase:
                 else:
                     queue_ns += [p.dispatch_ns - p.arrival_ns] * p.members
                     request_ns += [now_ns - p.arrival_ns] * p.members
-                p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
+                p.finish(InferResponse(name, version, tensors, p.request.id, {}, compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
         if self.objective is not None and batch:
             self._ran((now_ns - batch[0].dispatch_ns) / 1e9)
