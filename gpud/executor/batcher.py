@@ -215,7 +215,7 @@ def choose_dispatch(
     The order follows Triton's GetDynamicBatch: a preferred prefix wins while the delay has not run out; once it
     has, the whole candidate goes (a late batch should be as large as it can be, not cut back to a preferred size).
     """
-    if not delay_exceeded:
+    if not delay_exceeded and preferred_batch_sizes:
         n = preferred_prefix_len(rows, preferred_batch_sizes)
         if n:
             return n, DispatchReason.PREFERRED
@@ -584,6 +584,15 @@ class BatchQueue:
     def _ordered(self, now_s: float | None) -> Iterator[QueuedRequest]:
         """Queued requests in dispatch order. With now_s, skips those whose REJECT deadline has passed: they are
         expire()'s to return, never a batch's (Triton's ApplyPolicy does the same while it forms a batch)."""
+        levels = self._levels
+        # The usual queue, one level and no request with a deadline (none in the heap: nothing to skip), read
+        # straight from its dicts (a decision reads the queue on each arrival while an instance is free)
+        if len(levels) == 1 and (now_s is None or not self._deadlines):
+            level = next(iter(levels.values()))
+            return itertools.chain(level.waiting, level.delayed) if level.delayed else iter(level.waiting)
+        return self._ordered_levels(now_s)
+
+    def _ordered_levels(self, now_s: float | None) -> Iterator[QueuedRequest]:
         cfg = self._config
         for level_no in sorted(self._levels):
             rejects = cfg.policy(level_no).timeout_action == "REJECT"
@@ -603,9 +612,19 @@ class BatchQueue:
         return ends_s
 
     def _dispatch(self, requests: list[QueuedRequest], reason: DispatchReason) -> Dispatch:
+        # _forget for each written out, and the heap's compaction checked once for the batch
+        levels, queued = self._levels, self._all
+        rows = 0
         for req in requests:
-            self._forget(req)
-        rows = sum(r.batch_rows for r in requests)
+            level = levels[req.level]
+            level.waiting.pop(req, None)
+            level.delayed.pop(req, None)
+            if not level.waiting and not level.delayed:
+                del levels[req.level]
+            del queued[req]
+            rows += req.batch_rows
+        self._pending_rows -= rows
+        self._compact_deadlines()
         # Smoothed, not the last batch alone: one small batch (a lone request between bursts) must not make every
         # following batch leave as soon as it is that small, which ratchets a flood down to batches of one or two.
         # Compared rounded: approaching a steady size from above, the average stays a fraction over it for long.
@@ -620,8 +639,11 @@ class BatchQueue:
             del self._levels[req.level]
         del self._all[req]
         self._pending_rows -= req.batch_rows
-        # Its heap entry goes stale; compact when stale entries dominate so a burst of dispatched requests with
-        # long timeouts does not keep the heap large.
+        self._compact_deadlines()
+
+    def _compact_deadlines(self) -> None:
+        # Heap entries of requests gone are stale; compact when stale entries dominate so a burst of dispatched
+        # requests with long timeouts does not keep the heap large.
         if self._deadlines and len(self._deadlines) > 2 * len(self._all) + 64:
             self._deadlines = [e for e in self._deadlines if self._is_live(e)]
             heapq.heapify(self._deadlines)

@@ -146,7 +146,7 @@ class FrontendHost:
         ours.setblocking(False)
         fp = FrontendProcess(index, proc, ours, started_s=time.monotonic())
         fp.serving = self._loop.create_future() if self._loop is not None else None
-        fp.reader = FrameReader(ours, lambda message: self._on_message(fp, message))
+        fp.reader = FrameReader(ours, partial(self._on_message, fp))
         fp.sender = Sender(ours, lambda: self._lost(fp))
         self.processes[index] = fp
         assert self._loop is not None
