@@ -68,7 +68,8 @@ class RegisteredVersion:
     def accepts_requests(self) -> bool:
         """Whether a request is queued for it: ready, or loaded with its instances down for now (a worker
         restarting, instances being placed elsewhere), whose scheduler bounds the wait (unready_wait_s)."""
-        return self.ready or (self.state is ModelState.READY and bool(self.instances))
+        # (ready, or loaded with instances not ready now: either way loaded with instances; asked on every request)
+        return self.state is ModelState.READY and bool(self.instances)
 
     @property
     def scaled_to_zero(self) -> bool:

@@ -215,7 +215,7 @@ def choose_dispatch(
     The order follows Triton's GetDynamicBatch: a preferred prefix wins while the delay has not run out; once it
     has, the whole candidate goes (a late batch should be as large as it can be, not cut back to a preferred size).
     """
-    if not delay_exceeded:
+    if not delay_exceeded and preferred_batch_sizes:
         n = preferred_prefix_len(rows, preferred_batch_sizes)
         if n:
             return n, DispatchReason.PREFERRED
@@ -254,6 +254,9 @@ class _Config:
     priority_levels: int = field(init=False)
     default_level: int = field(init=False)  # where priority 0 queues
     max_rows: int = field(init=False)  # a model that does not batch takes one "row": the whole request
+    # What a request with neither a priority nor a timeout of its own gets (most requests): its level, the level's
+    # policy, its timeout and the level's size limit, worked out here instead of on each of them.
+    plain: tuple[int, QueuePolicy, int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         db = self.dynamic_batching
@@ -261,6 +264,10 @@ class _Config:
         object.__setattr__(self, "priority_levels", db.priority_levels if db else 0)
         object.__setattr__(self, "default_level", db.default_priority_level if db else 0)
         object.__setattr__(self, "max_rows", max(1, self.max_batch_size))
+        level = resolve_level(0, self.priority_levels, self.default_level)
+        policy = self.policy(level)
+        object.__setattr__(self, "plain", (level, policy, effective_timeout_us(0, policy),
+                                           policy.max_queue_size or self.default_max_queue_size))
 
     def policy(self, level: int) -> QueuePolicy:
         # Without dynamic batching Triton has no queue policy: no size limit, no timeouts.
@@ -437,18 +444,22 @@ class BatchQueue:
             raise InferenceError(
                 ErrorKind.INVALID_ARGUMENT, f"inference request batch-size must be <= {max_rows}, got {req.batch_rows}"
             )
-        level = resolve_level(req.priority, cfg.priority_levels, cfg.default_level)
-        policy = cfg.policy(level)
-        timeout_us = effective_timeout_us(req.timeout_us, policy)
+        if req.priority == 0 and req.timeout_us == 0:
+            level, policy, timeout_us, limit = cfg.plain
+        else:
+            level = resolve_level(req.priority, cfg.priority_levels, cfg.default_level)
+            policy = cfg.policy(level)
+            timeout_us = effective_timeout_us(req.timeout_us, policy)
+            limit = policy.max_queue_size or cfg.default_max_queue_size
         queue = self._levels.get(level)
-        queued_at_level = len(queue) if queue is not None else 0
-        limit = policy.max_queue_size or cfg.default_max_queue_size
-        if limit and queued_at_level >= limit:
-            raise InferenceError(
-                ErrorKind.UNAVAILABLE,
-                f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level {level}"
-                + ("" if policy.max_queue_size else "; the daemon's --default-max-queue-size") + ")",
-            )
+        if limit:
+            queued_at_level = len(queue) if queue is not None else 0
+            if queued_at_level >= limit:
+                raise InferenceError(
+                    ErrorKind.UNAVAILABLE,
+                    f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level "
+                    f"{level}" + ("" if policy.max_queue_size else "; the daemon's --default-max-queue-size") + ")",
+                )
 
         now_s = self._clock()
         self._lone_gap_s = None if self._last_arrival_s is None else now_s - self._last_arrival_s
@@ -573,6 +584,15 @@ class BatchQueue:
     def _ordered(self, now_s: float | None) -> Iterator[QueuedRequest]:
         """Queued requests in dispatch order. With now_s, skips those whose REJECT deadline has passed: they are
         expire()'s to return, never a batch's (Triton's ApplyPolicy does the same while it forms a batch)."""
+        levels = self._levels
+        # The usual queue, one level and no request with a deadline (none in the heap: nothing to skip), read
+        # straight from its dicts (a decision reads the queue on each arrival while an instance is free)
+        if len(levels) == 1 and (now_s is None or not self._deadlines):
+            level = next(iter(levels.values()))
+            return itertools.chain(level.waiting, level.delayed) if level.delayed else iter(level.waiting)
+        return self._ordered_levels(now_s)
+
+    def _ordered_levels(self, now_s: float | None) -> Iterator[QueuedRequest]:
         cfg = self._config
         for level_no in sorted(self._levels):
             rejects = cfg.policy(level_no).timeout_action == "REJECT"
@@ -592,9 +612,19 @@ class BatchQueue:
         return ends_s
 
     def _dispatch(self, requests: list[QueuedRequest], reason: DispatchReason) -> Dispatch:
+        # _forget for each written out, and the heap's compaction checked once for the batch
+        levels, queued = self._levels, self._all
+        rows = 0
         for req in requests:
-            self._forget(req)
-        rows = sum(r.batch_rows for r in requests)
+            level = levels[req.level]
+            level.waiting.pop(req, None)
+            level.delayed.pop(req, None)
+            if not level.waiting and not level.delayed:
+                del levels[req.level]
+            del queued[req]
+            rows += req.batch_rows
+        self._pending_rows -= rows
+        self._compact_deadlines()
         # Smoothed, not the last batch alone: one small batch (a lone request between bursts) must not make every
         # following batch leave as soon as it is that small, which ratchets a flood down to batches of one or two.
         # Compared rounded: approaching a steady size from above, the average stays a fraction over it for long.
@@ -609,8 +639,11 @@ class BatchQueue:
             del self._levels[req.level]
         del self._all[req]
         self._pending_rows -= req.batch_rows
-        # Its heap entry goes stale; compact when stale entries dominate so a burst of dispatched requests with
-        # long timeouts does not keep the heap large.
+        self._compact_deadlines()
+
+    def _compact_deadlines(self) -> None:
+        # Heap entries of requests gone are stale; compact when stale entries dominate so a burst of dispatched
+        # requests with long timeouts does not keep the heap large.
         if self._deadlines and len(self._deadlines) > 2 * len(self._all) + 64:
             self._deadlines = [e for e in self._deadlines if self._is_live(e)]
             heapq.heapify(self._deadlines)

@@ -104,8 +104,8 @@ class DynamicScheduler(SchedulerBase):
         """`request` checked and queued; bad input and a full queue raise InferenceError and change nothing."""
         prepared = self._prepare(request)
         pending = Pending(request, prepared, done, time.perf_counter_ns(), members)
-        queued = QueuedRequest(payload=pending, batch_rows=prepared.batch_rows, shape_key=prepared.shape_key,
-                               priority=request.priority, timeout_us=request.timeout_us)
+        # (payload, batch_rows, shape_key, priority, timeout_us): by position, which a dataclass takes faster
+        queued = QueuedRequest(pending, prepared.batch_rows, prepared.shape_key, request.priority, request.timeout_us)
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
         return pending
@@ -122,7 +122,7 @@ class DynamicScheduler(SchedulerBase):
         # watch, a step would decide nothing (the batcher's Idle): the next instance free steps it.
         if not defer_step(self) and (self._free or self.queue.watches_deadlines):
             self.step()
-        if not self._free:
+        if not self._free and self._unready_timer is None:
             self._arm_unready_deadline()
         if self._running:
             now_s = time.perf_counter()

@@ -352,7 +352,7 @@ class SchedulerBase:
     @property
     def has_ready_instance(self) -> bool:
         """Whether any instance is ready: asked on every request, so it stops at the first."""
-        for inst in self.instances:
+        for inst in self._instances:
             if inst.ready:
                 return True
         return False
@@ -433,7 +433,13 @@ class SchedulerBase:
                 else:
                     queue_ns += [p.dispatch_ns - p.arrival_ns] * p.members
                     request_ns += [now_ns - p.arrival_ns] * p.members
-                p.finish(InferResponse(name, version, tensors, id=p.request.id, compute_ns=compute_ns))
+                if not p.finished:  # p.finish(response) written out: once per request
+                    p.finished = True
+                    p.queued = None
+                    try:
+                        p.done(InferResponse(name, version, tensors, p.request.id, {}, compute_ns))
+                    except Exception:  # one front end's bug must not stop the rest of the batch from being answered
+                        log.exception("answering request %r of model %s failed", p.request.id, p.request.model_name)
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
         if self.objective is not None and batch:
             self._ran((now_ns - batch[0].dispatch_ns) / 1e9)

@@ -12,7 +12,7 @@ from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 
 
-@dataclass
+@dataclass(slots=True)  # one per request: made and read faster with slots
 class PreparedRequest:
     inputs: dict[str, np.ndarray]  # in the model's input order
     batch_rows: int  # the request's batch size (1 for a model that does not batch)

@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from gpud.api.admin import AdminAuth
@@ -147,7 +148,7 @@ class FrontendHost:
         ours.setblocking(False)
         fp = FrontendProcess(index, proc, ours, started_s=time.monotonic())
         fp.serving = self._loop.create_future() if self._loop is not None else None
-        fp.reader = FrameReader(ours, lambda message: self._on_message(fp, message))
+        fp.reader = FrameReader(ours, partial(self._on_message, fp))
         fp.sender = Sender(ours, lambda: self._lost(fp))
         self.processes[index] = fp
         assert self._loop is not None
@@ -166,11 +167,17 @@ class FrontendHost:
             _, ident, wire, placed, token = message
             fp.submits[ident] = None  # answered before submit returns: the entry is gone, nothing to keep
             try:
-                where = {name: self._slice(fp, at) for name, at in placed.items()} if placed else None
+                where = None
+                if placed:  # the cached lookups written out: this runs for every request
+                    slices = fp.slices
+                    where = {}
+                    for name, at in placed.items():
+                        where[name] = slices.get(at) or self._slice(fp, at)
                 request = request_of(wire)
                 if token is not None:
-                    request.signature = self._signature(fp, token)
-                cancel = self.core.submit(request, lambda result: self._answer(fp, ident, result), placed=where)
+                    request.signature = fp.signatures.get(token) or self._signature(fp, token)
+                # a partial, not a lambda: the answer goes straight to _answer, one Python frame fewer
+                cancel = self.core.submit(request, partial(self._answer, fp, ident), placed=where)
             except InferenceError as exc:
                 self._answer(fp, ident, exc)
                 return
@@ -201,15 +208,15 @@ class FrontendHost:
         return _bounded_get(fp.signatures, token, SIGNATURES_MAX, object)
 
     def _answer(self, fp: FrontendProcess, ident: int, result: InferResponse | InferenceError) -> None:
-        if fp.submits.pop(ident, 0) == 0 or not fp.alive:
+        if fp.submits.pop(ident, 0) == 0 or not fp.alive or fp.sender is None:
             return  # withdrawn, or its process is gone
         if isinstance(result, InferResponse):
             for tensor in result.outputs:
                 if tensor.shm is not None:  # in the client's region: only the shape travels
                     tensor.data = NO_DATA
-            self._send(fp, ("answer", ident, True, response_wire(result, fp.handed.append)))
+            fp.sender.put(("answer", ident, True, response_wire(result, fp.handed.append)))
         else:
-            self._send(fp, ("answer", ident, False, result))
+            fp.sender.put(("answer", ident, False, result))
 
     def _call(self, fp: FrontendProcess, ident: int, method: str, args: tuple) -> None:
         try:
