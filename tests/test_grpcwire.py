@@ -488,3 +488,17 @@ def fuzz_server():
                                       lambda loop, context: running.errors.append(context))
     yield running
     running.close()
+
+
+def test_raw_a_client_that_shrinks_its_header_table_is_told_ours_is_empty(server):
+    raw = Raw(server.url)
+    raw.send(frames.settings_frame({frames.SETTINGS_HEADER_TABLE_SIZE: 0}))
+    decoder = hpack.Decoder()
+    decoder.header_table_size = 0
+    for stream_id in (1, 3):
+        raw.send(raw.headers(stream_id, GRPC_HEADERS) + frames.frame(frames.DATA, frames.END_STREAM, stream_id,
+                                                                     _framed(b"t")))
+        _, _, _, block = raw.until(frames.HEADERS)
+        assert block.startswith(b"\x20") == (stream_id == 1)  # the first block after the change only
+        assert (":status", "200") in decoder.decode(block)
+        raw.until(frames.HEADERS)  # the trailers

@@ -85,6 +85,7 @@ class GrpcConnection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._flush_scheduled = False
         self._going_away = False
+        self._table_update = False  # the next header block sent signals an empty table (see _block)
         self.peer = "unknown"
         self.idle = asyncio.Event()  # no stream open: set when the server may close the connection
         self.idle.set()
@@ -359,6 +360,8 @@ class GrpcConnection(asyncio.Protocol):
                 self._peer_stream_window = value
                 for stream in self._streams.values():
                     stream.send_window += delta
+            elif key == frames.SETTINGS_HEADER_TABLE_SIZE:
+                self._table_update = value < frames.DEFAULT_TABLE_BYTES
             elif key == frames.SETTINGS_MAX_FRAME_SIZE:
                 if not frames.DEFAULT_MAX_FRAME_BYTES <= value <= 2**24 - 1:
                     raise _ConnectionError(frames.PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
@@ -451,9 +454,9 @@ class GrpcConnection(asyncio.Protocol):
             stream.send_window -= n
             stream.headers_sent = stream.done = True
             sid = stream.id
+            headers = self._block(frames.RESPONSE_HEADERS)
             self._write(b"".join((
-                frames.frame_head(frames.HEADERS, frames.END_HEADERS, sid, len(frames.RESPONSE_HEADERS)),
-                frames.RESPONSE_HEADERS,
+                frames.frame_head(frames.HEADERS, frames.END_HEADERS, sid, len(headers)), headers,
                 frames.frame_head(frames.DATA, 0, sid, n), body,
                 frames.frame_head(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, sid,
                                   len(frames.STATUS_OK_TRAILERS)),
@@ -468,7 +471,8 @@ class GrpcConnection(asyncio.Protocol):
             return
         if not stream.headers_sent:
             stream.headers_sent = True
-            self._write(frames.frame(frames.HEADERS, frames.END_HEADERS, stream.id, frames.RESPONSE_HEADERS))
+            self._write(frames.frame(frames.HEADERS, frames.END_HEADERS, stream.id,
+                                     self._block(frames.RESPONSE_HEADERS)))
         stream.pending.append(framed if framed is not None else
                               b"\x00" + len(message).to_bytes(4, "big") + message)
         self._pump(stream)
@@ -487,15 +491,23 @@ class GrpcConnection(asyncio.Protocol):
             return
         stream.headers_sent = True
         self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
-                                 frames.RESPONSE_HEADERS + status))
+                                 self._block(frames.RESPONSE_HEADERS + status)))
         self._closed(stream)
 
     def _refuse(self, stream: _Stream, http_status: int) -> None:
         """Not a gRPC request: an HTTP status alone."""
         stream.done = stream.headers_sent = True
         self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
-                                 frames.http_status_block(http_status)))
+                                 self._block(frames.http_status_block(http_status))))
         self._closed(stream)
+
+    def _block(self, block: bytes) -> bytes:
+        """A header block to send; the first after the client shrank its HPACK table starts by saying this side's
+        table is empty (RFC 7541 4.2: the change must be signalled; gpud never indexes what it sends)."""
+        if self._table_update:
+            self._table_update = False
+            return b"\x20" + block
+        return block
 
     def _pump(self, stream: _Stream) -> None:
         """Send what the windows allow of the stream's waiting output; its trailers once the data is out."""
@@ -504,7 +516,8 @@ class GrpcConnection(asyncio.Protocol):
             item = pending[0]
             if stream.done and len(pending) == 1:  # the trailers' block (the last item once the call is done)
                 pending.clear()
-                self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id, item))
+                self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
+                                         self._block(item)))
                 self._blocked.pop(stream.id, None)
                 self._closed(stream)
                 return
