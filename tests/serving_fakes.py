@@ -25,6 +25,7 @@ class _Version:
     instances: tuple[InstanceView, ...] = ()
     kinds: frozenset[str] = frozenset({"gpu", "mig"})
     min_instances: int = 1
+    max_batch_size: int = 8
     max_instances: int | None = None
 
 
@@ -74,6 +75,6 @@ class FakeServing:
         models: dict[str, list[VersionView]] = {}
         for (model, version), v in sorted(self._versions.items()):
             models.setdefault(model, []).append(VersionView(
-                model, version, ModelState.READY, "", 8, v.kinds, v.pending, v.instances, v.stats, v.min_instances,
+                model, version, ModelState.READY, "", v.max_batch_size, v.kinds, v.pending, v.instances, v.stats, v.min_instances,
                 v.max_instances))
         return ServingSnapshot(tuple(ModelView(name, "", tuple(vs)) for name, vs in models.items()))

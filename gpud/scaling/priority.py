@@ -2,8 +2,9 @@
 versions' latency objectives (gpud.executor.objective) as the hints observed them.
 
 - `standing_of`: where a version stands against its objective over the last window: the share of requests within
-  it, the latency predicted at its current instance count (gpud.scaling.hints.predicted_latency_s), and how many
-  instances it could give up with the prediction still within SCALE_DOWN_MARGIN of the objective (its spare).
+  it, the latency quantile predicted at its current instance count (gpud.scaling.tail.predicted_latency_s), and how
+  many instances it could give up with the objective still predicted met at SCALE_DOWN_LOAD_MARGIN x its load (its
+  spare: the hints' own rule for fewer instances).
 - `room_order`: versions that want more instances, most urgent first: those missing their objective (furthest below
   its share first, then the least slack), then those predicted to miss it (least slack first), then every other in
   the order given. The placement service gives room in this order (gpud.placing.service.rescale).
@@ -17,7 +18,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpud.scaling.hints import SCALE_DOWN_MARGIN, ModelObservation, instances_for_objective, predicted_latency_s
+from gpud.scaling.hints import SCALE_DOWN_LOAD_MARGIN, ModelObservation
+from gpud.scaling.tail import instances_for_objective, predicted_latency_s
 from gpud.scaling.plan import Key
 
 
@@ -63,10 +65,10 @@ def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None
     `minimum` nor below one instance (to zero only when idle: gpud.scaling.rules)."""
     if obs.objective_seconds is None:
         return None
-    objective_s, n = obs.objective_seconds, obs.ready_instances
+    objective_s, n, share = obs.objective_seconds, obs.ready_instances, obs.objective_share
     line, largest = obs.batch_line, obs.max_batch_size
     rate = obs.planned_arrival_rate_per_second()  # as the hint plans
-    predicted = None if line is None or n <= 0 else predicted_latency_s(rate, n, line, largest)
+    predicted = None if line is None or n <= 0 else predicted_latency_s(rate, n, line, largest, share)
     held = obs.attainment is None or obs.attainment >= obs.objective_share
     floor = max(1, minimum)
     spare, spare_predicted = 0, None
@@ -74,12 +76,12 @@ def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None
         if rate <= 0:
             spare = n - floor  # no request in the window: any instance above its floor is spare
         elif line is not None and obs.attainment is not None:
-            need = instances_for_objective(rate, line, largest, objective_s, n, within=SCALE_DOWN_MARGIN)
+            need = instances_for_objective(SCALE_DOWN_LOAD_MARGIN * rate, line, largest, objective_s, n, share)
             if need is not None and need < n:
                 spare = n - max(need, floor)
         if spare:
-            spare_predicted = None if line is None else predicted_latency_s(rate, n - spare, line, largest)
-    reachable = line is None or predicted_latency_s(0.0, 1, line, largest) < objective_s
+            spare_predicted = None if line is None else predicted_latency_s(rate, n - spare, line, largest, share)
+    reachable = line is None or predicted_latency_s(0.0, 1, line, largest, share) < objective_s
     return ObjectiveStanding(objective_s, obs.objective_share, obs.attainment, predicted, n, spare, spare_predicted,
                              reachable)
 
