@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-processes", type=int, metavar="N",
                    help="serve gRPC from N front-end processes of their own, which parse requests and place their "
                         "tensors in shared memory (default 0: gRPC on the core's event loop)")
+    p.add_argument("--grpc-max-connections", type=int, metavar="N",
+                   help="more gRPC connections than this are closed at once with GOAWAY (default 10000; gpud's "
+                        "gRPC server, not grpcio's)")
     p.add_argument("--grpc-server", choices=("gpud", "grpcio"),
                    help="the gRPC server: gpud's own HTTP/2 server (default; about a quarter of grpcio's CPU per "
                         "call) or grpcio's (the reference implementation, for a client that needs what only it has)")
@@ -278,7 +281,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                                                   max_message_bytes=settings.max_request_bytes,
                                                   max_metadata_bytes=settings.max_header_bytes,
                                                   max_tensor_elements=settings.max_tensor_elements, admin=admin,
-                                                  implementation=settings.grpc_server)
+                                                  implementation=settings.grpc_server,
+                                                  max_connections=settings.grpc_max_connections)
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
@@ -362,7 +366,8 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
     options = {"kind": kind, "address": address, "port": listen.getsockname()[1],
                "max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
                "request_timeout_s": settings.http_request_timeout_seconds,
-               "max_connections": max(1, -(-settings.http_max_connections // n)),
+               "max_connections": max(1, -(-(settings.http_max_connections if http else
+                                             settings.grpc_max_connections) // n)),
                "max_tensor_elements": settings.max_tensor_elements, "grpc_server": settings.grpc_server,
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
     host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))

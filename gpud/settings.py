@@ -63,6 +63,7 @@ class Settings:
     max_tensor_elements: int = 2**28  # a declared input shape spanning more is refused before any allocation
     http_processes: int = 0  # HTTP front ends in processes of their own (gpud.frontproc); 0: on the core's loop
     grpc_processes: int = 0  # gRPC front ends in processes of their own (sharing the port); 0: on the core's loop
+    grpc_max_connections: int = 10000  # more gRPC connections are closed at once (GOAWAY); gpud's server only
     grpc_server: str = "gpud"  # "gpud": gpud's own HTTP/2 server (gpud.api.grpcwire); "grpcio": grpcio's aio server
     json_processes: int = 2  # child processes that decode large JSON bodies and encode large JSON answers (0: none)
     json_offload_bytes: int = 2**20  # JSON bodies (and answers) at least this long go to those processes
@@ -179,6 +180,8 @@ def check_settings(settings: Settings) -> None:
     for key in ("http_processes", "grpc_processes"):
         if not 0 <= getattr(settings, key) <= 256:
             raise ValueError(f"{key} must be 0 (served on the core's loop) to 256, got {getattr(settings, key)}")
+    if settings.grpc_max_connections < 1:
+        raise ValueError(f"grpc_max_connections must be >= 1, got {settings.grpc_max_connections}")
     if settings.grpc_server not in ("gpud", "grpcio"):
         raise ValueError(f"grpc_server must be 'gpud' or 'grpcio', got {settings.grpc_server!r}")
     if settings.json_processes < 0 or settings.json_offload_bytes < 0:

@@ -169,7 +169,8 @@ class Handlers:
 
 
 class ServerThread:
-    def __init__(self, max_message_bytes: int = 16 * 2**20, max_metadata_bytes: int = 8192):
+    def __init__(self, max_message_bytes: int = 16 * 2**20, max_metadata_bytes: int = 8192,
+                 max_connections: int = 100):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -183,7 +184,8 @@ class ServerThread:
             "/t.S/Stream": Method(h.stream, bytes, bytes, client_streaming=True, server_streaming=True),
             "/t.S/Count": Method(h.count, bytes, bytes, server_streaming=True),
         }
-        self.server = GrpcServer(methods, max_message_bytes=max_message_bytes, max_metadata_bytes=max_metadata_bytes)
+        self.server = GrpcServer(methods, max_message_bytes=max_message_bytes, max_metadata_bytes=max_metadata_bytes,
+                                 max_connections=max_connections)
         self.run(self.server.start("127.0.0.1", 0))
         self.url = f"127.0.0.1:{self.server.bound_port}"
 
@@ -502,3 +504,32 @@ def test_raw_a_client_that_shrinks_its_header_table_is_told_ours_is_empty(server
         assert block.startswith(b"\x20") == (stream_id == 1)  # the first block after the change only
         assert (":status", "200") in decoder.decode(block)
         raw.until(frames.HEADERS)  # the trailers
+
+
+def test_connections_over_the_cap_are_closed_with_goaway_and_the_rest_serve():
+    capped = ServerThread(max_connections=2)
+    try:
+        first, second = Raw(capped.url), Raw(capped.url)
+        for raw in (first, second):  # both served (their SETTINGS come before anything else)
+            raw.send(frames.frame(frames.PING, 0, 0, b"12345678"))
+            assert raw.until(frames.PING) is not None
+        third = Raw(capped.url)
+        _, _, _, payload = third.until(frames.GOAWAY)
+        assert int.from_bytes(payload[4:8], "big") == frames.REFUSED_STREAM and b"too many" in payload[8:]
+        try:
+            assert third.read_frame() is None  # closed
+        except ConnectionResetError:  # closed with the client's preface unread
+            pass
+        first.sock.close()
+        capped.run(_until_fewer(capped.server, 2))
+        with grpc.insecure_channel(capped.url) as ch:
+            assert _unary(ch, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
+    finally:
+        capped.close()
+
+
+async def _until_fewer(server: GrpcServer, count: int) -> None:
+    """Until the server has let go of a closed connection (it learns of it from its event loop, not at once): polls
+    the condition at each turn of the loop, bounded by the caller's timeout."""
+    while len(server.connections) >= count:
+        await asyncio.sleep(0)

@@ -576,7 +576,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
                             max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
                             admin: AdminAuth | None = None, reuse_port: bool = False,
                             listen: socket.socket | None = None,
-                            implementation: str = "gpud") -> GrpcServer | GrpcioServer:
+                            implementation: str = "gpud", max_connections: int = 10000) -> GrpcServer | GrpcioServer:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
@@ -584,12 +584,13 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
     socket instead of binding. Messages larger than max_message_bytes, either way, and request metadata (headers)
     over max_metadata_bytes are refused with RESOURCE_EXHAUSTED; a tensor shape over max_tensor_elements is
     INVALID_ARGUMENT. Stop with `await server.stop(grace)`. Must be called from the event loop that will run the
-    server. `implementation`: "gpud" (gpud's own HTTP/2 server, ~4x less CPU per call) or "grpcio".
+    server. `implementation`: "gpud" (gpud's own HTTP/2 server, ~4x less CPU per call; more than `max_connections`
+    connections are closed at once) or "grpcio" (no connection cap).
     """
     servicer = InferenceServicer(core, admin, max_tensor_elements)
     if implementation == "gpud":
         server = GrpcServer(method_table(servicer), max_message_bytes=max_message_bytes,
-                            max_metadata_bytes=max_metadata_bytes)
+                            max_metadata_bytes=max_metadata_bytes, max_connections=max_connections)
         if listen is not None:
             await server.start_socket(listen)
         else:

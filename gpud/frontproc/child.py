@@ -41,7 +41,8 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
                                               max_metadata_bytes=options["max_head_bytes"],
                                               max_tensor_elements=options["max_tensor_elements"],
                                               admin=RemoteAdmin(core), reuse_port=True, listen=listen,
-                                              implementation=options.get("grpc_server", "gpud"))
+                                              implementation=options.get("grpc_server", "gpud"),
+                                              max_connections=options["max_connections"])
         core.ready()
         try:
             await stop.wait()

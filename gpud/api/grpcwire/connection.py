@@ -33,6 +33,7 @@ class ServerSide(Protocol):
     methods: dict[str, Method]
     max_message_bytes: int
     max_metadata_bytes: int
+    max_connections: int
     connections: set[GrpcConnection]
     stopping: bool
 
@@ -94,6 +95,14 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self.peer = calls.peer_string(transport.get_extra_info("peername"))
+        if len(self._server.connections) >= self._server.max_connections:
+            log.warning("gRPC connection from %s refused: %d connections open (--grpc-max-connections)", self.peer,
+                        len(self._server.connections))
+            transport.write(frames.settings_frame({}) +  # type: ignore[attr-defined]
+                            frames.goaway(0, frames.REFUSED_STREAM, b"too many connections"))
+            transport.close()
+            self._transport = None
+            return
         self._server.connections.add(self)
         self._write(frames.settings_frame({
             frames.SETTINGS_MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,

@@ -13,9 +13,12 @@ log = logging.getLogger("gpud.grpc")
 
 
 class GrpcServer:
-    def __init__(self, methods: dict[str, Method], *, max_message_bytes: int, max_metadata_bytes: int):
-        """`methods`: by path ("/package.Service/Method")."""
+    def __init__(self, methods: dict[str, Method], *, max_message_bytes: int, max_metadata_bytes: int,
+                 max_connections: int = 10000):
+        """`methods`: by path ("/package.Service/Method"). A connection over `max_connections` is closed at once
+        (GOAWAY, REFUSED: the client may retry later), so that clients cannot take every descriptor."""
         self.methods = methods
+        self.max_connections = max_connections
         self.max_message_bytes = max_message_bytes
         self.max_metadata_bytes = max_metadata_bytes
         self.connections: set[GrpcConnection] = set()
