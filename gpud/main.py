@@ -319,8 +319,13 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     hosts = [r for r in runners if isinstance(r, FrontendHost)]
     if hosts:  # gpudctl inspect's FRONT ENDS
         core.views["frontends"] = _FrontendsView(hosts)
-    reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller,
-                                   [r for r in runners if isinstance(r, (HttpServer, FrontendHost))]))
+    from gpud.api.grpcwire.server import GrpcServer
+
+    http_hosts = [r for r in runners if isinstance(r, HttpServer) or
+                  isinstance(r, FrontendHost) and r.options["kind"] == "http"]
+    grpc_hosts = [r for r in runners if isinstance(r, FrontendHost) and r.options["kind"] == "grpc"]
+    reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller, http_hosts,
+                                   grpc_hosts + ([grpc_server] if isinstance(grpc_server, GrpcServer) else [])))
 
     await stop.wait()
     reloader.stop()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
@@ -35,7 +35,7 @@ log = logging.getLogger("gpud")
 # worker and queue settings, the model control mode, the admin socket, ...) are read once, at start.
 LIVE_SETTINGS = frozenset({
     "log_level", "admin_token_file", "load_model", "repository_poll_seconds",
-    "http_request_timeout_seconds", "http_max_connections",
+    "http_request_timeout_seconds", "http_max_connections", "grpc_max_connections",
     "hints_interval_seconds", "hints_rate_window_seconds", "hints_target_queue_seconds",
     "hints_target_utilization_ratio", "hints_tolerance", "hints_scale_up_stabilization_seconds",
     "hints_scale_down_stabilization_seconds",
@@ -87,6 +87,10 @@ class _Tunable(Protocol):  # the HTTP servers
     max_connections: int
 
 
+class _Capped(Protocol):  # gpud's gRPC servers
+    max_connections: int
+
+
 @dataclass
 class ReloadTargets:
     """What a reload may change in place (built by gpud.main)."""
@@ -95,7 +99,8 @@ class ReloadTargets:
     hints: HintsSampler
     poller: RepositoryPoller
     controller: ScalingController | None = None  # None when off
-    http_servers: list[_Tunable] = field(default_factory=list)
+    http_servers: Sequence[_Tunable] = field(default_factory=list)
+    grpc_servers: Sequence[_Capped] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -240,6 +245,8 @@ class Reloader:
         for server in t.http_servers:
             server.request_timeout_s = s.http_request_timeout_seconds
             server.max_connections = s.http_max_connections
+        for grpc_server in t.grpc_servers:
+            grpc_server.max_connections = s.grpc_max_connections
         before = self.running.admin_token
         t.admin.set_token(p.admin_token)
         if p.admin_token == before:

@@ -122,6 +122,7 @@ class Fixture:
         self.controller = SimpleNamespace(policy=prepared.scaling_policy, mode=running.placement_control)
         self.http = SimpleNamespace(request_timeout_s=running.http_request_timeout_seconds,
                                     max_connections=running.http_max_connections)
+        self.grpc = SimpleNamespace(max_connections=running.grpc_max_connections)
         self.core = SimpleNamespace(control=prepared.model_control, snapshot=lambda: SimpleNamespace(
             models=[SimpleNamespace(name=n, versions=(1,)) for n in sorted(self.loaded)]))
         self.poller = RepositoryPoller(self._read_disk, self._load, self._unload, 15.0)
@@ -154,7 +155,7 @@ class Fixture:
     def reload(self):
         async def run():
             self.reloader.serving(ReloadTargets(self.core, self.admin, self.hints, self.poller, self.controller,
-                                                [self.http]))
+                                                [self.http], [self.grpc]))
             return await self.reloader.reload()
         return asyncio.run(run())
 
@@ -288,3 +289,14 @@ def test_a_reload_that_fails_unexpectedly_still_tells_systemd_it_is_over():
     asyncio.run(scenario())
     assert f.sent[0].startswith("RELOADING=1") and f.sent[-1].startswith("READY=1\nSTATUS=serving 1 model")
     assert "the last reload failed: see the log" in f.sent[-1]
+
+
+def test_a_reload_sets_the_connection_caps_of_both_front_ends():
+    running = Settings(model_repository="/models")
+    f = Fixture(running, {"a": (1,)}, {"a"})
+    f.next = replace(running, http_max_connections=300, grpc_max_connections=200)
+    outcome = f.reload()
+    assert "grpc_max_connections 10000 -> 200" in outcome.applied and "http_max_connections 10000 -> 300" in \
+        outcome.applied
+    assert (f.http.max_connections, f.grpc.max_connections) == (300, 200)
+    assert outcome.need_restart == ()

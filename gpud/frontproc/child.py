@@ -35,6 +35,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.start()
     if options["kind"] == "grpc":
         from gpud.api.grpc_api import start_grpc_server
+        from gpud.api.grpcwire.server import GrpcServer
 
         grpc_server = await start_grpc_server(core, options["address"], options["port"],
                                               max_message_bytes=options["max_body_bytes"],
@@ -43,6 +44,11 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
                                               admin=RemoteAdmin(core), reuse_port=True, listen=listen,
                                               implementation=options.get("grpc_server", "gpud"),
                                               max_connections=options["max_connections"])
+
+        def on_tune_grpc(request_timeout_s: float, max_connections: int) -> None:
+            if isinstance(grpc_server, GrpcServer):  # grpcio's server has no cap
+                grpc_server.max_connections = max_connections  # a reload's --grpc-max-connections, our share
+        core.on_tune = on_tune_grpc
         core.ready()
         try:
             await stop.wait()
