@@ -238,32 +238,3 @@ def test_under_the_cap_the_most_urgent_adds_go_first_but_never_before_the_remova
     rank = {"a": 0, "b": 1}
     assert [(m.kind, m.model) for m in adds_in_order(moves, lambda m: rank[m.model])] == [
         ("add", "a"), ("add", "b"), ("remove", "c"), ("add", "a"), ("add", "b")]
-
-
-def test_an_urgent_add_goes_before_moves_that_do_not_make_its_room_and_after_those_that_do():
-    from gpud.placement import Move
-    from gpud.placing.service import urgent_first
-
-    moves = [Move("move", "x", 0, "gpu1", "gpu2"),    # room elsewhere: not for u's add
-             Move("remove", "y", 0, "gpu3", None),    # frees gpu3, where u's second add goes
-             Move("move", "z", 0, "gpu4", "gpu1"),    # loads onto gpu1 only after x left it
-             Move("move", "w", 0, "gpu5", "gpu0"),    # onto gpu0, which u's first add now fills first: later
-             Move("add", "u", 0, None, "gpu0"),
-             Move("add", "v", 0, None, "gpu6"),
-             Move("add", "u", 1, None, "gpu3")]
-    out = urgent_first(moves, lambda m: m.model == "u")
-    assert [(m.kind, m.model, m.instance) for m in out] == [
-        ("remove", "y", 0), ("add", "u", 0), ("add", "u", 1),
-        ("move", "x", 0), ("move", "z", 0), ("add", "v", 0)]
-    # With no urgent add, nothing changes.
-    assert urgent_first(moves, lambda m: False) == moves
-
-
-def test_a_step_that_counted_on_the_room_a_deferred_move_leaves_is_deferred_too():
-    from gpud.placement import Move
-    from gpud.placing.service import urgent_first
-
-    moves = [Move("move", "a", 0, "gpu1", "gpu0"),    # gpu0 is the urgent add's: deferred
-             Move("add", "b", 0, None, "gpu1"),       # counted on a leaving gpu1: deferred with it
-             Move("add", "u", 0, None, "gpu0")]
-    assert [(m.kind, m.model) for m in urgent_first(moves, lambda m: m.model == "u")] == [("add", "u")]

@@ -268,8 +268,6 @@ class PlacementService(OnDemand):
                                                    inputs.demands), lost)
             # A step with no room until others have moved would overcommit the device: left for a later interval.
             doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
-            if claims.urgent and not lost:  # an urgent add waits only for the steps that make its room
-                doable = urgent_first(doable, lambda m: inputs.version_of(m.model) in claims.urgent)
             if claims.first:  # under the cap, the most urgent version's adds go first
                 doable = adds_in_order(doable, lambda m: rank.get(inputs.version_of(m.model), len(rank)))
             # Recovery is not capped (gpud.placing.recovery). Evictions count as steps, but the load they made room
@@ -538,33 +536,3 @@ def adds_in_order(moves: Sequence[Move], rank: Callable[[Move], int]) -> list[Mo
 def _config_counts(versions: Sequence[RegisteredVersion]) -> dict[GroupKey, int]:
     return {GroupKey(v.name, v.version, k): g.count for v in versions
             for k, g in enumerate(v.entry.config.instance_groups)}
-
-
-def urgent_first(moves: Sequence[Move], urgent: Callable[[Move], bool]) -> list[Move]:
-    """`moves` with each urgent add (`urgent`: of a version missing its latency objective) and the steps it may
-    count on taken first, in their order; the rest after them. A step is counted on when it leaves a device that a
-    later step taken first loads onto (a removal, a move off it): room there changes only through steps that leave
-    or load onto it. Each step is a full load and an interval takes only a few (replay: an urgent add waited behind
-    four moves of other models, 29 s of loads). A later step that loads onto a device an urgent add now fills
-    first may no longer fit there, so it waits for a later interval, and so does one that counted on its room."""
-    if not any(m.kind == "add" and urgent(m) for m in moves):
-        return list(moves)
-    needed: set[str] = set()  # devices that steps taken first load onto, from the end back
-    first: set[int] = set()
-    for k in range(len(moves) - 1, -1, -1):
-        m = moves[k]
-        if (m.kind == "add" and urgent(m)) or (m.kind != "add" and m.from_device in needed):
-            first.add(k)
-            if m.to_device is not None:
-                needed.add(m.to_device)
-    out = [m for k, m in enumerate(moves) if k in first]
-    filled = {m.to_device for m in out if m.to_device is not None}
-    for k, m in enumerate(moves):
-        if k in first:
-            continue
-        if m.to_device in filled:  # its room may be gone: later; the room it leaves is not there for the rest
-            if m.from_device is not None:
-                filled.add(m.from_device)
-            continue
-        out.append(m)
-    return out
