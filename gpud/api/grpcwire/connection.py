@@ -45,11 +45,12 @@ class _ConnectionError(Exception):
 
 
 class _Stream:
-    __slots__ = ("id", "method", "context", "reader", "request", "requests", "task", "remote_closed", "done",
+    __slots__ = ("id", "path", "method", "context", "reader", "request", "requests", "task", "remote_closed", "done",
                  "send_window", "unacked", "pending", "headers_sent", "deadline", "writable")
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
+        self.path = ""
         self.method: Method | None = None
         self.context: CallContext | None = None
         self.reader: MessageReader | None = None
@@ -320,6 +321,7 @@ class GrpcConnection(asyncio.Protocol):
             self._finish(stream, calls.UNIMPLEMENTED, f"grpc-encoding '{encoding}' is not supported")
             return
         stream.method = method
+        stream.path = path or ""
         stream.context = CallContext(headers, self.peer)
         stream.reader = MessageReader(server.max_message_bytes, encoding)
         if timeout is not None:
@@ -402,7 +404,7 @@ class GrpcConnection(asyncio.Protocol):
         except CallAborted as exc:
             self._finish(stream, exc.code, exc.details)
         except Exception as exc:  # noqa: BLE001 - a handler's bug answers INTERNAL; the server goes on
-            log.error("gRPC call on %s failed", _path_of(stream), exc_info=exc)
+            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=exc)
             self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
         else:
             self._answer(stream, message)
@@ -429,7 +431,7 @@ class GrpcConnection(asyncio.Protocol):
         except CallAborted as exc:
             self._finish(stream, exc.code, exc.details)
         except Exception as exc:  # noqa: BLE001
-            log.error("gRPC call on %s failed", _path_of(stream), exc_info=exc)
+            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=exc)
             self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
         else:
             self._finish(stream, calls.OK, "")
@@ -628,6 +630,3 @@ def _unpad(payload: bytes) -> bytes:
         raise _ConnectionError(frames.PROTOCOL_ERROR, "padding as long as the frame")
     return payload[1:len(payload) - pad]
 
-
-def _path_of(stream: _Stream) -> str:
-    return f"stream {stream.id}"
