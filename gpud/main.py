@@ -20,6 +20,7 @@ from gpud.settings import Settings, check_settings, load_settings_file, prepare_
 from gpud.api.admin import AdminAuth
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
+from gpud.api import GRPC_SERVERS
 from gpud.scaling.rules import SCALING_MODES
 
 log = logging.getLogger("gpud")
@@ -131,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-max-connections", type=int, metavar="N",
                    help="more gRPC connections than this are closed at once with GOAWAY (default 10000; gpud's "
                         "gRPC server, not grpcio's)")
-    p.add_argument("--grpc-server", choices=("gpud", "grpcio"),
+    p.add_argument("--grpc-server", choices=GRPC_SERVERS,
                    help="the gRPC server: gpud's own HTTP/2 server (default; about a quarter of grpcio's CPU per "
                         "call) or grpcio's (the reference implementation, for a client that needs what only it has)")
     p.add_argument("--json-processes", type=int, metavar="N",

@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import yaml
 
+from gpud.api import GRPC_SERVERS
 from gpud.api.admin import read_token_file
 from gpud.model_control import ModelControl, ModelControlMode
 from gpud.executor.objective import (MAX_OBJECTIVE_MS, ObjectiveDefaults, parse_objective_ms,
@@ -182,8 +183,8 @@ def check_settings(settings: Settings) -> None:
             raise ValueError(f"{key} must be 0 (served on the core's loop) to 256, got {getattr(settings, key)}")
     if settings.grpc_max_connections < 1:
         raise ValueError(f"grpc_max_connections must be >= 1, got {settings.grpc_max_connections}")
-    if settings.grpc_server not in ("gpud", "grpcio"):
-        raise ValueError(f"grpc_server must be 'gpud' or 'grpcio', got {settings.grpc_server!r}")
+    if settings.grpc_server not in GRPC_SERVERS:
+        raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, got {settings.grpc_server!r}")
     if settings.json_processes < 0 or settings.json_offload_bytes < 0:
         raise ValueError("json_processes and json_offload_bytes must be >= 0, got "
                          f"{settings.json_processes} and {settings.json_offload_bytes}")

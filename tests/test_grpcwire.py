@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 grpc = pytest.importorskip("grpc")
 
 from gpud.api.grpcwire import frames  # noqa: E402
-from gpud.api.grpcwire.calls import (MessageError, MessageReader, Method, RESOURCE_EXHAUSTED,  # noqa: E402
+from gpud.api.grpcwire.calls import (CallAborted, MessageReader, Method, RESOURCE_EXHAUSTED,  # noqa: E402
                                      timeout_seconds)
 from gpud.api.grpcwire.hpack import Decoder, HpackError  # noqa: E402
 from gpud.api.grpcwire.server import GrpcServer  # noqa: E402
@@ -97,7 +97,7 @@ def test_messages_cut_from_data_at_any_boundary():
 
 def test_message_over_the_limit_is_refused_from_its_prefix():
     reader = MessageReader(10, None)
-    with pytest.raises(MessageError, match=r"larger than max \(11 vs. 10\)") as e:
+    with pytest.raises(CallAborted, match=r"larger than max \(11 vs. 10\)") as e:
         reader.feed(b"\x00\x00\x00\x00\x0b")
     assert e.value.code == RESOURCE_EXHAUSTED
 
@@ -106,11 +106,11 @@ def test_compressed_messages():
     payload = b"abc" * 1000
     assert MessageReader(2**20, "gzip").feed(_framed(gzip.compress(payload), True)) == [payload]
     assert MessageReader(2**20, "deflate").feed(_framed(zlib.compress(payload), True)) == [payload]
-    with pytest.raises(MessageError, match="decompressed"):  # a small message that inflates past the limit
+    with pytest.raises(CallAborted, match="decompressed"):  # a small message that inflates past the limit
         MessageReader(100, "gzip").feed(_framed(gzip.compress(payload), True))
-    with pytest.raises(MessageError, match="without a grpc-encoding"):
+    with pytest.raises(CallAborted, match="without a grpc-encoding"):
         MessageReader(2**20, None).feed(_framed(b"x", True))
-    with pytest.raises(MessageError, match="cannot decompress"):
+    with pytest.raises(CallAborted, match="cannot decompress"):
         MessageReader(2**20, "gzip").feed(_framed(b"not gzip", True))
 
 

@@ -31,6 +31,7 @@ from gpud.executor.client_shm import NO_DATA, shm_ref_of
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
 from gpud.api.grpcwire.calls import CallAborted, Method
 from gpud.api.grpcwire.server import GrpcServer
@@ -537,9 +538,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-GRPC_SERVERS = ("gpud", "grpcio")  # --grpc-server: gpud's own HTTP/2 server (gpud.api.grpcwire), or grpcio's
 
 
 class GrpcioServer:

@@ -26,7 +26,8 @@ class Method:
 
 
 class CallAborted(Exception):
-    """Raised by `CallContext.abort`: ends the call with this status."""
+    """Ends the call with this status: raised by `CallContext.abort`, and by `MessageReader` for a message it
+    refuses."""
 
     def __init__(self, code: int, details: str):
         super().__init__(details)
@@ -93,11 +94,9 @@ def timeout_seconds(value: str) -> float | None:
     return int(digits) * unit
 
 
-class MessageError(Exception):
-    def __init__(self, code: int, details: str):
-        super().__init__(details)
-        self.code = code
-        self.details = details
+def framed(message: bytes) -> bytes:
+    """A message as it goes on the wire: uncompressed (flag 0), its 4-byte big-endian length, its bytes."""
+    return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
 class MessageReader:
@@ -114,7 +113,7 @@ class MessageReader:
         self._encoding = encoding
 
     def feed(self, data: bytes) -> list[bytes]:
-        """The messages `data` completes; MessageError for one over the limit or that cannot be decompressed."""
+        """The messages `data` completes; CallAborted for one over the limit or that cannot be decompressed."""
         out: list[bytes] = []
         if self._chunks:
             self._chunks.append(data)
@@ -130,7 +129,7 @@ class MessageReader:
                 break
             length = int.from_bytes(data[i + 1:i + 5], "big")
             if length > self._max_bytes:
-                raise MessageError(RESOURCE_EXHAUSTED,
+                raise CallAborted(RESOURCE_EXHAUSTED,
                                    f"Received message larger than max ({length} vs. {self._max_bytes})")
             if n - i - 5 < length:
                 self._keep(data[i:], 5 + length)
@@ -162,12 +161,12 @@ class MessageReader:
             try:
                 out = inflater.decompress(message, self._max_bytes + 1)
             except zlib.error as exc:
-                raise MessageError(INTERNAL, f"cannot decompress the message ({self._encoding}): {exc}") from None
+                raise CallAborted(INTERNAL, f"cannot decompress the message ({self._encoding}): {exc}") from None
             if len(out) > self._max_bytes:
-                raise MessageError(RESOURCE_EXHAUSTED,
+                raise CallAborted(RESOURCE_EXHAUSTED,
                                    f"Received message larger than max (over {self._max_bytes} decompressed)")
             return out
-        raise MessageError(INTERNAL, "a compressed message without a grpc-encoding the server knows "
+        raise CallAborted(INTERNAL, "a compressed message without a grpc-encoding the server knows "
                                      f"({self._encoding or 'identity'})")
 
 

@@ -12,7 +12,7 @@ import logging
 from typing import Any, Protocol
 
 from gpud.api.grpcwire import calls, frames
-from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageError, MessageReader, Method
+from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageReader, Method
 from gpud.api.grpcwire.hpack import Decoder, HpackError
 
 log = logging.getLogger("gpud.grpc")
@@ -46,7 +46,7 @@ class _ConnectionError(Exception):
 
 class _Stream:
     __slots__ = ("id", "path", "method", "context", "reader", "request", "requests", "task", "remote_closed", "done",
-                 "send_window", "unacked", "pending", "headers_sent", "deadline", "writable")
+                 "send_window", "unacked", "pending", "trailers", "headers_sent", "deadline", "writable")
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
@@ -61,7 +61,8 @@ class _Stream:
         self.done = False  # this side has sent its end (trailers or a reset)
         self.send_window = send_window
         self.unacked = 0  # received bytes not yet acknowledged by a WINDOW_UPDATE
-        self.pending: list[bytes] = []  # DATA payload bytes waiting for window; then the trailers' block, if any
+        self.pending: list[bytes] = []  # DATA payload bytes waiting for window
+        self.trailers: bytes | None = None  # the status block, sent once `pending` is out
         self.headers_sent = False
         self.deadline: asyncio.TimerHandle | None = None
         self.writable: asyncio.Event | None = None  # set when a streaming call's output is no longer blocked
@@ -154,12 +155,6 @@ class GrpcConnection(asyncio.Protocol):
             return
         del buffer[:i]
 
-    def pause_writing(self) -> None:  # the transport's buffer fills: flow control bounds what streams queue
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # --- frames in -------------------------------------------------------------------------------------------------
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._continuation is not None and kind != frames.CONTINUATION:
@@ -171,7 +166,7 @@ class GrpcConnection(asyncio.Protocol):
         elif kind == frames.CONTINUATION:
             if self._continuation is None or self._continuation[0] != stream_id:
                 raise _ConnectionError(frames.PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
-            first_id, first_flags, pieces = self._continuation
+            _, first_flags, pieces = self._continuation
             pieces.append(payload)
             if flags & frames.END_HEADERS:
                 self._continuation = None
@@ -203,18 +198,17 @@ class GrpcConnection(asyncio.Protocol):
     def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
             raise _ConnectionError(frames.PROTOCOL_ERROR, "DATA on stream 0")
-        self._unacked += len(payload)
         stream = self._streams.get(stream_id)
-        if stream is None or stream.remote_closed:
-            if stream_id > self._last_stream_id:
-                raise _ConnectionError(frames.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
-            if self._unacked >= CONNECTION_WINDOW_BYTES // 2:
-                self._write(frames.window_update(0, self._unacked))
-                self._unacked = 0
-            return  # a stream this side ended or reset: its data is dropped (and counted for the connection)
+        open_stream = stream is not None and not stream.remote_closed
+        if not open_stream and stream_id > self._last_stream_id:
+            raise _ConnectionError(frames.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+        self._unacked += len(payload)  # counted for the connection even on a stream this side ended or reset
         if self._unacked >= CONNECTION_WINDOW_BYTES // 2:  # acknowledged once half a window is used
             self._write(frames.window_update(0, self._unacked))
             self._unacked = 0
+        if not open_stream:
+            return  # a stream this side ended or reset: its data is dropped
+        assert stream is not None
         stream.unacked += len(payload)
         if stream.unacked >= STREAM_WINDOW_BYTES // 2 and not flags & frames.END_STREAM:
             self._write(frames.window_update(stream_id, stream.unacked))
@@ -222,32 +216,34 @@ class GrpcConnection(asyncio.Protocol):
         if flags & frames.PADDED:
             payload = _unpad(payload)
         if stream.reader is not None and payload and not stream.done:
-            reader = stream.reader
-            before = reader.buffered_bytes
-            error: MessageError | None = None
-            try:
-                messages = reader.feed(payload)
-            except MessageError as exc:
-                error, messages = exc, []
-            self._buffered += reader.buffered_bytes - before
-            if error is not None:
-                self._finish(stream, error.code, error.details)
-            elif self._buffered > 2 * self._server.max_message_bytes:
-                # Each message is within the limit, but the connection's streams together hold more than two: one
-                # client must not hold the daemon's memory with many half-sent messages.
-                self._finish(stream, calls.RESOURCE_EXHAUSTED, "the connection's incomplete messages hold over "
-                             f"{2 * self._server.max_message_bytes} bytes; send fewer large messages at once")
-                messages = []
-            for message in messages:
-                if stream.requests is not None:
-                    stream.requests.put_nowait(message)
-                elif stream.request is None:
-                    stream.request = message
-                else:
-                    self._finish(stream, calls.UNIMPLEMENTED, "more than one request message for a unary method")
-                    break
+            self._take(stream, stream.reader, payload)
         if flags & frames.END_STREAM:
             self._remote_end(stream)
+
+    def _take(self, stream: _Stream, reader: MessageReader, payload: bytes) -> None:
+        """The stream's DATA into its reader; the messages it completes to the call."""
+        before = reader.buffered_bytes
+        try:
+            messages = reader.feed(payload)
+        except CallAborted as exc:
+            self._buffered += reader.buffered_bytes - before
+            self._finish(stream, exc.code, exc.details)
+            return
+        self._buffered += reader.buffered_bytes - before
+        if self._buffered > 2 * self._server.max_message_bytes:
+            # Each message is within the limit, but the connection's streams together hold more than two: one client
+            # must not hold the daemon's memory with many half-sent messages.
+            self._finish(stream, calls.RESOURCE_EXHAUSTED, "the connection's incomplete messages hold over "
+                         f"{2 * self._server.max_message_bytes} bytes; send fewer large messages at once")
+            return
+        for message in messages:
+            if stream.requests is not None:
+                stream.requests.put_nowait(message)
+            elif stream.request is None:
+                stream.request = message
+            else:
+                self._finish(stream, calls.UNIMPLEMENTED, "more than one request message for a unary method")
+                return
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id:
@@ -421,13 +417,14 @@ class GrpcConnection(asyncio.Protocol):
                 async for response in method.handler(argument, stream.context):
                     if stream.done:
                         return
-                    self._send_message(stream, method.serialize(response))
+                    self._send_message(stream, calls.framed(method.serialize(response)))
                     if stream.pending:  # the client reads slower than the handler answers: wait for its window
                         stream.writable = stream.writable or asyncio.Event()
                         stream.writable.clear()
                         await stream.writable.wait()
             else:
-                self._send_message(stream, method.serialize(await method.handler(argument, stream.context)))
+                response = await method.handler(argument, stream.context)
+                self._send_message(stream, calls.framed(method.serialize(response)))
         except CallAborted as exc:
             self._finish(stream, exc.code, exc.details)
         except Exception as exc:  # noqa: BLE001
@@ -458,7 +455,7 @@ class GrpcConnection(asyncio.Protocol):
             self._finish(stream, calls.RESOURCE_EXHAUSTED,
                          f"Sent message larger than max ({len(message)} vs. {self._server.max_message_bytes})")
             return
-        body = b"\x00" + len(message).to_bytes(4, "big") + message
+        body = calls.framed(message)
         n = len(body)
         if n <= self._peer_max_frame and n <= self._send_window and n <= stream.send_window:
             self._send_window -= n
@@ -474,18 +471,18 @@ class GrpcConnection(asyncio.Protocol):
                 frames.STATUS_OK_TRAILERS)))
             self._closed(stream)
             return
-        self._send_message(stream, message, framed=body)
+        self._send_message(stream, body)
         self._finish(stream, calls.OK, "")
 
-    def _send_message(self, stream: _Stream, message: bytes, framed: bytes | None = None) -> None:
+    def _send_message(self, stream: _Stream, body: bytes) -> None:
+        """One framed message (`calls.framed`), after the response headers, as the windows allow."""
         if stream.done:
             return
         if not stream.headers_sent:
             stream.headers_sent = True
             self._write(frames.frame(frames.HEADERS, frames.END_HEADERS, stream.id,
                                      self._block(frames.RESPONSE_HEADERS)))
-        stream.pending.append(framed if framed is not None else
-                              b"\x00" + len(message).to_bytes(4, "big") + message)
+        stream.pending.append(body)
         self._pump(stream)
 
     def _finish(self, stream: _Stream, code: int, details: str) -> None:
@@ -497,7 +494,7 @@ class GrpcConnection(asyncio.Protocol):
             stream.task.cancel()
         status = frames.status_block(code, details)
         if stream.headers_sent:
-            stream.pending.append(status)  # the trailers go after the data that waits for window
+            stream.trailers = status  # after the data that waits for window
             self._pump(stream)
             return
         stream.headers_sent = True
@@ -525,13 +522,6 @@ class GrpcConnection(asyncio.Protocol):
         pending = stream.pending
         while pending:
             item = pending[0]
-            if stream.done and len(pending) == 1:  # the trailers' block (the last item once the call is done)
-                pending.clear()
-                self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
-                                         self._block(item)))
-                self._blocked.pop(stream.id, None)
-                self._closed(stream)
-                return
             allowed = min(len(item), self._send_window, stream.send_window, self._peer_max_frame)
             if allowed <= 0:
                 self._blocked[stream.id] = stream
@@ -544,7 +534,12 @@ class GrpcConnection(asyncio.Protocol):
             else:
                 pending[0] = item[allowed:]
         self._blocked.pop(stream.id, None)
-        if stream.writable is not None:
+        if stream.trailers is not None:
+            self._write(frames.frame(frames.HEADERS, frames.END_HEADERS | frames.END_STREAM, stream.id,
+                                     self._block(stream.trailers)))
+            stream.trailers = None
+            self._closed(stream)
+        elif stream.writable is not None:
             stream.writable.set()
 
     def _pump_blocked(self) -> None:
@@ -555,9 +550,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _closed(self, stream: _Stream) -> None:
         """This side has sent its end of the stream."""
-        if stream.deadline is not None:
-            stream.deadline.cancel()
-            stream.deadline = None
+        _cancel_deadline(stream)
         if not stream.remote_closed:
             # the client may still be sending (an early error): tell it to stop; the stream is over
             self._write(frames.rst_stream(stream.id, frames.NO_ERROR))
@@ -576,9 +569,7 @@ class GrpcConnection(asyncio.Protocol):
     def _drop(self, stream: _Stream) -> None:
         """The client reset the stream (or the connection is gone): stop its call, send nothing more."""
         stream.done = stream.remote_closed = True
-        if stream.deadline is not None:
-            stream.deadline.cancel()
-            stream.deadline = None
+        _cancel_deadline(stream)
         if stream.task is not None:
             stream.task.cancel()
         if stream.writable is not None:
@@ -611,15 +602,23 @@ class GrpcConnection(asyncio.Protocol):
             if not stream.done:
                 self._finish(stream, calls.UNAVAILABLE, "the server is shutting down")
             self._drop(stream)
+        self._close_transport()
+
+    def _close(self, code: int, message: str) -> None:
+        self._write(frames.goaway(self._last_stream_id, code, message.encode()[:256]))
+        self._close_transport()
+
+    def _close_transport(self) -> None:
+        """What is written goes out, then the connection closes."""
         self._flush()
         if self._transport is not None:
             self._transport.close()
 
-    def _close(self, code: int, message: str) -> None:
-        self._write(frames.goaway(self._last_stream_id, code, message.encode()[:256]))
-        self._flush()
-        if self._transport is not None:
-            self._transport.close()
+
+def _cancel_deadline(stream: _Stream) -> None:
+    if stream.deadline is not None:
+        stream.deadline.cancel()
+        stream.deadline = None
 
 
 def _unpad(payload: bytes) -> bytes:
