@@ -612,19 +612,10 @@ class BatchQueue:
         return ends_s
 
     def _dispatch(self, requests: list[QueuedRequest], reason: DispatchReason) -> Dispatch:
-        # _forget for each written out, and the heap's compaction checked once for the batch
-        levels, queued = self._levels, self._all
-        rows = 0
         for req in requests:
-            level = levels[req.level]
-            level.waiting.pop(req, None)
-            level.delayed.pop(req, None)
-            if not level.waiting and not level.delayed:
-                del levels[req.level]
-            del queued[req]
-            rows += req.batch_rows
-        self._pending_rows -= rows
-        self._compact_deadlines()
+            self._remove(req)
+        self._compact_deadlines()  # once for the batch
+        rows = sum(r.batch_rows for r in requests)
         # Smoothed, not the last batch alone: one small batch (a lone request between bursts) must not make every
         # following batch leave as soon as it is that small, which ratchets a flood down to batches of one or two.
         # Compared rounded: approaching a steady size from above, the average stays a fraction over it for long.
@@ -633,13 +624,17 @@ class BatchQueue:
         return Dispatch(requests=tuple(requests), rows=rows, reason=reason)
 
     def _forget(self, req: QueuedRequest) -> None:
+        self._remove(req)
+        self._compact_deadlines()
+
+    def _remove(self, req: QueuedRequest) -> None:
+        """Out of its level and the queue; its deadline's heap entry goes stale (see _compact_deadlines)."""
         level = self._levels[req.level]
         level.discard(req)
         if not level.waiting and not level.delayed:
             del self._levels[req.level]
         del self._all[req]
         self._pending_rows -= req.batch_rows
-        self._compact_deadlines()
 
     def _compact_deadlines(self) -> None:
         # Heap entries of requests gone are stale; compact when stale entries dominate so a burst of dispatched

@@ -433,13 +433,7 @@ class SchedulerBase:
                 else:
                     queue_ns += [p.dispatch_ns - p.arrival_ns] * p.members
                     request_ns += [now_ns - p.arrival_ns] * p.members
-                if not p.finished:  # p.finish(response) written out: once per request
-                    p.finished = True
-                    p.queued = None
-                    try:
-                        p.done(InferResponse(name, version, tensors, p.request.id, {}, compute_ns))
-                    except Exception:  # one front end's bug must not stop the rest of the batch from being answered
-                        log.exception("answering request %r of model %s failed", p.request.id, p.request.model_name)
+                p.finish(InferResponse(name, version, tensors, p.request.id, {}, compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
         if self.objective is not None and batch:
             self._ran((now_ns - batch[0].dispatch_ns) / 1e9)

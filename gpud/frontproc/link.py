@@ -68,12 +68,10 @@ def request_wire(r: InferRequest) -> tuple:
 
 
 def request_of(w: tuple) -> InferRequest:
-    # _data_of and _unref written out: this runs for every request the core takes from a front-end process
     name, version, ident, inputs, outputs, priority, timeout_us, parameters, uses_shm = w
-    return InferRequest(name, [InferTensor(n, d, s, NO_DATA if a is None else a, None if ref is None else ShmRef(*ref))
-                               for n, d, s, a, ref in inputs], version, ident,
-                        None if outputs is None else [RequestedOutput(n, p, None if ref is None else ShmRef(*ref))
-                                                      for n, p, ref in outputs],
+    return InferRequest(name, [InferTensor(n, d, s, _data_of(a), _unref(ref)) for n, d, s, a, ref in inputs], version,
+                        ident,
+                        None if outputs is None else [RequestedOutput(n, p, _unref(ref)) for n, p, ref in outputs],
                         priority, timeout_us, parameters, None, uses_shm)
 
 
