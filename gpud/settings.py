@@ -15,7 +15,7 @@ import yaml
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import read_token_file
 from gpud.model_control import ModelControl, ModelControlMode
-from gpud.executor.objective import (MAX_OBJECTIVE_MS, ObjectiveDefaults, parse_objective_ms,
+from gpud.executor.objective import (DEFAULT_SHARE, MAX_OBJECTIVE_MS, ObjectiveDefaults, parse_objective_ms,
                                      parse_objective_share)
 from gpud.scaling.bounds import BoundsDefaults
 from gpud.scaling.hints import HintPolicy
@@ -89,7 +89,7 @@ class Settings:
     control_max_steps_per_interval: int = 4  # adds, removals and moves applied per interval; the rest waits
     # --- latency objectives (gpud.executor.objective) for models whose config.pbtxt sets none ---
     latency_objective_ms: float | None = None  # None: such models have no objective
-    latency_objective_share: float = 0.99  # of requests within it
+    latency_objective_share: float = DEFAULT_SHARE  # of requests within it
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}

@@ -33,6 +33,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpud.executor.objective import DEFAULT_SHARE
 from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.tail import BatchLine, instances_for_objective, predicted_latency_s
 
@@ -69,7 +70,7 @@ class ModelObservation:
     # The version's latency objective (gpud.executor.objective), when it has one: then it, not the queue target,
     # decides (objective_recommendation).
     objective_seconds: float | None = None
-    objective_share: float = 0.99
+    objective_share: float = DEFAULT_SHARE
     attainment: float | None = None  # requests within it / counted, over the window; None: none counted
     batch_line: BatchLine | None = None  # the window's batch time by size, for predictions
     max_batch_size: int = 0
@@ -268,7 +269,7 @@ class ModelCounters:
     batches: tuple[tuple[int, int, int], ...] = ()
     max_batch_size: int = 0  # the model's; 0: it does not batch (one request per execution)
     objective_seconds: float | None = None  # its latency objective, if it has one
-    objective_share: float = 0.99
+    objective_share: float = DEFAULT_SHARE
     within_objective: int = 0
     over_objective: int = 0
     pending: int = 0  # queued or running at that instant

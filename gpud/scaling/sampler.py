@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from gpud.executor.objective import DEFAULT_SHARE
 from gpud.executor.stats import ModelStats
 from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import (DeviceFree, HintDecision, HintPolicy, HintState, ModelCounters, ModelFootprint,
@@ -71,7 +72,7 @@ def read_counters(snapshot: ServingSnapshot,
             queue_ns=st.queue.ns, batch_compute_ns=sum(ns for _, _, ns in per_size),
             ready_instances=v.ready_instances, batches=per_size, max_batch_size=v.max_batch_size,
             objective_seconds=st.objective_ns / 1e9 if st.objective_ns else None,
-            objective_share=st.objective_share or 0.99, within_objective=st.within_objective,
+            objective_share=st.objective_share or DEFAULT_SHARE, within_objective=st.within_objective,
             over_objective=st.over_objective, pending=v.pending_requests,
             load_s=v.load_seconds or 0.0),
             InstanceBounds(v.min_instances, v.max_instances))

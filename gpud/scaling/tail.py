@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_SHARE = 0.99  # gpud.executor.objective's default: the share an objective bounds unless it says otherwise
+from gpud.executor.objective import DEFAULT_SHARE  # the share an objective bounds unless it says otherwise
 
 
 @dataclass(frozen=True)
