@@ -14,7 +14,7 @@ from gpud.placement import Move, Plan, PlannerConfig, diff
 from gpud.placing.inputs import GroupKey, PlacementInputs, candidate_kinds
 from gpud.registry import RegisteredVersion, Registry
 from gpud.scaling.idle import EvictionCandidate, eviction_order, idle_seconds
-from gpud.scaling.plan import Step
+from gpud.scaling.plan import Spare, Step
 from gpud.telemetry.devices import DeviceBackend
 from gpud.telemetry.serving import ModelState
 
@@ -37,7 +37,7 @@ class OnDemand:
     _cold_failed: dict[RegisteredVersion, tuple[int, str, float]]  # changes then, why, when logged
     # What versions may give up for a cold start of one with a latency objective (the controller's spare_now, set by
     # the wiring when the controller acts; Claims.spare's form).
-    spare_source: Callable[[], Mapping[tuple[str, str], tuple[int, str]]]
+    spare_source: Callable[[], Spare]
 
     def inputs(self, versions: Sequence[RegisteredVersion] | None = None,
                totals: Mapping[tuple[str, str], int] | None = None,
@@ -131,7 +131,7 @@ class OnDemand:
 
     async def _evict_all(self, victims: Sequence[tuple[RegisteredVersion, InstanceHandle]],
                          beneficiary: RegisteredVersion, spares: Sequence[tuple[RegisteredVersion, InstanceHandle]],
-                         spare: Mapping[tuple[str, str], tuple[int, str]]) -> list[Step]:
+                         spare: Spare) -> list[Step]:
         """Evict `victims` for `beneficiary`: those among `spares` (_spare_candidates of `spare`) with their
         version's reason, the others as idle ones."""
         spare_ids = {id(i) for _, i in spares}
@@ -183,7 +183,7 @@ class OnDemand:
         return eviction_candidates(vs, self._live(), kinds, self.registry.has_gpus, self.wall_clock(),
                                    exclude=exclude, min_idle_s=min_idle_s)
 
-    def _spare_candidates(self, vs: RegisteredVersion, spare: Mapping[tuple[str, str], tuple[int, str]], *,
+    def _spare_candidates(self, vs: RegisteredVersion, spare: Spare, *,
                           exclude: Collection[RegisteredVersion] = frozenset()
                           ) -> list[tuple[RegisteredVersion, InstanceHandle]]:
         """The instances versions in `spare` can give up for `vs` (those beyond what each keeps, their highest

@@ -35,7 +35,7 @@ from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, Versio
 from gpud.placing.recovery import as_moves_off_lost_devices, recovering, steps_for_interval
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import DeviceRoom
-from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Step, Unplaced
+from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Spare, Step, Unplaced
 from gpud.registry import RegisteredVersion, Registry
 from gpud.placement import Assignment, Move, Plan, PlannerConfig, diff, plan
 from gpud.telemetry.devices import DeviceBackend, DeviceInfo
@@ -55,7 +55,7 @@ class PlacementService(OnDemand):
         # instance started or stopped): until then requests fail at once with its reason, with no plan and no log
         # line each (a busy client would otherwise flood both). The same failure is logged again after this long.
         self.cold_start_log_s = cold_start_log_s
-        self.spare_source: Callable[[], Mapping[tuple[str, str], tuple[int, str]]] = dict  # none until the wiring's
+        self.spare_source: Callable[[], Spare] = dict  # none until the wiring's
         self._changes = 0  # instances started or stopped so far
         self._cold_failed: dict[RegisteredVersion, tuple[int, str, float]] = {}  # changes then, why, when logged
         self.wall_clock = wall_clock

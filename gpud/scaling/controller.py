@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Step
+from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Spare, Step
 from gpud.scaling.priority import ObjectiveStanding, room_order, spare_order
 from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.hints import HintDecision
@@ -167,7 +167,7 @@ class ScalingController(Collector):
         urgent = frozenset(k for k in growing if k in standings and standings[k].missing)
         return Claims(tuple(room_order(growing, standings)), urgent, self._spare(standings, targets, now_s))
 
-    def spare_now(self) -> dict[Key, tuple[int, str]]:
+    def spare_now(self) -> Spare:
         """The spare instances as of the last interval, for a cold start of a version with an objective (the
         placement service's spare_source); none unless the controller acts (mode on)."""
         if self.mode != "on":
@@ -175,13 +175,13 @@ class ScalingController(Collector):
         return self._spare(self.standings(), self.targets, self.clock())
 
     def _spare(self, standings: Mapping[Key, ObjectiveStanding], targets: Sequence[Target],
-               now_s: float) -> dict[Key, tuple[int, str]]:
+               now_s: float) -> Spare:
         """Versions whose objective holds with margin with fewer instances, the most margin first, and how many each
         keeps (Claims.spare): never one that changes this interval, nor one with an instance added within the
         cooldown (never added and taken within one window: a scale-down's rule)."""
         cooldown = self.policy.scale_down_cooldown_seconds
         steady = [(t.model, t.version) for t in targets if t.target == t.current]
-        spare = {}
+        spare: dict[Key, tuple[int, str]] = {}
         for key in spare_order({k: standings[k] for k in steady if k in standings}):
             added_s = self._states.get(key, VersionState()).last_added_s
             if added_s is not None and now_s - added_s < cooldown:

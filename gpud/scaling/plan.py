@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from gpud.placement.model import MoveKind
 
 Key = tuple[str, str]  # (model, version)
+# Versions that may give up instances for an urgent one: how many each keeps, and why (for the log)
+Spare = Mapping[Key, tuple[int, str]]
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,7 @@ class Claims:
     urgent: frozenset[Key] = frozenset()  # of those, the ones missing their objective: they may take spare instances
     # Versions that may give up instances for an urgent one, the most margin first: how many instances each keeps
     # (what its objective needs: the rest is spare), and why (for the log).
-    spare: Mapping[Key, tuple[int, str]] = field(default_factory=dict)
+    spare: Spare = field(default_factory=dict)
 
 
 NO_CLAIMS = Claims()
