@@ -22,7 +22,7 @@ grpc = pytest.importorskip("grpc")
 from gpud.api.grpcwire import frames  # noqa: E402
 from gpud.api.grpcwire.calls import (CallAborted, MessageReader, Method, RESOURCE_EXHAUSTED,  # noqa: E402
                                      timeout_seconds)
-from gpud.api.grpcwire.hpack import Decoder, HpackError  # noqa: E402
+from gpud.api.grpcwire.hpack_decoder import Decoder, HpackError  # noqa: E402
 from gpud.api.grpcwire.server import GrpcServer  # noqa: E402
 
 TIMEOUT_S = 10.0

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from gpud.api.grpcwire import calls, frames
 from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageReader, Method
-from gpud.api.grpcwire.hpack import Decoder, HpackError
+from gpud.api.grpcwire.hpack_decoder import Decoder, HpackError
 
 log = logging.getLogger("gpud.grpc")
 
