@@ -1,5 +1,5 @@
 """gpud's own gRPC server: HTTP/2 (cleartext, prior knowledge, as gRPC clients speak it) on asyncio, for unary and
-streaming calls of any protobuf service. It exists because grpcio's Python server costs 220-280 µs of CPU per call
+streaming calls of any protobuf service. It exists because grpcio's Python server costs 250-370 µs of CPU per call
 before the handler runs (docs/benchmarks.md, issue 25); this one decodes a call's repeated headers from a cache and
 writes each answer's frames at once.
 
