@@ -33,6 +33,7 @@ from gpud.placing.ondemand import OnDemand, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.recovery import as_moves_off_lost_devices, recovering, steps_for_interval
+from gpud.placing.shortcuts import shortcuts, then_what_still_fits, unreached_adds
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import DeviceRoom
 from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Spare, Step, Unplaced
@@ -272,7 +273,18 @@ class PlacementService(OnDemand):
                 doable = adds_in_order(doable, lambda m: rank.get(inputs.version_of(m.model), len(rank)))
             # Recovery is not capped (gpud.placing.recovery). Evictions count as steps, but the load they made room
             # for is always taken.
-            todo = steps_for_interval(doable, lost, max(1 if evicted else 0, max_steps - len(evicted)))
+            cap = max(1 if evicted else 0, max_steps - len(evicted))
+            todo = steps_for_interval(doable, lost, cap)
+            waiting = unreached_adds(moves, todo, inputs.current) if not lost and not evicted else []
+            if waiting and (any(m.kind == "move" for m in todo) or any(not m.make_before_break for m in waiting)):
+                # Adds this interval would not reach (capped, or behind a re-pack that cannot finish make-before-
+                # break): room by a move or two now where there is such a way; the re-plan's moves wait.
+                first = shortcuts(waiting, inputs, claims.urgent,
+                                  lambda m: rank.get(inputs.version_of(m.model), len(rank)), cap)
+                if first:
+                    self._log_shortcut(first, inputs)
+                    todo = steps_for_interval(
+                        then_what_still_fits(first, [m for m in doable if m.kind != "move"], inputs), lost, cap)
             if apply:
                 steps = evicted + await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
             else:
@@ -307,6 +319,14 @@ class PlacementService(OnDemand):
                 self.demand(vs)
         return ScalingPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
                            frozenset(lost))
+
+    def _log_shortcut(self, steps: Sequence[Move], inputs: PlacementInputs) -> None:
+        for m in steps:
+            if m.kind == "add":
+                key, index = inputs.instance(Assignment(m.model, m.instance, ""))
+                log.info("model %s version %s instance %d: room on %s by %d "
+                         "move(s) now, ahead of the re-plan's moves", key.model, key.version, index, m.to_device,
+                         sum(1 for s in steps if s.kind == "move" and s.from_device == m.to_device))
 
     async def _victims_for(self, short: Sequence[RegisteredVersion], growing: Sequence[RegisteredVersion],
                            versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],

@@ -1,0 +1,114 @@
+"""Room for one instance by a few make-before-break moves, from the placement as it is now.
+
+A full re-plan may put an urgent instance where room appears only after a long re-pack, and a re-pack of 15-20
+steps is rarely all orderable make-before-break: the instance that needed room waits for it interval after interval
+(docs/benchmarks.md, the objectives replay). This looks for the shortest way instead: a device where the instance
+fits once one or two of the instances on it have been started elsewhere, each where it fits now, then stopped there.
+Every step can run at once, in order, with nothing stopped before its replacement serves."""
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+from gpud.placement.framework import NodeState, static_reasons
+from gpud.placement.model import Assignment, Device, ModelDemand, Move
+
+MAX_SHORTCUT_MOVES = 2  # more than this and the full re-plan's packing is the better guide
+
+
+@dataclass(frozen=True)
+class Shortcut:
+    """Steps that give `add` its room: `moves` (make-before-break, in order), then the add itself."""
+    moves: tuple[Move, ...]
+    add: Move
+    moved_bytes: int  # memory loaded again elsewhere: what the moves cost
+    device: str  # where the add goes
+    targets: tuple[str, ...] = ()  # where each move goes
+
+    @property
+    def steps(self) -> tuple[Move, ...]:
+        return (*self.moves, self.add)
+
+    def applied(self, current: Sequence[Assignment]) -> list[Assignment]:
+        """`current` once these steps are done."""
+        moved = {(m.model, m.instance): to for m, to in zip(self.moves, self.targets)}
+        return [*(Assignment(a.model, a.instance, moved.get((a.model, a.instance), a.device)) for a in current),
+                Assignment(self.add.model, self.add.instance, self.device)]
+
+
+def ledger(devices: Sequence[Device], by_name: dict[str, ModelDemand], current: Sequence[Assignment]) -> NodeState:
+    """What `current` holds on each device."""
+    state = NodeState(devices)
+    for a in current:
+        d = by_name.get(a.model) or ModelDemand(a.model, 0, instances=0)
+        if a.device in state.devices and (a.model, a.instance) not in state.where:
+            state.reserve(d, a.instance, a.device)
+    return state
+
+
+def _target(state: NodeState, demand: ModelDemand, away_from: str) -> str | None:
+    """The healthy device other than `away_from` where `demand` fits now, the fullest such one first (best fit, so
+    larger holes stay for larger instances)."""
+    best: tuple[int, str] | None = None
+    for dev_id in state.order:
+        if dev_id == away_from or static_reasons(demand, state.devices[dev_id]) or not state.fits(demand, dev_id):
+            continue
+        left = state.capacity[dev_id].memory_bytes - state.used_memory[dev_id] - demand.memory_bytes
+        if best is None or left < best[0]:
+            best = (left, dev_id)
+    return None if best is None else best[1]
+
+
+def room_by_few_moves(devices: Sequence[Device], demands: Sequence[ModelDemand], current: Sequence[Assignment],
+                      model: str, instance: int, *, max_moves: int = MAX_SHORTCUT_MOVES,
+                      keep: Collection[str] = ()) -> Shortcut | None:
+    """The cheapest way to start instance `instance` of demand `model` by at most `max_moves` moves of other
+    instances, each to a device where it fits now: fewest moves first, then least memory moved. None when there is
+    no such way. `keep`: demands whose instances must not move."""
+    by_name = {d.name: d for d in demands}
+    demand = by_name[model]
+    base = ledger(devices, by_name, current)
+    best: Shortcut | None = None
+    for dev_id in base.order:
+        device = base.devices[dev_id]
+        if static_reasons(demand, device):
+            continue
+        if base.fits(demand, dev_id):
+            return Shortcut((), Move("add", model, instance, to_device=dev_id), 0, dev_id)
+        movable = sorted(((name, inst) for (name, inst) in base.members[dev_id]
+                          if name != model and name not in keep and name in by_name),
+                         key=lambda k: (-by_name[k[0]].memory_bytes, k))
+        for n in range(1, max_moves + 1):
+            if best is not None and len(best.moves) < n:
+                break
+            for group in combinations(movable, n):
+                found = _try(base, by_name, current, demand, instance, dev_id, group)
+                if found is not None and (best is None or (len(found.moves), found.moved_bytes)
+                                          < (len(best.moves), best.moved_bytes)):
+                    best = found
+    return best
+
+
+def _try(base: NodeState, by_name: dict[str, ModelDemand], current: Sequence[Assignment], demand: ModelDemand,
+         instance: int, dev_id: str, group: Sequence[tuple[str, int]]) -> Shortcut | None:
+    state = ledger(list(base.devices.values()), by_name, current)
+    moves: list[Move] = []
+    targets: list[str] = []
+    for name, inst in group:  # the largest first (the order `movable` has), each where it fits with the others
+        d = by_name[name]
+        to = _target(state, d, away_from=dev_id)
+        if to is None:
+            return None
+        # Make-before-break: the copy is reserved on its target while the original still holds its room here.
+        state.reserve(d, -1 - len(moves), to)
+        targets.append(to)
+        moves.append(Move("move", name, inst, from_device=dev_id, to_device=to,
+                          note=f"room for {demand.name} on {dev_id}"))
+    for name, inst in group:
+        state.unreserve(name, inst)
+    if not state.fits(demand, dev_id):
+        return None
+    return Shortcut(tuple(moves), Move("add", demand.name, instance, to_device=dev_id,
+                                       note=f"after {len(moves)} move(s) off {dev_id}"),
+                    sum(by_name[name].memory_bytes for name, _ in group), dev_id, tuple(targets))
