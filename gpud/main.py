@@ -11,12 +11,12 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
-from gpud.settings import Settings, check_settings, load_settings_file, prepare_settings
+from gpud.settings import Settings, check_settings, grpc_keepalive, load_settings_file, prepare_settings
 from gpud.api.admin import AdminAuth
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
@@ -135,6 +135,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-server", choices=GRPC_SERVERS,
                    help="the gRPC server: gpud's own HTTP/2 server (default; about a quarter of grpcio's CPU per "
                         "call) or grpcio's (the reference implementation, for a client that needs what only it has)")
+    keepalive = p.add_argument_group("gRPC keepalive (Triton's flags and defaults, gRPC core's rules; both gRPC "
+                                     "servers)")
+    keepalive.add_argument("--grpc-keepalive-time", "--grpc-keepalive-time-ms", dest="grpc_keepalive_time_ms",
+                           type=int, metavar="MS",
+                           help="the server PINGs a connection this often while it has a call open (any connection "
+                                "with --grpc-keepalive-permit-without-calls) (default 7200000: 2 hours)")
+    keepalive.add_argument("--grpc-keepalive-timeout", "--grpc-keepalive-timeout-ms",
+                           dest="grpc_keepalive_timeout_ms", type=int, metavar="MS",
+                           help="a PING not acknowledged within this closes the connection: a dead or half-open "
+                                "client no longer holds it and its calls (default 20000)")
+    keepalive.add_argument("--grpc-keepalive-permit-without-calls", type=_bool, nargs="?", const=True,
+                           metavar="BOOL",
+                           help="keepalive PINGs on connections without calls too, and clients' PINGs on them "
+                                "judged by --grpc-http2-min-recv-ping-interval-without-data instead of 2 hours "
+                                "(default false)")
+    keepalive.add_argument("--grpc-http2-max-pings-without-data", type=int, metavar="N",
+                           help="keepalive PINGs sent while the server sends no HEADERS or DATA: no more go until "
+                                "it does (default 2; 0 = no limit)")
+    keepalive.add_argument("--grpc-http2-min-recv-ping-interval-without-data",
+                           "--grpc-http2-min-recv-ping-interval-without-data-ms",
+                           dest="grpc_http2_min_recv_ping_interval_without_data_ms", type=int, metavar="MS",
+                           help="a client's PING sooner than this after its previous one, while the server sends "
+                                "no data, is a strike (2 hours while it has no call open, unless "
+                                "--grpc-keepalive-permit-without-calls) (default 300000)")
+    keepalive.add_argument("--grpc-http2-max-ping-strikes", type=int, metavar="N",
+                           help="more strikes and the connection gets GOAWAY ENHANCE_YOUR_CALM \"too_many_pings\" "
+                                "and is closed; data sent forgives them (default 2; 0 = no limit)")
+    keepalive.add_argument("--grpc-max-connection-idle-ms", type=int, metavar="MS",
+                           help="gpud's own (gRPC core's GRPC_ARG_MAX_CONNECTION_IDLE_MS; Triton has no flag): a "
+                                "connection without a call open this long (up to twice it) is closed with GOAWAY "
+                                "NO_ERROR, freeing its slot of --grpc-max-connections (default 0 = never)")
     p.add_argument("--json-processes", type=int, metavar="N",
                    help="child processes that decode large JSON inference bodies and encode large JSON answers, so "
                         "that none holds up other requests (orjson holds the GIL: a thread would not do); at most 4 "
@@ -283,7 +314,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                                                   max_metadata_bytes=settings.max_header_bytes,
                                                   max_tensor_elements=settings.max_tensor_elements, admin=admin,
                                                   implementation=settings.grpc_server,
-                                                  max_connections=settings.grpc_max_connections)
+                                                  max_connections=settings.grpc_max_connections,
+                                                  keepalive=grpc_keepalive(settings))
             ports["grpc"] = grpc_server.bound_port
             log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
@@ -375,6 +407,7 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
                "max_connections": max(1, -(-(settings.http_max_connections if http else
                                              settings.grpc_max_connections) // n)),
                "max_tensor_elements": settings.max_tensor_elements, "grpc_server": settings.grpc_server,
+               "grpc_keepalive": asdict(grpc_keepalive(settings)),
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
     host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
     try:

@@ -14,6 +14,7 @@ import yaml
 
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import read_token_file
+from gpud.api.grpcwire.keepalive import MAX_MS, Keepalive
 from gpud.model_control import ModelControl, ModelControlMode
 from gpud.executor.objective import (DEFAULT_SHARE, MAX_OBJECTIVE_MS, ObjectiveDefaults, parse_objective_ms,
                                      parse_objective_share)
@@ -22,6 +23,7 @@ from gpud.scaling.hints import HintPolicy
 from gpud.scaling.rules import SCALING_MODES, ScalingMode, ScalingPolicy
 
 log = logging.getLogger("gpud")
+_KEEPALIVE = Keepalive()  # the defaults: Triton's (gRPC core's), and gpud's idle timeout off
 
 
 @dataclass
@@ -66,6 +68,17 @@ class Settings:
     grpc_processes: int = 0  # gRPC front ends in processes of their own (sharing the port); 0: on the core's loop
     grpc_max_connections: int = 10000  # more gRPC connections are closed at once (GOAWAY); gpud's server only
     grpc_server: str = "gpud"  # "gpud": gpud's own HTTP/2 server (gpud.api.grpcwire); "grpcio": grpcio's aio server
+    # gRPC keepalive, Triton's flags and defaults (gpud.api.grpcwire.keepalive; both gRPC servers)
+    grpc_keepalive_time_ms: int = _KEEPALIVE.time_ms  # the server PINGs a connection with a call open this often
+    grpc_keepalive_timeout_ms: int = _KEEPALIVE.timeout_ms  # no PING ACK within this: the connection is closed
+    grpc_keepalive_permit_without_calls: bool = _KEEPALIVE.permit_without_calls  # PINGs either way without calls
+    grpc_http2_max_pings_without_data: int = _KEEPALIVE.max_pings_without_data  # keepalive PINGs while the
+    # server sends nothing else (0: no limit)
+    grpc_http2_min_recv_ping_interval_without_data_ms: int = _KEEPALIVE.min_recv_ping_interval_without_data_ms
+    # a client PING sooner after its last while no data flows is a strike
+    grpc_http2_max_ping_strikes: int = _KEEPALIVE.max_ping_strikes  # more: GOAWAY "too_many_pings" (0: no limit)
+    grpc_max_connection_idle_ms: int = _KEEPALIVE.max_connection_idle_ms  # gpud's own: a connection without a
+    # call this long is closed, GOAWAY NO_ERROR (0: never)
     json_processes: int = 2  # child processes that decode large JSON bodies and encode large JSON answers (0: none)
     json_offload_bytes: int = 2**20  # JSON bodies (and answers) at least this long go to those processes
     log_level: str = "INFO"
@@ -183,6 +196,13 @@ def check_settings(settings: Settings) -> None:
             raise ValueError(f"{key} must be 0 (served on the core's loop) to 256, got {getattr(settings, key)}")
     if settings.grpc_max_connections < 1:
         raise ValueError(f"grpc_max_connections must be >= 1, got {settings.grpc_max_connections}")
+    for key in ("grpc_keepalive_time_ms", "grpc_keepalive_timeout_ms"):
+        if not 1 <= getattr(settings, key) <= MAX_MS:
+            raise ValueError(f"{key} must be 1 to {MAX_MS} (milliseconds), got {getattr(settings, key)}")
+    for key in ("grpc_http2_max_pings_without_data", "grpc_http2_min_recv_ping_interval_without_data_ms",
+                "grpc_http2_max_ping_strikes", "grpc_max_connection_idle_ms"):
+        if not 0 <= getattr(settings, key) <= MAX_MS:
+            raise ValueError(f"{key} must be 0 to {MAX_MS}, got {getattr(settings, key)}")
     if settings.grpc_server not in GRPC_SERVERS:
         raise ValueError(f"grpc_server must be one of {', '.join(GRPC_SERVERS)}, got {settings.grpc_server!r}")
     if settings.json_processes < 0 or settings.json_offload_bytes < 0:
@@ -210,6 +230,16 @@ def prepare_settings(settings: Settings) -> Prepared:
                     # ModelControl checks the mode
                     ModelControl(cast(ModelControlMode, settings.model_control_mode), tuple(settings.load_model)),
                     read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
+
+
+def grpc_keepalive(settings: Settings) -> Keepalive:
+    """The gRPC servers' keepalive, ping policy and idle timeout (checked by check_settings)."""
+    return Keepalive(time_ms=settings.grpc_keepalive_time_ms, timeout_ms=settings.grpc_keepalive_timeout_ms,
+                     permit_without_calls=settings.grpc_keepalive_permit_without_calls,
+                     max_pings_without_data=settings.grpc_http2_max_pings_without_data,
+                     min_recv_ping_interval_without_data_ms=settings.grpc_http2_min_recv_ping_interval_without_data_ms,
+                     max_ping_strikes=settings.grpc_http2_max_ping_strikes,
+                     max_connection_idle_ms=settings.grpc_max_connection_idle_ms)
 
 
 def objective_defaults(settings: Settings) -> ObjectiveDefaults:

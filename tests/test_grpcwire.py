@@ -23,6 +23,7 @@ from gpud.api.grpcwire import frames  # noqa: E402
 from gpud.api.grpcwire.calls import (CallAborted, MessageReader, Method, RESOURCE_EXHAUSTED,  # noqa: E402
                                      timeout_seconds)
 from gpud.api.grpcwire.hpack_decoder import Decoder, HpackError  # noqa: E402
+from gpud.api.grpcwire.keepalive import Keepalive  # noqa: E402
 from gpud.api.grpcwire.server import GrpcServer  # noqa: E402
 
 TIMEOUT_S = 10.0
@@ -170,7 +171,7 @@ class Handlers:
 
 class ServerThread:
     def __init__(self, max_message_bytes: int = 16 * 2**20, max_metadata_bytes: int = 8192,
-                 max_connections: int = 100):
+                 max_connections: int = 100, keepalive: Keepalive = Keepalive()):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -185,7 +186,7 @@ class ServerThread:
             "/t.S/Count": Method(h.count, bytes, bytes, server_streaming=True),
         }
         self.server = GrpcServer(methods, max_message_bytes=max_message_bytes, max_metadata_bytes=max_metadata_bytes,
-                                 max_connections=max_connections)
+                                 max_connections=max_connections, keepalive=keepalive)
         self.run(self.server.start("127.0.0.1", 0))
         self.url = f"127.0.0.1:{self.server.bound_port}"
 

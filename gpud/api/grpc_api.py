@@ -34,6 +34,7 @@ from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferRe
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
 from gpud.api.grpcwire.calls import CallAborted, Method
+from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
@@ -574,7 +575,8 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
                             max_tensor_elements: int = DEFAULT_MAX_TENSOR_ELEMENTS,
                             admin: AdminAuth | None = None, reuse_port: bool = False,
                             listen: socket.socket | None = None,
-                            implementation: str = "gpud", max_connections: int = 10000) -> GrpcServer | GrpcioServer:
+                            implementation: str = "gpud", max_connections: int = 10000,
+                            keepalive: Keepalive = Keepalive()) -> GrpcServer | GrpcioServer:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
     port 0 binds an ephemeral port; the port actually bound is in `server.bound_port`. A port already in use raises
@@ -583,12 +585,14 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
     over max_metadata_bytes are refused with RESOURCE_EXHAUSTED; a tensor shape over max_tensor_elements is
     INVALID_ARGUMENT. Stop with `await server.stop(grace)`. Must be called from the event loop that will run the
     server. `implementation`: "gpud" (gpud's own HTTP/2 server, ~4x less CPU per call; more than `max_connections`
-    connections are closed at once) or "grpcio" (no connection cap).
+    connections are closed at once) or "grpcio" (no connection cap). `keepalive`: keepalive PINGs, the client ping
+    policy and the idle timeout, on either (grpcio's: as its channel options).
     """
     servicer = InferenceServicer(core, admin, max_tensor_elements)
     if implementation == "gpud":
         server = GrpcServer(method_table(servicer), max_message_bytes=max_message_bytes,
-                            max_metadata_bytes=max_metadata_bytes, max_connections=max_connections)
+                            max_metadata_bytes=max_metadata_bytes, max_connections=max_connections,
+                            keepalive=keepalive)
         if listen is not None:
             await server.start_socket(listen)
         else:
@@ -609,6 +613,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
         ("grpc.absolute_max_metadata_size", max_metadata_bytes),
         # grpc sets SO_REUSEPORT by default, which lets a second daemon bind a port in use and silently share it
         ("grpc.so_reuseport", 1 if reuse_port else 0),
+        *keepalive.grpc_options(),
     ]
     aio_server = grpc.aio.server(options=options)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, _LenientRegistration(aio_server))

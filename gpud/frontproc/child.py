@@ -35,6 +35,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.start()
     if options["kind"] == "grpc":
         from gpud.api.grpc_api import start_grpc_server
+        from gpud.api.grpcwire.keepalive import Keepalive
         from gpud.api.grpcwire.server import GrpcServer
 
         grpc_server = await start_grpc_server(core, options["address"], options["port"],
@@ -43,7 +44,8 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
                                               max_tensor_elements=options["max_tensor_elements"],
                                               admin=RemoteAdmin(core), reuse_port=True, listen=listen,
                                               implementation=options.get("grpc_server", "gpud"),
-                                              max_connections=options["max_connections"])
+                                              max_connections=options["max_connections"],
+                                              keepalive=Keepalive(**options.get("grpc_keepalive", {})))
 
         def on_tune_grpc(request_timeout_s: float, max_connections: int) -> None:
             if isinstance(grpc_server, GrpcServer):  # grpcio's server has no cap

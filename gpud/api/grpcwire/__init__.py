@@ -7,6 +7,7 @@ writes each answer's frames at once.
   `hpack` package, whose Huffman code and static table it uses).
 - `frames`: HTTP/2 frame layout (RFC 9113) and the fixed frames gpud sends.
 - `calls`: what a handler sees (the call's context), statuses, the gRPC message framing.
+- `keepalive`: keepalive PINGs, the client ping policy and idle connections (gRPC core's rules, Triton's flags).
 - `connection`: one client connection: streams, flow control, dispatch to the method's handler.
 - `server`: listening, the connections, a graceful stop.
 """

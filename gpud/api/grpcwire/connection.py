@@ -3,7 +3,8 @@
 A unary call runs when its request has ended (END_STREAM); its answer (headers, message, trailers) goes out in one
 write, with the other answers of the same event-loop turn. A streaming call runs from its headers on, its requests
 fed to the handler as they arrive. Errors a client causes end its stream with a status (or its connection, for a
-violation of HTTP/2), never the server.
+violation of HTTP/2), never the server. Keepalive PINGs, the client ping policy and idle connections follow
+gRPC core (gpud.api.grpcwire.keepalive), on timers of the connection's event loop: nothing is timed per frame.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 from gpud.api.grpcwire import calls, frames
 from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageReader, Method
 from gpud.api.grpcwire.hpack_decoder import Decoder, HpackError
+from gpud.api.grpcwire.keepalive import Keepalive, PingStrikes
 
 log = logging.getLogger("gpud.grpc")
 
@@ -23,6 +25,7 @@ STREAM_WINDOW_BYTES = 4 * 2**20
 CONNECTION_WINDOW_BYTES = 16 * 2**20
 MAX_FRAME_BYTES = 2**20  # the largest frame a client may send (advertised; HTTP/2's default is 16 KiB)
 MAX_CONCURRENT_STREAMS = 1024
+KEEPALIVE_PING = b"gpud-ka\x00"  # the opaque data of the server's keepalive PINGs, which the ACK echoes
 
 _END = object()  # the end of a streaming call's requests
 
@@ -34,6 +37,7 @@ class ServerSide(Protocol):
     max_message_bytes: int
     max_metadata_bytes: int
     max_connections: int
+    keepalive: Keepalive
     connections: set[GrpcConnection]
     stopping: bool
 
@@ -89,6 +93,18 @@ class GrpcConnection(asyncio.Protocol):
         self._flush_scheduled = False
         self._going_away = False
         self._table_update = False  # the next header block sent signals an empty table (see _block)
+        # Keepalive (gpud.api.grpcwire.keepalive). `_data_sent`: HEADERS or DATA sent since the last PING either way,
+        # set where they are written and read only when a PING goes or comes (gRPC core then forgives the client's
+        # ping strikes and lets keepalive PINGs go again).
+        self._keepalive = server.keepalive
+        self._data_sent = False
+        self._pings_without_data = 0
+        self._strikes = PingStrikes(self._keepalive)
+        self._keepalive_timer: asyncio.TimerHandle | None = None  # the next keepalive PING
+        self._keepalive_watchdog: asyncio.TimerHandle | None = None  # its ACK's deadline
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_checked_stream_id = 0  # `_last_stream_id` at the last idle check
+        self._idle_at_check = True  # no stream was open at the last idle check
         self.peer = "unknown"
         self.idle = asyncio.Event()  # no stream open: set when the server may close the connection
         self.idle.set()
@@ -112,9 +128,16 @@ class GrpcConnection(asyncio.Protocol):
             frames.SETTINGS_MAX_FRAME_SIZE: MAX_FRAME_BYTES,
             frames.SETTINGS_ENABLE_PUSH: 0,
         }) + frames.window_update(0, CONNECTION_WINDOW_BYTES - frames.DEFAULT_WINDOW_BYTES))
+        self._keepalive_timer = self._loop.call_later(self._keepalive.time_ms / 1000, self._send_keepalive)
+        if self._keepalive.max_connection_idle_ms:
+            self._idle_timer = self._loop.call_later(self._keepalive.max_connection_idle_ms / 1000, self._check_idle)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        for timer in (self._keepalive_timer, self._keepalive_watchdog, self._idle_timer):
+            if timer is not None:
+                timer.cancel()
+        self._keepalive_timer = self._keepalive_watchdog = self._idle_timer = None
         self._server.connections.discard(self)
         for stream in list(self._streams.values()):
             self._drop(stream)
@@ -181,8 +204,11 @@ class GrpcConnection(asyncio.Protocol):
             if len(payload) != 8 or stream_id:
                 raise _ConnectionError(frames.FRAME_SIZE_ERROR if len(payload) != 8 else frames.PROTOCOL_ERROR,
                                        "a malformed PING")
-            if not flags & frames.ACK:
-                self._write(frames.frame(frames.PING, frames.ACK, 0, payload))
+            if flags & frames.ACK:
+                if payload == KEEPALIVE_PING:
+                    self._keepalive_acked()
+            else:
+                self._on_ping(payload)
         elif kind == frames.RST_STREAM:
             if not stream_id or len(payload) != 4:
                 raise _ConnectionError(frames.PROTOCOL_ERROR, "a malformed RST_STREAM")
@@ -354,6 +380,67 @@ class GrpcConnection(asyncio.Protocol):
                 stream.task = self._loop.create_task(self._run_unary(stream, stream.method, stream.request))
             stream.request = None
 
+    def _on_ping(self, payload: bytes) -> None:
+        if self._data_sent:
+            self._data_flowed()
+        self._write(frames.frame(frames.PING, frames.ACK, 0, payload))  # acknowledged even if over, as core does
+        idle = not self._streams and not self._keepalive.permit_without_calls
+        if self._strikes.received(self._loop.time(), idle):
+            log.info("gRPC connection from %s closed: %d PINGs too soon (--grpc-http2-min-recv-ping-interval-"
+                     "without-data, --grpc-http2-max-ping-strikes)", self.peer, self._strikes.strikes)
+            self._close(frames.ENHANCE_YOUR_CALM, "too_many_pings")
+
+    def _data_flowed(self) -> None:
+        """HEADERS or DATA went out since the last PING: the client's strikes are forgiven, keepalive PINGs may go."""
+        self._data_sent = False
+        self._strikes.forgive()
+        self._pings_without_data = 0
+
+    # --- keepalive and idleness (timers) ---------------------------------------------------------------------------
+    def _send_keepalive(self) -> None:
+        self._keepalive_timer = None
+        if self._transport is None:
+            return
+        keepalive = self._keepalive
+        if self._data_sent:
+            self._data_flowed()
+        if (not self._streams and not keepalive.permit_without_calls) or \
+                (keepalive.max_pings_without_data and self._pings_without_data >= keepalive.max_pings_without_data):
+            self._keepalive_timer = self._loop.call_later(keepalive.time_ms / 1000, self._send_keepalive)
+            return
+        self._pings_without_data += 1
+        self._write(frames.frame(frames.PING, 0, 0, KEEPALIVE_PING))
+        self._keepalive_watchdog = self._loop.call_later(keepalive.timeout_ms / 1000, self._keepalive_expired)
+
+    def _keepalive_acked(self) -> None:
+        if self._keepalive_watchdog is None:
+            return  # not awaited (a client echoing our data unasked)
+        self._keepalive_watchdog.cancel()
+        self._keepalive_watchdog = None
+        self._keepalive_timer = self._loop.call_later(self._keepalive.time_ms / 1000, self._send_keepalive)
+
+    def _keepalive_expired(self) -> None:
+        self._keepalive_watchdog = None
+        log.info("gRPC connection from %s closed: no PING ACK within %d ms (--grpc-keepalive-timeout)", self.peer,
+                 self._keepalive.timeout_ms)
+        self._close(frames.NO_ERROR, "keepalive watchdog timeout")
+
+    def _check_idle(self) -> None:
+        """Closes the connection if no call was open since the last check, a period ago; else checks again."""
+        self._idle_timer = None
+        if self._transport is None:
+            return
+        idle = not self._streams
+        if idle and self._idle_at_check and self._last_stream_id == self._idle_checked_stream_id:
+            log.info("gRPC connection from %s closed: no call for %d ms (--grpc-max-connection-idle-ms)", self.peer,
+                     self._keepalive.max_connection_idle_ms)
+            self._going_away = True
+            self._close(frames.NO_ERROR, "connection idle")  # core's words (with INTERNAL_ERROR)
+            return
+        self._idle_at_check = idle
+        self._idle_checked_stream_id = self._last_stream_id
+        self._idle_timer = self._loop.call_later(self._keepalive.max_connection_idle_ms / 1000, self._check_idle)
+
     def _on_settings(self, flags: int, stream_id: int, payload: bytes) -> None:
         if stream_id or len(payload) % 6:
             raise _ConnectionError(frames.PROTOCOL_ERROR, "a malformed SETTINGS frame")
@@ -512,6 +599,7 @@ class GrpcConnection(asyncio.Protocol):
     def _block(self, block: bytes) -> bytes:
         """A header block to send; the first after the client shrank its HPACK table starts by saying this side's
         table is empty (RFC 7541 4.2: the change must be signalled; gpud never indexes what it sends)."""
+        self._data_sent = True
         if self._table_update:
             self._table_update = False
             return b"\x20" + block
@@ -527,6 +615,7 @@ class GrpcConnection(asyncio.Protocol):
                 self._blocked[stream.id] = stream
                 return
             self._write(frames.frame_head(frames.DATA, 0, stream.id, allowed) + item[:allowed])
+            self._data_sent = True
             self._send_window -= allowed
             stream.send_window -= allowed
             if allowed == len(item):

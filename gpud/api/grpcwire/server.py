@@ -8,17 +8,21 @@ import socket
 
 from gpud.api.grpcwire.calls import Method
 from gpud.api.grpcwire.connection import GrpcConnection
+from gpud.api.grpcwire.keepalive import Keepalive
 
 log = logging.getLogger("gpud.grpc")
 
 
 class GrpcServer:
     def __init__(self, methods: dict[str, Method], *, max_message_bytes: int, max_metadata_bytes: int,
-                 max_connections: int = 10000):
+                 max_connections: int = 10000, keepalive: Keepalive = Keepalive()):
         """`methods`: by path ("/package.Service/Method"). A connection over `max_connections` is closed at once
-        (GOAWAY, REFUSED: the client may retry later), so that clients cannot take every descriptor."""
+        (GOAWAY, REFUSED: the client may retry later), so that clients cannot take every descriptor. `keepalive`:
+        keepalive PINGs, the client ping policy and idle connections (gpud.api.grpcwire.keepalive), for the
+        connections accepted from then on."""
         self.methods = methods
         self.max_connections = max_connections
+        self.keepalive = keepalive
         self.max_message_bytes = max_message_bytes
         self.max_metadata_bytes = max_metadata_bytes
         self.connections: set[GrpcConnection] = set()
