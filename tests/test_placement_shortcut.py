@@ -8,8 +8,16 @@ import asyncio
 from gpud.placement import Assignment, Constraints, Device, ModelDemand, Move, Plan
 from gpud.placement.shortcut import room_by_few_moves
 from gpud.placing.inputs import GroupKey, PlacementInputs
+from gpud.placing.service import PlacementService
 from gpud.placing.shortcuts import shortcuts, then_what_still_fits, unreached_adds
-from tests.test_placement_service import node, register_all, where  # noqa: F401  (node: the fixture)
+from gpud.examples import write_example_repository
+from gpud.repository.layout import ModelRepository
+from gpud.scaling.plan import Claims
+from gpud.scheduling import new_registry
+from gpud.telemetry.simulated import SimulatedBackend
+from tests.test_placement_service import (  # noqa: F401  (node: the fixture)
+    MIB, NODE, ScriptedPool, node, register_all, where,
+)
 
 GIB = 2**30
 
@@ -136,7 +144,7 @@ def test_the_interval_takes_the_shortcut_then_what_of_the_plan_still_fits():
     assert shortcuts([plan[4]], inputs, urgent=set(), rank=lambda m: 0, max_steps=1) == []
 
 
-def test_rescale_starts_an_add_now_rather_than_spend_the_interval_on_the_re_plans_moves(node, monkeypatch):
+def test_rescale_starts_an_add_now_rather_than_spend_the_interval_on_the_re_plans_moves(node, monkeypatch):  # noqa: F811 (the fixture)
     """The placement service with a scripted planner: the re-plan moves cnn off gpu0 first and adds mlp's second
     instance on gpu0 after it; with one step per interval the move would take the interval. The add has room as
     things are, so it is the interval's step and nothing moves."""
@@ -160,3 +168,86 @@ def test_rescale_starts_an_add_now_rather_than_spend_the_interval_on_the_re_plan
     plan = asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=1, apply=True))
     assert [(s.kind, s.model, s.index, s.to_device, s.error) for s in plan.steps] == [("add", "mlp", 1, "gpu0", "")]
     assert [e[0] for e in pool.events] == ["load"] and where(registry)["cnn"] == [(0, "gpu0")]
+
+
+def test_spare_instances_may_go_instead_of_moving_no_load_first():
+    devices = [gpu("g0"), gpu("g1", 20)]
+    demands = [demand("big", 30), demand("a", 12), demand("b", 12)]
+    current = at(("a", 0, "g0"), ("b", 0, "g0"), ("a", 1, "g1"))
+    # g0 has 16 free, g1 8: big needs a#0 and b#0 off g0, and neither fits on g1.
+    assert room_by_few_moves(devices, demands, current, "big", 0) is None
+    assert room_by_few_moves(devices, demands, current, "big", 0, removable={"a": 1}) is None  # b still cannot go
+    found = room_by_few_moves(devices, demands, current, "big", 0, removable={"a": 1, "b": 1})
+    assert found is not None and found.cost == (0, 2, 0)
+    assert sorted((m.kind, m.model, m.instance) for m in found.moves) == [("remove", "a", 0), ("remove", "b", 0)]
+    assert found.applied(current) == [Assignment("a", 1, "g1"), Assignment("big", 0, "g0")]
+    # A removal beats a move (no load).
+    devices = [gpu("g0"), gpu("g1")]
+    demands = [demand("big", 28), demand("a", 12), demand("b", 12), demand("c", 20)]
+    current = at(("a", 0, "g0"), ("b", 0, "g0"), ("c", 0, "g1"))  # 16 and 20 free
+    found = room_by_few_moves(devices, demands, current, "big", 0)
+    assert found is not None and [m.kind for m in found.moves] == ["move"]
+    found = room_by_few_moves(devices, demands, current, "big", 0, removable={"b": 1})
+    assert found is not None and [(m.kind, m.model) for m in found.moves] == [("remove", "b")]
+
+
+def test_spares_are_only_for_urgent_adds_and_counted_across_them():
+    devices = [gpu("g0"), gpu("g1")]
+    demands = [demand("big", 30), demand("big2", 30), demand("a", 12), demand("b", 12)]
+    # g0: a#0, 28 free; g1: b#0, a#1, b#1, 4 free.
+    inputs = inputs_of(devices, demands, at(("a", 0, "g0"), ("b", 0, "g1"), ("a", 1, "g1"), ("b", 1, "g1")))
+    adds = [Move("add", "big", 0, to_device="g0", make_before_break=False),
+            Move("add", "big2", 0, to_device="g1", make_before_break=False)]
+    # Not urgent: spares are not touched, and no move makes room.
+    assert shortcuts(adds[:1], inputs, urgent=set(), rank=lambda m: 0, max_steps=4, spare={"a": 1}) == []
+    # Urgent: a#0 goes for big; for big2 the one spare `a` is used up and nothing else makes room.
+    first = shortcuts(adds, inputs, urgent={("big", "1"), ("big2", "1")}, rank=lambda m: 0, max_steps=4,
+                      spare={"a": 1})
+    assert [(m.kind, m.model, m.instance) for m in first] == [("remove", "a", 0), ("add", "big", 0)]
+    # What the plan adds after it is checked against the node with the removal and the add done.
+    assert then_what_still_fits(first, [Move("add", "b", 2, to_device="g0")], inputs) == first  # 30 + 12 > 40
+    assert shortcuts(adds, inputs, urgent={("big", "1"), ("big2", "1")}, rank=lambda m: 0, max_steps=4,
+                     spare={"a": 2})[2:] == []  # a#1 alone does not make room for big2 on g1 either
+
+
+def test_rescale_evicts_a_spare_instance_for_an_urgent_add_rather_than_wait(tmp_path, monkeypatch):
+    """Two GPUs with room for three instances each, both full; the (scripted) re-plan puts an urgent version's new
+    instance on gpu0 with no room there. The spare instances of a version whose objective holds with margin may go
+    for it: one is evicted (said so, counted), and the add follows in the same interval."""
+    repo = tmp_path / "repo"
+    write_example_repository(repo, ["mlp", "cnn"])
+    (tmp_path / "node.yaml").write_text(NODE)
+    pool = ScriptedPool()
+    pool.footprint_bytes = int(6.8 * MIB)
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml", usage=pool)
+    total = backend.leaf_devices()[0].memory_total_bytes
+    registry = new_registry(has_gpus=True)
+    service = PlacementService(backend, pool, registry, device_reserve_bytes=total - 21 * MIB, time_limit_s=0)
+    repository = ModelRepository(repo)
+    asyncio.run(service.place(register_all(repository, registry)))
+    asyncio.run(service.rescale({("cnn", "1"): 5}, max_steps=8, apply=True))
+    full = where(registry)
+    assert len(full["cnn"]) == 5 and len(full["mlp"]) == 1
+    assert sorted(d for _, d in full["cnn"] + full["mlp"]).count("gpu0") == 3  # both GPUs full
+    pool.events.clear()
+
+    async def scripted(inputs, config) -> Plan:  # what runs stays; mlp's second instance on mlp's device
+        mlp_device = full["mlp"][0][1]
+        return Plan((*inputs.current, Assignment(inputs.names[GroupKey("mlp", "1", 0)], 1, mlp_device)), (), 2, 2,
+                    False)
+
+    monkeypatch.setattr(service, "_plan", scripted)
+    claims = Claims(first=(("mlp", "1"),), urgent=frozenset({("mlp", "1")}),
+                    spare={("cnn", "1"): (2, "objective 150 ms holds with margin at 2 instances")})
+    plan = asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=4, apply=True, claims=claims))
+    assert [(s.kind, s.model, s.evicted_for, s.error) for s in plan.steps] == [
+        ("remove", "cnn", "mlp", ""), ("add", "mlp", "", "")]
+    assert plan.steps[0].evicted_why == "objective 150 ms holds with margin at 2 instances"
+    assert plan.steps[0].from_device == plan.steps[1].to_device == full["mlp"][0][1]
+    assert [e[0] for e in pool.events] == ["unload", "load"]
+    assert registry.version("cnn").scheduler.stats.evictions == 1 and len(where(registry)["cnn"]) == 4
+    # Without the claims (not urgent) nothing is evicted: the add waits for room.
+    monkeypatch.setattr(service, "_plan", scripted)
+    before = where(registry)
+    plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
+    assert where(registry)["cnn"] == before["cnn"]

@@ -3,11 +3,12 @@
 A full re-plan may put an urgent instance where room appears only after a long re-pack, and a re-pack of 15-20
 steps is rarely all orderable make-before-break: the instance that needed room waits for it interval after interval
 (docs/benchmarks.md, the objectives replay). This looks for the shortest way instead: a device where the instance
-fits once one or two of the instances on it have been started elsewhere, each where it fits now, then stopped there.
-Every step can run at once, in order, with nothing stopped before its replacement serves."""
+fits once one or two of the instances on it have been started elsewhere, each where it fits now, then stopped there
+(or, where the caller allows it, removed: a spare instance). Every step can run at once, in order, with nothing
+stopped before its replacement serves."""
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -19,12 +20,18 @@ MAX_SHORTCUT_MOVES = 2  # more than this and the full re-plan's packing is the b
 
 @dataclass(frozen=True)
 class Shortcut:
-    """Steps that give `add` its room: `moves` (make-before-break, in order), then the add itself."""
+    """Steps that give `add` its room: `moves` (make-before-break moves and removals of spare instances, in order),
+    then the add itself."""
     moves: tuple[Move, ...]
     add: Move
     moved_bytes: int  # memory loaded again elsewhere: what the moves cost
     device: str  # where the add goes
-    targets: tuple[str, ...] = ()  # where each move goes
+    targets: tuple[str, ...] = ()  # where each move (kind "move") goes, in order
+
+    @property
+    def cost(self) -> tuple[int, int, int]:
+        loads = sum(1 for m in self.moves if m.kind == "move")
+        return loads, len(self.moves), self.moved_bytes
 
     @property
     def steps(self) -> tuple[Move, ...]:
@@ -32,8 +39,10 @@ class Shortcut:
 
     def applied(self, current: Sequence[Assignment]) -> list[Assignment]:
         """`current` once these steps are done."""
-        moved = {(m.model, m.instance): to for m, to in zip(self.moves, self.targets)}
-        return [*(Assignment(a.model, a.instance, moved.get((a.model, a.instance), a.device)) for a in current),
+        moved = {(m.model, m.instance): to for m, to in zip([m for m in self.moves if m.kind == "move"], self.targets)}
+        gone = {(m.model, m.instance) for m in self.moves if m.kind == "remove"}
+        return [*(Assignment(a.model, a.instance, moved.get((a.model, a.instance), a.device)) for a in current
+                  if (a.model, a.instance) not in gone),
                 Assignment(self.add.model, self.add.instance, self.device)]
 
 
@@ -62,10 +71,11 @@ def _target(state: NodeState, demand: ModelDemand, away_from: str) -> str | None
 
 def room_by_few_moves(devices: Sequence[Device], demands: Sequence[ModelDemand], current: Sequence[Assignment],
                       model: str, instance: int, *, max_moves: int = MAX_SHORTCUT_MOVES,
-                      keep: Collection[str] = ()) -> Shortcut | None:
+                      keep: Collection[str] = (), removable: Mapping[str, int] | None = None) -> Shortcut | None:
     """The cheapest way to start instance `instance` of demand `model` by at most `max_moves` moves of other
-    instances, each to a device where it fits now: fewest moves first, then least memory moved. None when there is
-    no such way. `keep`: demands whose instances must not move."""
+    instances, each to a device where it fits now: fewest loads first (a move loads, a removal does not), then
+    fewest steps, then least memory moved. None when there is no such way. `keep`: demands whose instances must not
+    move. `removable`: demand -> how many of its instances may simply be removed instead (spare ones)."""
     by_name = {d.name: d for d in demands}
     demand = by_name[model]
     base = ledger(devices, by_name, current)
@@ -80,23 +90,25 @@ def room_by_few_moves(devices: Sequence[Device], demands: Sequence[ModelDemand],
                           if name != model and name not in keep and name in by_name),
                          key=lambda k: (-by_name[k[0]].memory_bytes, k))
         for n in range(1, max_moves + 1):
-            if best is not None and len(best.moves) < n:
-                break
             for group in combinations(movable, n):
-                found = _try(base, by_name, current, demand, instance, dev_id, group)
-                if found is not None and (best is None or (len(found.moves), found.moved_bytes)
-                                          < (len(best.moves), best.moved_bytes)):
+                found = _try(base, by_name, current, demand, instance, dev_id, group, removable or {})
+                if found is not None and (best is None or found.cost < best.cost):
                     best = found
     return best
 
 
 def _try(base: NodeState, by_name: dict[str, ModelDemand], current: Sequence[Assignment], demand: ModelDemand,
-         instance: int, dev_id: str, group: Sequence[tuple[str, int]]) -> Shortcut | None:
+         instance: int, dev_id: str, group: Sequence[tuple[str, int]], removable: Mapping[str, int]) -> Shortcut | None:
     state = ledger(list(base.devices.values()), by_name, current)
     moves: list[Move] = []
     targets: list[str] = []
+    budget = dict(removable)
     for name, inst in group:  # the largest first (the order `movable` has), each where it fits with the others
         d = by_name[name]
+        if budget.get(name, 0) > 0:
+            budget[name] -= 1
+            moves.append(Move("remove", name, inst, from_device=dev_id, note=f"spare: room for {demand.name}"))
+            continue
         to = _target(state, d, away_from=dev_id)
         if to is None:
             return None
@@ -111,4 +123,4 @@ def _try(base: NodeState, by_name: dict[str, ModelDemand], current: Sequence[Ass
         return None
     return Shortcut(tuple(moves), Move("add", demand.name, instance, to_device=dev_id,
                                        note=f"after {len(moves)} move(s) off {dev_id}"),
-                    sum(by_name[name].memory_bytes for name, _ in group), dev_id, tuple(targets))
+                    sum(by_name[m.model].memory_bytes for m in moves if m.kind == "move"), dev_id, tuple(targets))

@@ -280,11 +280,19 @@ class PlacementService(OnDemand):
                 # Adds this interval would not reach (capped, or behind a re-pack that cannot finish make-before-
                 # break): room by a move or two now where there is such a way; the re-plan's moves wait.
                 first = shortcuts(waiting, inputs, claims.urgent,
-                                  lambda m: rank.get(inputs.version_of(m.model), len(rank)), cap)
+                                  lambda m: rank.get(inputs.version_of(m.model), len(rank)), cap,
+                                  self._spare_counts(inputs, claims))
                 if first:
                     self._log_shortcut(first, inputs)
                     todo = steps_for_interval(
                         then_what_still_fits(first, [m for m in doable if m.kind != "move"], inputs), lost, cap)
+                    # A shortcut's removals are spare instances given up for an urgent add: evictions, said so.
+                    spare_for = {m: next(a for a in first[i:] if a.kind == "add")
+                                 for i, m in enumerate(first) if m.kind == "remove"}
+                    if apply:
+                        for removal, add in spare_for.items():
+                            evicted.append(await self._evict_spare(inputs, removal, add, claims))
+                        todo = [m for m in todo if m not in spare_for]
             if apply:
                 steps = evicted + await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
             else:
@@ -320,13 +328,35 @@ class PlacementService(OnDemand):
         return ScalingPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
                            frozenset(lost))
 
+    async def _evict_spare(self, inputs: PlacementInputs, removal: Move, add: Move, claims: Claims) -> Step:
+        """Unload the spare instance of `removal` for `add`'s version, with its version's reason."""
+        group, index = inputs.instance(Assignment(removal.model, removal.instance, ""))
+        owner = self.registry.version(group.model, group.version)
+        # Under the service's lock: the instance the plan saw is still there.
+        inst = next(i for i in owner.instances if i.index == index and i.device_id == removal.from_device)
+        beneficiary = self.registry.version(*inputs.version_of(add.model))
+        return await self._evict((owner, inst), beneficiary, claims.spare[(owner.name, owner.version)][1])
+
+    def _spare_counts(self, inputs: PlacementInputs, claims: Claims) -> dict[str, int]:
+        """How many instances of each demand (a version's last instance group) the claims' spare versions may give
+        up for an urgent one: beyond what each keeps, never below its minimum nor one."""
+        out = {}
+        for (model, version), (keep, _) in claims.spare.items():
+            vs = self.registry.version(model, version)
+            groups = len(vs.entry.config.instance_groups)
+            name = inputs.names.get(GroupKey(model, version, groups - 1))
+            count = len(vs.instances) - max(keep, 1, vs.minimum_instances)
+            if name is not None and count > 0:
+                out[name] = count
+        return out
+
     def _log_shortcut(self, steps: Sequence[Move], inputs: PlacementInputs) -> None:
         for m in steps:
             if m.kind == "add":
                 key, index = inputs.instance(Assignment(m.model, m.instance, ""))
-                log.info("model %s version %s instance %d: room on %s by %d "
-                         "move(s) now, ahead of the re-plan's moves", key.model, key.version, index, m.to_device,
-                         sum(1 for s in steps if s.kind == "move" and s.from_device == m.to_device))
+                log.info("model %s version %s instance %d: room on %s by %d step(s) now, ahead of the re-plan's "
+                         "moves", key.model, key.version, index, m.to_device,
+                         sum(1 for s in steps if s.kind != "add" and s.from_device == m.to_device))
 
     async def _victims_for(self, short: Sequence[RegisteredVersion], growing: Sequence[RegisteredVersion],
                            versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],

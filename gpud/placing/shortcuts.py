@@ -7,11 +7,12 @@ next interval re-plans anew from what the partial moves left, and the add can wa
 (docs/benchmarks.md, the objectives replay). Here each such add (the most urgent version first) is looked for a
 device that one or two make-before-break moves of other versions' instances make room on now
 (gpud.placement.shortcut); those steps come first, then what of the plan's adds and removals still fits. Versions
-missing their latency objective are not moved to make room.
+missing their latency objective are not moved to make room; for one of them, the spare instances of versions whose
+objective holds with margin (the controller's claims) may go instead of moving (an eviction, logged as one).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from gpud.placement import Assignment, Move
 from gpud.placement.shortcut import ledger, room_by_few_moves
@@ -28,18 +29,24 @@ def unreached_adds(moves: Sequence[Move], todo: Sequence[Move], current: Sequenc
 
 
 def shortcuts(adds: Sequence[Move], inputs: PlacementInputs, urgent: Collection[tuple[str, str]],
-              rank: Callable[[Move], int], max_steps: int) -> list[Move]:
+              rank: Callable[[Move], int], max_steps: int, spare: Mapping[str, int] | None = None) -> list[Move]:
     """Steps that start `adds` now, each after at most two make-before-break moves of other versions' instances
     (never an urgent one's) to devices with room now, the most urgent first (`rank`), at most `max_steps` in all;
-    [] when there is no short way for any."""
+    [] when there is no short way for any. For an add of an urgent version, `spare` (demand name -> how many of its
+    instances its version may give up: the claims' spare instances) may be removed instead of moved: no load."""
     keep = {name for name in inputs.groups if inputs.version_of(name) in urgent}
     current = list(inputs.current)
     out: list[Move] = []
     for add in sorted(adds, key=lambda m: (rank(m), m.model, m.instance)):
-        found = room_by_few_moves(inputs.devices, inputs.demands, current, add.model, add.instance, keep=keep)
+        removable = dict(spare or {}) if inputs.version_of(add.model) in urgent else None
+        found = room_by_few_moves(inputs.devices, inputs.demands, current, add.model, add.instance, keep=keep,
+                                  removable=removable)
         if found is None or len(out) + len(found.steps) > max_steps:
             continue
         out += found.steps
+        if spare:
+            gone = [m.model for m in found.moves if m.kind == "remove"]
+            spare = {k: n - gone.count(k) for k, n in spare.items()}
         current = found.applied(current)
     return out
 
@@ -55,8 +62,8 @@ def then_what_still_fits(first: Sequence[Move], plan: Sequence[Move], inputs: Pl
         taken.add(key)
         if m.kind != "add":
             state.unreserve(*key)
-        assert m.to_device is not None  # shortcut steps are adds and moves
-        state.reserve(by_name[m.model], m.instance, m.to_device)
+        if m.to_device is not None:  # an add or a move (a removal: a spare instance let go)
+            state.reserve(by_name[m.model], m.instance, m.to_device)
     out = list(first)
     for m in plan:
         key = (m.model, m.instance)
