@@ -251,3 +251,39 @@ def test_rescale_evicts_a_spare_instance_for_an_urgent_add_rather_than_wait(tmp_
     before = where(registry)
     plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
     assert where(registry)["cnn"] == before["cnn"]
+
+
+def test_rescale_moves_an_instance_to_make_room_and_says_for_whom(tmp_path, monkeypatch):
+    """mlp may only run on GPU 0, which is full; GPU 1 has one slot. The (scripted) re-plan wants mlp's second
+    instance on gpu0 with no step to free it: a cnn instance moves to gpu1 first (make-before-break), then mlp's
+    loads; the move's step names the model it made room for (the controller's log and `gpudctl inspect`)."""
+    repo = tmp_path / "repo"
+    write_example_repository(repo, ["mlp", "cnn"])
+    config = repo / "mlp" / "config.pbtxt"
+    text = config.read_text()
+    start = text.index("instance_group")
+    config.write_text(text[:start] + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]"
+                      + text[text.index("]", start) + 1:])
+    (tmp_path / "node.yaml").write_text(NODE)
+    pool = ScriptedPool()
+    pool.footprint_bytes = int(6.8 * MIB)
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml", usage=pool)
+    total = backend.leaf_devices()[0].memory_total_bytes
+    registry = new_registry(has_gpus=True)
+    service = PlacementService(backend, pool, registry, device_reserve_bytes=total - 21 * MIB, time_limit_s=0)
+    asyncio.run(service.place(register_all(ModelRepository(repo), registry)))
+    asyncio.run(service.rescale({("cnn", "1"): 4}, max_steps=8, apply=True))
+    placed = where(registry)
+    on_gpu0 = [i for i, d in placed["cnn"] if d == "gpu0"]
+    assert placed["mlp"] == [(0, "gpu0")] and len(on_gpu0) == 2 and len(placed["cnn"]) == 4  # gpu0 full, gpu1 2/3
+    pool.events.clear()
+
+    async def scripted(inputs, config) -> Plan:
+        return Plan((*inputs.current, Assignment(inputs.names[GroupKey("mlp", "1", 0)], 1, "gpu0")), (), 2, 2, False)
+
+    monkeypatch.setattr(service, "_plan", scripted)
+    plan = asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=4, apply=True))
+    assert [(s.kind, s.model, s.from_device, s.to_device, s.room_for, s.error) for s in plan.steps] == [
+        ("move", "cnn", "gpu0", "gpu1", "mlp", ""), ("add", "mlp", None, "gpu0", "", "")]
+    assert [e[0] for e in pool.events] == ["load", "unload", "load"]  # the copy serves before the original goes
+    assert where(registry)["mlp"] == [(0, "gpu0"), (1, "gpu0")]

@@ -276,6 +276,7 @@ class PlacementService(OnDemand):
             cap = max(1 if evicted else 0, max_steps - len(evicted))
             todo = steps_for_interval(doable, lost, cap)
             waiting = unreached_adds(moves, todo, inputs.current) if not lost and not evicted else []
+            room_for: dict[tuple[str, str, int, str | None], str] = {}
             if waiting and (any(m.kind == "move" for m in todo) or any(not m.make_before_break for m in waiting)):
                 # Adds this interval would not reach (capped, or behind a re-pack that cannot finish make-before-
                 # break): room by a move or two now where there is such a way; the re-plan's moves wait.
@@ -289,6 +290,11 @@ class PlacementService(OnDemand):
                     # A shortcut's removals are spare instances given up for an urgent add: evictions, said so.
                     spare_for = {m: next(a for a in first[i:] if a.kind == "add")
                                  for i, m in enumerate(first) if m.kind == "remove"}
+                    for i, m in enumerate(first):  # each move, for the model whose add follows (the log, inspect)
+                        if m.kind == "move":
+                            key, index = inputs.instance(Assignment(m.model, m.instance, ""))
+                            add = next(a for a in first[i:] if a.kind == "add")
+                            room_for[(key.model, key.version, index, m.from_device)] = inputs.version_of(add.model)[0]
                     if apply:
                         for removal, add in spare_for.items():
                             evicted.append(await self._evict_spare(inputs, removal, add, claims))
@@ -300,6 +306,9 @@ class PlacementService(OnDemand):
                 for m in todo:
                     key, index = inputs.instance(Assignment(m.model, m.instance, ""))
                     steps.append(Step(m.kind, key.model, key.version, index, m.from_device, m.to_device))
+            if room_for:
+                steps = [replace(s, room_for=room_for.get((s.model, s.version, s.index, s.from_device), ""))
+                         if s.kind == "move" else s for s in steps]
             unplaced = []
             for u in result.unplaced:
                 key, index = inputs.instance(Assignment(u.model, u.instance, ""))

@@ -202,7 +202,9 @@ class ScalingController(Collector):
             reason = "device_lost"
             detail = f"device {step.from_device} is unhealthy"
         elif step.kind == "move":
-            reason, detail = "make_room", "moved so that more instances fit"
+            reason = "make_room"
+            detail = f"moved to make room for model {step.room_for}" if step.room_for else \
+                "moved so that more instances fit"
         elif target is not None:
             reason, detail = target.reason, target.detail
         else:

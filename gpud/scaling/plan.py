@@ -40,6 +40,7 @@ class Step:
     error: str = ""  # why the new instance did not load; "" when the step was done
     evicted_for: str = ""  # a removal to make room for this model's load (an idle or a spare instance)
     evicted_why: str = ""  # what made it the one to go, when not idleness (its objective's margin)
+    room_for: str = ""  # a move made to give this model's new instance its room (gpud.placing.shortcuts)
 
 
 @dataclass(frozen=True)
