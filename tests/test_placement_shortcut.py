@@ -1,6 +1,7 @@
 """Room for one instance by a few make-before-break moves (gpud.placement.shortcut, pure) and how the placement
-service's interval uses it (gpud.placing.shortcuts, pure): an add the re-plan leaves behind a re-pack starts after
-one or two moves that can each be made now."""
+service's interval uses it (gpud.placing.shortcuts, pure; PlacementService.rescale): an add the re-plan leaves behind
+a re-pack starts after one or two moves that can each be made now, or, for a version missing its latency objective,
+after a spare instance is evicted. And the service's steps in waves: adds on different devices load at once."""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +9,7 @@ import asyncio
 from gpud.placement import Assignment, Constraints, Device, ModelDemand, Move, Plan
 from gpud.placement.shortcut import room_by_few_moves
 from gpud.placing.inputs import GroupKey, PlacementInputs
-from gpud.placing.service import PlacementService
+from gpud.placing.service import PlacementService, load_waves
 from gpud.placing.shortcuts import shortcuts, then_what_still_fits, unreached_adds
 from gpud.examples import write_example_repository
 from gpud.repository.layout import ModelRepository
@@ -286,4 +287,52 @@ def test_rescale_moves_an_instance_to_make_room_and_says_for_whom(tmp_path, monk
     assert [(s.kind, s.model, s.from_device, s.to_device, s.room_for, s.error) for s in plan.steps] == [
         ("move", "cnn", "gpu0", "gpu1", "mlp", ""), ("add", "mlp", None, "gpu0", "", "")]
     assert [e[0] for e in pool.events] == ["load", "unload", "load"]  # the copy serves before the original goes
+    assert where(registry)["mlp"] == [(0, "gpu0"), (1, "gpu0")]
+
+
+def test_load_waves_are_runs_of_adds_on_different_devices():
+    add = lambda i, d: Move("add", "m", i, to_device=d)  # noqa: E731
+    moves = [add(0, "g0"), add(1, "g1"), add(2, "g0"), Move("remove", "n", 0, "g1"), add(3, "g1"),
+             Move("move", "n", 1, "g0", "g2"), add(4, "g2"), add(5, "g3")]
+    assert [[(m.kind, m.instance) for m in w] for w in load_waves(moves)] == [
+        [("add", 0), ("add", 1)], [("add", 2)], [("remove", 0)], [("add", 3)], [("move", 1)],
+        [("add", 4), ("add", 5)]]
+
+
+def test_adds_on_different_devices_load_at_once(node, monkeypatch):  # noqa: F811 (the fixture)
+    """Two new instances on two GPUs: the second load starts while the first is still loading (a device's worker
+    loads one at a time, different devices' workers at once); a failed one is said, the other serves."""
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    pool.events.clear()
+
+    async def scripted(inputs, config) -> Plan:
+        name = inputs.names[GroupKey("mlp", "1", 0)]
+        return Plan((*inputs.current, Assignment(name, 1, "gpu0"), Assignment(name, 2, "gpu1")), (), 2, 1, False)
+
+    monkeypatch.setattr(service, "_plan", scripted)
+    both = asyncio.Event()
+    started = pool.load_instance
+
+    async def load_instance(inst, device):
+        if sum(1 for e in pool.events if e[0] == "load") == 1:  # this is the second load: the first still loads
+            both.set()
+        return await started(inst, device)
+
+    monkeypatch.setattr(pool, "load_instance", load_instance)
+
+    async def scenario():
+        pool.hold["gpu0"] = asyncio.Event()
+        pool.hold["gpu1"] = asyncio.Event()
+        pool.fail_on = {"gpu1"}
+        task = asyncio.create_task(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
+        await asyncio.wait_for(both.wait(), 10)  # sequential loads would never get here
+        assert not task.done()
+        pool.hold["gpu0"].set()
+        pool.hold["gpu1"].set()
+        return await task
+
+    plan = asyncio.run(scenario())
+    assert [(s.kind, s.index, s.to_device, s.error) for s in plan.steps] == [
+        ("add", 1, "gpu0", ""), ("add", 2, "gpu1", "out of memory (scripted)")]
     assert where(registry)["mlp"] == [(0, "gpu0"), (1, "gpu0")]

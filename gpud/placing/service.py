@@ -481,28 +481,42 @@ class PlacementService(OnDemand):
     # --- applying steps -------------------------------------------------------------------------------------------
     async def _apply(self, inputs: PlacementInputs, moves: Sequence[Move], *, atomic: bool,
                      stop_at_failure: bool = False, staged: Sequence[RegisteredVersion] = ()) -> list[Step]:
-        """Carry out `moves` in order and say what each did. A failed load: atomic, every step done so far is undone
-        in reverse and InferenceError raised; else it is a Step with its error, and the rest goes on (or, with
-        `stop_at_failure`, stops: later steps may count on room this one was to free). `staged`: versions not in
-        the registry yet (a reload's), which the moves of their model and version are for."""
+        """Carry out `moves` in order and say what each did; consecutive adds on different devices load at once
+        (load_waves). A failed load: atomic, every step done so far is undone in reverse and InferenceError raised;
+        else it is a Step with its error, and the rest goes on (or, with `stop_at_failure`, stops: later steps may
+        count on room this one was to free). `staged`: versions not in the registry yet (a reload's), which the
+        moves of their model and version are for."""
         undo: list[Callable[[], Awaitable[None]]] = []
         steps: list[Step] = []
         lost = {d.id for d in inputs.devices if not d.healthy}
         by_key = {(v.name, v.version): v for v in staged}
-        for mv in moves:
-            key, index = inputs.instance(Assignment(mv.model, mv.instance, ""))
-            vs = by_key.get((key.model, key.version)) or self.registry.version(key.model, key.version)
-            step = Step(mv.kind, vs.name, vs.version, index, mv.from_device, mv.to_device)
-            if mv.kind == "remove":
+        for wave in load_waves(moves):
+            started = []
+            for mv in wave:
+                key, index = inputs.instance(Assignment(mv.model, mv.instance, ""))
+                vs = by_key.get((key.model, key.version)) or self.registry.version(key.model, key.version)
+                started.append((mv, vs, index, Step(mv.kind, vs.name, vs.version, index, mv.from_device,
+                                                    mv.to_device)))
+            if wave[0].kind == "remove":
+                mv, vs, index, step = started[0]
                 await self._remove(vs, index, mv.from_device, undo)
                 steps.append(step)
                 continue
-            to_device = mv.to_device
-            assert to_device is not None  # an add or a move has a destination (placement.diff)
-            log.info("model %s version %s instance %d -> device %s%s (%.1f MiB)", vs.name, vs.version, index,
-                     to_device, f" (from {mv.from_device})" if mv.from_device else "", vs.footprint_bytes() / 2**20)
-            inst = await self._start(vs, index, to_device)
-            if not inst.ready:
+            for mv, vs, index, _ in started:
+                log.info("model %s version %s instance %d -> device %s%s (%.1f MiB)", vs.name, vs.version, index,
+                         mv.to_device, f" (from {mv.from_device})" if mv.from_device else "",
+                         vs.footprint_bytes() / 2**20)
+            # An add or a move has a destination (placement.diff).
+            loaded = await asyncio.gather(*(self._start(vs, index, mv.to_device or "")
+                                            for mv, vs, index, _ in started))
+            failed = False
+            for (mv, vs, index, step), inst in zip(started, loaded):
+                if inst.ready:
+                    undo.append(partial(self._stop, vs, inst))
+                    if mv.kind == "move":  # make-before-break: the new one serves, now the old one goes
+                        await self._remove(vs, index, mv.from_device, undo)
+                    steps.append(step)
+                    continue
                 if atomic:
                     for done in reversed(undo):  # roll back: the node stays as it was
                         await done()
@@ -511,13 +525,9 @@ class PlacementService(OnDemand):
                                          "nothing changed")
                 steps.append(replace(step, error=inst.error or "not ready"))
                 # A move off a lost device frees no room a later step counts on: the other recoveries go on.
-                if stop_at_failure and not recovering(mv, lost):
-                    break
-                continue
-            undo.append(partial(self._stop, vs, inst))
-            if mv.kind == "move":  # make-before-break: the new one serves, now the old one goes
-                await self._remove(vs, index, mv.from_device, undo)
-            steps.append(step)
+                failed = failed or not recovering(mv, lost)
+            if failed and stop_at_failure:
+                break
         return steps
 
     async def _remove(self, vs: RegisteredVersion, index: int, device: str | None, undo: list) -> None:
@@ -574,6 +584,21 @@ class PlacementService(OnDemand):
         self._changes += 1
         vs.scheduler.remove_instance(inst)
         await self.pool.unload_instance(inst)
+
+
+def load_waves(moves: Sequence[Move]) -> list[list[Move]]:
+    """`moves` in waves that may run at once: a run of consecutive adds on different devices (each one's room was
+    counted with the ones before it, and nothing between them frees room), every other step alone. A device's
+    loads stay one at a time: its worker measures each instance's footprint as the memory its load took."""
+    waves: list[list[Move]] = []
+    for m in moves:
+        last = waves[-1] if waves else None
+        if m.kind == "add" and last is not None and last[0].kind == "add" and \
+                all(w.to_device != m.to_device for w in last):
+            last.append(m)
+        else:
+            waves.append([m])
+    return waves
 
 
 def adds_in_order(moves: Sequence[Move], rank: Callable[[Move], int]) -> list[Move]:
