@@ -46,9 +46,12 @@ def group_key(request: InferRequest) -> Hashable | None:
         outputs = tuple(names)
     inputs = []
     for t in request.inputs:
-        if t.datatype == "BYTES" or not t.shape or t.shape[0] < 1 or type(t.data) is not np.ndarray:
+        shape = tuple(t.shape)
+        # (data elsewhere, NO_DATA or a client's region, has no rows here to put together)
+        if t.datatype == "BYTES" or not shape or shape[0] < 1 or type(t.data) is not np.ndarray or \
+                t.data.shape != shape:
             return None
-        inputs.append((t.name, t.datatype, tuple(t.shape)))
+        inputs.append((t.name, t.datatype, shape))
     if not inputs:
         return None
     return request.model_name, request.model_version, request.id, tuple(inputs), outputs

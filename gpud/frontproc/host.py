@@ -99,6 +99,7 @@ class FrontendProcess:
     # if it dies first, by us (a name already removed is no matter).
     handed: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=1024))
     started_s: float = 0.0
+    grouped: int = 0  # its requests that came in groups (gpud.frontproc.group)
     alive: bool = True
     serving: asyncio.Future | None = None  # done when it says it serves
 
@@ -159,9 +160,10 @@ class FrontendHost:
                 self._send(fp, ("tune", self.options["request_timeout_s"], self.options["max_connections"]))
 
     def inspect(self) -> list[dict[str, Any]]:
-        """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now."""
+        """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now,
+        its requests that came grouped."""
         return [{"kind": self.options["kind"], "index": p.index, "pid": p.proc.pid, "alive": p.alive,
-                 "in_flight": len(p.submits), "restarts": self.restarts[p.index]}
+                 "in_flight": len(p.submits), "restarts": self.restarts[p.index], "grouped": p.grouped}
                 for p in self.processes if p is not None]
 
     def _spawn(self, index: int) -> None:
@@ -240,6 +242,7 @@ class FrontendHost:
         validation, a full queue), and the rest, go request by request, each with its own answer."""
         for ident in idents:
             fp.submits[ident] = None
+        fp.grouped += len(idents)
         try:
             limit = self.core.group_limit(request_of(wire))
         except InferenceError as exc:  # what each would have been told (no such model, not ready)
