@@ -102,7 +102,7 @@ def test_requests_alike_go_as_one_group_and_each_gets_its_own_answer(daemon):
         assert header["outputs"][0]["shape"] == [1, 16]
         got = np.frombuffer(data, np.float32).reshape(1, 16)
         expected = alone(daemon, "mlp", np.full((1, 256), v, np.float32) * np.linspace(-1, 1, 256, dtype=np.float32))
-        np.testing.assert_array_equal(got, expected)  # exactly: each row is computed alone
+        np.testing.assert_array_equal(got, expected)  # exactly what it gets alone
 
 
 def test_a_mix_of_models_and_shapes_each_answered_as_its_own(daemon):
