@@ -1,13 +1,15 @@
 """The core's own CPU per request with the front ends out of process (issue 25, item 3), without HTTP in the way.
 
     .venv/bin/python bench/serving/core_cost.py [--requests 20000] [--concurrency 64] [--rounds 3] [--profile N]
-                                                [--against TREE]
+                                                [--against TREE] [--grouped]
 
 The core runs in this process (gpud.wiring, the tiny MLP of run.py in a real worker process), behind the real
 FrontendHost. A stand-in front-end process on the other end of the link keeps `--concurrency` requests in flight, each
 one 1x256 FP32 row placed in its arena as an HTTP front-end process places it (one header: one signature number),
-and sends a new one for each answer. The CPU of this process (every thread of it; the worker and the stand-in are
-other processes) over the measured requests, divided by their count, is the core's CPU per request.
+and sends a new one for each answer. `--grouped`: it sends them through a front-end process's own code
+(gpud.frontproc.remote_core: the arena, and the requests alike that come in one turn as one group, where the tree
+groups them) instead of one message per request. The CPU of this process (every thread of it; the worker and the
+stand-in are other processes) over the measured requests, divided by their count, is the core's CPU per request.
 
 The baseline, measured in the same run on the same link: the host with a core that answers every request at once
 with a ready answer (no validation, no batch, no worker): what the link alone costs (framing, pickling, the socket).
