@@ -203,9 +203,10 @@ class GpudCore:
         return self.registry.version(name, version)
 
     def submit(self, request: InferRequest, done: Done,
-               placed: Mapping[str, RegionSlice] | None = None) -> Callable[[], None]:
+               placed: Mapping[str, RegionSlice] | None = None, members: int = 1) -> Callable[[], None]:
         """`placed`: inputs a front-end process put in its shared memory (gpud.frontproc), by name; their data is
-        empty here. The version's worker reads them where it can, else they are read now."""
+        empty here. The version's worker reads them where it can, else they are read now. `members` > 1: the
+        request is that many requests' rows (a front-end process's group, at most `group_limit`)."""
         vs = self._ready_version(request)
         if request.outputs is not None and _asks_classes(request.outputs):
             done = _classifying(vs, request, done)
@@ -213,7 +214,7 @@ class GpudCore:
         if placed:
             place_inputs(request, placed, in_worker=scheduler.moves_client_tensors)
         if not request.uses_shm:
-            return partial(scheduler.cancel, scheduler.submit(request, done))
+            return partial(scheduler.cancel, scheduler.submit(request, done, members))
         # its regions held until answered; their bytes moved by the worker where the scheduler can, else here
         staged = self.client_shm.stage(request, in_worker=scheduler.moves_client_tensors)
         try:
@@ -226,6 +227,19 @@ class GpudCore:
             scheduler.cancel(handle)
             staged.release()
         return cancel
+
+    def group_limit(self, request: InferRequest) -> int:
+        """How many requests like `request` (the same header but for nothing: gpud.frontproc.group) may be submitted
+        as one (`submit(..., members=n)`): as many as its version batches in one batch, where it takes groups; 1
+        where they go alone (a model that does not batch them, shared memory, classified outputs). Raises what
+        submitting `request` would (no such model, not ready, shutting down)."""
+        vs = self._ready_version(request)
+        scheduler = vs.scheduler
+        if not scheduler.takes_groups or request.uses_shm or \
+                (request.outputs is not None and _asks_classes(request.outputs)):
+            return 1
+        rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 0
+        return max(1, scheduler.config.max_batch_size // rows) if rows > 0 else 1
 
     async def infer(self, request: InferRequest) -> InferResponse:
         vs = self._ready_version(request)

@@ -257,6 +257,19 @@ class TestMaxQueueSize:
         with pytest.raises(InferenceError, match="of 3 requests"):
             q.enqueue(req("d"))
 
+    def test_a_group_counts_as_its_members_and_fits_whole_or_not_at_all(self, clock):
+        db = DynamicBatching(default_queue_policy=QueuePolicy(max_queue_size=4))
+        q = make(clock, dynamic_batching=db)
+        group = QueuedRequest(payload="g", batch_rows=3, shape_key="k", members=3)
+        enqueue_all(q, group)
+        with pytest.raises(InferenceError, match="3 of 4 requests"):  # 3 + 2 > 4: the second group is refused
+            q.enqueue(QueuedRequest(payload="h", batch_rows=2, shape_key="k", members=2))
+        enqueue_all(q, req("a"))  # 3 + 1 = 4 fit
+        with pytest.raises(InferenceError, match="4 of 4 requests"):
+            q.enqueue(req("b"))
+        q.remove(group)  # its 3 members leave with it: 1 queued, 3 more fit
+        enqueue_all(q, QueuedRequest(payload="h", batch_rows=3, shape_key="k", members=3))
+
     def test_limit_is_per_level(self, clock):
         db = DynamicBatching(
             priority_levels=2,

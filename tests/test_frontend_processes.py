@@ -244,4 +244,4 @@ def test_gpudctl_inspect_lists_the_front_end_processes(daemon):
     assert {p["pid"] for p in http} == {p.pid for p in frontends(daemon)}
     text = render_inspect(view)
     assert "FRONT ENDS (processes of their own)" in text
-    assert all(f" {p['pid']} " in text for p in http) and "restarts" in text
+    assert all(f" {p['pid']} " in text for p in http) and "restarts" in text and "grouped" in text

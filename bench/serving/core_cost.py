@@ -1,13 +1,15 @@
 """The core's own CPU per request with the front ends out of process (issue 25, item 3), without HTTP in the way.
 
     .venv/bin/python bench/serving/core_cost.py [--requests 20000] [--concurrency 64] [--rounds 3] [--profile N]
-                                                [--against TREE]
+                                                [--against TREE] [--grouped]
 
 The core runs in this process (gpud.wiring, the tiny MLP of run.py in a real worker process), behind the real
 FrontendHost. A stand-in front-end process on the other end of the link keeps `--concurrency` requests in flight, each
 one 1x256 FP32 row placed in its arena as an HTTP front-end process places it (one header: one signature number),
-and sends a new one for each answer. The CPU of this process (every thread of it; the worker and the stand-in are
-other processes) over the measured requests, divided by their count, is the core's CPU per request.
+and sends a new one for each answer. `--grouped`: it sends them through a front-end process's own code
+(gpud.frontproc.remote_core: the arena, and the requests alike that come in one turn as one group, where the tree
+groups them) instead of one message per request. The CPU of this process (every thread of it; the worker and the
+stand-in are other processes) over the measured requests, divided by their count, is the core's CPU per request.
 
 The baseline, measured in the same run on the same link: the host with a core that answers every request at once
 with a ready answer (no validation, no batch, no worker): what the link alone costs (framing, pickling, the socket).
@@ -41,8 +43,57 @@ sys.path.insert(0, HERE)
 
 
 # --- the stand-in front end (its own process) ------------------------------------------------------------------
-def frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
-    asyncio.run(_frontend(link_fd, requests, warmup, concurrency))
+def frontend(link_fd: int, requests: int, warmup: int, concurrency: int, grouped: int = 0) -> None:
+    asyncio.run((_frontend_grouped if grouped else _frontend)(link_fd, requests, warmup, concurrency))
+
+
+async def _frontend_grouped(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
+    """`--grouped`: what an HTTP front-end process sends, through its own code (gpud.frontproc.remote_core: each
+    request's tensor placed in the arena, and the requests alike that come in one turn sent as one group, where the
+    tree does that)."""
+    from gpud.executor.types import InferRequest, InferTensor, RequestedOutput
+    from gpud.frontproc.arena import Arena
+    from gpud.frontproc.remote_core import RemoteCore
+
+    loop = asyncio.get_running_loop()
+    arena = Arena()
+    core = RemoteCore(socket.socket(fileno=link_fd), arena)
+    core.start()
+    row = np.random.default_rng(0).standard_normal((1, 256)).astype(np.float32)
+    outputs = [RequestedOutput("output", {"binary_data": True})]
+    signature = object()  # the HTTP front end's parsed header, the same for every request
+    total = warmup + requests
+    marks = {warmup: "start", total: "end"}
+    sent = answered = 0
+    finished = loop.create_future()
+
+    def submit() -> None:
+        nonlocal sent
+        request = InferRequest("mlp", [InferTensor("input", "FP32", (1, 256), row)], outputs=outputs)
+        request.signature = signature
+        core.submit(request, on_answer)
+        sent += 1
+
+    def on_answer(result) -> None:
+        nonlocal answered
+        if not hasattr(result, "outputs"):
+            raise SystemExit(f"request failed: {result}")
+        answered += 1
+        if answered in marks:
+            core.sender.put(("mark", marks[answered]))
+        if sent < total:
+            submit()
+        elif answered == total and not finished.done():
+            finished.set_result(None)
+
+    if warmup == 0:
+        core.sender.put(("mark", "start"))
+    for _ in range(min(concurrency, total)):
+        submit()
+    await finished
+    core.sender.drain_blocking()
+    core.close()
+    arena.close()
 
 
 async def _frontend(link_fd: int, requests: int, warmup: int, concurrency: int) -> None:
@@ -106,14 +157,24 @@ class _Answering:
 
     def __init__(self, response):
         self.response = response
+        self.answers = {1: response}  # by members: a group's answer has each member's rows
 
-    def submit(self, request, done, placed=None):
-        done(self.response)
+    def group_limit(self, request) -> int:
+        return 64  # the mlp's max_batch_size (bench/serving/models.py)
+
+    def submit(self, request, done, placed=None, members=1):
+        answer = self.answers.get(members)
+        if answer is None:
+            t = self.response.outputs[0]
+            data = np.concatenate([t.data] * members)
+            answer = self.answers[members] = type(self.response)(
+                self.response.model_name, self.response.model_version, [type(t)(t.name, t.datatype, data.shape, data)])
+        done(answer)
         return lambda: None
 
 
 async def measure(core, requests: int, warmup: int, concurrency: int,
-                  profile: cProfile.Profile | None) -> tuple[float, float]:
+                  profile: cProfile.Profile | None, grouped: bool = False) -> tuple[float, float]:
     """CPU seconds of this process, and wall seconds, over `requests` requests through a FrontendHost onto `core`."""
     from gpud.api.admin import AdminAuth
     from gpud.frontproc.host import FrontendHost, FrontendProcess
@@ -124,7 +185,7 @@ async def measure(core, requests: int, warmup: int, concurrency: int,
     host._loop = loop
     ours, theirs = socket.socketpair()
     proc = subprocess.Popen([sys.executable, __file__, "--frontend", str(theirs.fileno()), str(requests), str(warmup),
-                             str(concurrency)], pass_fds=(theirs.fileno(),))
+                             str(concurrency), str(int(grouped))], pass_fds=(theirs.fileno(),))
     theirs.close()
     ours.setblocking(False)
     fp = FrontendProcess(0, proc, ours)
@@ -186,18 +247,19 @@ async def main_async(args) -> int:
             out = np.zeros((1, 16), np.float32)
             link_only = _Answering(InferResponse("mlp", "1", [InferTensor("output", "FP32", (1, 16), out)]))
             n, warm, c = args.requests, args.warmup, args.concurrency
-            await measure(core, 2000, 0, c, None)  # the worker's first batches, onnxruntime's first runs
+            g = args.grouped
+            await measure(core, 2000, 0, c, None, g)  # the worker's first batches, onnxruntime's first runs
             runs: dict[str, list[float]] = {"core": [], "link": []}
             rates: list[float] = []
             rows: list[float] = []
             for _ in range(args.rounds):
                 s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                cpu_s, wall_s = await measure(core, n, warm, c, None)
+                cpu_s, wall_s = await measure(core, n, warm, c, None, g)
                 runs["core"].append(cpu_s / n * 1e6)
                 rates.append(n / wall_s)
                 s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
                 rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))  # (the warm-up's batches too)
-                runs["link"].append((await measure(link_only, n, warm, c, None))[0] / n * 1e6)
+                runs["link"].append((await measure(link_only, n, warm, c, None, g))[0] / n * 1e6)
             core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
             if args.json:
                 print(json.dumps({"core_us": core_us, "link_us": link_us, "rps": statistics.median(rates),
@@ -211,7 +273,7 @@ async def main_async(args) -> int:
             print(f"core's own (core - link) {core_us - link_us:.1f} us/req; core / link {core_us / link_us:.2f}")
             if args.profile:
                 profile = cProfile.Profile(time.process_time)  # CPU, not wall time: the loop is preempted
-                await measure(core, n, warm, c, profile)
+                await measure(core, n, warm, c, profile, g)
                 stats = pstats.Stats(profile)
                 stats.sort_stats("tottime").print_stats(args.profile)
         finally:
@@ -233,7 +295,7 @@ def against(args) -> int:
             env = dict(os.environ, PYTHONPATH=tree)  # its gpud, and its workers' (they start from its directory)
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", "--rounds", "1",
                                   "--requests", str(args.requests), "--warmup", str(args.warmup),
-                                  "--concurrency", str(args.concurrency)],
+                                  "--concurrency", str(args.concurrency), *(["--grouped"] if args.grouped else [])],
                                  cwd=tree, env=env, capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
                 raise SystemExit(f"{arm} ({tree}) failed:\n{out.stderr[-3000:]}")
@@ -258,7 +320,7 @@ def against(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--frontend":
-        frontend(*(int(a) for a in argv[1:5]))
+        frontend(*(int(a) for a in argv[1:6]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=20000)
@@ -266,6 +328,9 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--grouped", action="store_true",
+                   help="the stand-in sends as a front-end process does (gpud.frontproc.remote_core): requests alike "
+                        "that come in one turn as one group, where the tree groups them")
     p.add_argument("--against", metavar="TREE", help="another checkout of gpud: both measured, alternating")
     p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

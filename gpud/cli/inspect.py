@@ -116,11 +116,11 @@ def _render_frontends(frontends: list[dict[str, Any]]) -> list[str]:
     if not frontends:
         return []
     lines = ["", "FRONT ENDS (processes of their own)", f"  {'protocol':<8} {'#':>2} {'pid':>8} {'state':<10} "
-             f"{'in flight':>9} {'restarts':>8}"]
+             f"{'in flight':>9} {'restarts':>8} {'grouped':>9}"]
     for f in sorted(frontends, key=lambda f: (f["kind"], f["index"])):
         state = "up" if f["alive"] else "restarting"
         lines.append(f"  {f['kind']:<8} {f['index']:>2} {f['pid']:>8} {state:<10} {f['in_flight']:>9} "
-                     f"{f['restarts']:>8}")
+                     f"{f['restarts']:>8} {f.get('grouped', 0):>9}")
     return lines
 
 

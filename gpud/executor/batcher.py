@@ -49,9 +49,10 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
   8. Otherwise `Wait(until_s = min(oldest enqueue + max_queue_delay, quiet time, earliest deadline))`.
 
 Queue policy (Triton's ModelQueuePolicy, per priority level, `core/src/scheduler_utils.cc`):
-  - max_queue_size counts the level's queued requests, delayed ones included; 0 = the daemon's default bound
-    (`default_max_queue_size`; itself 0 = unbounded, Triton's behaviour). A request over it is
-    refused at once with UNAVAILABLE "Exceeds maximum queue size" and leaves the queue unchanged.
+  - max_queue_size counts the level's queued requests, delayed ones included, a group (`QueuedRequest.members`) as
+    its members; 0 = the daemon's default bound (`default_max_queue_size`; itself 0 = unbounded, Triton's
+    behaviour). A request over it (a group that does not fit whole) is refused at once with UNAVAILABLE "Exceeds
+    maximum queue size" and leaves the queue unchanged.
   - deadline = enqueue + default_timeout_us; with allow_timeout_override a request's own nonzero timeout_us applies
     when it is shorter (it may shorten the timeout, never lengthen it). 0 = no timeout.
   - timeout_action REJECT: `expire()` removes the request, the driver fails it with "Request timeout expired"
@@ -99,6 +100,7 @@ class QueuedRequest:
     shape_key: Hashable  # requests batch together only with the same key (non-batch dims / dtypes)
     priority: int = 0  # 0 = default level; else 1..priority_levels, 1 highest
     timeout_us: int = 0  # 0 = the level's default_timeout_us
+    members: int = 1  # the requests it stands for (a group's: their rows concatenated); max_queue_size counts them
     # Set by the batcher on enqueue:
     enqueue_time_s: float = field(default=0.0, init=False)
     deadline_s: float | None = field(default=None, init=False)  # None = no timeout
@@ -312,11 +314,12 @@ class _Level:
     dicts keyed by request (identity hash) are ordered sets: O(1) removal of a cancelled request, ordered iteration.
     """
 
-    __slots__ = ("waiting", "delayed")
+    __slots__ = ("waiting", "delayed", "members")
 
     def __init__(self) -> None:
         self.waiting: dict[QueuedRequest, None] = {}
         self.delayed: dict[QueuedRequest, None] = {}
+        self.members = 0  # the requests queued here, a group's members each (max_queue_size counts these)
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.delayed)
@@ -326,8 +329,8 @@ class _Level:
         yield from self.delayed
 
     def discard(self, req: QueuedRequest) -> None:
-        self.waiting.pop(req, None)
-        self.delayed.pop(req, None)
+        if self.waiting.pop(req, 0) is None or self.delayed.pop(req, 0) is None:
+            self.members -= req.members
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -453,8 +456,8 @@ class BatchQueue:
             limit = policy.max_queue_size or cfg.default_max_queue_size
         queue = self._levels.get(level)
         if limit:
-            queued_at_level = len(queue) if queue is not None else 0
-            if queued_at_level >= limit:
+            queued_at_level = queue.members if queue is not None else 0
+            if queued_at_level + req.members > limit:  # a group fits whole or not at all
                 raise InferenceError(
                     ErrorKind.UNAVAILABLE,
                     f"{QUEUE_FULL_MESSAGE} (queue full: {queued_at_level} of {limit} requests at priority level "
@@ -482,6 +485,7 @@ class BatchQueue:
         if queue is None:
             queue = self._levels[level] = _Level()
         queue.waiting[req] = None
+        queue.members += req.members
         self._all[req] = None
         self._pending_rows += req.batch_rows
         req._deadline_seq = next(self._seq)

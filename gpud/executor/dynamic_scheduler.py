@@ -105,7 +105,8 @@ class DynamicScheduler(SchedulerBase):
         prepared = self._prepare(request)
         pending = Pending(request, prepared, done, time.perf_counter_ns(), members)
         # (payload, batch_rows, shape_key, priority, timeout_us): by position, which a dataclass takes faster
-        queued = QueuedRequest(pending, prepared.batch_rows, prepared.shape_key, request.priority, request.timeout_us)
+        queued = QueuedRequest(pending, prepared.batch_rows, prepared.shape_key, request.priority, request.timeout_us,
+                               members)
         self.queue.enqueue(queued)  # raises at once (queue full, bad priority) and changes nothing
         pending.queued = queued
         return pending

@@ -82,6 +82,19 @@ class Arena:
             dest[...] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         return RegionSlice("", block.space.path, block.offset, nbytes), block
 
+    def put_rows(self, parts: list[np.ndarray]) -> tuple[RegionSlice, Block]:
+        """`parts`' bytes one after another (a group's rows of one input, gpud.frontproc.group): where they lie, and
+        the block to free."""
+        nbytes = sum(p.nbytes for p in parts)
+        block = self._alloc(max(1, nbytes))
+        offset = block.offset
+        for part in parts:
+            if part.nbytes:
+                dest = block.space.segment.ndarray(offset, (part.nbytes,), np.dtype(np.uint8))
+                dest[...] = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+                offset += part.nbytes
+        return RegionSlice("", block.space.path, block.offset, nbytes), block
+
     def _alloc(self, nbytes: int) -> Block:
         size = align(nbytes)
         for space in self._spaces:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import json
 import logging
 import socket
@@ -27,6 +28,7 @@ from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import unlink
 from gpud.frontproc.arena import remove_arena_of
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
+from gpud.frontproc.group import group_sizes
 from gpud.frontproc.link import FrameReader, Sender, request_of, response_wire
 
 log = logging.getLogger("gpud.frontend")
@@ -54,6 +56,32 @@ def _bounded_get(cache: dict[K, V], key: K, limit: int, make: Callable[[], V]) -
     return value
 
 
+def _rows_of(placed: dict[str, tuple], first: int, count: int, members: int) -> dict[str, RegionSlice]:
+    """Where members `first` .. `first + count - 1` of a group's `members` lie (each input's members' bytes one
+    after another, the same size each)."""
+    where = {}
+    for name, (path, offset, nbytes) in placed.items():
+        each = nbytes // members
+        where[name] = RegionSlice("", path, offset + first * each, count * each)
+    return where
+
+
+class _Withdraw:
+    """A group member's cancel: the group is withdrawn when all its members are (one withdrawn alone still runs
+    with the others: its answer is dropped)."""
+
+    __slots__ = ("cancel", "left")
+
+    def __init__(self, cancel: Callable[[], None], members: int):
+        self.cancel = cancel
+        self.left = members
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.cancel()
+
+
 @dataclass(eq=False)
 class FrontendProcess:
     index: int
@@ -62,7 +90,8 @@ class FrontendProcess:
     reader: FrameReader | None = None
     sender: Sender | None = None
     submits: dict[int, Callable[[], None] | None] = field(default_factory=dict)
-    signatures: dict[int, object] = field(default_factory=dict)  # the process's signature numbers -> ours
+    # the process's signature numbers -> ours; (number, members) -> a group's of that many
+    signatures: dict[int | tuple[int, int], object] = field(default_factory=dict)
     # Where its placed tensors lie, by (path, offset, bytes): its arena hands the same blocks out again and again, and
     # a RegionSlice (frozen: shared safely) costs more to make than to look up.
     slices: dict[tuple, RegionSlice] = field(default_factory=dict)
@@ -70,6 +99,7 @@ class FrontendProcess:
     # if it dies first, by us (a name already removed is no matter).
     handed: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=1024))
     started_s: float = 0.0
+    grouped: int = 0  # its requests that came in groups (gpud.frontproc.group)
     alive: bool = True
     serving: asyncio.Future | None = None  # done when it says it serves
 
@@ -130,9 +160,10 @@ class FrontendHost:
                 self._send(fp, ("tune", self.options["request_timeout_s"], self.options["max_connections"]))
 
     def inspect(self) -> list[dict[str, Any]]:
-        """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now."""
+        """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now,
+        its requests that came grouped."""
         return [{"kind": self.options["kind"], "index": p.index, "pid": p.proc.pid, "alive": p.alive,
-                 "in_flight": len(p.submits), "restarts": self.restarts[p.index]}
+                 "in_flight": len(p.submits), "restarts": self.restarts[p.index], "grouped": p.grouped}
                 for p in self.processes if p is not None]
 
     def _spawn(self, index: int) -> None:
@@ -166,27 +197,15 @@ class FrontendHost:
         if kind == "submit":
             _, ident, wire, placed, token = message
             fp.submits[ident] = None  # answered before submit returns: the entry is gone, nothing to keep
-            try:
-                where = None
-                if placed:  # the cached lookups written out: this runs for every request
-                    slices = fp.slices
-                    where = {}
-                    for name, at in placed.items():
-                        where[name] = slices.get(at) or self._slice(fp, at)
-                request = request_of(wire)
-                if token is not None:
-                    request.signature = fp.signatures.get(token) or self._signature(fp, token)
-                # a partial, not a lambda: the answer goes straight to _answer, one Python frame fewer
-                cancel = self.core.submit(request, partial(self._answer, fp, ident), placed=where)
-            except InferenceError as exc:
-                self._answer(fp, ident, exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - a bug answers this request with a 500, the rest goes on
-                log.exception("front-end process %d: a request failed", fp.index)
-                self._answer(fp, ident, InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
-                return
-            if ident in fp.submits:
-                fp.submits[ident] = cancel
+            where = None
+            if placed:  # the cached lookups written out: this runs for every request
+                slices = fp.slices
+                where = {}
+                for name, at in placed.items():
+                    where[name] = slices.get(at) or self._slice(fp, at)
+            self._submit(fp, ident, wire, token, where)
+        elif kind == "group":
+            self._group(fp, *message[1:])
         elif kind == "cancel":
             withdraw = fp.submits.pop(message[1], None)
             if withdraw is not None:
@@ -197,6 +216,84 @@ class FrontendHost:
         elif kind == "ready":
             if fp.serving is not None and not fp.serving.done():
                 fp.serving.set_result(None)
+
+    def _submit(self, fp: FrontendProcess, ident: int, wire: tuple, token: int | None,
+                where: dict[str, RegionSlice] | None) -> None:
+        try:
+            request = request_of(wire)
+            if token is not None:
+                request.signature = fp.signatures.get(token) or self._signature(fp, token)
+            # a partial, not a lambda: the answer goes straight to _answer, one Python frame fewer
+            cancel = self.core.submit(request, partial(self._answer, fp, ident), placed=where)
+        except InferenceError as exc:
+            self._answer(fp, ident, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug answers this request with a 500, the rest goes on
+            log.exception("front-end process %d: a request failed", fp.index)
+            self._answer(fp, ident, InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        if ident in fp.submits:
+            fp.submits[ident] = cancel
+
+    def _group(self, fp: FrontendProcess, idents: list[int], wire: tuple, placed: dict[str, tuple],
+               token: int | None) -> None:
+        """Requests that differ only in their rows (gpud.frontproc.group), each input's rows one after another in
+        the process's arena: submitted as groups of at most `group_limit`; a group the scheduler refuses (its
+        validation, a full queue), and the rest, go request by request, each with its own answer."""
+        for ident in idents:
+            fp.submits[ident] = None
+        fp.grouped += len(idents)
+        try:
+            limit = self.core.group_limit(request_of(wire))
+        except InferenceError as exc:  # what each would have been told (no such model, not ready)
+            for ident in idents:
+                self._answer(fp, ident, copy.copy(exc))
+            return
+        except Exception:  # noqa: BLE001 - a bug: each goes alone, and fails or not on its own
+            log.exception("front-end process %d: a group failed", fp.index)
+            limit = 1
+        count = len(idents)
+        first = 0
+        for size in group_sizes(count, limit):
+            chunk = idents[first:first + size]
+            if size == 1 or not self._submit_group(fp, chunk, wire, token, _rows_of(placed, first, size, count)):
+                for i, ident in enumerate(chunk):
+                    self._submit(fp, ident, wire, token, _rows_of(placed, first + i, 1, count))
+            first += size
+
+    def _submit_group(self, fp: FrontendProcess, idents: list[int], wire: tuple, token: int | None,
+                      where: dict[str, RegionSlice]) -> bool:
+        """One group submitted as one request of its members' rows; False, and nothing done, when refused."""
+        count = len(idents)
+        request = request_of(wire)
+        for tensor in request.inputs:
+            tensor.shape = (tensor.shape[0] * count, *tensor.shape[1:])
+        if token is not None:  # its own signature: the group's validation (its rows) is not its members'
+            request.signature = _bounded_get(fp.signatures, (token, count), SIGNATURES_MAX, object)
+        try:
+            cancel = self.core.submit(request, partial(self._answer_group, fp, idents), placed=where, members=count)
+        except InferenceError:
+            return False
+        except Exception:  # noqa: BLE001 - a bug: its members go alone
+            log.exception("front-end process %d: a group failed", fp.index)
+            return False
+        withdraw = _Withdraw(cancel, count)
+        for ident in idents:
+            if ident in fp.submits:  # (not answered inside submit)
+                fp.submits[ident] = withdraw
+        return True
+
+    def _answer_group(self, fp: FrontendProcess, idents: list[int], result: InferResponse | InferenceError) -> None:
+        waiting = False
+        for ident in idents:
+            if fp.submits.pop(ident, 0) != 0:
+                waiting = True
+        if not waiting or not fp.alive or fp.sender is None:
+            return  # all withdrawn, or their process is gone
+        if isinstance(result, InferResponse):
+            fp.sender.put(("answers", idents, True, response_wire(result, fp.handed.append)))
+        else:
+            fp.sender.put(("answers", idents, False, result))
 
     @staticmethod
     def _slice(fp: FrontendProcess, at: tuple) -> RegionSlice:

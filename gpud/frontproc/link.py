@@ -10,10 +10,15 @@ Messages (plain tuples; pickle writes them in C):
                                                            (path, offset, bytes)} of the tensors it put in its
                                                            arena (their data is empty); `token`: a number
                                                            for requests of the same header (None: unknown)
+                        ("group", ids, request, placed, token)   requests alike but for their rows
+                                                           (gpud.frontproc.group): `request` one of them, `placed`
+                                                           each input's rows of all, one member after another
                         ("cancel", id)                    the client went away
     core -> front end   ("result", id, ok, value)         a call's return value, or its InferenceError
                         ("answer", id, ok, value)         a request's answer (`response_wire`), or its
                                                            InferenceError
+                        ("answers", ids, ok, value)       a group's answer, split by rows in the front end; or
+                                                           the InferenceError each of them gets
                         ("stop", grace_s)                 stop accepting, finish what was accepted, exit
                         ("tune", timeout_s, connections)  a reload's request timeout and connection cap
 """

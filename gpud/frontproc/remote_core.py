@@ -1,19 +1,22 @@
 """What a front-end process serves over: gpud's InferenceCore, answered by the real one in the daemon's process.
 
 Inference (`submit`) is asynchronous: the request goes to the core with its tensors placed in this process's arena
-(gpud.frontproc.arena), and `done` is called when the answer comes back. The other methods are the core's own, asked
-over the link: the coroutines (load, unload, placement) await their answer; the plain ones (metadata, config,
-statistics, readiness, shared-memory regions) wait for it on the spot, the event loop held for that round trip,
-as the in-process front end holds it to compute them. They are rare next to inference.
+(gpud.frontproc.arena), and `done` is called when the answer comes back. Requests that differ only in their rows
+go together, one message per group, when the loop's turn ends (gpud.frontproc.group). The other methods are the
+core's own, asked over the link: the coroutines (load, unload, placement) await their answer; the plain ones
+(metadata, config, statistics, readiness, shared-memory regions) wait for it on the spot, the event loop held for
+that round trip, as the in-process front end holds it to compute them. They are rare next to inference.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
+from typing import Any, cast
 
 from gpud.api.admin import AdminAuth
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
@@ -22,6 +25,7 @@ from gpud.executor.client_shm import NO_DATA, RegionStatus
 from gpud.executor.scheduler import answer_of
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.frontproc.arena import Arena, Block
+from gpud.frontproc.group import group_key, split_answer
 from gpud.frontproc.link import FrameReader, Sender, request_wire, response_of
 from gpud.repository.overrides import LoadOverride
 
@@ -29,6 +33,16 @@ log = logging.getLogger("gpud.frontend")
 
 Done = Callable[[InferResponse | InferenceError], None]
 SIGNATURES_MAX = 4096
+
+
+class _SharedBlocks:
+    """A group's blocks in the arena, shared by its members: freed when the last is answered or withdrawn."""
+
+    __slots__ = ("blocks", "left")
+
+    def __init__(self, blocks: list[Block], left: int):
+        self.blocks = blocks
+        self.left = left
 
 
 def _lost() -> InferenceError:
@@ -84,7 +98,9 @@ class RemoteCore:
         self.client_shm = RemoteRegions(self)
         self._ids = itertools.count()
         self._calls: dict[int, asyncio.Future | list] = {}
-        self._submits: dict[int, tuple[Done, list[Block]]] = {}
+        self._submits: dict[int, tuple[Done, list[Block] | _SharedBlocks]] = {}
+        # This turn's requests that may go as groups, by their key (gpud.frontproc.group), in arrival order
+        self._forming: dict[Hashable, list[tuple[int, InferRequest]]] = {}
         self.on_stop: Callable[[float], None] = lambda grace_s: None
         self.on_lost: Callable[[], None] = lambda: None
         self.on_tune: Callable[[float, int], None] = lambda request_timeout_s, max_connections: None
@@ -143,6 +159,29 @@ class RemoteCore:
                 done, blocks = entry
                 self._free(blocks)
                 done(response_of(value) if ok else value)
+        elif kind == "answers":  # a group's: one answer for its members, split by rows
+            if self._waiting:
+                asyncio.get_running_loop().call_soon(self._on_message, message)
+                return
+            _, idents, ok, value = message
+            answers = None
+            for i, ident in enumerate(idents):
+                entry = self._submits.pop(ident, None)
+                if entry is None:
+                    continue  # withdrawn
+                done, blocks = entry
+                self._free(blocks)
+                if not ok:
+                    done(copy.copy(value))  # an error of its own each
+                    continue
+                if answers is None:
+                    try:
+                        answers = split_answer(response_of(value), len(idents))
+                    except ValueError as exc:
+                        value, ok = InferenceError(ErrorKind.INTERNAL, f"a group's answer: {exc}"), False
+                        done(copy.copy(value))
+                        continue
+                done(answers[i])
         elif kind == "result":
             _, ident, ok, value = message
             box = self._calls.pop(ident, None)
@@ -201,6 +240,34 @@ class RemoteCore:
 
     # --- inference ---------------------------------------------------------------------------------------------
     def submit(self, request: InferRequest, done: Done) -> Callable[[], None]:
+        if self.lost:
+            raise _lost()
+        ident = next(self._ids)
+        key = group_key(request)
+        if key is None:
+            placed, blocks = self._place(request)
+            self._submits[ident] = (done, blocks)
+            try:
+                self._send(("submit", ident, request_wire(request), placed, self._token(request.signature)))
+            except InferenceError:
+                self._submits.pop(ident, None)
+                self._free(blocks)
+                raise
+        else:  # sent when the loop's turn ends, with the turn's others like it (gpud.frontproc.group)
+            self._submits[ident] = (done, [])
+            if not self._forming:
+                asyncio.get_running_loop().call_soon(self._send_forming)
+            self._forming.setdefault(key, []).append((ident, request))
+        return partial(self._cancel, ident)
+
+    def _cancel(self, ident: int) -> None:
+        entry = self._submits.pop(ident, None)
+        if entry is not None:
+            self._free(entry[1])
+            if not self.lost:  # (one still forming was never sent: the core knows no such request, no matter)
+                self.sender.put(("cancel", ident))
+
+    def _place(self, request: InferRequest) -> tuple[dict[str, tuple[str, int, int]], list[Block]]:
         placed: dict[str, tuple[str, int, int]] = {}
         blocks: list[Block] = []
         if not request.uses_shm:  # a client's own regions: the core reads them (its ClientRegions)
@@ -210,23 +277,51 @@ class RemoteCore:
                     blocks.append(block)
                     placed[tensor.name] = (where.path, where.offset, where.byte_size)
                     tensor.data = NO_DATA
-        token = self._token(request.signature)
-        ident = next(self._ids)
-        self._submits[ident] = (done, blocks)
-        try:
-            self._send(("submit", ident, request_wire(request), placed, token))
-        except InferenceError:
-            self._submits.pop(ident, None)
-            self._free(blocks)
-            raise
+        return placed, blocks
 
-        def cancel() -> None:
-            entry = self._submits.pop(ident, None)
-            if entry is not None:
-                self._free(entry[1])
-                if not self.lost:
-                    self.sender.put(("cancel", ident))
-        return cancel
+    def _send_forming(self) -> None:
+        """The turn's requests that may go as groups: each group as one message (a lone one as a plain submit)."""
+        forming, self._forming = self._forming, {}
+        for members in forming.values():
+            members = [m for m in members if m[0] in self._submits]  # not withdrawn meanwhile
+            if not members:
+                continue
+            try:
+                if len(members) == 1:
+                    ident, request = members[0]
+                    placed, blocks = self._place(request)
+                    self._submits[ident] = (self._submits[ident][0], blocks)
+                    self._send(("submit", ident, request_wire(request), placed, self._token(request.signature)))
+                else:
+                    self._send_group(members)
+            except Exception as exc:  # noqa: BLE001 - the link lost, the arena full: its members hear why
+                error = exc if isinstance(exc, InferenceError) else \
+                    InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
+                for ident, _ in members:
+                    entry = self._submits.pop(ident, None)
+                    if entry is not None:
+                        self._free(entry[1])
+                        entry[0](copy.copy(error))
+        if not self.lost:
+            self.sender.flush()  # now, not one more turn of the loop later
+
+    def _send_group(self, members: list[tuple[int, InferRequest]]) -> None:
+        """One message for requests with the same key: each input's rows, member after member, in one block."""
+        first = members[0][1]
+        placed: dict[str, tuple[str, int, int]] = {}
+        blocks: list[Block] = []
+        shared = _SharedBlocks(blocks, len(members))
+        for ident, _ in members:
+            self._submits[ident] = (self._submits[ident][0], shared)
+        for i, tensor in enumerate(first.inputs):
+            where, block = self.arena.put_rows([request.inputs[i].data for _, request in members])
+            blocks.append(block)
+            placed[tensor.name] = (where.path, where.offset, where.byte_size)
+        for _, request in members:
+            for tensor in request.inputs:
+                tensor.data = NO_DATA
+        self._send(("group", [ident for ident, _ in members], request_wire(first), placed,
+                    self._token(first.signature)))
 
     def _token(self, signature: object) -> int | None:
         """The number standing for `signature` (new numbers are never reused, so the core's map cannot go stale)."""
@@ -241,8 +336,13 @@ class RemoteCore:
         self._signatures[id(signature)] = (signature, token)  # held: its id is not reused while it is here
         return token
 
-    def _free(self, blocks: list[Block]) -> None:
-        for block in blocks:
+    def _free(self, blocks: list[Block] | _SharedBlocks) -> None:
+        if type(blocks) is _SharedBlocks:  # a group's: freed with its last member
+            blocks.left -= 1
+            if blocks.left:
+                return
+            blocks = blocks.blocks
+        for block in cast(list[Block], blocks):
             self.arena.free(block)
 
     async def infer(self, request: InferRequest) -> InferResponse:
