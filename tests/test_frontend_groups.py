@@ -34,18 +34,19 @@ def daemon(tmp_path_factory):
     assert "Traceback" not in d.log(), d.log()
 
 
-def body(model_inputs: list[tuple[str, str, np.ndarray]], outputs: list[str]) -> tuple[bytes, int]:
+def body(model_inputs: list[tuple[str, str, np.ndarray]], outputs: list[str], request_id: str = "") -> tuple[bytes, int]:
     """A binary infer request body (as tritonclient sends it) and its JSON header's length."""
     header = json.dumps({
+        **({"id": request_id} if request_id else {}),
         "inputs": [{"name": n, "shape": list(a.shape), "datatype": d, "parameters": {"binary_data_size": a.nbytes}}
                    for n, d, a in model_inputs],
         "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in outputs]}).encode()
     return header + b"".join(a.tobytes() for _, _, a in model_inputs), len(header)
 
 
-def mlp(value: float, rows: int = 1) -> tuple[str, bytes, int]:
+def mlp(value: float, rows: int = 1, request_id: str = "") -> tuple[str, bytes, int]:
     data = np.full((rows, 256), value, np.float32) * np.linspace(-1, 1, 256, dtype=np.float32)
-    return ("mlp", *body([("input", "FP32", data)], ["output"]))
+    return ("mlp", *body([("input", "FP32", data)], ["output"], request_id))
 
 
 def two_input(value: int) -> tuple[str, bytes, int]:
@@ -95,10 +96,13 @@ def alone(daemon, model: str, data: np.ndarray) -> np.ndarray:
 def test_requests_alike_go_as_one_group_and_each_gets_its_own_answer(daemon):
     before = grouped(daemon)
     values = [float(i) for i in range(1, 17)]
-    answers = pipelined(daemon, [mlp(v) for v in values])
+    # ids of their own, some none (as perf_analyzer and tritonclient send them): each answer echoes its own
+    ids = [f"r{i}" if i % 3 != 1 else "" for i in range(16)]
+    answers = pipelined(daemon, [mlp(v, request_id=i) for v, i in zip(values, ids)])
     assert grouped(daemon) > before  # at least some went as groups
-    for v, (status, header, data) in zip(values, answers):
+    for v, request_id, (status, header, data) in zip(values, ids, answers):
         assert status == 200, header
+        assert header.get("id", "") == request_id
         assert header["outputs"][0]["shape"] == [1, 16]
         got = np.frombuffer(data, np.float32).reshape(1, 16)
         expected = alone(daemon, "mlp", np.full((1, 256), v, np.float32) * np.linspace(-1, 1, 256, dtype=np.float32))

@@ -31,19 +31,20 @@ class TestGroupKey:
     def test_requests_that_differ_only_in_their_data_share_a_key(self):
         assert group_key(request(value=1.0)) == group_key(request(value=2.0)) is not None
 
-    def test_front_end_parameters_do_not_matter(self):
-        # binary_data_output and an output's binary_data only say how the front end writes the answer
+    def test_front_end_parameters_and_ids_do_not_matter(self):
+        # binary_data_output and an output's binary_data only say how the front end writes the answer; nothing in
+        # gpud acts on triton_enable_empty_final_response (perf_analyzer sends it); each member's answer gets its id
         a = request(parameters={"binary_data_output": True})
         b = request(outputs=[RequestedOutput("out", {"binary_data": False})])
-        assert group_key(a) == group_key(b) == group_key(request())
+        c = request(id="281474976710656", parameters={"triton_enable_empty_final_response": True})
+        assert group_key(a) == group_key(b) == group_key(c) == group_key(request(id="7")) == group_key(request())
 
     @pytest.mark.parametrize("changes", [
         {"model_name": "other"},
         {"model_version": "2"},
-        {"id": "7"},  # the answer carries it
         {"outputs": None},  # every output
         {"outputs": [RequestedOutput("other")]},
-    ], ids=["model", "version", "id", "all-outputs", "other-output"])
+    ], ids=["model", "version", "all-outputs", "other-output"])
     def test_what_the_core_or_the_answer_sees_separates_groups(self, changes):
         assert group_key(request(**changes)) not in (None, group_key(request()))
 
@@ -172,8 +173,9 @@ class TestRemoteCore:
         async def run():
             core.start()
             results: dict[int, object] = {}
-            for i in range(3):
-                core.submit(request(value=float(i)), lambda r, i=i: results.__setitem__(i, r))
+            for i in range(3):  # ids of their own (perf_analyzer's): one group all the same, each answered with its own
+                core.submit(request(value=float(i), id=f"id{i}" if i else ""),
+                            lambda r, i=i: results.__setitem__(i, r))
             core.submit(request(rows=2), lambda r: results.__setitem__(9, r))  # other rows: alone
             messages = await end.receive(2)
             kinds = sorted(m[0] for m in messages)
@@ -194,6 +196,7 @@ class TestRemoteCore:
             core._readable()
             for i in range(3):
                 assert results[i].outputs[0].shape == (1, 1) and results[i].outputs[0].data[0, 0] == i
+                assert results[i].id == (f"id{i}" if i else "")
             assert 9 not in results
         asyncio.run(run())
 

@@ -5,7 +5,7 @@ n requests), and the one answer is split back into n here, by rows. Nothing wait
 requests go when the turn ends, as they did one by one.
 
 The rule (`group_key`) is conservative and explicit: requests group when they are for the same model and version,
-with the same id, the same inputs (names, datatypes, shapes: the same rows each), the same requested outputs, and
+with the same inputs (names, datatypes, shapes: the same rows each), the same requested outputs, and
 nothing of their own that the core acts on: no priority, no timeout, no parameters but the front end's own (how
 it writes the answer), no shared memory, no text (the core checks text element by element). The core then decides
 how many may go as one (`GpudCore.group_limit`: a model that batches them, their rows within its max_batch_size;
@@ -20,8 +20,10 @@ import numpy as np
 
 from gpud.executor.types import InferRequest, InferResponse, InferTensor
 
-# Parameters only the front end reads (how it writes the answer): members may differ in them.
-FRONT_END_PARAMETERS = frozenset({"binary_data_output"})
+# Parameters only the front end reads (how it writes the answer), or that nothing in gpud acts on (Triton's clients
+# send `triton_enable_empty_final_response`, for decoupled models' streams; perf_analyzer sends it with every
+# request): members may differ in them.
+FRONT_END_PARAMETERS = frozenset({"binary_data_output", "triton_enable_empty_final_response"})
 FRONT_END_OUTPUT_PARAMETERS = frozenset({"binary_data"})
 
 
@@ -54,7 +56,8 @@ def group_key(request: InferRequest) -> Hashable | None:
         inputs.append((t.name, t.datatype, shape))
     if not inputs:
         return None
-    return request.model_name, request.model_version, request.id, tuple(inputs), outputs
+    # Not the id: each member's answer carries its own (RemoteCore sets it), and the core only echoes it.
+    return request.model_name, request.model_version, tuple(inputs), outputs
 
 
 def group_sizes(count: int, limit: int) -> list[int]:

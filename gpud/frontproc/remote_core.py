@@ -45,6 +45,12 @@ class _SharedBlocks:
         self.left = left
 
 
+def _with_id(done: Done, request_id: str, result: InferResponse | InferenceError) -> None:
+    if isinstance(result, InferResponse):
+        result.id = request_id
+    done(result)
+
+
 def _lost() -> InferenceError:
     return InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down (the core is gone)")
 
@@ -311,8 +317,11 @@ class RemoteCore:
         placed: dict[str, tuple[str, int, int]] = {}
         blocks: list[Block] = []
         shared = _SharedBlocks(blocks, len(members))
-        for ident, _ in members:
-            self._submits[ident] = (self._submits[ident][0], shared)
+        for ident, request in members:
+            done = self._submits[ident][0]
+            if request.id != first.id:  # the core answers with the first's id: each member's answer carries its own
+                done = partial(_with_id, done, request.id)
+            self._submits[ident] = (done, shared)
         for i, tensor in enumerate(first.inputs):
             where, block = self.arena.put_rows([request.inputs[i].data for _, request in members])
             blocks.append(block)
