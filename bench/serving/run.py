@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import platform
 import shutil
 import signal
@@ -647,6 +648,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="short points (3 s, 1 s warm-up) to check the set-up")
     p.add_argument("--output", default=None, help="JSON results (default .bench/results/serving-<time>.json)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (model repository, logs)")
+    p.add_argument("--gpud-args", default="", help="more gpud flags, e.g. '--http-processes 1 --grpc-processes 1' "
+                                                    "(front ends in processes of their own)")
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.warmup, args.raw_seconds, args.idle_seconds, args.rounds = 3.0, 1.0, 0.5, 3.0, 1
@@ -702,7 +705,8 @@ def main(argv=None) -> int:
     # Every server is started up front and stays up (idle servers cost ~0 CPU, measured below), so that each
     # (model, concurrency) point runs raw onnxruntime and every target back to back: the ratios compare figures
     # taken within a minute of each other on this shared machine.
-    servers: list[tuple[Server, list[str]]] = [(GpudServer(args.workdir, repo), list(paths))]
+    servers: list[tuple[Server, list[str]]] = [(GpudServer(args.workdir, repo, tuple(shlex.split(args.gpud_args))),
+                                                list(paths))]
     if "mosec" in args.peers:
         for m in paths:
             for serde in ("json", "msgpack"):
