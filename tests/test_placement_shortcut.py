@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from gpud.core_api import RequestedPlacement
+from gpud.executor.types import InferenceError
 from gpud.placement import Assignment, Constraints, Device, ModelDemand, Move, Plan
 from gpud.placement.shortcut import room_by_few_moves
 from gpud.placing.inputs import GroupKey, PlacementInputs
@@ -336,3 +340,20 @@ def test_adds_on_different_devices_load_at_once(node, monkeypatch):  # noqa: F81
     assert [(s.kind, s.index, s.to_device, s.error) for s in plan.steps] == [
         ("add", 1, "gpu0", ""), ("add", 2, "gpu1", "out of memory (scripted)")]
     assert where(registry)["mlp"] == [(0, "gpu0"), (1, "gpu0")]
+
+
+def test_a_failed_load_in_a_wave_rolls_back_the_waves_other_loads_too(node):  # noqa: F811 (the fixture)
+    """A requested placement (atomic): two new instances on two GPUs load at once; the one on gpu0 fails, so the one
+    that loaded on gpu1 is unloaded again and nothing changed."""
+    repository, registry, pool, service = node
+    asyncio.run(service.place(register_all(repository, registry)))
+    before = where(registry)
+    pool.events.clear()
+    pool.fail_on = {"gpu0"}
+    requested = [RequestedPlacement("mlp", 0, "gpu0"), RequestedPlacement("cnn", 0, "gpu0"),
+                 RequestedPlacement("mlp", 1, "gpu0"), RequestedPlacement("mlp", 2, "gpu1")]
+    with pytest.raises(InferenceError) as err:
+        asyncio.run(service.apply_requested(requested))
+    assert "nothing changed" in err.value.message and "could not load on gpu0" in err.value.message
+    assert sorted(e[0] for e in pool.events) == ["load", "load", "unload"]  # both loaded at once, gpu1's undone
+    assert where(registry) == before and not pool.instance_keys("gpu1")

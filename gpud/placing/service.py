@@ -509,6 +509,14 @@ class PlacementService(OnDemand):
             # An add or a move has a destination (placement.diff).
             loaded = await asyncio.gather(*(self._start(vs, index, mv.to_device or "")
                                             for mv, vs, index, _ in started))
+            if atomic and not all(inst.ready for inst in loaded):
+                # Roll back: the node stays as it was, the wave's loaded ones too.
+                undo += [partial(self._stop, vs, inst) for (_, vs, _, _), inst in zip(started, loaded) if inst.ready]
+                for done in reversed(undo):
+                    await done()
+                (mv, vs, index, _), inst = next((s, i) for s, i in zip(started, loaded) if not i.ready)
+                raise InferenceError(ErrorKind.UNAVAILABLE, f"placement not applied: instance {index} of "
+                                     f"'{vs.name}' could not load on {mv.to_device}: {inst.error}; nothing changed")
             failed = False
             for (mv, vs, index, step), inst in zip(started, loaded):
                 if inst.ready:
@@ -517,12 +525,6 @@ class PlacementService(OnDemand):
                         await self._remove(vs, index, mv.from_device, undo)
                     steps.append(step)
                     continue
-                if atomic:
-                    for done in reversed(undo):  # roll back: the node stays as it was
-                        await done()
-                    raise InferenceError(ErrorKind.UNAVAILABLE, f"placement not applied: instance {index} of "
-                                         f"'{vs.name}' could not load on {mv.to_device}: {inst.error}; "
-                                         "nothing changed")
                 steps.append(replace(step, error=inst.error or "not ready"))
                 # A move off a lost device frees no room a later step counts on: the other recoveries go on.
                 failed = failed or not recovering(mv, lost)
