@@ -71,7 +71,7 @@ class Load:
             except Exception as exc:  # noqa: BLE001
                 self._count("grpc", exc)
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for t in self.threads:
             t.start()
         return self
@@ -179,7 +179,7 @@ def test_a_crash_looping_worker_has_its_instances_moved_to_another_device(tmp_pa
             os.kill(pid, signal.SIGKILL)
             if k < 2:
                 # One reading: alive and the new pid (two could see the old worker alive, then the new pid)
-                wait_for(lambda: (lambda w: w["alive"] and w["pid"] != pid)(worker(first)), 60,
+                wait_for(lambda pid=pid: (lambda w: w["alive"] and w["pid"] != pid)(worker(first)), 60,
                          f"the worker on {first} to be restarted after death {k + 1}")
         wait_for(lambda: not next(d for d in daemon.inspect()["devices"] if d["id"] == first)["healthy"], 30,
                  f"{first} to read unhealthy")
@@ -252,7 +252,7 @@ def test_a_crash_loop_on_a_device_of_several_models_puts_every_one_back_in_one_i
             pid = worker(lost)["pid"]
             os.kill(pid, signal.SIGKILL)
             if k < 2:
-                wait_for(lambda: (lambda w: w["alive"] and w["pid"] != pid)(worker(lost)), 60,
+                wait_for(lambda pid=pid: (lambda w: w["alive"] and w["pid"] != pid)(worker(lost)), 60,
                          f"the worker on {lost} to be restarted after death {k + 1}")
         wait_for(lambda: not next(d for d in daemon.inspect()["devices"] if d["id"] == lost)["healthy"], 30,
                  f"{lost} to read unhealthy")

@@ -80,7 +80,7 @@ def _start_direct(server, rec: Recorder, pool: ThreadPoolExecutor, model: str, i
     for _ in range(attempts):
         seen = len(rec.threads)
         future = pool.submit(server.infer, model, inputs)
-        wait_for(lambda: len(rec.threads) > seen, 60, "the call's run to start")
+        wait_for(lambda seen=seen: len(rec.threads) > seen, 60, "the call's run to start")
         if rec.threads[seen] == name:
             return future
         future.result(timeout=120)

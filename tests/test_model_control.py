@@ -1,7 +1,6 @@
 """gpud.model_control: the modes, model-name checks, the admin token, and what a repository poll finds."""
 from __future__ import annotations
 
-import os
 
 import pytest
 

@@ -152,7 +152,7 @@ class TestFaults:
         fake = dgx_a100_2gpu_mig()
         fake.lose_gpu(0)
         b = NvmlBackend(nvml=fake)
-        assert [d.id for d in b.devices()][0] == "gpu0"
+        assert b.devices()[0].id == "gpu0"
         assert not b.sample("gpu0").healthy
         assert b.sample("gpu1").healthy
 

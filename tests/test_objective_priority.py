@@ -9,7 +9,6 @@ import math
 
 from prometheus_client import CollectorRegistry
 
-from gpud.scaling.bounds import InstanceBounds
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.hints import SCALE_DOWN_LOAD_MARGIN, BatchLine, HintDecision, ModelObservation
 from gpud.scaling.plan import Claims, ScalingPlan, Step
@@ -222,7 +221,8 @@ def test_a_spare_eviction_is_recorded_with_the_objective_that_allowed_it():
                                     evicted_why="objective 0.99 <= 400 ms, attained 100.00%"),
                                Step("add", "ranker", "1", 1, None, "cpu")), (), 0, "test")
     asyncio.run(loop.tick())
-    assert [(d.action, d.model, d.reason, d.detail) for d in loop.decisions][0] == (
+    first = loop.decisions[0]
+    assert (first.action, first.model, first.reason, first.detail) == (
         "remove", "vision", "evicted", "spare (objective 0.99 <= 400 ms, attained 100.00%): room for model ranker")
     assert loop.decisions[1].reason == "objective_up"
     assert loop.actions[("remove", "evicted", "true")] == 1

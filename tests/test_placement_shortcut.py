@@ -149,7 +149,7 @@ def test_the_interval_takes_the_shortcut_then_what_of_the_plan_still_fits():
     assert shortcuts([plan[4]], inputs, urgent=set(), rank=lambda m: 0, max_steps=1) == []
 
 
-def test_rescale_starts_an_add_now_rather_than_spend_the_interval_on_the_re_plans_moves(node, monkeypatch):  # noqa: F811 (the fixture)
+def test_rescale_starts_an_add_now_rather_than_spend_the_interval_on_the_re_plans_moves(node, monkeypatch):
     """The placement service with a scripted planner: the re-plan moves cnn off gpu0 first and adds mlp's second
     instance on gpu0 after it; with one step per interval the move would take the interval. The add has room as
     things are, so it is the interval's step and nothing moves."""
@@ -303,7 +303,7 @@ def test_load_waves_are_runs_of_adds_on_different_devices():
         [("add", 4), ("add", 5)]]
 
 
-def test_adds_on_different_devices_load_at_once(node, monkeypatch):  # noqa: F811 (the fixture)
+def test_adds_on_different_devices_load_at_once(node, monkeypatch):
     """Two new instances on two GPUs: the second load starts while the first is still loading (a device's worker
     loads one at a time, different devices' workers at once); a failed one is said, the other serves."""
     repository, registry, pool, service = node
@@ -342,7 +342,7 @@ def test_adds_on_different_devices_load_at_once(node, monkeypatch):  # noqa: F81
     assert where(registry)["mlp"] == [(0, "gpu0"), (1, "gpu0")]
 
 
-def test_a_failed_load_in_a_wave_rolls_back_the_waves_other_loads_too(node):  # noqa: F811 (the fixture)
+def test_a_failed_load_in_a_wave_rolls_back_the_waves_other_loads_too(node):
     """A requested placement (atomic): two new instances on two GPUs load at once; the one on gpu0 fails, so the one
     that loaded on gpu1 is unloaded again and nothing changed."""
     repository, registry, pool, service = node

@@ -252,7 +252,8 @@ def _check_plan(devices, demands, p):
     by_name = {d.name: d for d in demands}
     state = NodeState(devices)
     for a in p.placements:
-        d, dev = by_name[a.model], by_id[a.device]
+        d = by_name[a.model]
+        assert a.device in by_id, a
         reasons = state.filter_device(d, a.device)
         assert reasons == [], (a, reasons)
         state.reserve(d, a.instance, a.device)

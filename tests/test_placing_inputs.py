@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.executor.model_config import InstanceGroup, ModelConfig
+from gpud.executor.model_config import InstanceGroup
 from gpud.placing.inputs import (GroupKey, LiveInstance, VersionDemand, build_inputs, candidate_kinds,
                                  demand_names, locate, pin_errors, planning_devices)
 from gpud.placement import Assignment, PlannerConfig, plan

@@ -176,7 +176,7 @@ def test_only_the_instances_that_make_room_are_evicted(tmp_path):
         pool.events.clear()
         wall.now_s += 600
         await cold_start(core, "two_input")
-        assert [(e[0], e[1], e[2]) for e in pool.events][0] == ("unload", "cnn:1:0", "gpu1")
+        assert pool.events[0] == ("unload", "cnn:1:0", "gpu1")
         assert [e[0] for e in pool.events] == ["unload", "load"] and two.ready
         assert [(i.index, i.device_id) for i in cnn.instances] == [(1, "gpu0")] and cnn.scheduler.stats.evictions == 1
 

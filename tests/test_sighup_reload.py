@@ -13,8 +13,7 @@ import pytest
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
 from gpud.settings import prepare_settings
-from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan,
-                                repository_changes)
+from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan)
 from gpud.reload import Reloader, ReloadTargets, effective, settings_changes
 from gpud.settings import Settings
 
