@@ -196,12 +196,17 @@ class OnDemand:
             other = self.registry.version(model, version)
             if other is vs or other in exclude or other not in self._live():
                 continue
-            count = len(other.instances) - max(keep, 1, other.minimum_instances)
             mine = [i for i in sorted(other.instances, key=lambda i: -i.index)
                     if device_kinds.get(i.device_id) in kinds]
-            out += [(other, i) for i in mine[:max(0, count)]]
+            out += [(other, i) for i in mine[:spare_count(other, keep)]]
         return out
 
+
+
+def spare_count(vs: RegisteredVersion, keep: int) -> int:
+    """How many of `vs`'s instances it may give up when its objective needs `keep` (Claims.spare): never below its
+    minimum nor one."""
+    return max(0, len(vs.instances) - max(keep, 1, vs.minimum_instances))
 
 
 def eviction_candidates(vs: RegisteredVersion, live: Iterable[RegisteredVersion], device_kinds: Mapping[str, str],

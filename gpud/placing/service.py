@@ -29,7 +29,7 @@ from gpud.executor.pool import ExecutorPool
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.core_api import Applied, PlacedInstance, RequestedPlacement
-from gpud.placing.ondemand import OnDemand, unplaced_of
+from gpud.placing.ondemand import OnDemand, spare_count, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.recovery import as_moves_off_lost_devices, recovering, steps_for_interval
@@ -354,7 +354,7 @@ class PlacementService(OnDemand):
             vs = self.registry.version(model, version)
             groups = len(vs.entry.config.instance_groups)
             name = inputs.names.get(GroupKey(model, version, groups - 1))
-            count = len(vs.instances) - max(keep, 1, vs.minimum_instances)
+            count = spare_count(vs, keep)
             if name is not None and count > 0:
                 out[name] = count
         return out
