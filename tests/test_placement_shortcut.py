@@ -14,7 +14,7 @@ from gpud.placement import Assignment, Constraints, Device, ModelDemand, Move, P
 from gpud.placement.shortcut import room_by_few_moves
 from gpud.placing.inputs import GroupKey, PlacementInputs
 from gpud.placing.service import PlacementService, load_waves
-from gpud.placing.shortcuts import shortcuts, then_what_still_fits, unreached_adds
+from gpud.placing.shortcuts import shortcuts, steps_of, then_what_still_fits, unreached_adds
 from gpud.examples import write_example_repository
 from gpud.repository.layout import ModelRepository
 from gpud.scaling.plan import Claims
@@ -132,7 +132,8 @@ def test_the_interval_takes_the_shortcut_then_what_of_the_plan_still_fits():
     # A move the re-plan had to break (stopped, started again) is not a new instance waiting.
     broken = [Move("remove", "tiny", 1, "g2", make_before_break=False), Move("add", "tiny", 1, to_device="g0")]
     assert unreached_adds(broken, broken[:1], inputs.current) == []
-    first = shortcuts(waiting, inputs, urgent=set(), rank=lambda m: 0 if m.model == "big" else 1, max_steps=4)
+    first = steps_of(shortcuts(waiting, inputs, urgent=set(), rank=lambda m: 0 if m.model == "big" else 1,
+                               max_steps=4))
     # big first (its rank): small goes from g0 to g1 (15 of g1's 20 free; g2's 20 is no fuller), then big on g0;
     # tiny then fits on g0 as it is.
     assert [(m.kind, m.model, m.from_device, m.to_device) for m in first] == [
@@ -206,13 +207,13 @@ def test_spares_are_only_for_urgent_adds_and_counted_across_them():
     # Not urgent: spares are not touched, and no move makes room.
     assert shortcuts(adds[:1], inputs, urgent=set(), rank=lambda m: 0, max_steps=4, spare={"a": 1}) == []
     # Urgent: a#0 goes for big; for big2 the one spare `a` is used up and nothing else makes room.
-    first = shortcuts(adds, inputs, urgent={("big", "1"), ("big2", "1")}, rank=lambda m: 0, max_steps=4,
-                      spare={"a": 1})
+    first = steps_of(shortcuts(adds, inputs, urgent={("big", "1"), ("big2", "1")}, rank=lambda m: 0, max_steps=4,
+                               spare={"a": 1}))
     assert [(m.kind, m.model, m.instance) for m in first] == [("remove", "a", 0), ("add", "big", 0)]
     # What the plan adds after it is checked against the node with the removal and the add done.
     assert then_what_still_fits(first, [Move("add", "b", 2, to_device="g0")], inputs) == first  # 30 + 12 > 40
-    assert shortcuts(adds, inputs, urgent={("big", "1"), ("big2", "1")}, rank=lambda m: 0, max_steps=4,
-                     spare={"a": 2})[2:] == []  # a#1 alone does not make room for big2 on g1 either
+    assert steps_of(shortcuts(adds, inputs, urgent={("big", "1"), ("big2", "1")}, rank=lambda m: 0, max_steps=4,
+                              spare={"a": 2}))[2:] == []  # a#1 alone does not make room for big2 on g1 either
 
 
 def test_rescale_evicts_a_spare_instance_for_an_urgent_add_rather_than_wait(tmp_path, monkeypatch):

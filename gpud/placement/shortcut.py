@@ -25,8 +25,6 @@ class Shortcut:
     moves: tuple[Move, ...]
     add: Move
     moved_bytes: int  # memory loaded again elsewhere: what the moves cost
-    device: str  # where the add goes
-    targets: tuple[str, ...] = ()  # where each move (kind "move") goes, in order
 
     @property
     def cost(self) -> tuple[int, int, int]:
@@ -39,11 +37,12 @@ class Shortcut:
 
     def applied(self, current: Sequence[Assignment]) -> list[Assignment]:
         """`current` once these steps are done."""
-        moved = {(m.model, m.instance): to for m, to in zip([m for m in self.moves if m.kind == "move"], self.targets)}
+        moved = {(m.model, m.instance): m.to_device for m in self.moves if m.kind == "move"}
         gone = {(m.model, m.instance) for m in self.moves if m.kind == "remove"}
-        return [*(Assignment(a.model, a.instance, moved.get((a.model, a.instance), a.device)) for a in current
+        assert self.add.to_device is not None  # an add has a destination
+        return [*(Assignment(a.model, a.instance, moved.get((a.model, a.instance)) or a.device) for a in current
                   if (a.model, a.instance) not in gone),
-                Assignment(self.add.model, self.add.instance, self.device)]
+                Assignment(self.add.model, self.add.instance, self.add.to_device)]
 
 
 def ledger(devices: Sequence[Device], by_name: dict[str, ModelDemand], current: Sequence[Assignment]) -> NodeState:
@@ -85,23 +84,23 @@ def room_by_few_moves(devices: Sequence[Device], demands: Sequence[ModelDemand],
         if static_reasons(demand, device):
             continue
         if base.fits(demand, dev_id):
-            return Shortcut((), Move("add", model, instance, to_device=dev_id), 0, dev_id)
+            return Shortcut((), Move("add", model, instance, to_device=dev_id), 0)
         movable = sorted(((name, inst) for (name, inst) in base.members[dev_id]
                           if name != model and name not in keep and name in by_name),
                          key=lambda k: (-by_name[k[0]].memory_bytes, k))
         for n in range(1, max_moves + 1):
             for group in combinations(movable, n):
-                found = _try(base, by_name, current, demand, instance, dev_id, group, removable or {})
+                found = _try(devices, by_name, current, demand, instance, dev_id, group, removable or {})
                 if found is not None and (best is None or found.cost < best.cost):
                     best = found
     return best
 
 
-def _try(base: NodeState, by_name: dict[str, ModelDemand], current: Sequence[Assignment], demand: ModelDemand,
-         instance: int, dev_id: str, group: Sequence[tuple[str, int]], removable: Mapping[str, int]) -> Shortcut | None:
-    state = ledger(list(base.devices.values()), by_name, current)
+def _try(devices: Sequence[Device], by_name: dict[str, ModelDemand], current: Sequence[Assignment],
+         demand: ModelDemand, instance: int, dev_id: str, group: Sequence[tuple[str, int]],
+         removable: Mapping[str, int]) -> Shortcut | None:
+    state = ledger(devices, by_name, current)
     moves: list[Move] = []
-    targets: list[str] = []
     budget = dict(removable)
     for name, inst in group:  # the largest first (the order `movable` has), each where it fits with the others
         d = by_name[name]
@@ -114,7 +113,6 @@ def _try(base: NodeState, by_name: dict[str, ModelDemand], current: Sequence[Ass
             return None
         # Make-before-break: the copy is reserved on its target while the original still holds its room here.
         state.reserve(d, -1 - len(moves), to)
-        targets.append(to)
         moves.append(Move("move", name, inst, from_device=dev_id, to_device=to,
                           note=f"room for {demand.name} on {dev_id}"))
     for name, inst in group:
@@ -123,4 +121,4 @@ def _try(base: NodeState, by_name: dict[str, ModelDemand], current: Sequence[Ass
         return None
     return Shortcut(tuple(moves), Move("add", demand.name, instance, to_device=dev_id,
                                        note=f"after {len(moves)} move(s) off {dev_id}"),
-                    sum(by_name[m.model].memory_bytes for m in moves if m.kind == "move"), dev_id, tuple(targets))
+                    sum(by_name[m.model].memory_bytes for m in moves if m.kind == "move"))

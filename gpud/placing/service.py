@@ -33,7 +33,7 @@ from gpud.placing.ondemand import OnDemand, spare_count, unplaced_of
 from gpud.placing.inputs import (GroupKey, LiveInstance, PlacementInputs, VersionDemand, build_inputs, locate,
                                  pin_errors, planning_devices, reserve_bytes_for)
 from gpud.placing.recovery import as_moves_off_lost_devices, recovering, steps_for_interval
-from gpud.placing.shortcuts import shortcuts, then_what_still_fits, unreached_adds
+from gpud.placing.shortcuts import shortcuts, steps_of, then_what_still_fits, unreached_adds
 from gpud.placing.requested import check_allowed, check_fits, desired_assignments, resolve_versions
 from gpud.placing.results import DeviceRoom
 from gpud.scaling.plan import NO_CLAIMS, Claims, ScalingPlan, Spare, Step, Unplaced
@@ -269,8 +269,11 @@ class PlacementService(OnDemand):
                                                    inputs.demands), lost)
             # A step with no room until others have moved would overcommit the device: left for a later interval.
             doable = [m for m in moves if m.make_before_break or m.kind == "remove"]
+            def urgency(m: Move) -> int:  # claims.first's order; versions not in it after
+                return rank.get(inputs.version_of(m.model), len(rank))
+
             if claims.first:  # under the cap, the most urgent version's adds go first
-                doable = adds_in_order(doable, lambda m: rank.get(inputs.version_of(m.model), len(rank)))
+                doable = adds_in_order(doable, urgency)
             # Recovery is not capped (gpud.placing.recovery). Evictions count as steps, but the load they made room
             # for is always taken.
             cap = max(1 if evicted else 0, max_steps - len(evicted))
@@ -280,25 +283,21 @@ class PlacementService(OnDemand):
             if waiting and (any(m.kind == "move" for m in todo) or any(not m.make_before_break for m in waiting)):
                 # Adds this interval would not reach (capped, or behind a re-pack that cannot finish make-before-
                 # break): room by a move or two now where there is such a way; the re-plan's moves wait.
-                first = shortcuts(waiting, inputs, claims.urgent,
-                                  lambda m: rank.get(inputs.version_of(m.model), len(rank)), cap,
-                                  self._spare_counts(inputs, claims))
-                if first:
-                    self._log_shortcut(first, inputs)
-                    todo = steps_for_interval(
-                        then_what_still_fits(first, [m for m in doable if m.kind != "move"], inputs), lost, cap)
-                    # A shortcut's removals are spare instances given up for an urgent add: evictions, said so.
-                    spare_for = {m: next(a for a in first[i:] if a.kind == "add")
-                                 for i, m in enumerate(first) if m.kind == "remove"}
-                    for i, m in enumerate(first):  # each move, for the model whose add follows (the log, inspect)
-                        if m.kind == "move":
+                found = shortcuts(waiting, inputs, claims.urgent, urgency, cap, self._spare_counts(inputs, claims))
+                if found:
+                    rest = [m for m in doable if m.kind != "move"]
+                    todo = steps_for_interval(then_what_still_fits(steps_of(found), rest, inputs), lost, cap)
+                for s in found:
+                    gains = inputs.version_of(s.add.model)
+                    log.info("model %s version %s: room on %s by %d step(s) now, ahead of the re-plan's moves",
+                             *gains, s.add.to_device, len(s.moves))
+                    for m in s.moves:
+                        if m.kind == "move":  # it says whom it made room for (the log, inspect)
                             key, index = inputs.instance(Assignment(m.model, m.instance, ""))
-                            add = next(a for a in first[i:] if a.kind == "add")
-                            room_for[(key.model, key.version, index, m.from_device)] = inputs.version_of(add.model)[0]
-                    if apply:
-                        for removal, add in spare_for.items():
-                            evicted.append(await self._evict_spare(inputs, removal, add, claims))
-                        todo = [m for m in todo if m not in spare_for]
+                            room_for[(key.model, key.version, index, m.from_device)] = gains[0]
+                        elif apply:  # a spare instance given up for an urgent add: an eviction, said so
+                            evicted.append(await self._evict_spare(inputs, m, gains, claims))
+                            todo = [t for t in todo if t != m]
             if apply:
                 steps = evicted + await self._apply(inputs, todo, atomic=False, stop_at_failure=True)
             else:
@@ -337,14 +336,15 @@ class PlacementService(OnDemand):
         return ScalingPlan(tuple(steps), tuple(unplaced), len(moves) - len(todo), result.method,
                            frozenset(lost))
 
-    async def _evict_spare(self, inputs: PlacementInputs, removal: Move, add: Move, claims: Claims) -> Step:
-        """Unload the spare instance of `removal` for `add`'s version, with its version's reason."""
+    async def _evict_spare(self, inputs: PlacementInputs, removal: Move, beneficiary: tuple[str, str],
+                           claims: Claims) -> Step:
+        """Unload the spare instance of `removal` for `beneficiary`'s add, with its version's reason."""
         group, index = inputs.instance(Assignment(removal.model, removal.instance, ""))
         owner = self.registry.version(group.model, group.version)
         # Under the service's lock: the instance the plan saw is still there.
         inst = next(i for i in owner.instances if i.index == index and i.device_id == removal.from_device)
-        beneficiary = self.registry.version(*inputs.version_of(add.model))
-        return await self._evict((owner, inst), beneficiary, claims.spare[(owner.name, owner.version)][1])
+        return await self._evict((owner, inst), self.registry.version(*beneficiary),
+                                 claims.spare[(owner.name, owner.version)][1])
 
     def _spare_counts(self, inputs: PlacementInputs, claims: Claims) -> dict[str, int]:
         """How many instances of each demand (a version's last instance group) the claims' spare versions may give
@@ -358,14 +358,6 @@ class PlacementService(OnDemand):
             if name is not None and count > 0:
                 out[name] = count
         return out
-
-    def _log_shortcut(self, steps: Sequence[Move], inputs: PlacementInputs) -> None:
-        for m in steps:
-            if m.kind == "add":
-                key, index = inputs.instance(Assignment(m.model, m.instance, ""))
-                log.info("model %s version %s instance %d: room on %s by %d step(s) now, ahead of the re-plan's "
-                         "moves", key.model, key.version, index, m.to_device,
-                         sum(1 for s in steps if s.kind != "add" and s.from_device == m.to_device))
 
     async def _victims_for(self, short: Sequence[RegisteredVersion], growing: Sequence[RegisteredVersion],
                            versions: Sequence[RegisteredVersion], totals: Mapping[tuple[str, str], int],

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from gpud.placement import Assignment, Move
-from gpud.placement.shortcut import ledger, room_by_few_moves
+from gpud.placement.shortcut import Shortcut, ledger, room_by_few_moves
 from gpud.placing.inputs import PlacementInputs
 
 
@@ -29,26 +29,35 @@ def unreached_adds(moves: Sequence[Move], todo: Sequence[Move], current: Sequenc
 
 
 def shortcuts(adds: Sequence[Move], inputs: PlacementInputs, urgent: Collection[tuple[str, str]],
-              rank: Callable[[Move], int], max_steps: int, spare: Mapping[str, int] | None = None) -> list[Move]:
-    """Steps that start `adds` now, each after at most two make-before-break moves of other versions' instances
-    (never an urgent one's) to devices with room now, the most urgent first (`rank`), at most `max_steps` in all;
-    [] when there is no short way for any. For an add of an urgent version, `spare` (demand name -> how many of its
-    instances its version may give up: the claims' spare instances) may be removed instead of moved: no load."""
+              rank: Callable[[Move], int], max_steps: int,
+              spare: Mapping[str, int] | None = None) -> list[Shortcut]:
+    """The ways to start `adds` now (their steps: `steps_of`), each after at most two make-before-break moves of
+    other versions' instances (never an urgent one's) to devices with room now, the most urgent first (`rank`), at
+    most `max_steps` steps in all; [] when there is no short way for any. For an add of an urgent version, `spare`
+    (demand name -> how many of its instances its version may give up: the claims' spare instances) may be removed
+    instead of moved: no load."""
     keep = {name for name in inputs.groups if inputs.version_of(name) in urgent}
     current = list(inputs.current)
-    out: list[Move] = []
+    out: list[Shortcut] = []
+    steps = 0
     for add in sorted(adds, key=lambda m: (rank(m), m.model, m.instance)):
         removable = dict(spare or {}) if inputs.version_of(add.model) in urgent else None
         found = room_by_few_moves(inputs.devices, inputs.demands, current, add.model, add.instance, keep=keep,
                                   removable=removable)
-        if found is None or len(out) + len(found.steps) > max_steps:
+        if found is None or steps + len(found.steps) > max_steps:
             continue
-        out += found.steps
+        out.append(found)
+        steps += len(found.steps)
         if spare:
             gone = [m.model for m in found.moves if m.kind == "remove"]
             spare = {k: n - gone.count(k) for k, n in spare.items()}
         current = found.applied(current)
     return out
+
+
+def steps_of(found: Sequence[Shortcut]) -> list[Move]:
+    """The shortcuts' steps, in order."""
+    return [m for s in found for m in s.steps]
 
 
 def then_what_still_fits(first: Sequence[Move], plan: Sequence[Move], inputs: PlacementInputs) -> list[Move]:
