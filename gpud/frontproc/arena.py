@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,16 +76,11 @@ class Arena:
 
     def put(self, data: np.ndarray) -> tuple[RegionSlice, Block]:
         """Copy `data`'s bytes (C order, as they are) into the arena: where they lie, and the block to free."""
-        nbytes = data.nbytes
-        block = self._alloc(max(1, nbytes))
-        if nbytes:
-            dest = block.space.segment.ndarray(block.offset, (nbytes,), np.dtype(np.uint8))
-            dest[...] = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        return RegionSlice("", block.space.path, block.offset, nbytes), block
+        return self.put_rows((data,))
 
-    def put_rows(self, parts: list[np.ndarray]) -> tuple[RegionSlice, Block]:
-        """`parts`' bytes one after another (a group's rows of one input, gpud.frontproc.group): where they lie, and
-        the block to free."""
+    def put_rows(self, parts: Sequence[np.ndarray]) -> tuple[RegionSlice, Block]:
+        """`parts`' bytes one after another (one array's, or a group's rows of one input, gpud.frontproc.group):
+        where they lie, and the block to free."""
         nbytes = sum(p.nbytes for p in parts)
         block = self._alloc(max(1, nbytes))
         offset = block.offset
