@@ -250,17 +250,16 @@ class RemoteCore:
             raise _lost()
         ident = next(self._ids)
         key = group_key(request)
+        self._submits[ident] = (done, [])
         if key is None:
-            placed, blocks = self._place(request)
-            self._submits[ident] = (done, blocks)
             try:
-                self._send(("submit", ident, request_wire(request), placed, self._token(request.signature)))
-            except InferenceError:
-                self._submits.pop(ident, None)
-                self._free(blocks)
+                self._send_alone(ident, request)
+            except BaseException:
+                entry = self._submits.pop(ident, None)
+                if entry is not None:
+                    self._free(entry[1])
                 raise
         else:  # sent when the loop's turn ends, with the turn's others like it (gpud.frontproc.group)
-            self._submits[ident] = (done, [])
             if not self._forming:
                 asyncio.get_running_loop().call_soon(self._send_forming)
             self._forming.setdefault(key, []).append((ident, request))
@@ -272,6 +271,12 @@ class RemoteCore:
             self._free(entry[1])
             if not self.lost:  # (one still forming was never sent: the core knows no such request, no matter)
                 self.sender.put(("cancel", ident))
+
+    def _send_alone(self, ident: int, request: InferRequest) -> None:
+        """Request `ident` (registered in _submits) placed in the arena and sent on its own."""
+        placed, blocks = self._place(request)
+        self._submits[ident] = (self._submits[ident][0], blocks)
+        self._send(("submit", ident, request_wire(request), placed, self._token(request.signature)))
 
     def _place(self, request: InferRequest) -> tuple[dict[str, tuple[str, int, int]], list[Block]]:
         placed: dict[str, tuple[str, int, int]] = {}
@@ -294,10 +299,7 @@ class RemoteCore:
                 continue
             try:
                 if len(members) == 1:
-                    ident, request = members[0]
-                    placed, blocks = self._place(request)
-                    self._submits[ident] = (self._submits[ident][0], blocks)
-                    self._send(("submit", ident, request_wire(request), placed, self._token(request.signature)))
+                    self._send_alone(*members[0])
                 else:
                     self._send_group(members)
             except Exception as exc:  # noqa: BLE001 - the link lost, the arena full: its members hear why
