@@ -216,60 +216,17 @@ def test_spares_are_only_for_urgent_adds_and_counted_across_them():
                               spare={"a": 2}))[2:] == []  # a#1 alone does not make room for big2 on g1 either
 
 
-def test_rescale_evicts_a_spare_instance_for_an_urgent_add_rather_than_wait(tmp_path, monkeypatch):
-    """Two GPUs with room for three instances each, both full; the (scripted) re-plan puts an urgent version's new
-    instance on gpu0 with no room there. The spare instances of a version whose objective holds with margin may go
-    for it: one is evicted (said so, counted), and the add follows in the same interval."""
+def tight_node(tmp_path, pin_mlp_to_gpu0: bool = False) -> tuple:
+    """mlp and cnn placed on two GPUs with room for three instances each (6.8 MiB measured each): registry, pool,
+    service."""
     repo = tmp_path / "repo"
     write_example_repository(repo, ["mlp", "cnn"])
-    (tmp_path / "node.yaml").write_text(NODE)
-    pool = ScriptedPool()
-    pool.footprint_bytes = int(6.8 * MIB)
-    backend = SimulatedBackend.from_file(tmp_path / "node.yaml", usage=pool)
-    total = backend.leaf_devices()[0].memory_total_bytes
-    registry = new_registry(has_gpus=True)
-    service = PlacementService(backend, pool, registry, device_reserve_bytes=total - 21 * MIB, time_limit_s=0)
-    repository = ModelRepository(repo)
-    asyncio.run(service.place(register_all(repository, registry)))
-    asyncio.run(service.rescale({("cnn", "1"): 5}, max_steps=8, apply=True))
-    full = where(registry)
-    assert len(full["cnn"]) == 5 and len(full["mlp"]) == 1
-    assert sorted(d for _, d in full["cnn"] + full["mlp"]).count("gpu0") == 3  # both GPUs full
-    pool.events.clear()
-
-    async def scripted(inputs, config) -> Plan:  # what runs stays; mlp's second instance on mlp's device
-        mlp_device = full["mlp"][0][1]
-        return Plan((*inputs.current, Assignment(inputs.names[GroupKey("mlp", "1", 0)], 1, mlp_device)), (), 2, 2,
-                    False)
-
-    monkeypatch.setattr(service, "_plan", scripted)
-    claims = Claims(first=(("mlp", "1"),), urgent=frozenset({("mlp", "1")}),
-                    spare={("cnn", "1"): (2, "objective 150 ms holds with margin at 2 instances")})
-    plan = asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=4, apply=True, claims=claims))
-    assert [(s.kind, s.model, s.evicted_for, s.error) for s in plan.steps] == [
-        ("remove", "cnn", "mlp", ""), ("add", "mlp", "", "")]
-    assert plan.steps[0].evicted_why == "objective 150 ms holds with margin at 2 instances"
-    assert plan.steps[0].from_device == plan.steps[1].to_device == full["mlp"][0][1]
-    assert [e[0] for e in pool.events] == ["unload", "load"]
-    assert registry.version("cnn").scheduler.stats.evictions == 1 and len(where(registry)["cnn"]) == 4
-    # Without the claims (not urgent) nothing is evicted: the add waits for room.
-    monkeypatch.setattr(service, "_plan", scripted)
-    before = where(registry)
-    plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
-    assert where(registry)["cnn"] == before["cnn"]
-
-
-def test_rescale_moves_an_instance_to_make_room_and_says_for_whom(tmp_path, monkeypatch):
-    """mlp may only run on GPU 0, which is full; GPU 1 has one slot. The (scripted) re-plan wants mlp's second
-    instance on gpu0 with no step to free it: a cnn instance moves to gpu1 first (make-before-break), then mlp's
-    loads; the move's step names the model it made room for (the controller's log and `gpudctl inspect`)."""
-    repo = tmp_path / "repo"
-    write_example_repository(repo, ["mlp", "cnn"])
-    config = repo / "mlp" / "config.pbtxt"
-    text = config.read_text()
-    start = text.index("instance_group")
-    config.write_text(text[:start] + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]"
-                      + text[text.index("]", start) + 1:])
+    if pin_mlp_to_gpu0:
+        config = repo / "mlp" / "config.pbtxt"
+        text = config.read_text()
+        start = text.index("instance_group")
+        config.write_text(text[:start] + "instance_group [ { kind: KIND_GPU, gpus: [ 0 ] } ]"
+                          + text[text.index("]", start) + 1:])
     (tmp_path / "node.yaml").write_text(NODE)
     pool = ScriptedPool()
     pool.footprint_bytes = int(6.8 * MIB)
@@ -278,16 +235,58 @@ def test_rescale_moves_an_instance_to_make_room_and_says_for_whom(tmp_path, monk
     registry = new_registry(has_gpus=True)
     service = PlacementService(backend, pool, registry, device_reserve_bytes=total - 21 * MIB, time_limit_s=0)
     asyncio.run(service.place(register_all(ModelRepository(repo), registry)))
+    return registry, pool, service
+
+
+def mlp_added_on(device: str):
+    """A scripted planner: what runs stays, and mlp gets one instance more, on `device`."""
+    async def scripted(inputs, config) -> Plan:
+        name = inputs.names[GroupKey("mlp", "1", 0)]
+        running = sum(1 for a in inputs.current if a.model == name)
+        return Plan((*inputs.current, Assignment(name, running, device)), (), 2, 2, False)
+    return scripted
+
+
+def test_rescale_evicts_a_spare_instance_for_an_urgent_add_rather_than_wait(tmp_path, monkeypatch):
+    """Two GPUs with room for three instances each, both full; the (scripted) re-plan puts an urgent version's new
+    instance on gpu0 with no room there. The spare instances of a version whose objective holds with margin may go
+    for it: one is evicted (said so, counted), and the add follows in the same interval."""
+    registry, pool, service = tight_node(tmp_path)
+    asyncio.run(service.rescale({("cnn", "1"): 5}, max_steps=8, apply=True))
+    full = where(registry)
+    assert len(full["cnn"]) == 5 and len(full["mlp"]) == 1
+    assert sorted(d for _, d in full["cnn"] + full["mlp"]).count("gpu0") == 3  # both GPUs full
+    pool.events.clear()
+
+    mlp_device = full["mlp"][0][1]
+    monkeypatch.setattr(service, "_plan", mlp_added_on(mlp_device))
+    claims = Claims(first=(("mlp", "1"),), urgent=frozenset({("mlp", "1")}),
+                    spare={("cnn", "1"): (2, "objective 150 ms holds with margin at 2 instances")})
+    plan = asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=4, apply=True, claims=claims))
+    assert [(s.kind, s.model, s.evicted_for, s.error) for s in plan.steps] == [
+        ("remove", "cnn", "mlp", ""), ("add", "mlp", "", "")]
+    assert plan.steps[0].evicted_why == "objective 150 ms holds with margin at 2 instances"
+    assert plan.steps[0].from_device == plan.steps[1].to_device == mlp_device
+    assert [e[0] for e in pool.events] == ["unload", "load"]
+    assert registry.version("cnn").scheduler.stats.evictions == 1 and len(where(registry)["cnn"]) == 4
+    # Without the claims (not urgent) nothing is evicted: mlp's third instance waits for room.
+    before = where(registry)
+    plan = asyncio.run(service.rescale({("mlp", "1"): 3}, max_steps=4, apply=True))
+    assert plan.steps == () and where(registry) == before
+
+
+def test_rescale_moves_an_instance_to_make_room_and_says_for_whom(tmp_path, monkeypatch):
+    """mlp may only run on GPU 0, which is full; GPU 1 has one slot. The (scripted) re-plan wants mlp's second
+    instance on gpu0 with no step to free it: a cnn instance moves to gpu1 first (make-before-break), then mlp's
+    loads; the move's step names the model it made room for (the controller's log and `gpudctl inspect`)."""
+    registry, pool, service = tight_node(tmp_path, pin_mlp_to_gpu0=True)
     asyncio.run(service.rescale({("cnn", "1"): 4}, max_steps=8, apply=True))
     placed = where(registry)
     on_gpu0 = [i for i, d in placed["cnn"] if d == "gpu0"]
     assert placed["mlp"] == [(0, "gpu0")] and len(on_gpu0) == 2 and len(placed["cnn"]) == 4  # gpu0 full, gpu1 2/3
     pool.events.clear()
 
-    async def scripted(inputs, config) -> Plan:
-        return Plan((*inputs.current, Assignment(inputs.names[GroupKey("mlp", "1", 0)], 1, "gpu0")), (), 2, 2, False)
-
-    monkeypatch.setattr(service, "_plan", scripted)
+    monkeypatch.setattr(service, "_plan", mlp_added_on("gpu0"))
     plan = asyncio.run(service.rescale({("mlp", "1"): 2}, max_steps=4, apply=True))
     assert [(s.kind, s.model, s.from_device, s.to_device, s.room_for, s.error) for s in plan.steps] == [
         ("move", "cnn", "gpu0", "gpu1", "mlp", ""), ("add", "mlp", None, "gpu0", "", "")]
