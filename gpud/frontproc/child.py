@@ -43,9 +43,9 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
                                               max_metadata_bytes=options["max_head_bytes"],
                                               max_tensor_elements=options["max_tensor_elements"],
                                               admin=RemoteAdmin(core), reuse_port=True, listen=listen,
-                                              implementation=options.get("grpc_server", "gpud"),
+                                              implementation=options["grpc_server"],
                                               max_connections=options["max_connections"],
-                                              keepalive=Keepalive(**options.get("grpc_keepalive", {})))
+                                              keepalive=Keepalive(**options["grpc_keepalive"]))
 
         def on_tune_grpc(request_timeout_s: float, max_connections: int) -> None:
             if isinstance(grpc_server, GrpcServer):  # grpcio's server has no cap

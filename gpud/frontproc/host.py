@@ -170,7 +170,7 @@ class FrontendHost:
         ours, theirs = socket.socketpair()
         # HTTP's processes, and gRPC's on gpud's own server, accept on the daemon's listening socket; grpcio's bind
         # the port themselves (SO_REUSEPORT)
-        http = self.options["kind"] == "http" or self.options.get("grpc_server") == "gpud"
+        http = self.options["kind"] == "http" or self.options["grpc_server"] == "gpud"
         cmd = [sys.executable, "-m", "gpud.frontproc.child", "--index", str(index), "--link-fd", str(theirs.fileno()),
                *(["--listen-fd", str(self.listen.fileno())] if http else []), "--options", json.dumps(self.options),
                "--log-level", str(self.log_level)]
