@@ -16,7 +16,8 @@ from dataclasses import asdict, replace
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
-from gpud.settings import Settings, check_settings, grpc_keepalive, load_settings_file, prepare_settings
+from gpud.settings import (AUTO, Settings, check_settings, frontend_processes, grpc_keepalive, load_settings_file,
+                           prepare_settings, usable_cpus)
 from gpud.api.admin import AdminAuth
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
@@ -122,13 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "kept within it (default: none)")
     p.add_argument("--latency-objective-share", type=float, metavar="SHARE",
                    help="the share of requests the node's latency objective covers (default 0.99)")
-    p.add_argument("--http-processes", type=int, metavar="N",
+    p.add_argument("--http-processes", type=_count_or_auto, metavar="N|auto",
                    help="serve HTTP from N front-end processes of their own, which parse requests and place their "
-                        "tensors in shared memory, so that the core's event loop only batches and answers "
-                        "(default 0: HTTP on the core's event loop)")
-    p.add_argument("--grpc-processes", type=int, metavar="N",
+                        "tensors in shared memory, so that the core's event loop only batches and answers; 0: on "
+                        "the core's event loop (default auto: 0 below 8 usable CPUs, else one per 8, at most 4)")
+    p.add_argument("--grpc-processes", type=_count_or_auto, metavar="N|auto",
                    help="serve gRPC from N front-end processes of their own, which parse requests and place their "
-                        "tensors in shared memory (default 0: gRPC on the core's event loop)")
+                        "tensors in shared memory; 0: on the core's event loop (default auto, as --http-processes)")
     p.add_argument("--grpc-max-connections", type=int, metavar="N",
                    help="more gRPC connections than this are closed at once with GOAWAY (default 10000; gpud's "
                         "gRPC server, not grpcio's)")
@@ -221,6 +222,15 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _count_or_auto(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of processes or '{AUTO}', got {text!r}") from None
+
+
 def resolve_settings(args: argparse.Namespace) -> Settings:
     overrides = load_settings_file(args.config) if args.config else {}
     flags = {k: v for k, v in vars(args).items() if v is not None and k in Settings.__dataclass_fields__}
@@ -269,11 +279,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     try:
         notify("STATUS=loading the model repository")
         await parts.start()
-        if settings.allow_http and settings.http_processes:
-            runners.append(await _start_frontends(core, admin, settings, "http"))
+        cpus = usable_cpus()
+        http_processes = frontend_processes(settings.http_processes, cpus)
+        grpc_processes = frontend_processes(settings.grpc_processes, cpus)
+        if settings.allow_http and http_processes:
+            runners.append(await _start_frontends(core, admin, settings, "http", http_processes))
             ports["http"] = runners[-1].listen.getsockname()[1]
-            log.info("HTTP (KServe v2) on %s:%d, in %d front-end process(es)", settings.http_address, ports["http"],
-                     settings.http_processes)
+            log.info("HTTP (KServe v2) on %s:%d, in %d front-end process(es)%s", settings.http_address, ports["http"],
+                     http_processes, _chosen(settings.http_processes, cpus))
         elif settings.allow_http:
             from gpud.api.http_api import start_http_server
             from gpud.api.json_codec import JsonCodecPool
@@ -289,7 +302,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                                                             json_codec=json_codec,
                                                             admin=admin)
             runners.append(runner)
-            log.info("HTTP (KServe v2) on %s:%d", settings.http_address, ports["http"])
+            log.info("HTTP (KServe v2) on %s:%d, on the core's event loop%s", settings.http_address, ports["http"],
+                     _chosen(settings.http_processes, cpus))
         if settings.admin_socket:
             from gpud.api.http_api import start_http_unix_server
 
@@ -301,11 +315,11 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                                                         max_tensor_elements=settings.max_tensor_elements))
             log.info("admin socket (the HTTP API; admin actions need no token there) on %s, mode 0660",
                      settings.admin_socket)
-        if settings.allow_grpc and settings.grpc_processes:
-            runners.append(await _start_frontends(core, admin, settings, "grpc"))
+        if settings.allow_grpc and grpc_processes:
+            runners.append(await _start_frontends(core, admin, settings, "grpc", grpc_processes))
             ports["grpc"] = runners[-1].listen.getsockname()[1]
-            log.info("gRPC (KServe v2) on %s:%d, in %d front-end process(es)", settings.grpc_address, ports["grpc"],
-                     settings.grpc_processes)
+            log.info("gRPC (KServe v2) on %s:%d, in %d front-end process(es)%s", settings.grpc_address, ports["grpc"],
+                     grpc_processes, _chosen(settings.grpc_processes, cpus))
         elif settings.allow_grpc:
             from gpud.api.grpc_api import start_grpc_server
 
@@ -317,7 +331,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                                                   max_connections=settings.grpc_max_connections,
                                                   keepalive=grpc_keepalive(settings))
             ports["grpc"] = grpc_server.bound_port
-            log.info("gRPC (KServe v2) on %s:%d", settings.grpc_address, ports["grpc"])
+            log.info("gRPC (KServe v2) on %s:%d, on the core's event loop%s", settings.grpc_address, ports["grpc"],
+                     _chosen(settings.grpc_processes, cpus))
         if settings.allow_metrics:
             runner, ports["metrics"] = await wiring.start_metrics(parts, settings.metrics_address,
                                                                   settings.metrics_port)
@@ -382,7 +397,12 @@ class _FrontendsView:
         return {"processes": [p for host in self.hosts for p in host.inspect()]}
 
 
-async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str):
+def _chosen(configured: int | str, cpus: int) -> str:
+    """What the log says of a count gpud chose."""
+    return f" (auto: {cpus} usable CPUs)" if configured == AUTO else ""
+
+
+async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str, n: int):
     """HTTP or gRPC front ends in processes of their own (--http-processes, --grpc-processes): they accept on one
     listening socket bound here. gRPC on grpcio (--grpc-server grpcio) cannot take a socket, so each binds the port
     with SO_REUSEPORT, which this process holds bound meanwhile (port 0 becomes one port for all)."""
@@ -400,7 +420,6 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
         listen = socket.socket(family, socket.SOCK_STREAM)
         listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         listen.bind((address, port))
-    n = settings.http_processes if http else settings.grpc_processes
     options = {"kind": kind, "address": address, "port": listen.getsockname()[1],
                "max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
                "request_timeout_s": settings.http_request_timeout_seconds,

@@ -23,6 +23,8 @@ from gpud.scaling.hints import HintPolicy
 from gpud.scaling.rules import SCALING_MODES, ScalingMode, ScalingPolicy
 
 log = logging.getLogger("gpud")
+AUTO = "auto"  # a front-end process count chosen from the CPUs (frontend_processes)
+MAX_FRONTEND_PROCESSES = 256
 _KEEPALIVE = Keepalive()  # the defaults: Triton's (gRPC core's), and gpud's idle timeout off
 
 
@@ -64,8 +66,9 @@ class Settings:
     max_request_bytes: int = 64 * 2**20
     max_header_bytes: int = 64 * 1024  # an HTTP request's line and headers (more: 431), gRPC metadata
     max_tensor_elements: int = 2**28  # a declared input shape spanning more is refused before any allocation
-    http_processes: int = 0  # HTTP front ends in processes of their own (gpud.frontproc); 0: on the core's loop
-    grpc_processes: int = 0  # gRPC front ends in processes of their own (sharing the port); 0: on the core's loop
+    http_processes: int | str = AUTO  # HTTP front ends in processes of their own (gpud.frontproc); 0: on the core's
+    # loop; "auto": from the usable CPUs (frontend_processes)
+    grpc_processes: int | str = AUTO  # gRPC front ends in processes of their own (sharing the port); as http_processes
     grpc_max_connections: int = 10000  # more gRPC connections are closed at once (GOAWAY); gpud's server only
     grpc_server: str = "gpud"  # "gpud": gpud's own HTTP/2 server (gpud.api.grpcwire); "grpcio": grpcio's aio server
     # gRPC keepalive, Triton's flags and defaults (gpud.api.grpcwire.keepalive; both gRPC servers)
@@ -162,6 +165,13 @@ def _coerce(path: str, key: str, type_name: Any, value: Any) -> Any:
     t = str(type_name)
     if value is None and "None" in t:
         return None
+    if t == "int | str":  # a count or "auto" (the front-end processes)
+        if value == AUTO:
+            return AUTO
+        t = f"int or '{AUTO}'"
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+            raise ValueError(f"{path}: setting '{key}': expected {t}, got {value!r}")
+        return int(value)
     try:
         if t.startswith("int"):
             if isinstance(value, bool):
@@ -192,8 +202,10 @@ def check_settings(settings: Settings) -> None:
         if getattr(settings, key) < 1:
             raise ValueError(f"{key} must be >= 1, got {getattr(settings, key)}")
     for key in ("http_processes", "grpc_processes"):
-        if not 0 <= getattr(settings, key) <= 256:
-            raise ValueError(f"{key} must be 0 (served on the core's loop) to 256, got {getattr(settings, key)}")
+        value = getattr(settings, key)
+        if value != AUTO and not (isinstance(value, int) and 0 <= value <= MAX_FRONTEND_PROCESSES):
+            raise ValueError(f"{key} must be '{AUTO}' or 0 (served on the core's loop) to {MAX_FRONTEND_PROCESSES}, "
+                             f"got {value!r}")
     if settings.grpc_max_connections < 1:
         raise ValueError(f"grpc_max_connections must be >= 1, got {settings.grpc_max_connections}")
     for key in ("grpc_keepalive_time_ms", "grpc_keepalive_timeout_ms"):
@@ -230,6 +242,32 @@ def prepare_settings(settings: Settings) -> Prepared:
                     # ModelControl checks the mode
                     ModelControl(cast(ModelControlMode, settings.model_control_mode), tuple(settings.load_model)),
                     read_token_file(settings.admin_token_file) if settings.admin_token_file else None)
+
+
+# "auto": no front-end processes below this many usable CPUs. There a lone request is answered sooner on the core's
+# loop (one process fewer to wake: +0.19 ms over HTTP, +0.4 ms over gRPC on a 2-core VM, docs/benchmarks.md), and
+# the processes would take CPU from the device workers.
+AUTO_MIN_CPUS = 8
+AUTO_CPUS_PER_PROCESS = 8  # then one process per this many CPUs (the rest for workers, their threads and clients)
+AUTO_MAX_PROCESSES = 4  # and at most this many: four HTTP processes' requests (~35 µs each) fill the core's
+# loop (~7-12 µs a request with processes)
+
+
+def frontend_processes(configured: int | str, cpus: int) -> int:
+    """Pure: the number of front-end processes for a setting (a count, or "auto") on `cpus` usable CPUs."""
+    if configured != AUTO:
+        return int(configured)
+    if cpus < AUTO_MIN_CPUS:
+        return 0
+    return min(AUTO_MAX_PROCESSES, cpus // AUTO_CPUS_PER_PROCESS)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or a systemd CPUAffinity= share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
 
 
 def grpc_keepalive(settings: Settings) -> Keepalive:

@@ -85,11 +85,10 @@ class Daemon:
 
 
 # GPUD_TEST_FRONTEND_PROCESSES=N: every daemon the tests start serves HTTP and gRPC from N front-end processes of
-# their own (gpud.frontproc), so that the e2e suites run in that mode too (.ci/run runs them so).
-FRONTEND_PROCESSES: tuple[str, ...] = ()
-if os.environ.get("GPUD_TEST_FRONTEND_PROCESSES"):
-    FRONTEND_PROCESSES = ("--http-processes", os.environ["GPUD_TEST_FRONTEND_PROCESSES"],
-                          "--grpc-processes", os.environ["GPUD_TEST_FRONTEND_PROCESSES"])
+# their own (gpud.frontproc), so that the e2e suites run in that mode too (.ci/run runs them so). Without it, 0 (the
+# front ends on the core's loop), said outright: the default ("auto") would depend on the machine's CPUs.
+_PROCESSES = os.environ.get("GPUD_TEST_FRONTEND_PROCESSES") or "0"
+FRONTEND_PROCESSES: tuple[str, ...] = ("--http-processes", _PROCESSES, "--grpc-processes", _PROCESSES)
 # GPUD_TEST_GRPC_SERVER=grpcio: every daemon (and tests/test_grpc_api.py's server) serves gRPC on grpcio's server
 # instead of gpud's own (.ci/run runs the gRPC suites so).
 GRPC_SERVER = os.environ.get("GPUD_TEST_GRPC_SERVER", "gpud")
@@ -98,11 +97,11 @@ if GRPC_SERVER != "gpud":
 
 
 def start_daemon(repo: Path | None, tmp: Path, *extra: str, node: str | None = "config/nodes/dgx-a100-2gpu-mig.yaml",
-                 env: dict[str, str] | None = None) -> Daemon:
+                 env: dict[str, str] | None = None, launch: tuple[str, ...] = ("-m", "gpud.main")) -> Daemon:
     """`repo` None: gpud's example models, as ./scripts/run serves them. `env`: added to the daemon's environment
-    (e.g. NOTIFY_SOCKET)."""
+    (e.g. NOTIFY_SOCKET). `launch`: python's arguments that run gpud's main with the rest as its argv."""
     ready_file = tmp / f"ready-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "gpud.main", *(["--model-repository", str(repo)] if repo is not None else []),
+    cmd = [sys.executable, *launch, *(["--model-repository", str(repo)] if repo is not None else []),
            "--address", "127.0.0.1", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
            "--ready-file", str(ready_file), *FRONTEND_PROCESSES, *extra]
     if node:

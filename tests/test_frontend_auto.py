@@ -1,0 +1,99 @@
+"""How many front-end processes gpud starts when none are configured ("auto", issue 25): the rule, the settings
+file and flags that take it, and a daemon started without the flags, whose processes and log follow the rule."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import psutil
+import pytest
+
+from gpud.main import build_parser, resolve_settings
+from gpud.settings import AUTO, Settings, check_settings, frontend_processes, load_settings_file, usable_cpus
+from tests.daemon_harness import ROOT, start_daemon
+
+
+@pytest.mark.parametrize("cpus, expected", [(1, 0), (2, 0), (7, 0), (8, 1), (15, 1), (16, 2), (31, 3), (32, 4),
+                                            (128, 4)])
+def test_auto_is_none_on_small_machines_then_one_per_8_cpus_at_most_4(cpus, expected):
+    assert frontend_processes(AUTO, cpus) == expected
+
+
+def test_a_configured_count_is_kept_whatever_the_cpus():
+    assert frontend_processes(0, 128) == 0
+    assert frontend_processes(3, 2) == 3
+
+
+def test_usable_cpus_is_this_process_affinity():
+    assert 1 <= usable_cpus() <= (psutil.cpu_count(logical=True) or 1)
+
+
+def test_the_default_is_auto_in_flags_and_file(tmp_path):
+    s = resolve_settings(build_parser().parse_args([]))
+    assert s.http_processes == s.grpc_processes == AUTO
+    f = tmp_path / "gpud.yaml"
+    f.write_text("http_processes: 2\ngrpc_processes: auto\n")
+    s = resolve_settings(build_parser().parse_args(["--config", str(f)]))
+    assert (s.http_processes, s.grpc_processes) == (2, AUTO)
+    s = resolve_settings(build_parser().parse_args(["--config", str(f), "--http-processes", "auto",
+                                                    "--grpc-processes", "1"]))
+    assert (s.http_processes, s.grpc_processes) == (AUTO, 1)  # a flag wins over the file, "auto" too
+    example = load_settings_file(str(ROOT / "config" / "gpud.yaml"))
+    assert example["http_processes"] == example["grpc_processes"] == AUTO
+
+
+@pytest.mark.parametrize("text", ["http_processes: many\n", "http_processes: -1\n", "http_processes: true\n",
+                                  "http_processes: 1.5\n", "grpc_processes: [1]\n"])
+def test_a_bad_count_in_the_file_names_the_key(tmp_path, text):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=r"_processes': expected int or 'auto'"):
+        load_settings_file(str(f))
+
+
+def test_a_count_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="http_processes must be 'auto' or 0"):
+        check_settings(Settings(http_processes=257))
+    with pytest.raises(ValueError, match="grpc_processes must be 'auto' or 0"):
+        check_settings(Settings(grpc_processes="some"))
+
+
+@pytest.mark.parametrize("value", ["many", "-1"])
+def test_gpud_refuses_a_bad_count_flag_with_exit_2(value):
+    out = subprocess.run([sys.executable, "-m", "gpud.main", "--http-processes", value], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 2
+    assert ("--http-processes" in out.stderr or "http_processes" in out.stderr) and "'auto'" in out.stderr
+
+
+def test_a_daemon_on_16_cpus_starts_two_front_end_processes_of_each(tmp_path):
+    # gpud's main with the CPU count it reads made 16 (set before gpud.main imports it)
+    launch = ("-c", "import sys, gpud.settings as s; s.usable_cpus = lambda: 16; import gpud.main as m; "
+                    "sys.argv[0] = 'gpud'; sys.exit(m.main())")
+    d = start_daemon(None, tmp_path, "--http-processes", AUTO, "--grpc-processes", AUTO, node=None, launch=launch)
+    try:
+        kinds = [c.cmdline() for c in psutil.Process(d.proc.pid).children()
+                 if "gpud.frontproc.child" in " ".join(c.cmdline())]
+        assert sorted('"kind": "http"' in " ".join(k) for k in kinds) == [False, False, True, True]
+        assert "in 2 front-end process(es) (auto: 16 usable CPUs)" in d.log()
+        with urllib.request.urlopen(f"http://{d.http_url}/v2/health/ready", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_daemon_without_the_flags_starts_what_auto_says(tmp_path):
+    # the harness passes 0 to every daemon; the flags given last win, so "auto" is what gpud chooses here
+    d = start_daemon(None, tmp_path, "--http-processes", AUTO, "--grpc-processes", AUTO, node=None)
+    try:
+        n = frontend_processes(AUTO, usable_cpus())
+        children = [c for c in psutil.Process(d.proc.pid).children()
+                    if "gpud.frontproc.child" in " ".join(c.cmdline())]
+        assert len(children) == 2 * n  # HTTP's and gRPC's
+        log = d.log()
+        where = f"in {n} front-end process(es)" if n else "on the core's event loop"
+        assert f"HTTP (KServe v2) on 127.0.0.1:{d.ports['http']}, {where} (auto: {usable_cpus()} usable CPUs)" in log
+        assert f"gRPC (KServe v2) on 127.0.0.1:{d.ports['grpc']}, {where} (auto: " in log
+    finally:
+        assert d.stop() == 0
