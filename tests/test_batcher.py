@@ -1067,6 +1067,62 @@ class TestQuietDispatch:
             q.enqueue(req(f"s{i}"))
         assert q.decide(1).rows == 8  # at once
 
+    @staticmethod
+    def _drain(q, clock) -> list[Dispatch]:
+        """Decide with an instance free until the queue is empty, waiting where told."""
+        out = []
+        while q:
+            d = q.decide(1)
+            if isinstance(d, Wait):
+                clock.advance(max(0.0, d.until_s - clock()))
+                continue
+            out.append(d)
+        return out
+
+    def test_a_lone_request_waits_while_requests_come_faster_than_a_batch_runs(self, clock):
+        # A front end that hands over one request at a time under load (the core's loop) made each go alone: the
+        # instance ran batch after batch of one (measured: 4 rows a batch, half of Triton's batcher's requests/s).
+        q = self.quiet(clock)
+        q.expected_run_s = 1e-3  # the driver's: a batch takes 1 ms from dispatch to its answers
+        q.enqueue(req("a"))
+        assert q.decide(1).reason is DispatchReason.LONE  # no gap seen yet
+        clock.advance(300e-6)
+        q.enqueue(req("b"))  # 0.3 ms after a: it would come while b's batch of one ran
+        assert isinstance(q.decide(1), Wait)  # not at once, and not by rule 7a's bar of one row either
+        clock.advance(300e-6)
+        q.enqueue(req("c"))
+        d = q.decide(1)
+        assert d == Wait(until_s=pytest.approx(600e-6 + 4 * 300e-6))  # rule 7b: quiet after 4 gaps
+        clock.advance(d.until_s - clock())
+        d = q.decide(1)
+        assert (names(d.requests), d.reason) == (["b", "c"], DispatchReason.QUIET)
+
+    def test_a_lone_request_goes_at_once_when_requests_come_slower_than_a_batch_runs(self, clock):
+        q = self.quiet(clock)
+        q.expected_run_s = 1e-3
+        for name in "abcdef":  # one every 5 ms: the instance would be idle between them
+            q.enqueue(req(name))
+            assert q.decide(1).reason is DispatchReason.LONE
+            clock.advance(5e-3)
+
+    def test_after_a_flood_a_lone_request_goes_at_once_within_a_few_arrivals(self, clock):
+        # Each gap counts up to twice the run time, so a long pause brings the average over it within a few.
+        q = make(clock, max_batch_size=16, dynamic_batching=self.DB, quiet_dispatch=True)  # smoothing 0.2
+        q.expected_run_s = 1e-3
+        q.enqueue(req("a"))
+        q.decide(1)
+        for i in range(48):  # a flood: one every 10 us
+            clock.advance(10e-6)
+            q.enqueue(req(f"f{i}"))
+        self._drain(q, clock)
+        reasons = []
+        for name in "wxyz":
+            clock.advance(10.0)
+            q.enqueue(req(name))
+            reasons += [d.reason for d in self._drain(q, clock)]
+        # average gap 1: 0.2 x 2 ms + 0.8 x ~10 us, under 1 ms; after 4 pauses 2 ms x (1 - 0.8^4) = 1.18 ms
+        assert reasons[0] is not DispatchReason.LONE and reasons[-1] is DispatchReason.LONE
+
     def test_rule_6_is_unconditional_without_quiet_dispatch(self, clock):
         q = make(clock, max_batch_size=16, dynamic_batching=self.DB)
         self._full_batch_in_a_stream(q, clock)

@@ -39,10 +39,16 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
      With quiet_dispatch, not when it arrived in a stream (less than rule 7b's quiet time after the previous
      arrival): under a flood the queue empties for a moment between batches, and dispatching the first newcomer
      alone would occupy the instance with a batch of one while the rest of the stream queues behind it; rule 7
-     then dispatches it within the quiet time, or with the others.
+     then dispatches it within the quiet time, or with the others. Nor while requests arrive "busy": faster than
+     a batch runs (the smoothed gap between arrivals, each gap counted up to twice the run time, is shorter than
+     the driver's `expected_run_s`). Then the next request comes while the instance would run this one alone, and
+     a front end that hands over requests one at a time (the core's loop under load) made the instance run batch
+     after batch of one, each paying a batch's fixed cost: 4 rows a batch and half the requests per second of
+     Triton's batcher at 64 clients (docs/benchmarks.md).
   7. gpud, nobody else is coming soon (only with quiet_dispatch=True), with an instance free: dispatch instead of
      waiting out the delay when (a) the queue holds at least as many rows as recent batches had (smoothed, the
-     newest weighing 0.2: in a closed loop, the clients answered by those batches have all come back), or (b) no
+     newest weighing 0.2: in a closed loop, the clients answered by those batches have all come back; not while
+     arrivals are busy as rule 6 says, where batches of one would keep the bar at one), or (b) no
      request has arrived for `quiet_factor` times the typical gap between arrivals that queued behind others (an
      EWMA). Closed-loop clients fewer than the preferred batch size would otherwise pay the full max_queue_delay on
      every batch.
@@ -376,6 +382,9 @@ class BatchQueue:
         self._last_arrival_s: float | None = None
         self._gap_ewma_s: float | None = None  # typical gap between arrivals that found others queued
         self._lone_gap_s: float | None = None  # gap between the latest arrival and the one before it
+        self._arrival_gap_ewma_s: float | None = None  # typical gap between any two arrivals (rule 6), each at
+        # most twice expected_run_s: the rule asks only whether it is shorter, and a long idle pause counted in
+        # full would keep the average high through the next flood's first dozens of requests
         self._last_batch_rows = 0.0  # rows of recent batches, smoothed (rule 7a); 0 = none yet
         self._levels: dict[int, _Level] = {}
         self._all: dict[QueuedRequest, None] = {}  # every queued request in enqueue order: first = oldest
@@ -466,6 +475,10 @@ class BatchQueue:
 
         now_s = self._clock()
         self._lone_gap_s = None if self._last_arrival_s is None else now_s - self._last_arrival_s
+        if self._lone_gap_s is not None and self._quiet_dispatch and self.expected_run_s > 0:  # 0: none ran yet
+            gap_s = min(max(0.0, self._lone_gap_s), 2 * self.expected_run_s)
+            prev = self._arrival_gap_ewma_s
+            self._arrival_gap_ewma_s = gap_s if prev is None else prev + self._gap_smoothing * (gap_s - prev)
         if self._all and self._last_arrival_s is not None:
             # Only gaps inside a burst (others still queued) say how fast requests join a forming batch.
             gap_s = max(0.0, now_s - self._last_arrival_s)
@@ -559,12 +572,15 @@ class BatchQueue:
         delay_exceeded = db.max_queue_delay_us > 0 and now_s >= delay_ends_s
         quiet_ends_s = None
         lone = cfg.dispatch_lone_request and len(self._all) == 1
+        # requests come faster than a batch runs (rules 6 and 7a): whoever is next comes while this batch would run
+        busy = self._arrival_gap_ewma_s is not None and self._arrival_gap_ewma_s < self.expected_run_s
         if self._quiet_dispatch and self._last_arrival_s is not None:
             wait_s = quiet_wait_s(self._gap_ewma_s, self._quiet_factor, self._min_quiet_s)
             if wait_s is not None:
                 quiet_ends_s = self._last_arrival_s + wait_s
                 if lone and self._lone_gap_s is not None and self._lone_gap_s < wait_s:
                     lone = False  # it came in a stream: rule 7 decides
+            lone = lone and not busy
         choice = choose_dispatch(
             [r.batch_rows for r in candidate],
             blocked=blocked,
@@ -574,7 +590,7 @@ class BatchQueue:
             delay_exceeded=delay_exceeded,
             lone=lone,
             quiet=(quiet_ends_s is not None and now_s >= quiet_ends_s)
-            or (self._quiet_dispatch and 0 < round(self._last_batch_rows) <= self._pending_rows),
+            or (self._quiet_dispatch and not busy and 0 < round(self._last_batch_rows) <= self._pending_rows),
         )
         if choice is not None:
             n, reason = choice

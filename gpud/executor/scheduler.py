@@ -435,12 +435,12 @@ class SchedulerBase:
                     request_ns += [now_ns - p.arrival_ns] * p.members
                 p.finish(InferResponse(name, version, tensors, p.request.id, {}, compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
-        if self.objective is not None and batch:
+        if batch:
             self._ran((now_ns - batch[0].dispatch_ns) / 1e9)
 
     def _ran(self, seconds: float) -> None:
-        """A batch took `seconds` from dispatch to its answers (versions with a latency objective: what the batch
-        delay leaves room for)."""
+        """A batch took `seconds` from dispatch to its answers (the dynamic batcher's expected run time: what an
+        objective's batch delay leaves room for, and whether requests come faster than a batch runs)."""
 
     def _fail(self, batch: list[Pending], exc: InferenceError) -> None:
         now_ns = time.perf_counter_ns()
