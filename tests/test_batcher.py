@@ -1088,11 +1088,12 @@ class TestQuietDispatch:
         assert q.decide(1).reason is DispatchReason.LONE  # no gap seen yet
         clock.advance(300e-6)
         q.enqueue(req("b"))  # 0.3 ms after a: it would come while b's batch of one ran
-        assert isinstance(q.decide(1), Wait)  # not at once, and not by rule 7a's bar of one row either
+        # not at once, and not by rule 7a's bar of one row either: it waits for the next arrival, two gaps at most
+        assert q.decide(1) == Wait(until_s=pytest.approx(300e-6 + 2 * 300e-6))
         clock.advance(300e-6)
         q.enqueue(req("c"))
         d = q.decide(1)
-        assert d == Wait(until_s=pytest.approx(600e-6 + 4 * 300e-6))  # rule 7b: quiet after 4 gaps
+        assert d == Wait(until_s=pytest.approx(600e-6 + 2 * 300e-6))  # two gaps from c (rule 7b's four: later)
         clock.advance(d.until_s - clock())
         d = q.decide(1)
         assert (names(d.requests), d.reason) == (["b", "c"], DispatchReason.QUIET)
