@@ -181,6 +181,92 @@ class TestControlPlane:
         assert instances_needed(250.0, 200.0, 0.8) == 2 and instances_needed(0.0, 200.0, 0.8) == 1
 
 
+
+NODE = """
+gpus:
+  - model: NVIDIA A100-SXM4-80GB
+  - model: NVIDIA A100-SXM4-80GB
+"""
+
+
+def control_plane(tmp_path, arrivals: dict[str, list[float]], load_s: dict[str, float]):
+    """gpud's control plane on two whole GPUs, one 4 GiB model per name with the given load time and requests, every
+    version served with no instance yet (scaled to zero: placed by `place`, or loaded on demand)."""
+    from gpud.scaling.hints import HintPolicy
+    from gpud.scaling.rules import ScalingPolicy
+    from gpud.telemetry.serving import ModelState
+    from gpud.telemetry.simulated import SimulatedBackend
+    from replay.control import ControlPlane, ControlSettings
+
+    (tmp_path / "node.yaml").write_text(NODE)
+    backend = SimulatedBackend.from_file(tmp_path / "node.yaml")
+    devices = [SimDevice(d.id, d.compute_fraction, d.kind != "cpu") for d in backend.leaf_devices()]
+    models = [SimModel(name, "1", KIND, 4, np.asarray(arrivals.get(name, []), dtype=float)) for name in load_s]
+    s = Serving(devices, models, slo_queue_s=0.005)
+    specs = {name: ModelSpec(name, "k", 4 * GIB, seconds) for name, seconds in load_s.items()}
+    settings = ControlSettings(HintPolicy(), ScalingPolicy(interval_seconds=5.0), 2.5, 15.0)
+    plane = ControlPlane(s, backend, specs, settings, tmp_path / "repo")
+    for vs in plane.versions:
+        vs.state = ModelState.READY
+    return plane
+
+
+def place(plane, *where: tuple[str, str]) -> None:
+    """Load one instance of each (model, device), in this order, from now (`gpudctl place --apply`'s path)."""
+    from gpud.core_api import RequestedPlacement
+
+    async def apply() -> None:
+        await plane.service.apply_requested([RequestedPlacement(m, 0, d) for m, d in where])
+
+    plane._run(apply)
+
+
+def serving_since(plane, model: str) -> float:
+    """When the model's instance started serving, in model time."""
+    return plane.registry.version(model).loaded_unix_s - plane.serving.epoch_unix_s
+
+
+class TestLoadsInModelTime:
+    """Loads wait for model time to pass; the adds of one wave on different devices overlap, as the daemon's do."""
+
+    def test_adds_on_different_devices_load_at_once_each_holding_its_devices_share(self, tmp_path):
+        plane = control_plane(tmp_path, {}, {"a": 10.0, "b": 10.0})
+        plane.pool.load_compute = 0.25
+        taken = []
+        gpus = [plane.serving.devices[d] for d in ("gpu0", "gpu1")]
+        plane.serving.at(5.0, lambda: taken.append([d.taken for d in gpus]))
+        place(plane, ("a", "gpu0"), ("b", "gpu1"))
+        assert (serving_since(plane, "a"), serving_since(plane, "b"), plane.serving.now_s) == (10.0, 10.0, 10.0)
+        assert taken == [[0.25, 0.25]]  # both loads run at 5 s, each holding its own device's share
+        assert [d.taken for d in gpus] == [0.0, 0.0]
+        assert plane.pool.loads == 2
+
+    def test_a_devices_loads_stay_one_after_another(self, tmp_path):
+        # a and c on gpu0, b on gpu1: gpu0's two loads take 10 s each, one after the other; b's overlaps them.
+        plane = control_plane(tmp_path, {}, {"a": 10.0, "b": 10.0, "c": 10.0})
+        place(plane, ("a", "gpu0"), ("c", "gpu0"), ("b", "gpu1"))
+        assert sorted([serving_since(plane, "a"), serving_since(plane, "c")]) == [10.0, 20.0]
+        assert serving_since(plane, "b") in (10.0, 20.0) and plane.serving.now_s == 20.0  # not 30 s
+
+    def test_a_cold_start_and_a_tick_falling_due_during_loads_run_once_they_are_done(self, tmp_path):
+        # a and b load from 0 to 10 s. A request for d at 2 s asks for a cold start, and a controller tick falls due
+        # at 3 s: both run at 10 s, when the loads (and the placement holding the service's lock) are done; d then
+        # loads for 4 s and answers the request at 14 s.
+        plane = control_plane(tmp_path, {"d": [2.0]}, {"a": 10.0, "b": 10.0, "d": 4.0})
+        ticks = []
+
+        async def tick() -> None:
+            ticks.append(plane.serving.now_s)
+
+        plane.controller.tick = tick
+        plane.serving.at(3.0, plane._control_tick)
+        place(plane, ("a", "gpu0"), ("b", "gpu1"))
+        plane.serving.finish(20.0)
+        assert ticks[0] == 10.0 and ticks[1] == 15.0  # the next interval starts when the tick is done
+        assert serving_since(plane, "d") == 14.0 and plane.cold_starts() == 1
+        d = plane.serving.models[("d", "1")]
+        assert (d.served, d.failed) == (1, 0)
+
 def test_verdicts_are_ratios_within_the_run():
     from replay.policies import Result
     from replay.run import verdicts

@@ -4,19 +4,24 @@ model's time. Only the executor pool is the model's: a load lets `load_seconds` 
 being served meanwhile), then the instance serves; an unload drains it (des rules 2 and 5).
 
 How the two meet: the serving model (des.Serving) owns time. Hint ticks and controller ticks are events in it; a
-controller tick or a cold start runs as asyncio tasks on a private loop until they are all done, and when one of them
-loads an instance, the pool runs the serving model forward by the load time from inside the load (re-entrant), so a
-tick that loads three instances one after another takes their three load times, as in the daemon.
+controller tick or a cold start runs as asyncio tasks on a private loop until they are all done. A load waits for model
+time to pass (ModelWaits.sleep) instead of running the serving model itself: the driver runs the tasks until each one
+waits, then runs the serving model to the earliest end of those waits and wakes them. So loads the service gathers
+(a wave of adds on different devices) overlap in model time as the daemon's do, and loads one after another (a
+device's, or a tick's steps in turn) take their load times one after another.
 """
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle
@@ -39,6 +44,8 @@ if TYPE_CHECKING:
     import onnx
 
 GIB = 2**30
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,12 +76,40 @@ class SimScheduler(DynamicScheduler):
         return self.sim.pending(self.serving.now_s)
 
 
+class ModelWaits:
+    """Coroutines waiting for model time to pass (instance loads): the control plane's driver lets it pass, by running
+    the serving model, once no task can run (ControlPlane._drive)."""
+
+    def __init__(self, serving: Serving):
+        self.serving = serving
+        self._waits: list[tuple[float, int, asyncio.Future[None]]] = []  # (end, order, woken at the end), a heap
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    async def sleep(self, seconds: float) -> None:
+        woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waits, (self.serving.now_s + seconds, next(self._order), woken))
+        await woken
+
+    def advance(self) -> None:
+        """Serve up to the earliest end (ticks and cold starts falling due meanwhile are queued: ControlPlane._run),
+        then wake every wait that ends by then."""
+        self.serving.run_until(self._waits[0][0])
+        while self._waits and self._waits[0][0] <= self.serving.now_s:
+            woken = heapq.heappop(self._waits)[2]
+            if not woken.done():  # its task may have been cancelled
+                woken.set_result(None)
+
+
 class SimPool:
     """The executor pool as the placement service uses it, in the serving model's time."""
 
-    def __init__(self, serving: Serving, specs: Mapping[str, ModelSpec]):
+    def __init__(self, serving: Serving, specs: Mapping[str, ModelSpec], waits: ModelWaits):
         self.serving = serving
         self.specs = specs
+        self.waits = waits
         self.instant = False  # loads take no time (the start-up placement, before the replay's time starts)
         self.load_compute = 0.0  # of its device's compute a load takes while it runs (a CPU node's: 1 core)
         self.live: dict[int, tuple[InstanceHandle, SimInstance]] = {}  # id(handle) ->
@@ -88,8 +123,10 @@ class SimPool:
         self.live[id(inst)] = (inst, sim)
         if not self.instant:
             self.serving.take(inst.device_id, self.load_compute)
-            self.serving.run_until(self.serving.now_s + spec.load_seconds)  # serving goes on while it loads
-            self.serving.take(inst.device_id, -self.load_compute)
+            try:
+                await self.waits.sleep(spec.load_seconds)  # serving (and other devices' loads) go on meanwhile
+            finally:
+                self.serving.take(inst.device_id, -self.load_compute)
             self.loads += 1
         inst.ready, inst.memory_bytes, inst.measured_by = True, spec.memory_bytes, "simulated"
         inst.load_seconds = spec.load_seconds
@@ -156,6 +193,20 @@ class ControlSettings:
     ranked: bool = True  # False: no claims (room in the planner's order, no spare instances taken): the comparison
 
 
+class InlineExecutor(ThreadPoolExecutor):
+    """The private loop's default executor: runs what it is given at once, on the loop's thread. The placement
+    service plans in `asyncio.to_thread`; planning takes no model time, and with no other thread the loop has nothing
+    to wait for but its tasks, so the driver can tell when they all wait (ControlPlane._settle)."""
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        done: Future[T] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - the awaiting task gets it, as from a thread
+            done.set_exception(exc)
+        return done
+
+
 class FromScratch:
     """The controller's placer for policy (d): the same targets, each interval planned from scratch and every step
     of the way there taken (no cap)."""
@@ -180,9 +231,12 @@ class ControlPlane:
         self.serving = serving
         self.settings = settings
         self.loop = asyncio.new_event_loop()
-        self._in_loop = False
+        self.loop.set_default_executor(InlineExecutor())
+        self._driving = False
+        self._due: list[Callable[[], Coroutine[Any, Any, object]]] = []  # fell due while driving: started after
         self.registry = Registry(any(d.kind != "cpu" for d in backend.leaf_devices()), self._make_version)
-        self.pool = SimPool(serving, specs)
+        self.waits = ModelWaits(serving)
+        self.pool = SimPool(serving, specs, self.waits)
         self.service = PlacementService(backend, self.pool, self.registry,
                                         device_reserve_bytes=settings.device_reserve_bytes,
                                         time_limit_s=settings.time_limit_s, clock=serving.clock,
@@ -215,24 +269,49 @@ class ControlPlane:
         return RegisteredVersion(entry.name, version, entry, sched, instance_bounds(entry.config))
 
     # --- running coroutines in the model's time -----------------------------------------------------------------
-    def _run(self, make: Callable[[], object]) -> None:
-        """Run a control-plane coroutine (and the tasks it starts) to the end, in the model's time. Called from
-        inside one (a load lets time pass, and a tick falls due): it becomes a task that runs after."""
-        if self._in_loop:
-            self.loop.create_task(make())
+    def _run(self, make: Callable[[], Coroutine[Any, Any, object]]) -> None:
+        """Run a control-plane coroutine (and the tasks it starts) to the end, in the model's time. Called while the
+        driver lets model time pass (a tick or a cold start falls due during loads), it starts when that wait ends,
+        after the tasks the wait wakes: a tick never runs in the middle of a load."""
+        if self._driving:
+            self._due.append(make)
             return
-        self._in_loop = True
+        self._driving = True
         try:
-            self.loop.run_until_complete(self._all(make()))
+            self.loop.run_until_complete(self._drive(make))
         finally:
-            self._in_loop = False
+            self._driving = False
 
-    @staticmethod
-    async def _all(first) -> None:
-        await first
+    async def _drive(self, make: Callable[[], Coroutine[Any, Any, object]]) -> None:
+        """Run the tasks until each one waits; if some wait for model time, let it pass to the earliest end of those
+        waits (serving goes on) and go on; done when no task is left."""
         me = asyncio.current_task()
-        while others := [t for t in asyncio.all_tasks() if t is not me and not t.done()]:
-            await asyncio.gather(*others)
+        self._due.append(make)
+        started: list[asyncio.Task[object]] = []
+        while True:
+            started += [asyncio.create_task(m()) for m in self._due]
+            self._due.clear()
+            await self._settle()
+            for task in [t for t in started if t.done()]:
+                task.result()  # a tick's or a cold start's error is the run's
+            started = [t for t in started if not t.done()]
+            live = [t for t in asyncio.all_tasks() if t is not me]
+            if self._due:  # queued while the tasks ran: start those first
+                continue
+            if not live:
+                return
+            if not self.waits:
+                raise RuntimeError(f"control-plane tasks wait, none for model time (a deadlock): {live}")
+            self.waits.advance()
+
+    async def _settle(self) -> None:
+        """Let the other tasks run until each one waits (for model time, a lock, another task). Whether any is
+        ready to run is the loop's queue of ready callbacks, `_ready` (CPython's; no public API says it): a fixed
+        number of `sleep(0)`s could stop before a chain of wake-ups (a lock handed on, a gather's parent) is done.
+        With the planner on InlineExecutor, nothing runs on another thread, so an empty queue means every task
+        waits."""
+        while self.loop._ready:  # type: ignore[attr-defined]
+            await asyncio.sleep(0)  # the others ready before it run first
 
     def start(self) -> None:
         """Place the configured instances (loads take no time: the node before the replay starts), then tick."""

@@ -155,7 +155,8 @@ class Serving:
 
     def run_until(self, t_s: float) -> None:
         """Process every event up to `t_s`, then stand at `t_s`. Re-entrant: a hook may call it to let time pass
-        (a model load), as long as it asks for a time not before now."""
+        (a controller tick whose loads take time: control.ControlPlane), as long as it asks for a time not before
+        now."""
         while self._events and self._events[0][0] <= t_s:
             when, _, _, what, obj, epoch = heapq.heappop(self._events)
             self._advance(when)
