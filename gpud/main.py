@@ -269,6 +269,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     except OSError as exc:
         log.error("cannot start serving: %s", exc.strerror or exc)
         return 1
+    _sweep_segments()
     try:
         parts = wiring.build(prepared, views={"reload": reloader})
     except ValueError as exc:  # the repository is not a directory, a bad node description
@@ -395,6 +396,16 @@ class _FrontendsView:
 
     def inspect(self) -> dict:
         return {"processes": [p for host in self.hosts for p in host.inspect()]}
+
+
+def _sweep_segments() -> None:
+    """Shared memory left by gpud processes that were killed (gpud.executor.shm_owners): removed before serving."""
+    from gpud.executor import shm_owners
+    from gpud.executor.shm import shm_dir
+
+    for gone in shm_owners.sweep(shm_dir()):
+        log.warning("removed %d shared-memory segment(s) (%.1f MiB) that gpud process %d left in %s: it was killed "
+                    "before it could remove them", gone.segments, gone.bytes / 2**20, gone.pid, shm_dir())
 
 
 def _chosen(configured: int | str, cpus: int) -> str:

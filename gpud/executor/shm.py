@@ -14,6 +14,8 @@ import secrets
 
 import numpy as np
 
+from gpud.executor import shm_owners
+
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 ALIGN_BYTES = 64  # cache-line aligned tensor starts: numpy/onnxruntime read them without penalties
 _counter = itertools.count()
@@ -42,6 +44,8 @@ def align(n: int) -> int:
 
 
 def new_segment_name(tag: str) -> str:
+    """A name for a segment this process is about to make (it holds its owner's lock from now on: shm_owners)."""
+    shm_owners.claim(_dir())
     return f"gpud-{os.getpid()}-{tag}-{next(_counter)}-{secrets.token_hex(3)}"
 
 

@@ -8,13 +8,13 @@ the size needed at least: the arena grows with the bytes in flight, never per re
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpud.executor.shm import Segment, align, new_segment_name, segment_path, shm_dir, unlink
+from gpud.executor import shm_owners
+from gpud.executor.shm import Segment, align, new_segment_name, segment_path, shm_dir
 from gpud.executor.types import RegionSlice
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -22,15 +22,9 @@ ARENA_TAG = "fe"  # its segments' names: gpud-<the process's pid>-fe-<n>-<random
 
 
 def remove_arena_of(pid: int) -> None:
-    """Remove a front-end process's arena segments (gpud.frontproc.host, once the process is gone: killed, it could
-    not remove them itself)."""
-    prefix = f"gpud-{pid}-{ARENA_TAG}-"
-    try:
-        names = [n for n in os.listdir(shm_dir()) if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        unlink(name)
+    """Remove a front-end process's segments and lock (gpud.frontproc.host, once the process is gone: killed, it
+    could not remove them itself)."""
+    shm_owners.remove_owned_by(shm_dir(), pid)
 
 
 @dataclass(eq=False)
