@@ -41,11 +41,12 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
      alone would occupy the instance with a batch of one while the rest of the stream queues behind it; rule 7
      then dispatches it within the quiet time, or with the others. Nor while requests arrive "busy": faster than
      a batch runs (the smoothed gap between arrivals, each gap counted up to twice the run time, is shorter than
-     the driver's `expected_run_s`). Then the next request comes while the instance would run this one alone, and
-     a front end that hands over requests one at a time (the core's loop under load) made the instance run batch
-     after batch of one, each paying a batch's fixed cost: 4 rows a batch and half the requests per second of
-     Triton's batcher at 64 clients (docs/benchmarks.md). Held back so, it waits for the next arrival: at most
-     two typical gaps after the last one (then it goes, reason QUIET), or rule 7b's quiet time if sooner.
+     the driver's batch run time, `note_run`, averaged erring short). Then the next request comes while the
+     instance would run this one alone, and a front end that hands over requests one at a time (the core's loop
+     under load) made the instance run batch after batch of one, each paying a batch's fixed cost: 4 rows a batch
+     and half the requests per second of Triton's batcher at 64 clients (docs/benchmarks.md). Held back so, it
+     waits for the next arrival: at most two typical gaps after the last one (then it goes, reason QUIET), or
+     rule 7b's quiet time if sooner.
   7. gpud, nobody else is coming soon (only with quiet_dispatch=True), with an instance free: dispatch instead of
      waiting out the delay when (a) the queue holds at least as many rows as recent batches had (smoothed, the
      newest weighing 0.2: in a closed loop, the clients answered by those batches have all come back; not while
@@ -93,6 +94,8 @@ REQUEST_TIMEOUT_MESSAGE = "Request timeout expired"
 
 _TIMEOUT_ACTIONS = ("REJECT", "DELAY")
 _BUSY_WAIT_GAPS = 2.0  # rule 6: a request held back while arrivals are busy waits at most this many typical gaps
+_RUN_SMOOTHING = 0.2  # EWMA weight of the newest batch's run time (note_run)
+_RUN_RISE = 0.05  # ... of a slower one in the average that errs short: a sustained rise, not one slow batch
 _BATCH_ROWS_SMOOTHING = 0.2  # EWMA weight of the newest batch in rule 7a's "rows of recent batches"
 
 
@@ -377,6 +380,7 @@ class BatchQueue:
         self.latency_budget_s = latency_budget_s
         self.shed = shed and latency_budget_s is not None
         self.expected_run_s = 0.0  # how long a batch is expected to take once dispatched (the driver keeps it)
+        self.typical_run_s = 0.0  # the same, erring short (rule 6's "busy"): note_run keeps both
         self._quiet_dispatch = quiet_dispatch
         self._quiet_factor = quiet_factor
         self._min_quiet_s = min_quiet_s
@@ -411,6 +415,15 @@ class BatchQueue:
         _validate(max_batch_size, dynamic_batching)
         old = self._config
         self._config = _Config(max_batch_size, dynamic_batching, old.dispatch_lone_request, old.default_max_queue_size)
+
+    def note_run(self, seconds: float) -> None:
+        """A batch took `seconds` from dispatch to its answers (the driver tells each). Two averages: one that takes
+        a slower batch at once (the objective's delay errs towards going early), one that takes a faster batch at
+        once (rule 6 errs towards going alone: one slow batch must not hold back a lone client's next requests)."""
+        prev = self.expected_run_s
+        self.expected_run_s = seconds if seconds > prev else prev + _RUN_SMOOTHING * (seconds - prev)
+        prev = self.typical_run_s
+        self.typical_run_s = seconds if seconds < prev or prev <= 0 else prev + _RUN_RISE * (seconds - prev)
 
     # -- state -------------------------------------------------------------------------------------------------
 
@@ -477,8 +490,8 @@ class BatchQueue:
 
         now_s = self._clock()
         self._lone_gap_s = None if self._last_arrival_s is None else now_s - self._last_arrival_s
-        if self._lone_gap_s is not None and self._quiet_dispatch and self.expected_run_s > 0:  # 0: none ran yet
-            gap_s = min(max(0.0, self._lone_gap_s), 2 * self.expected_run_s)
+        if self._lone_gap_s is not None and self._quiet_dispatch and self.typical_run_s > 0:  # 0: none ran yet
+            gap_s = min(max(0.0, self._lone_gap_s), 2 * self.typical_run_s)
             prev = self._arrival_gap_ewma_s
             self._arrival_gap_ewma_s = gap_s if prev is None else prev + self._gap_smoothing * (gap_s - prev)
         if self._all and self._last_arrival_s is not None:
@@ -575,7 +588,7 @@ class BatchQueue:
         quiet_ends_s = None
         lone = cfg.dispatch_lone_request and len(self._all) == 1
         # requests come faster than a batch runs (rules 6 and 7a): whoever is next comes while this batch would run
-        busy = self._arrival_gap_ewma_s is not None and self._arrival_gap_ewma_s < self.expected_run_s
+        busy = self._arrival_gap_ewma_s is not None and self._arrival_gap_ewma_s < self.typical_run_s
         if self._quiet_dispatch and self._last_arrival_s is not None:
             wait_s = quiet_wait_s(self._gap_ewma_s, self._quiet_factor, self._min_quiet_s)
             if wait_s is not None:

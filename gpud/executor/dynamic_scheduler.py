@@ -197,9 +197,7 @@ class DynamicScheduler(SchedulerBase):
         self._notify_if_idle()
 
     def _ran(self, seconds: float) -> None:
-        q = self.queue  # smoothed, but a slower batch counts at once: the budget errs towards going early
-        prev = q.expected_run_s
-        q.expected_run_s = seconds if seconds > prev else prev + 0.2 * (seconds - prev)
+        self.queue.note_run(seconds)
 
     def _shed_error(self) -> InferenceError:
         assert self.objective is not None
