@@ -19,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import urllib.request
 
 import numpy as np
 
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
         repo = os.path.join(workdir, "models")
         models.write_repository(repo)
         with open(os.path.join(repo, "mlp", "config.pbtxt"), "a") as f:
-            f.write('parameters { key: "gpud_batching" value: { string_value: "%s" } }\n' % args.batching)
+            f.write(f'parameters {{ key: "gpud_batching" value: {{ string_value: "{args.batching}" }} }}\n')
         body, header_len = run.kserve_binary(np.random.default_rng(0).standard_normal(256).astype(np.float32))
         body_file = os.path.join(workdir, "body")
         with open(body_file, "wb") as f:
