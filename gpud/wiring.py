@@ -147,6 +147,7 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
         controller = ScalingController(registry.snapshot, hints.decisions, placement, prepared.scaling_policy,
                                  prepared.scaling_mode, registry=metrics_registry, standings=hints.standings)
         placement.spare_source = controller.spare_now
+        hints.after_tick = controller.wake_if_urgent
         all_views["controller"] = controller
     all_views.update(views or {})
     core = GpudCore(ModelRepository(repo_path, default_max_batch_size=settings.default_max_batch_size), registry,

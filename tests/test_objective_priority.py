@@ -238,3 +238,58 @@ def test_under_the_cap_the_most_urgent_adds_go_first_but_never_before_the_remova
     rank = {"a": 0, "b": 1}
     assert [(m.kind, m.model) for m in adds_in_order(moves, lambda m: rank[m.model])] == [
         ("add", "a"), ("add", "b"), ("remove", "c"), ("add", "a"), ("add", "b")]
+
+
+# --- an early tick: a version missing its objective with more instances hinted wakes the controller ----------------
+def test_urgent_scale_ups_are_the_missing_versions_hinted_more_than_they_run():
+    from gpud.scaling.controller import urgent_scale_ups
+
+    hints = {("a", "1"): HintDecision(3, 3, 1, None, None, None, ""), ("b", "1"): HintDecision(2, 2, 2, None, None,
+                                                                                                None, ""),
+             ("c", "1"): HintDecision(4, 4, 1, None, None, None, ""), ("d", "1"): HintDecision(2, 2, 1, None, None,
+                                                                                                None, "")}
+    standings = {("a", "1"): standing(shortfall=0.05), ("b", "1"): standing(shortfall=0.05),
+                 ("c", "1"): standing(spare=1, spare_ms=10.0)}
+    running = {("a", "1"): 1, ("b", "1"): 2, ("c", "1"): 1, ("d", "1"): 1}
+    # a: missing and hinted 3 > 1; b: hinted what it runs; c: its objective holds; d: no objective
+    assert urgent_scale_ups(hints, standings, running) == [("a", "1")]
+
+
+def test_a_missed_objective_wakes_the_controller_once_per_interval():
+    loop, placer, clock = controller({("ranker", "1"): standing(shortfall=0.05)})
+    assert loop.wake_if_urgent() == [("ranker", "1")] and loop._wake.is_set()
+    loop._wake.clear()
+    clock.advance(loop.policy.interval_seconds - 1)
+    assert loop.wake_if_urgent() == [] and not loop._wake.is_set()  # it woke the controller this interval already
+    clock.advance(1)
+    assert loop.wake_if_urgent() == [("ranker", "1")]
+
+
+def test_no_wake_without_a_missed_objective():
+    loop, placer, clock = controller({("vision", "1"): standing(spare=2, spare_ms=20.0)})
+    assert loop.wake_if_urgent() == [] and not loop._wake.is_set()
+
+
+def test_woken_the_controller_ticks_before_its_interval_ends():
+    loop, placer, clock = controller({("ranker", "1"): standing(shortfall=0.05)})
+    loop.policy = ScalingPolicy(interval_seconds=3600.0)
+
+    async def main() -> int:
+        ticked = asyncio.get_running_loop().create_future()
+        ticks = []
+
+        async def tick() -> None:
+            ticks.append(clock())
+            if not ticked.done():
+                ticked.set_result(None)
+
+        loop.tick = tick
+        runner = asyncio.create_task(loop.run())
+        await asyncio.sleep(0)  # it waits for its interval
+        assert ticks == []
+        loop.wake_if_urgent()
+        await asyncio.wait_for(ticked, 10)  # long before the hour
+        runner.cancel()
+        return len(ticks)
+
+    assert asyncio.run(main()) == 1

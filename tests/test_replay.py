@@ -259,13 +259,29 @@ class TestLoadsInModelTime:
             ticks.append(plane.serving.now_s)
 
         plane.controller.tick = tick
-        plane.serving.at(3.0, plane._control_tick)
+        plane._schedule_tick(3.0)
         place(plane, ("a", "gpu0"), ("b", "gpu1"))
         plane.serving.finish(20.0)
         assert ticks[0] == 10.0 and ticks[1] == 15.0  # the next interval starts when the tick is done
         assert serving_since(plane, "d") == 14.0 and plane.cold_starts() == 1
         d = plane.serving.models[("d", "1")]
         assert (d.served, d.failed) == (1, 0)
+
+    def test_a_sample_that_finds_a_missed_objective_ticks_the_controller_at_once(self, tmp_path):
+        # hints every 2.5 s, the controller every 5 s: the sample at 2.5 s wakes it (as the daemon's sampler does), so
+        # it ticks at 2.5 s, and the next interval runs from there (7.5 s), not 5 s and 10 s
+        plane = control_plane(tmp_path, {}, {"a": 1.0})
+        ticks = []
+
+        async def tick() -> None:
+            ticks.append(plane.serving.now_s)
+
+        plane.controller.tick = tick
+        plane.controller.wake_if_urgent = lambda: [("a", "1")] if plane.serving.now_s == 2.5 else []
+        plane.start()
+        plane.serving.finish(11.0)
+        assert ticks == [2.5, 7.5]
+
 
 def test_verdicts_are_ratios_within_the_run():
     from replay.policies import Result

@@ -234,6 +234,9 @@ class ControlPlane:
         self.loop.set_default_executor(InlineExecutor())
         self._driving = False
         self._due: list[Callable[[], Coroutine[Any, Any, object]]] = []  # fell due while driving: started after
+        self._tick_gen = 0  # the controller's scheduled tick (an early one replaces it)
+        self._ticking = False
+        self._tick_soon = False  # a sample woke the controller while it ticked: the next tick at once
         self.registry = Registry(any(d.kind != "cpu" for d in backend.leaf_devices()), self._make_version)
         self.waits = ModelWaits(serving)
         self.pool = SimPool(serving, specs, self.waits)
@@ -319,17 +322,37 @@ class ControlPlane:
         self._run(lambda: self.service.place(self.versions))
         self.pool.instant = False
         self.serving.at(0.0, self._hints_tick)
-        self.serving.at(self.settings.control.interval_seconds, self._control_tick)
+        self._schedule_tick(self.settings.control.interval_seconds)
 
     def _hints_tick(self) -> None:
         self.hints.tick()
+        if self.controller.wake_if_urgent():  # as the daemon's sampler: the controller ticks now, or after this tick
+            if self._ticking:
+                self._tick_soon = True
+            else:
+                self._schedule_tick(self.serving.now_s)
         self.serving.at(self.serving.now_s + self.settings.hints_interval_s, self._hints_tick)
 
-    def _control_tick(self) -> None:
+    def _schedule_tick(self, at_s: float) -> None:
+        """The controller's next tick at `at_s`, in place of the one scheduled before (an early tick replaces it)."""
+        self._tick_gen += 1
+        gen = self._tick_gen
+        self.serving.at(at_s, lambda: self._control_tick(gen))
+
+    def _control_tick(self, gen: int) -> None:
+        if gen != self._tick_gen:
+            return  # an early tick took its place
+
         async def tick() -> None:
-            await self.controller.tick()
-            # as ScalingController.run: the next interval starts when this tick (and its loads) is done
-            self.serving.at(self.serving.now_s + self.settings.control.interval_seconds, self._control_tick)
+            self._ticking = True
+            try:
+                await self.controller.tick()
+            finally:
+                self._ticking = False
+            # as ScalingController.run: the next interval starts when this tick (and its loads) is done, or at once
+            # when a sample woke the controller meanwhile
+            soon, self._tick_soon = self._tick_soon, False
+            self._schedule_tick(self.serving.now_s + (0.0 if soon else self.settings.control.interval_seconds))
 
         self._run(tick)
 

@@ -74,6 +74,13 @@ class ScalingAction:
     error: str = ""
 
 
+def urgent_scale_ups(hints: Mapping[Key, HintDecision], standings: Mapping[Key, ObjectiveStanding],
+                     running: Mapping[Key, int]) -> list[Key]:
+    """Pure: the running versions missing their latency objective whose hint asks for more instances than they run."""
+    return [k for k, n in running.items()
+            if k in hints and hints[k].desired_instances > n and k in standings and standings[k].missing]
+
+
 class ScalingController(Collector):
     """The placement controller: every interval, hints -> targets (gpud.scaling.rules) -> the placement service's
     rescale; its steps, counters and targets for inspect and Prometheus."""
@@ -98,17 +105,42 @@ class ScalingController(Collector):
         self.plans = 0
         self.last_plan_unix_s: float | None = None
         self._last_unplaced: tuple = ()
+        self._wake = asyncio.Event()
+        self._woken_s: dict[Key, float] = {}  # when a version last woke the controller (once per interval each)
         if registry is not None:
             registry.register(self)
 
     async def run(self) -> None:
-        """Tick every interval (cancel to stop). A failing tick is logged and the next one runs."""
+        """Tick every interval, or sooner when woken (`wake_if_urgent`); cancel to stop. A failing tick is logged
+        and the next one runs."""
         while True:
-            await asyncio.sleep(self.policy.interval_seconds)
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.policy.interval_seconds)
+            except TimeoutError:
+                pass
+            self._wake.clear()  # here, not before the wait: a wake during the tick makes the next one at once
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 - the controller must not die of one bad interval
                 log.exception("placement control: the interval failed")
+
+    def wake_if_urgent(self) -> list[Key]:
+        """After each sample of the hints: a version missing its latency objective that is hinted more instances
+        than it runs makes the controller tick now instead of at the interval's end (a ramp's every second counts).
+        Each version wakes it at most once per interval, so one that cannot grow (no room, its max) does not make
+        it plan at every sample. The versions that woke it."""
+        now = self.clock()
+        interval = self.policy.interval_seconds
+        running = {(v.model, v.version): len(v.instances) for v in self.snapshot().versions() if v.instances}
+        keys = [k for k in urgent_scale_ups(self.hints(), self.standings(), running)
+                if now - self._woken_s.get(k, -interval) >= interval]
+        if keys:
+            self._woken_s.update((k, now) for k in keys)
+            self._woken_s = {k: t for k, t in self._woken_s.items() if now - t < interval}
+            log.info("placement control: ticking now for %s (missing its latency objective, more instances hinted)",
+                     ", ".join(f"{m} version {v}" for m, v in keys))
+            self._wake.set()
+        return keys
 
     async def tick(self) -> None:
         now = self.clock()

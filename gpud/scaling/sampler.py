@@ -115,6 +115,7 @@ class HintsSampler(Collector):
         self.rate_window_s = rate_window_s
         self._tracks: dict[Key, _Track] = {}
         self.headroom: dict[str, dict[str, int]] = {}
+        self.after_tick: Callable[[], object] | None = None  # run after each sample (the controller's early tick)
         if registry is not None:
             registry.register(self)
 
@@ -154,6 +155,8 @@ class HintsSampler(Collector):
         while True:
             try:
                 self.tick()
+                if self.after_tick is not None:
+                    self.after_tick()
             except Exception:  # noqa: BLE001
                 log.exception("autoscaling hints: sampling failed")
             await asyncio.sleep(self.interval_s)
