@@ -16,7 +16,8 @@ from gpud.executor.instance import InstanceHandle
 from gpud.executor.protocol import Done, Infer, TensorMeta
 from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.shm import Segment, align, new_segment_name
-from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.types import ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RegionSlice
+from gpud.executor.types import RequestedOutput, ShmRef
 
 TWO_OUTPUTS = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)),),
                           outputs=(TensorSpec("y", "FP32", (2,)), TensorSpec("z", "FP32", (2,))),
@@ -151,6 +152,32 @@ def test_an_answered_request_is_freed_without_the_cyclic_gc(made):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_batch_whose_only_request_failed_writing_its_client_region_is_not_an_error_of_the_scheduler(made):
+    """A request alone in its batch whose output did not fit the client's region (the worker's write error): the
+    request fails with why, nothing succeeded to count, and the scheduler goes on (it raised from the statistics,
+    "a batch has at least one request", and never signalled idle)."""
+    worker = Worker()
+    scheduler, _ = made(TWO_OUTPUTS, worker)
+
+    async def run():
+        request = _req("m", [1, 2], ["y"])
+        request.client_io = ClientIO(outputs={"y": (ShmRef("r", 0, 4), RegionSlice("r", "/r", 0, 4))})
+        got = []
+        scheduler.submit(request, got.append)
+        idle = asyncio.ensure_future(scheduler.wait_idle())
+        await asyncio.sleep(0)
+        inst, msg, callback = worker.pending.pop()
+        callback(worker.reply(inst, msg)._replace(write_errors=((0, "should be at least 8 bytes"),)))
+        assert len(got) == 1 and isinstance(got[0], InferenceError) and got[0].kind is ErrorKind.INVALID_ARGUMENT
+        await asyncio.wait_for(idle, 1.0)
+        scheduler.submit(_req("m", [3, 4]), got.append)  # and it serves on
+        worker.finish()
+        np.testing.assert_array_equal(got[1].outputs[0].data, [[6, 8]])
+
+    asyncio.run(run())
+    assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (1, 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
