@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
 
 import numpy as np
@@ -231,6 +232,37 @@ class TestRemoteCore:
             messages = await end.receive(2)
             submits = [m for m in messages if m[0] in ("submit", "group")]
             assert [m[0] for m in submits] == ["submit"]  # the one left goes alone
+        asyncio.run(run())
+
+
+    def test_an_answer_handed_over_in_a_segment_for_withdrawn_requests_removes_the_segment(self, link):
+        """A large output comes back in a shared-memory segment of its own, which the receiver removes when it maps
+        it. An answer that crosses its request's withdrawal (a gRPC client that cancelled, gone) was dropped
+        unread, its segment left in /dev/shm for good: alone, and a group whose members were all withdrawn."""
+        from gpud.executor.shm import segment_path
+
+        core, end, theirs, arena = link
+        big = np.ones((1, 20000), np.float32)  # over HANDOFF_MIN_BYTES: handed over in a segment
+
+        async def run():
+            core.start()
+            alone = core.submit(request(priority=1), lambda r: None)  # (a priority: sent alone)
+            together = [core.submit(request(), lambda r: None) for _ in range(2)]
+            messages = await end.receive(2)
+            ident = next(m[1] for m in messages if m[0] == "submit")
+            idents = next(m[1] for m in messages if m[0] == "group")
+            alone()
+            for cancel in together:
+                cancel()
+            handed: list[str] = []
+            answer = InferResponse("m", "1", [InferTensor("out", "FP32", big.shape, big)])
+            group_answer = InferResponse("m", "1", [InferTensor("out", "FP32", (2, 20000), np.ones((2, 20000),
+                                                                                                   np.float32))])
+            _send(theirs, [("answer", ident, True, response_wire(answer, handed.append)),
+                           ("answers", idents, True, response_wire(group_answer, handed.append))])
+            core._readable()
+            assert len(handed) == 2
+            assert [name for name in handed if os.path.exists(segment_path(name))] == []
         asyncio.run(run())
 
 
