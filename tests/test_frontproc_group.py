@@ -370,3 +370,50 @@ class TestFrontendHost:
         assert cancelled == []
         host._on_message(fp, ("cancel", 101))
         assert cancelled == [2]
+
+
+def test_a_stopping_host_refuses_new_connections_once_its_processes_have_closed_theirs():
+    """The processes accept on the daemon's listening socket, each with a descriptor of its own. Told to stop, each
+    closes its own; the daemon held its copy until they had all exited, so meanwhile a new client's connection was
+    queued by the kernel, never accepted, and reset at the end (after the client had sent its request), where the
+    in-process front end refuses it at once."""
+    from gpud.api.admin import AdminAuth
+    from gpud.frontproc.host import FrontendHost, FrontendProcess
+
+    listen = socket.create_server(("127.0.0.1", 0))
+    port = listen.getsockname()[1]
+    refused: list[bool] = []
+
+    class _Exiting:
+        """A process that has closed its descriptor of the socket and is exiting: the first poll says it runs."""
+        pid = 2 ** 22 + 1  # (no arena of its own to remove)
+        polls = 0
+
+        def poll(self):
+            self.polls += 1
+            if self.polls == 1:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                    refused.append(False)
+                except ConnectionRefusedError:
+                    refused.append(True)
+                return None
+            return 0
+
+    class _Sender(_Sent):
+        def flush(self):
+            pass
+
+    async def run():
+        host = FrontendHost(_FakeCore(1), AdminAuth(), 1, listen, {"kind": "http"})
+        host._loop = asyncio.get_running_loop()
+        fp = FrontendProcess(0, _Exiting(), socket.socket())
+        fp.sender = _Sender()
+        host.processes[0] = fp
+        await host.stop(5)
+        assert fp.sender.messages == [("stop", 5)]
+    try:
+        asyncio.run(run())
+    finally:
+        listen.close()
+    assert refused == [True]
