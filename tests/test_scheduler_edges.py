@@ -180,6 +180,29 @@ def test_a_batch_whose_only_request_failed_writing_its_client_region_is_not_an_e
     assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (1, 1)
 
 
+def test_each_request_gets_its_outputs_in_its_own_order_whatever_its_batch_mates_asked(made):
+    """A batch computes the union of its requests' outputs, in the order they first appear; each request's answer
+    had them in that order, so the bytes of an answer depended on which requests it happened to be batched with (all
+    outputs asked in the model's order came back in another request's order, and the reverse)."""
+    worker = Worker()
+    scheduler, _ = made(TWO_OUTPUTS, worker)
+
+    async def run():
+        got: dict[str, InferResponse] = {}
+        scheduler.submit(_req("m", [0, 0]), lambda r: None)  # occupies the instance so the next ones batch
+        scheduler.submit(_req("m", [1, 2], ["z", "y"]), lambda r: got.setdefault("zy", r))
+        scheduler.submit(_req("m", [3, 4]), lambda r: got.setdefault("all", r))
+        scheduler.submit(_req("m", [5, 6], ["y", "z"]), lambda r: got.setdefault("yz", r))
+        worker.finish()
+        worker.finish()
+        assert [t.name for t in got["zy"].outputs] == ["z", "y"]
+        assert [t.name for t in got["all"].outputs] == ["y", "z"]  # the model's order, as when it runs alone
+        assert [t.name for t in got["yz"].outputs] == ["y", "z"]
+        np.testing.assert_array_equal(got["all"].outputs[1].data, [[103, 104]])
+
+    asyncio.run(run())
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Tricky cases that are handled correctly
 # ---------------------------------------------------------------------------------------------------------------------
