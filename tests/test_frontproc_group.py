@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
 
 import numpy as np
@@ -234,6 +235,37 @@ class TestRemoteCore:
         asyncio.run(run())
 
 
+    def test_an_answer_handed_over_in_a_segment_for_withdrawn_requests_removes_the_segment(self, link):
+        """A large output comes back in a shared-memory segment of its own, which the receiver removes when it maps
+        it. An answer that crosses its request's withdrawal (a gRPC client that cancelled, gone) was dropped
+        unread, its segment left in /dev/shm for good: alone, and a group whose members were all withdrawn."""
+        from gpud.executor.shm import segment_path
+
+        core, end, theirs, arena = link
+        big = np.ones((1, 20000), np.float32)  # over HANDOFF_MIN_BYTES: handed over in a segment
+
+        async def run():
+            core.start()
+            alone = core.submit(request(priority=1), lambda r: None)  # (a priority: sent alone)
+            together = [core.submit(request(), lambda r: None) for _ in range(2)]
+            messages = await end.receive(2)
+            ident = next(m[1] for m in messages if m[0] == "submit")
+            idents = next(m[1] for m in messages if m[0] == "group")
+            alone()
+            for cancel in together:
+                cancel()
+            handed: list[str] = []
+            answer = InferResponse("m", "1", [InferTensor("out", "FP32", big.shape, big)])
+            group_answer = InferResponse("m", "1", [InferTensor("out", "FP32", (2, 20000), np.ones((2, 20000),
+                                                                                                   np.float32))])
+            _send(theirs, [("answer", ident, True, response_wire(answer, handed.append)),
+                           ("answers", idents, True, response_wire(group_answer, handed.append))])
+            core._readable()
+            assert len(handed) == 2
+            assert [name for name in handed if os.path.exists(segment_path(name))] == []
+        asyncio.run(run())
+
+
 # --- the core's side: FrontendHost ---------------------------------------------------------------------------------
 class _FakeCore:
     """A core that records what it was given: groups refused when `refuse` says so, everything answered at once
@@ -338,3 +370,50 @@ class TestFrontendHost:
         assert cancelled == []
         host._on_message(fp, ("cancel", 101))
         assert cancelled == [2]
+
+
+def test_a_stopping_host_refuses_new_connections_once_its_processes_have_closed_theirs():
+    """The processes accept on the daemon's listening socket, each with a descriptor of its own. Told to stop, each
+    closes its own; the daemon held its copy until they had all exited, so meanwhile a new client's connection was
+    queued by the kernel, never accepted, and reset at the end (after the client had sent its request), where the
+    in-process front end refuses it at once."""
+    from gpud.api.admin import AdminAuth
+    from gpud.frontproc.host import FrontendHost, FrontendProcess
+
+    listen = socket.create_server(("127.0.0.1", 0))
+    port = listen.getsockname()[1]
+    refused: list[bool] = []
+
+    class _Exiting:
+        """A process that has closed its descriptor of the socket and is exiting: the first poll says it runs."""
+        pid = 2 ** 22 + 1  # (no arena of its own to remove)
+        polls = 0
+
+        def poll(self):
+            self.polls += 1
+            if self.polls == 1:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                    refused.append(False)
+                except ConnectionRefusedError:
+                    refused.append(True)
+                return None
+            return 0
+
+    class _Sender(_Sent):
+        def flush(self):
+            pass
+
+    async def run():
+        host = FrontendHost(_FakeCore(1), AdminAuth(), 1, listen, {"kind": "http"})
+        host._loop = asyncio.get_running_loop()
+        fp = FrontendProcess(0, _Exiting(), socket.socket())
+        fp.sender = _Sender()
+        host.processes[0] = fp
+        await host.stop(5)
+        assert fp.sender.messages == [("stop", 5)]
+    try:
+        asyncio.run(run())
+    finally:
+        listen.close()
+    assert refused == [True]

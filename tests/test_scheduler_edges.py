@@ -16,7 +16,8 @@ from gpud.executor.instance import InstanceHandle
 from gpud.executor.protocol import Done, Infer, TensorMeta
 from gpud.executor.dynamic_scheduler import DynamicScheduler
 from gpud.executor.shm import Segment, align, new_segment_name
-from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
+from gpud.executor.types import ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RegionSlice
+from gpud.executor.types import RequestedOutput, ShmRef
 
 TWO_OUTPUTS = ModelConfig(name="m", max_batch_size=8, inputs=(TensorSpec("x", "FP32", (2,)),),
                           outputs=(TensorSpec("y", "FP32", (2,)), TensorSpec("z", "FP32", (2,))),
@@ -151,6 +152,55 @@ def test_an_answered_request_is_freed_without_the_cyclic_gc(made):
     finally:
         if enabled:
             gc.enable()
+
+
+def test_a_batch_whose_only_request_failed_writing_its_client_region_is_not_an_error_of_the_scheduler(made):
+    """A request alone in its batch whose output did not fit the client's region (the worker's write error): the
+    request fails with why, nothing succeeded to count, and the scheduler goes on (it raised from the statistics,
+    "a batch has at least one request", and never signalled idle)."""
+    worker = Worker()
+    scheduler, _ = made(TWO_OUTPUTS, worker)
+
+    async def run():
+        request = _req("m", [1, 2], ["y"])
+        request.client_io = ClientIO(outputs={"y": (ShmRef("r", 0, 4), RegionSlice("r", "/r", 0, 4))})
+        got = []
+        scheduler.submit(request, got.append)
+        idle = asyncio.ensure_future(scheduler.wait_idle())
+        await asyncio.sleep(0)
+        inst, msg, callback = worker.pending.pop()
+        callback(worker.reply(inst, msg)._replace(write_errors=((0, "should be at least 8 bytes"),)))
+        assert len(got) == 1 and isinstance(got[0], InferenceError) and got[0].kind is ErrorKind.INVALID_ARGUMENT
+        await asyncio.wait_for(idle, 1.0)
+        scheduler.submit(_req("m", [3, 4]), got.append)  # and it serves on
+        worker.finish()
+        np.testing.assert_array_equal(got[1].outputs[0].data, [[6, 8]])
+
+    asyncio.run(run())
+    assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (1, 1)
+
+
+def test_each_request_gets_its_outputs_in_its_own_order_whatever_its_batch_mates_asked(made):
+    """A batch computes the union of its requests' outputs, in the order they first appear; each request's answer
+    had them in that order, so the bytes of an answer depended on which requests it happened to be batched with (all
+    outputs asked in the model's order came back in another request's order, and the reverse)."""
+    worker = Worker()
+    scheduler, _ = made(TWO_OUTPUTS, worker)
+
+    async def run():
+        got: dict[str, InferResponse] = {}
+        scheduler.submit(_req("m", [0, 0]), lambda r: None)  # occupies the instance so the next ones batch
+        scheduler.submit(_req("m", [1, 2], ["z", "y"]), lambda r: got.setdefault("zy", r))
+        scheduler.submit(_req("m", [3, 4]), lambda r: got.setdefault("all", r))
+        scheduler.submit(_req("m", [5, 6], ["y", "z"]), lambda r: got.setdefault("yz", r))
+        worker.finish()
+        worker.finish()
+        assert [t.name for t in got["zy"].outputs] == ["z", "y"]
+        assert [t.name for t in got["all"].outputs] == ["y", "z"]  # the model's order, as when it runs alone
+        assert [t.name for t in got["yz"].outputs] == ["y", "z"]
+        np.testing.assert_array_equal(got["all"].outputs[1].data, [[103, 104]])
+
+    asyncio.run(run())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -260,7 +260,8 @@ class DynamicScheduler(SchedulerBase):
             else:
                 if isinstance(reply, protocol.Done) and any(p.request.client_io for p in batch):
                     batch, answers = self._written_to_regions(batch, reply, answers)
-                self._answer(batch, *answers)
+                if batch:  # (none left when every request's write into its region failed: each answered so)
+                    self._answer(batch, *answers)
             self._notify_if_idle()
 
     def _written_to_regions(self, batch: list[Pending], done: protocol.Done, answers: tuple) -> tuple[list, tuple]:

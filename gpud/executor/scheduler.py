@@ -420,13 +420,16 @@ class SchedulerBase:
         name, version = self.config.name, self.version
         all_outputs = len(self.config.outputs)
         compute_ns = (input_ns, infer_ns, output_ns)
+        mixed = len(batch) > 1  # the batch's outputs are its requests' union, in the order they first appear
         with gathering():  # what the answers submit to other models is batched once they are all out
             for p, tensors in zip(batch, per_request):
                 prepared = p.prepared
                 rows += prepared.batch_rows
-                if len(prepared.output_names) != all_outputs:
-                    wanted = set(prepared.output_names)
-                    tensors = [t for t in tensors if t.name in wanted]
+                if mixed or len(prepared.output_names) != all_outputs:
+                    names = prepared.output_names
+                    if len(tensors) != len(names) or any(t.name != n for t, n in zip(tensors, names)):
+                        by_name = {t.name: t for t in tensors}  # its own outputs, in its own order
+                        tensors = [by_name[n] for n in names]
                 if p.members == 1:
                     queue_ns.append(p.dispatch_ns - p.arrival_ns)
                     request_ns.append(now_ns - p.arrival_ns)

@@ -414,6 +414,10 @@ class FrontendHost:
         live = [p for p in self.processes if p is not None and p.alive]
         for fp in live:
             self._send(fp, ("stop", grace_s))
+        # Each process has a descriptor of its own: ours closed now, the port refuses new connections once they have
+        # closed theirs (as the in-process front end's does at once), instead of queueing them unaccepted until the
+        # end and resetting them then.
+        self.listen.close()
         deadline = time.monotonic() + grace_s + 5
         for fp in live:
             while fp.proc.poll() is None and time.monotonic() < deadline:

@@ -128,6 +128,13 @@ def _taken(data: Any, shape: tuple[int, ...]) -> Any:
 
 
 
+def discard_response(w: tuple) -> None:
+    """An answer nobody will read (its requests withdrawn meanwhile): the segments it was handed over in removed."""
+    for _, _, _, data, _ in w[3]:
+        if type(data) is tuple and data[0] == "segment":
+            unlink(data[1])
+
+
 def response_of(w: tuple) -> InferResponse:
     name, version, ident, outputs, parameters, compute_ns = w
     tensors = [InferTensor(n, d, s, _taken(a, s), _unref(ref)) for n, d, s, a, ref in outputs]

@@ -26,7 +26,7 @@ from gpud.executor.scheduler import answer_of
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.group import group_key, split_answer
-from gpud.frontproc.link import FrameReader, Sender, request_wire, response_of
+from gpud.frontproc.link import FrameReader, Sender, discard_response, request_wire, response_of
 from gpud.repository.overrides import LoadOverride
 
 log = logging.getLogger("gpud.frontend")
@@ -165,6 +165,8 @@ class RemoteCore:
                 done, blocks = entry
                 self._free(blocks)
                 done(response_of(value) if ok else value)
+            elif ok:  # withdrawn while its answer was on the way
+                discard_response(value)
         elif kind == "answers":  # a group's: one answer for its members, split by rows
             if self._waiting:
                 asyncio.get_running_loop().call_soon(self._on_message, message)
@@ -188,6 +190,8 @@ class RemoteCore:
                         done(copy.copy(value))
                         continue
                 done(answers[i])
+            if ok and answers is None:  # every member withdrawn while the answer was on the way
+                discard_response(value)
         elif kind == "result":
             _, ident, ok, value = message
             box = self._calls.pop(ident, None)
