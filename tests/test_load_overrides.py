@@ -101,6 +101,20 @@ def test_files_make_up_the_model_directory_over_http_and_grpc(daemon):
         grpc.unload_model(name)
 
 
+def test_a_load_over_http_takes_files_past_the_control_routes_1_mib(daemon):
+    # a model's files are megabytes: Triton's HTTP load takes them (base64 in the JSON body); other control routes
+    # keep their 1 MiB bound
+    model = make_two_input().SerializeToString()
+    weights = np.random.default_rng(0).bytes(3 * 2**20)  # as a model's external data beside it
+    client = httpclient.InferenceServerClient(daemon.http_url)
+    client.load_model("uploaded_big", config=json.dumps(OVERRIDE),
+                      files={"file:1/model.onnx": model, "file:1/weights.bin": weights})
+    np.testing.assert_allclose(infer_two_input(daemon, "uploaded_big"), infer_two_input(daemon, "two_input"))
+    client.unload_model("uploaded_big")
+    status, answer = daemon.post_json("/v2/repository/index", {"ready": True, "pad": "x" * 2**21})
+    assert status == 413 and "exceeds the limit of 1048576 bytes" in answer["error"]
+
+
 @pytest.mark.parametrize("parameters, message", [
     ({"file:1/model.onnx": "AAAA"}, "'config' parameter must be provided with 'file:' parameters"),
     ({"config": "{}", "file:../x": "AAAA"}, "expected 'file:<version>/<file name>'"),

@@ -54,7 +54,7 @@ def _json_body(obj: Any) -> bytes:
 
 def _optional_json_object(body: Body, what: str) -> dict[str, Any]:
     """Bodies of the repository endpoints: empty means all defaults (as Triton)."""
-    body = bytes(body)  # at most MAX_CONTROL_BODY_BYTES; possibly the server's in-place buffer
+    body = bytes(body)  # at most MAX_CONTROL_BODY_BYTES (a load: --max-request-bytes); maybe the server's buffer
     if not body.strip():
         return {}
     try:
@@ -84,7 +84,9 @@ _Reply = tuple[int, bytes]  # status and JSON body (b"": an empty answer)
 _Route = tuple[dict[str, Callable[..., Any]], tuple[Any, ...]]  # handlers by method, path arguments
 _ROUTE_CACHE_SIZE = 4096
 # Bodies of the routes other than infer (repository, placement) are small documents, parsed on the event loop:
-# bounded well below --max-request-bytes, so that no such body can hold the loop for long.
+# bounded well below --max-request-bytes, so that no such body can hold the loop for long. A model load is the
+# exception: its `file:` parameters carry a model's files (base64, as Triton), so it takes up to --max-request-bytes,
+# read once its caller is known to be allowed to load (an admin action, rare).
 MAX_CONTROL_BODY_BYTES = 1 << 20
 
 
@@ -130,7 +132,7 @@ class HttpApi:
         if handler is None:
             respond(405, error_body(f"method {request.method} not allowed for {request.path}"))
             return
-        if len(request.body) > MAX_CONTROL_BODY_BYTES and handler != self.infer:
+        if len(request.body) > MAX_CONTROL_BODY_BYTES and handler != self.infer and handler != self.load:
             respond(413, error_body(f"request body of {len(request.body)} bytes exceeds the limit of "
                                     f"{MAX_CONTROL_BODY_BYTES} bytes for {request.path}"))
             return
