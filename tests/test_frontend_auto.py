@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 from gpud.main import build_parser, resolve_settings
-from gpud.settings import AUTO, Settings, check_settings, frontend_processes, load_settings_file, usable_cpus
+from gpud.settings import (AUTO, Settings, cgroup_cpu_limit, check_settings, frontend_processes, load_settings_file,
+                           usable_cpus)
 from tests.daemon_harness import ROOT, start_daemon
 
 
@@ -27,6 +28,46 @@ def test_a_configured_count_is_kept_whatever_the_cpus():
 
 def test_usable_cpus_is_this_process_affinity():
     assert 1 <= usable_cpus() <= (psutil.cpu_count(logical=True) or 1)
+
+
+def cgroup_v2(tmp_path, path: str, limits: dict[str, str]) -> tuple[str, str]:
+    """A fake /proc/self/cgroup naming `path` in a v2 tree whose cpu.max files are `limits` (relative dir -> text)."""
+    root = tmp_path / "cgroup"
+    (root / path.lstrip("/")).mkdir(parents=True)
+    for rel, text in limits.items():
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        (root / rel / "cpu.max").write_text(text)
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text(f"0::{path}\n")
+    return str(proc), str(root)
+
+
+@pytest.mark.parametrize("limits, expected", [
+    ({"system.slice/gpud.service": "max 100000"}, None),  # no quota
+    ({"system.slice/gpud.service": "250000 100000"}, 2.5),  # CPUQuota=250%
+    ({"system.slice": "100000 100000", "system.slice/gpud.service": "400000 100000"}, 1.0),  # the parent's is tighter
+    ({}, None),  # no cpu controller files at all
+])
+def test_the_cgroup_v2_quota_is_the_tightest_up_the_tree(tmp_path, limits, expected):
+    proc, root = cgroup_v2(tmp_path, "/system.slice/gpud.service", limits)
+    assert cgroup_cpu_limit(proc, root) == expected
+
+
+def test_the_cgroup_v1_quota(tmp_path):
+    node = tmp_path / "cgroup" / "cpu,cpuacct" / "kubepods" / "pod1"
+    node.mkdir(parents=True)
+    (node / "cpu.cfs_quota_us").write_text("300000\n")
+    (node / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("4:cpu,cpuacct:/kubepods/pod1\n3:memory:/kubepods/pod1\n")
+    assert cgroup_cpu_limit(str(proc), str(tmp_path / "cgroup")) == 3.0
+
+
+def test_a_container_cpu_limit_bounds_the_usable_cpus(tmp_path):
+    # a pod limited to 1.5 CPUs on a node of many: 2 usable (rounded up), so "auto" starts no front-end process
+    proc, root = cgroup_v2(tmp_path, "/", {".": "150000 100000"})
+    assert usable_cpus(proc, root) == min(2, usable_cpus("/nonexistent", root))
+    assert frontend_processes(AUTO, usable_cpus(proc, root)) == 0
 
 
 def test_the_default_is_auto_in_flags_and_file(tmp_path):
