@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-processes", type=_count_or_auto, metavar="N|auto",
                    help="serve HTTP from N front-end processes of their own, which parse requests and place their "
                         "tensors in shared memory, so that the core's event loop only batches and answers; 0: on "
-                        "the core's event loop (default auto: 0 below 8 usable CPUs, the affinity's within the cgroup's CPU quota; "
-                        "else one per 8, at most 4)")
+                        "the core's event loop (default auto: 0 below 8 usable CPUs, those of its affinity within "
+                        "its cgroup's CPU quota; else one per 8, at most 4)")
     p.add_argument("--grpc-processes", type=_count_or_auto, metavar="N|auto",
                    help="serve gRPC from N front-end processes of their own, which parse requests and place their "
                         "tensors in shared memory; 0: on the core's event loop (default auto, as --http-processes)")
