@@ -45,8 +45,8 @@ Decision rules (Triton's dynamic batcher, `core/src/dynamic_batch_scheduler.cc`,
      instance would run this one alone, and a front end that hands over requests one at a time (the core's loop
      under load) made the instance run batch after batch of one, each paying a batch's fixed cost: 4 rows a batch
      and half the requests per second of Triton's batcher at 64 clients (docs/benchmarks.md). Held back so, it
-     waits for the next arrival: at most two typical gaps after the last one (then it goes, reason QUIET), or
-     rule 7b's quiet time if sooner.
+     (and whatever queues behind it) waits for the next arrival: at most two typical gaps after the last one
+     (then the queue goes, reason QUIET), or rule 7b's quiet time if sooner.
   7. gpud, nobody else is coming soon (only with quiet_dispatch=True), with an instance free: dispatch instead of
      waiting out the delay when (a) the queue holds at least as many rows as recent batches had (smoothed, the
      newest weighing 0.2: in a closed loop, the clients answered by those batches have all come back; not while
@@ -93,7 +93,7 @@ QUEUE_FULL_MESSAGE = "Exceeds maximum queue size"
 REQUEST_TIMEOUT_MESSAGE = "Request timeout expired"
 
 _TIMEOUT_ACTIONS = ("REJECT", "DELAY")
-_BUSY_WAIT_GAPS = 2.0  # rule 6: a request held back while arrivals are busy waits at most this many typical gaps
+_BUSY_WAIT_GAPS = 2.0  # rule 6: while arrivals are busy, what is queued waits at most this many typical gaps
 _RUN_SMOOTHING = 0.2  # EWMA weight of the newest batch's run time (note_run)
 _RUN_RISE = 0.05  # ... of a slower one in the average that errs short: a sustained rise, not one slow batch
 _BATCH_ROWS_SMOOTHING = 0.2  # EWMA weight of the newest batch in rule 7a's "rows of recent batches"
@@ -389,7 +389,7 @@ class BatchQueue:
         self._gap_ewma_s: float | None = None  # typical gap between arrivals that found others queued
         self._lone_gap_s: float | None = None  # gap between the latest arrival and the one before it
         self._arrival_gap_ewma_s: float | None = None  # typical gap between any two arrivals (rule 6), each at
-        # most twice expected_run_s: the rule asks only whether it is shorter, and a long idle pause counted in
+        # most twice typical_run_s: the rule asks only whether it is shorter, and a long idle pause counted in
         # full would keep the average high through the next flood's first dozens of requests
         self._last_batch_rows = 0.0  # rows of recent batches, smoothed (rule 7a); 0 = none yet
         self._levels: dict[int, _Level] = {}
@@ -595,7 +595,7 @@ class BatchQueue:
                 quiet_ends_s = self._last_arrival_s + wait_s
                 if lone and self._lone_gap_s is not None and self._lone_gap_s < wait_s:
                     lone = False  # it came in a stream: rule 7 decides
-            if busy:  # what it waits for is the next arrival: two typical gaps without one, and it goes
+            if busy:  # what it waits for is the next arrival: two typical gaps without one, and the queue goes
                 assert self._arrival_gap_ewma_s is not None
                 busy_ends_s = self._last_arrival_s + _BUSY_WAIT_GAPS * self._arrival_gap_ewma_s
                 quiet_ends_s = busy_ends_s if quiet_ends_s is None else min(quiet_ends_s, busy_ends_s)
