@@ -17,7 +17,7 @@ from gpud.executor.pool import ExecutorPool
 from gpud.executor.classification import PARAMETER as CLASSIFICATION
 from gpud.executor.classification import class_count, classified
 from gpud.executor.scheduler import Done, Scheduler
-from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice, RequestedOutput
+from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
                            ServedModelConfig, ServerMetadata)
@@ -208,7 +208,7 @@ class GpudCore:
         empty here. The version's worker reads them where it can, else they are read now. `members` > 1: the
         request is that many requests' rows (a front-end process's group, at most `group_limit`)."""
         vs = self._ready_version(request)
-        if request.outputs is not None and _asks_classes(request.outputs):
+        if _asks_classes(request):
             done = _classifying(vs, request, done)
         scheduler = vs.scheduler
         if placed:
@@ -235,8 +235,7 @@ class GpudCore:
         submitting `request` would (no such model, not ready, shutting down)."""
         vs = self._ready_version(request)
         scheduler = vs.scheduler
-        if not scheduler.takes_groups or request.uses_shm or \
-                (request.outputs is not None and _asks_classes(request.outputs)):
+        if not scheduler.takes_groups or request.uses_shm or _asks_classes(request):
             return 1
         rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 0
         return max(1, scheduler.config.max_batch_size // rows) if rows > 0 else 1
@@ -252,7 +251,7 @@ class GpudCore:
         finally:
             if staged is not None:
                 staged.release()
-        if request.outputs is not None and _asks_classes(request.outputs):
+        if _asks_classes(request):
             _classify(vs, request, response)
         return response
 
@@ -270,7 +269,7 @@ class GpudCore:
             return None
         if vs.scaled_to_zero or not vs.ready:
             return None
-        if request.outputs is not None and _asks_classes(request.outputs):
+        if _asks_classes(request):
             done = _classifying(vs, request, done)
         started = start_direct(vs.scheduler, request, done, loop, quick_only)
         if started is None or isinstance(started, DirectRun):
@@ -286,11 +285,9 @@ class GpudCore:
                                 self.views)
 
 
-def _asks_classes(outputs: list[RequestedOutput]) -> bool:
-    for o in outputs:
-        if CLASSIFICATION in o.parameters:
-            return True
-    return False
+def _asks_classes(request: InferRequest) -> bool:
+    """Whether `request` asks for an output classified (the classification extension)."""
+    return request.outputs is not None and any(CLASSIFICATION in o.parameters for o in request.outputs)
 
 
 def _classify(vs: RegisteredVersion, request: InferRequest, response: InferResponse) -> None:
