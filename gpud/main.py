@@ -16,8 +16,9 @@ from dataclasses import asdict, replace
 from gpud import __version__
 from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
+from gpud.cpus import usable_cpus
 from gpud.settings import (AUTO, Settings, check_settings, frontend_processes, grpc_keepalive, load_settings_file,
-                           prepare_settings, usable_cpus)
+                           prepare_settings)
 from gpud.api.admin import AdminAuth
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s

@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from gpud.main import build_parser, resolve_settings
-from gpud.settings import (AUTO, Settings, cgroup_cpu_limit, check_settings, frontend_processes, load_settings_file,
-                           usable_cpus)
+from gpud.cpus import cgroup_cpu_limit, usable_cpus
+from gpud.settings import AUTO, Settings, check_settings, frontend_processes, load_settings_file
 from tests.daemon_harness import ROOT, start_daemon
 
 
@@ -110,7 +110,7 @@ def test_gpud_refuses_a_bad_count_flag_with_exit_2(value):
 
 def test_a_daemon_on_16_cpus_starts_two_front_end_processes_of_each(tmp_path):
     # gpud's main with the CPU count it reads made 16 (set before gpud.main imports it)
-    launch = ("-c", "import sys, gpud.settings as s; s.usable_cpus = lambda: 16; import gpud.main as m; "
+    launch = ("-c", "import sys, gpud.cpus as c; c.usable_cpus = lambda: 16; import gpud.main as m; "
                     "sys.argv[0] = 'gpud'; sys.exit(m.main())")
     d = start_daemon(None, tmp_path, "--http-processes", AUTO, "--grpc-processes", AUTO, node=None, launch=launch)
     try:
@@ -124,7 +124,7 @@ def test_a_daemon_on_16_cpus_starts_two_front_end_processes_of_each(tmp_path):
         assert d.stop() == 0
 
 
-def test_a_daemon_without_the_flags_starts_what_auto_says(tmp_path):
+def test_a_daemon_told_auto_starts_what_the_rule_says_for_this_machine(tmp_path):
     # the harness passes 0 to every daemon; the flags given last win, so "auto" is what gpud chooses here
     d = start_daemon(None, tmp_path, "--http-processes", AUTO, "--grpc-processes", AUTO, node=None)
     try:
