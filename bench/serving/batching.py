@@ -35,9 +35,6 @@ sys.path.insert(0, sys.argv[1])
 import run
 workdir, repo, body_file, header_len, c, seconds = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), \
     int(sys.argv[6]), float(sys.argv[7])
-ready = os.path.join(workdir, "gpud.ready")
-if os.path.exists(ready):
-    os.remove(ready)  # the last point's: start() waits for this file
 server = run.GpudServer(workdir, repo, tuple(sys.argv[8:]))
 server.start()
 try:

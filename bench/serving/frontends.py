@@ -37,9 +37,6 @@ def split(server: run.GpudServer) -> tuple[list, list, list]:
 
 def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: str, header_len: int,
           tools: dict) -> dict:
-    ready = os.path.join(workdir, "gpud.ready")
-    if os.path.exists(ready):
-        os.remove(ready)
     flag = "--http-processes" if protocol == "http" else "--grpc-processes"
     extra = ("--grpc-server", "grpcio") if protocol == "grpcio" else ()
     server = run.GpudServer(workdir, repo, (flag, str(count), *extra))

@@ -105,7 +105,7 @@ class Gpud(run.GpudServer):
         self.cpu = cpu
 
     def start(self) -> None:
-        ready = os.path.join(self.workdir, "gpud.ready")
+        ready = self.fresh_ready_file()
         cmd = [sys.executable, "-m", "gpud.main", "--model-repository", self.repo, "--address", "127.0.0.1",
                "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--log-level", "WARNING",
                "--ready-file", ready]

@@ -42,9 +42,6 @@ def batch_infer_ns(stats: dict) -> int:
 
 
 def one_point(args, workdir: str, repo: str, body_file: str, header_len: int, wrk: str) -> dict:
-    ready = os.path.join(workdir, "gpud.ready")
-    if os.path.exists(ready):  # the previous repetition's: GpudServer.start waits for this file to appear
-        os.remove(ready)
     server = run.GpudServer(workdir, repo, ("--http-processes", str(args.http_processes)))
     server.start()
     try:

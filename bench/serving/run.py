@@ -247,7 +247,7 @@ class GpudServer(Server):
         self.extra_args = extra_args  # more gpud flags (point.py's --http-processes)
 
     def start(self) -> None:
-        ready = os.path.join(self.workdir, "gpud.ready")
+        ready = self.fresh_ready_file()
         self._spawn([GPUD, "--model-repository", self.repo, "--address", "127.0.0.1", "--http-port", "0",
                      "--grpc-port", "0", "--metrics-port", "0", "--log-level", "WARNING", "--ready-file", ready,
                      *self.extra_args])
@@ -259,6 +259,14 @@ class GpudServer(Server):
             time.sleep(0.2)
         ports = json.load(open(ready))
         self.http_port, self.grpc_port = ports["http"], ports["grpc"]
+
+    def fresh_ready_file(self) -> str:
+        """The ready file's path, a previous daemon's in the same directory removed: start() waits for it to
+        appear."""
+        ready = os.path.join(self.workdir, "gpud.ready")
+        if os.path.exists(ready):
+            os.remove(ready)
+        return ready
 
     def targets(self) -> list[Target]:
         p = "/v2/models/{model}/infer"
