@@ -2,6 +2,7 @@
 file and flags that take it, and a daemon started without the flags, whose processes and log follow the rule."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import urllib.request
@@ -26,8 +27,9 @@ def test_a_configured_count_is_kept_whatever_the_cpus():
     assert frontend_processes(3, 2) == 3
 
 
-def test_usable_cpus_is_this_process_affinity():
-    assert 1 <= usable_cpus() <= (psutil.cpu_count(logical=True) or 1)
+def test_usable_cpus_is_this_process_affinity_without_a_quota(tmp_path):
+    assert usable_cpus(str(tmp_path / "no-cgroup-file")) == len(os.sched_getaffinity(0))
+    assert 1 <= usable_cpus() <= (psutil.cpu_count(logical=True) or 1)  # this machine's, whatever its cgroup says
 
 
 def cgroup_v2(tmp_path, path: str, limits: dict[str, str]) -> tuple[str, str]:
