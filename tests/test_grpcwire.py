@@ -138,6 +138,7 @@ class Handlers:
         self.cancelled = threading.Event()
         self.release = asyncio.Event()
         self.metadata: tuple = ()
+        self.replies: list = []  # the Later calls' reply callbacks, in order
 
     async def echo(self, request: bytes, context) -> bytes:
         self.metadata = context.invocation_metadata()
@@ -159,6 +160,20 @@ class Handlers:
             self.cancelled.set()
             raise
         return b"released"
+
+    def later(self, request: bytes, context, reply):
+        """A method answered by callback (Method.start): at once, with an error, by a bug, or when a test says."""
+        if request == b"now":
+            reply(0, "", b"now!")
+            return self.cancelled.set
+        if request == b"error":
+            reply(5, "no such thing", None)
+            return None
+        if request == b"bug":
+            raise RuntimeError("a start bug")
+        self.replies.append(reply)
+        self.started.set()
+        return self.cancelled.set
 
     async def stream(self, requests, context):
         async for request in requests:
@@ -184,6 +199,7 @@ class ServerThread:
             "/t.S/Wait": Method(h.wait, bytes, bytes),
             "/t.S/Stream": Method(h.stream, bytes, bytes, client_streaming=True, server_streaming=True),
             "/t.S/Count": Method(h.count, bytes, bytes, server_streaming=True),
+            "/t.S/Later": Method(h.echo, bytes, bytes, start=h.later),
         }
         self.server = GrpcServer(methods, max_message_bytes=max_message_bytes, max_metadata_bytes=max_metadata_bytes,
                                  max_connections=max_connections, keepalive=keepalive)
@@ -295,6 +311,64 @@ def test_client_cancel_cancels_the_handler(channel, server):
     future.cancel()
     assert server.handlers.cancelled.wait(TIMEOUT_S)
     assert _unary(channel, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
+
+
+def test_a_method_answered_by_callback_answers_at_once_later_or_with_its_error(channel, server):
+    later = _unary(channel, "Later")
+    assert later(b"now", timeout=TIMEOUT_S) == b"now!"
+    assert not server.handlers.cancelled.is_set()  # answered: nothing to cancel
+    with pytest.raises(grpc.RpcError) as e:
+        later(b"error", timeout=TIMEOUT_S)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "no such thing")
+    with pytest.raises(grpc.RpcError) as e:
+        later(b"bug", timeout=TIMEOUT_S)
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "a start bug" in e.value.details()
+    future = later.future(b"wait", timeout=TIMEOUT_S)
+    assert server.handlers.started.wait(TIMEOUT_S)
+    server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"released")
+    assert future.result(timeout=TIMEOUT_S) == b"released"
+    assert not server.handlers.cancelled.is_set()
+    assert _unary(channel, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
+
+
+def test_a_callback_call_is_cancelled_by_its_deadline(channel, server):
+    with pytest.raises(grpc.RpcError) as e:
+        _unary(channel, "Later")(b"wait", timeout=0.3)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert server.handlers.cancelled.wait(TIMEOUT_S)
+    # a reply after the end is dropped, and the connection serves on
+    server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"late")
+    assert _unary(channel, "Later")(b"now", timeout=TIMEOUT_S) == b"now!"
+
+
+def test_a_callback_call_is_cancelled_when_the_client_cancels(channel, server):
+    future = _unary(channel, "Later").future(b"wait", timeout=TIMEOUT_S)
+    assert server.handlers.started.wait(TIMEOUT_S)
+    future.cancel()
+    assert server.handlers.cancelled.wait(TIMEOUT_S)
+    assert _unary(channel, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
+
+
+def test_stop_lets_a_callback_call_finish_in_the_grace_and_cancels_it_after(server):
+    with grpc.insecure_channel(server.url) as ch:
+        waiting = _unary(ch, "Later").future(b"wait", timeout=TIMEOUT_S)
+        assert server.handlers.started.wait(TIMEOUT_S)
+        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(TIMEOUT_S), server.loop)
+        server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"released")
+        assert waiting.result(timeout=TIMEOUT_S) == b"released"
+        stopping.result(timeout=TIMEOUT_S)
+    assert not server.handlers.cancelled.is_set()
+
+
+def test_stop_after_the_grace_cancels_a_callback_call(server):
+    with grpc.insecure_channel(server.url) as ch:
+        waiting = _unary(ch, "Later").future(b"wait", timeout=TIMEOUT_S)
+        assert server.handlers.started.wait(TIMEOUT_S)
+        server.run(server.server.stop(0.05))
+        with pytest.raises(grpc.RpcError) as e:
+            waiting.result(timeout=TIMEOUT_S)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert server.handlers.cancelled.wait(TIMEOUT_S)
 
 
 def test_bidirectional_stream(channel):

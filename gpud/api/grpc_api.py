@@ -33,7 +33,9 @@ from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
-from gpud.api.grpcwire.calls import CallAborted, Method
+from gpud.api.grpc_infer import InferPlan, InferPlans, encode_response
+from gpud.api.grpcwire import calls
+from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Reply
 from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
@@ -279,6 +281,16 @@ def to_infer_response(response: InferResponse, requested: list[RequestedOutput] 
 # The servicer
 
 
+def _status_of(exc: BaseException, method: str) -> tuple[int, str]:
+    """The status and details a call ends with for `exc` (as `_abort` answers them)."""
+    if isinstance(exc, InferenceError):
+        return calls.status_number(GRPC_STATUS_CODES[exc.kind]), exc.message
+    if isinstance(exc, CallAborted):
+        return exc.code, exc.details
+    logger.error("gRPC %s failed", method, exc_info=exc)
+    return calls.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     """Answer with the status for exc (context.abort raises, ending the RPC)."""
     if isinstance(exc, InferenceError):
@@ -365,6 +377,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._core = core
         self._admin = admin or AdminAuth()
         self._max_tensor_elements = max_tensor_elements
+        self._plans = InferPlans()  # ModelInfer's request kinds seen (gpud's own server)
 
     def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -478,6 +491,37 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         return await self._infer(request)
 
+    def start_model_infer(self, data: bytes, context: CallContext, reply: Reply) -> Callable[[], None] | None:
+        """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
+        when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`."""
+        try:
+            request, scanned = self._plans.request(data)
+            if request is None:
+                message = _parse_infer_request(data)
+                if isinstance(message, MalformedMessage):
+                    raise message.refuse()
+                request = to_infer_request(message, self._max_tensor_elements)
+                self._plans.remember(request, scanned)
+            return self._core.submit(request, functools.partial(self._infer_done, request, reply))
+        except Exception as exc:  # noqa: BLE001 - every request is answered, never a crash
+            reply(*_status_of(exc, "ModelInfer"), None)
+            return None
+
+    @staticmethod
+    def _infer_done(request: InferRequest, reply: Reply, result: InferResponse | BaseException) -> None:
+        if isinstance(result, BaseException):
+            reply(*_status_of(result, "ModelInfer"), None)
+            return
+        try:
+            plan = request.signature if type(request.signature) is InferPlan else None
+            data = encode_response(result, request.outputs, request.id, plan)
+            if data is None:
+                data = to_infer_response(result, request.outputs, request.id).SerializeToString()
+        except Exception as exc:  # noqa: BLE001
+            reply(*_status_of(exc, "ModelInfer"), None)
+            return
+        reply(calls.OK, "", data)
+
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         infer_request = to_infer_request(request, self._max_tensor_elements)
         response = await self._core.infer(infer_request)
@@ -566,8 +610,16 @@ def method_table(servicer: InferenceServicer) -> dict[str, Method]:
         assert parse is not None
         table[f"/{service.full_name}/{method.name}"] = Method(
             getattr(servicer, method.name), parse, _serialize,
-            client_streaming=method.client_streaming, server_streaming=method.server_streaming)
+            client_streaming=method.client_streaming, server_streaming=method.server_streaming,
+            start=servicer.start_model_infer if method.name == "ModelInfer" else None)
     return table
+
+
+def _parse_infer_request(data: bytes) -> Any:
+    try:
+        return pb.ModelInferRequest.FromString(data)
+    except DecodeError as exc:
+        return MalformedMessage(str(exc))
 
 
 async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_message_bytes: int = 2**31 - 1,

@@ -23,6 +23,13 @@ class Method:
     serialize: Callable[[Any], bytes]
     client_streaming: bool = False
     server_streaming: bool = False
+    # A unary method may also be answered without a task: `start(request bytes, context, reply)` calls
+    # `reply(status, details, message bytes)` once (now or later, from the event loop) and returns how to cancel
+    # the call (or None). The server then uses it instead of `handler`.
+    start: Callable[[bytes, CallContext, Reply], Callable[[], None] | None] | None = None
+
+
+Reply = Callable[[int, str, Any], None]  # (status, details, the serialized answer where the status is OK)
 
 
 class CallAborted(Exception):

@@ -9,7 +9,9 @@ gRPC core (gpud.api.grpcwire.keepalive), on timers of the connection's event loo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from gpud.api.grpcwire import calls, frames
@@ -49,8 +51,9 @@ class _ConnectionError(Exception):
 
 
 class _Stream:
-    __slots__ = ("id", "path", "method", "context", "reader", "request", "requests", "task", "remote_closed", "done",
-                 "send_window", "unacked", "pending", "trailers", "headers_sent", "deadline", "writable")
+    __slots__ = ("id", "path", "method", "context", "reader", "request", "requests", "task", "cancel", "started",
+                 "remote_closed", "done", "send_window", "unacked", "pending", "trailers", "headers_sent", "deadline",
+                 "writable")
 
     def __init__(self, stream_id: int, send_window: int):
         self.id = stream_id
@@ -61,6 +64,8 @@ class _Stream:
         self.request: bytes | None = None  # a unary call's request, once in
         self.requests: asyncio.Queue | None = None  # a streaming call's requests
         self.task: asyncio.Task | None = None
+        self.cancel: Callable[[], None] | None = None  # a call answered by callback (Method.start): stops it
+        self.started = False  # its handler (task or start) has been called
         self.remote_closed = False
         self.done = False  # this side has sent its end (trailers or a reset)
         self.send_window = send_window
@@ -353,13 +358,14 @@ class GrpcConnection(asyncio.Protocol):
         if method.client_streaming:
             stream.requests = asyncio.Queue()
             stream.task = self._loop.create_task(self._run_streaming(stream, method))
+            stream.started = True
             if stream.remote_closed:
                 stream.requests.put_nowait(_END)
         elif stream.remote_closed:
             self._remote_end(stream)
 
     def _remote_end(self, stream: _Stream) -> None:
-        if stream.remote_closed and stream.task is not None:
+        if stream.remote_closed and stream.started:
             return
         stream.remote_closed = True
         if stream.done:
@@ -370,15 +376,18 @@ class GrpcConnection(asyncio.Protocol):
             return
         if stream.requests is not None:
             stream.requests.put_nowait(_END)
-        elif stream.method is not None and stream.task is None:
+        elif stream.method is not None and not stream.started:
             if stream.request is None:
                 self._finish(stream, calls.UNIMPLEMENTED, "no request message for a unary method")
                 return
+            request, stream.request = stream.request, None
+            stream.started = True
             if stream.method.server_streaming:
-                stream.task = self._loop.create_task(self._run_streaming(stream, stream.method, stream.request))
+                stream.task = self._loop.create_task(self._run_streaming(stream, stream.method, request))
+            elif stream.method.start is not None:
+                self._start(stream, stream.method.start, request)
             else:
-                stream.task = self._loop.create_task(self._run_unary(stream, stream.method, stream.request))
-            stream.request = None
+                stream.task = self._loop.create_task(self._run_unary(stream, stream.method, request))
 
     def _on_ping(self, payload: bytes) -> None:
         if self._data_sent:
@@ -480,6 +489,33 @@ class GrpcConnection(asyncio.Protocol):
                 self._pump(stream)
 
     # --- calls -----------------------------------------------------------------------------------------------------
+    def _start(self, stream: _Stream, start: Callable, request: bytes) -> None:
+        """A unary call answered by callback (`Method.start`): no task, no coroutine."""
+        try:
+            cancel = start(request, stream.context, functools.partial(self._reply, stream))
+        except Exception as exc:  # noqa: BLE001 - a handler's bug answers INTERNAL; the server goes on
+            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=exc)
+            self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        if not stream.done:
+            stream.cancel = cancel
+
+    def _reply(self, stream: _Stream, code: int, details: str, message: Any) -> None:
+        stream.cancel = None
+        if code == calls.OK:
+            self._answer(stream, message)
+        else:
+            self._finish(stream, code, details)
+
+    @staticmethod
+    def _stop_call(stream: _Stream, task_too: bool = True) -> None:
+        """Stop what runs the call (its task, or its callback's request) because the call ends without it."""
+        if stream.task is not None and task_too:
+            stream.task.cancel()
+        cancel, stream.cancel = stream.cancel, None
+        if cancel is not None:
+            cancel()
+
     async def _run_unary(self, stream: _Stream, method: Method, request: bytes) -> None:
         try:
             response = await method.handler(method.parse(request), stream.context)
@@ -529,8 +565,7 @@ class GrpcConnection(asyncio.Protocol):
         stream.deadline = None
         if stream.done:
             return
-        if stream.task is not None:
-            stream.task.cancel()
+        self._stop_call(stream)
         self._finish(stream, calls.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     # --- frames out ------------------------------------------------------------------------------------------------
@@ -577,8 +612,8 @@ class GrpcConnection(asyncio.Protocol):
         if stream.done:
             return
         stream.done = True
-        if stream.task is not None and code != calls.OK and asyncio.current_task() is not stream.task:
-            stream.task.cancel()
+        if code != calls.OK:
+            self._stop_call(stream, task_too=asyncio.current_task() is not stream.task)
         status = frames.status_block(code, details)
         if stream.headers_sent:
             stream.trailers = status  # after the data that waits for window
@@ -659,8 +694,7 @@ class GrpcConnection(asyncio.Protocol):
         """The client reset the stream (or the connection is gone): stop its call, send nothing more."""
         stream.done = stream.remote_closed = True
         _cancel_deadline(stream)
-        if stream.task is not None:
-            stream.task.cancel()
+        self._stop_call(stream)
         if stream.writable is not None:
             stream.writable.set()
         self._forget(stream)

@@ -1,0 +1,236 @@
+"""ModelInfer on gpud's own gRPC server without protobuf's Python objects per request.
+
+Clients send the same request again and again but for its id and its tensors' bytes (perf_analyzer, tritonclient,
+any serving loop). The first of each kind is parsed and checked in full (`grpc_api.to_infer_request`); its outcome is
+kept as a plan keyed by the message's bytes less its id and its raw contents. The next request with that key has
+only its id and its raw contents cut out of the message (views, no copy) and is the plan's request, whose
+`signature` is the plan, so the executor reuses its checks too (`PreparedCache`). Anything the scan does not read,
+or that does not match the plan (a raw content of another size), goes the full way, which gives the error.
+
+The answer is written by hand from the same fields `to_infer_response` fills: the outputs' descriptions are the
+same bytes for answers of the same shapes (kept per plan), and the outputs' bytes are joined in once.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from gpud.executor.bytes_tensor import encode_bytes_elements
+from gpud.executor.datatypes import numpy_dtype
+from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput
+
+_PLANS_MAX = 1024
+_ANSWERS_MAX = 8  # output layouts remembered per plan (one in practice)
+# Little-endian hosts only: a plan's arrays are views of the wire's little-endian bytes.
+_PLANNABLE_DATATYPES = frozenset(("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
+                                  "FP32", "FP64")) if sys.byteorder == "little" else frozenset()
+
+# ModelInferRequest's fields (grpc_service.proto) that the scan treats apart
+_ID_FIELD = 3
+_RAW_INPUT_FIELD = 7
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    """The varint at data[i:] and the index after it; IndexError when the data ends inside it."""
+    b = data[i]
+    if b < 0x80:
+        return b, i + 1
+    value, shift = b & 0x7F, 7
+    while True:
+        i += 1
+        b = data[i]
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i + 1
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def scan(data: bytes) -> tuple[bytes, bytes | None, list[memoryview]] | None:
+    """A ModelInferRequest's bytes as (key: its fields but the id and the raw contents, the id's bytes, the raw
+    contents as views of `data`); None where a field is not length-delimited or the message is cut short (only
+    the full parse says what such a message means), or where it has no raw contents."""
+    view = memoryview(data)
+    key: list[bytes] = []
+    raws: list[memoryview] = []
+    ident = None
+    i, n = 0, len(data)
+    try:
+        while i < n:
+            start = i
+            tag, i = _varint(data, i)
+            if tag & 7 != 2:
+                return None
+            length, i = _varint(data, i)
+            end = i + length
+            if end > n:
+                return None
+            field = tag >> 3
+            if field == _RAW_INPUT_FIELD:
+                raws.append(view[i:end])
+            elif field == _ID_FIELD:
+                ident = data[i:end]  # the last one counts, as in protobuf
+            else:
+                key.append(data[start:end])
+            i = end
+    except IndexError:
+        return None
+    if not raws:
+        return None  # no plan cuts inputs out of anything but raw contents: no key worth joining
+    return b"".join(key), ident, raws
+
+
+class InferPlan:
+    """A request kind checked before: what its requests share, and how to cut the rest out of a message."""
+
+    __slots__ = ("model_name", "model_version", "inputs", "outputs", "priority", "timeout_us", "parameters",
+                 "answers")
+
+    def __init__(self, request: InferRequest):
+        self.model_name = request.model_name
+        self.model_version = request.model_version
+        self.inputs = tuple((t.name, t.datatype, t.shape, numpy_dtype(t.datatype).newbyteorder("<"), t.data.size,
+                             t.data.nbytes) for t in request.inputs)
+        self.outputs = request.outputs
+        self.priority = request.priority
+        self.timeout_us = request.timeout_us
+        self.parameters = request.parameters
+        # the answer's model name and version (fields 1, 2) and its outputs described (field 5), by the model,
+        # version and outputs' names, datatypes and shapes
+        self.answers: dict[tuple, tuple[bytes, bytes]] = {}
+
+    @staticmethod
+    def fits(request: InferRequest, raws: list[memoryview]) -> bool:
+        """Whether requests like this one can be cut out by a plan: every input in raw contents, of a fixed-size
+        datatype (BOOL's bytes must be checked per request, BYTES' are text), none in shared memory."""
+        return (not request.uses_shm and len(raws) == len(request.inputs)
+                and all(t.datatype in _PLANNABLE_DATATYPES and t.data.nbytes == len(raw)
+                        for t, raw in zip(request.inputs, raws)))
+
+    def request(self, ident: bytes | None, raws: list[memoryview]) -> InferRequest | None:
+        """The request of this kind with this id and these raw contents; None when they do not match the plan."""
+        if len(raws) != len(self.inputs):
+            return None
+        tensors = []
+        for (name, datatype, shape, dtype, count, nbytes), raw in zip(self.inputs, raws):
+            if len(raw) != nbytes:
+                return None
+            tensors.append(InferTensor(name, datatype, shape, np.frombuffer(raw, dtype, count).reshape(shape)))
+        try:
+            request_id = ident.decode() if ident else ""
+        except UnicodeDecodeError:
+            return None  # not a protobuf string: the full parse refuses the message
+        return InferRequest(self.model_name, tensors, self.model_version, request_id, self.outputs, self.priority,
+                            self.timeout_us, self.parameters, self)
+
+
+class InferPlans:
+    """The plans of one server (its limits are theirs), by key."""
+
+    def __init__(self, capacity: int = _PLANS_MAX):
+        self.capacity = capacity
+        self._plans: dict[bytes, InferPlan] = {}
+
+    def request(self, data: bytes) -> tuple[InferRequest | None, Any]:
+        """(the request, None) from a known plan; else (None, what `remember` needs to keep one)."""
+        scanned = scan(data)
+        if scanned is None:
+            return None, None
+        key, ident, raws = scanned
+        plan = self._plans.get(key)
+        if plan is not None:
+            request = plan.request(ident, raws)
+            if request is not None:
+                return request, None
+        return None, (key, raws)
+
+    def remember(self, request: InferRequest, scanned: Any) -> None:
+        """Keep a plan for requests like `request` (fully parsed and checked), when they can have one."""
+        if scanned is None:
+            return
+        key, raws = scanned
+        if not InferPlan.fits(request, raws):
+            return
+        if len(self._plans) >= self.capacity:
+            self._plans.clear()  # kinds churn: start over rather than track recency
+        request.signature = self._plans[key] = InferPlan(request)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The answer (ModelInferResponse), written by hand
+
+
+def _key(field: int, length: int) -> bytes:
+    """A length-delimited field's tag and length."""
+    return _varint_bytes(field << 3 | 2) + _varint_bytes(length)
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _string(field: int, text: str) -> bytes:
+    """A string field, left out when empty (proto3)."""
+    if not text:
+        return b""
+    data = text.encode()
+    return _key(field, len(data)) + data
+
+
+def _output_description(tensor: InferTensor) -> bytes:
+    """ModelInferResponse.outputs' entry (field 5): InferOutputTensor with name, datatype, shape (packed)."""
+    body = _string(1, tensor.name) + _string(2, tensor.datatype)
+    if tensor.shape:
+        dims = b"".join(_varint_bytes(int(d)) for d in tensor.shape)
+        body += _key(3, len(dims)) + dims
+    return _key(5, len(body)) + body
+
+
+def _raw_output(tensor: InferTensor) -> Any:
+    """The output's bytes as raw_output_contents carries them: little-endian, C order; empty where the output went
+    into the client's shared memory (its entry keeps its place)."""
+    if tensor.shm is not None:
+        return b""
+    if tensor.datatype == "BYTES":
+        return encode_bytes_elements(tensor.data)
+    array = np.ascontiguousarray(tensor.data, dtype=numpy_dtype(tensor.datatype).newbyteorder("<"))
+    return array.reshape(-1).view(np.uint8).data
+
+
+def encode_response(response: InferResponse, requested: list[RequestedOutput] | None, request_id: str,
+                    plan: InferPlan | None) -> bytes | None:
+    """The serialized ModelInferResponse `to_infer_response` would make (only the requested outputs; all when None);
+    None where it has parameters (rare: that path makes the message). `plan`: where the outputs' description is
+    kept for the next answer of the same shapes."""
+    if response.parameters:
+        return None
+    outputs = response.outputs
+    if requested is not None:
+        wanted = {output.name for output in requested}
+        outputs = [t for t in outputs if t.name in wanted]
+    described = None
+    layout: tuple | None = None
+    if plan is not None:
+        layout = (response.model_name, response.model_version,
+                  tuple([(t.name, t.datatype, t.shape) for t in outputs]))
+        described = plan.answers.get(layout)
+    if described is None:
+        described = (_string(1, response.model_name) + _string(2, response.model_version),
+                     b"".join(_output_description(t) for t in outputs))
+        if layout is not None and plan is not None and len(plan.answers) < _ANSWERS_MAX:
+            plan.answers[layout] = described
+    head, descriptions = described
+    parts: list[Any] = [head, _string(_ID_FIELD, response.id or request_id), descriptions]
+    for tensor in outputs:
+        raw = _raw_output(tensor)
+        parts.append(_key(6, len(raw)))
+        parts.append(raw)
+    return b"".join(parts)

@@ -1,0 +1,238 @@
+"""ModelInfer's fast path on gpud's gRPC server (gpud.api.grpc_infer): a request kind's plan by its bytes, and the
+answer written by hand. Each is held to what protobuf's own parse and serialization make of the same message."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpud.api.grpc_api import InferenceServicer, to_infer_request, to_infer_response
+from gpud.api.grpc_infer import InferPlan, InferPlans, encode_response, scan
+from gpud.api.grpcwire import calls
+from gpud.executor.client_shm import ShmRef
+from gpud.executor.types import ErrorKind, InferenceError, InferResponse, InferTensor, RequestedOutput
+from gpud.proto import grpc_service_pb2 as pb
+
+
+def _request(request_id: str = "", rows: int = 2, values: np.ndarray | None = None, **kw) -> pb.ModelInferRequest:
+    data = np.arange(rows * 4, dtype=np.float32) if values is None else values
+    message = pb.ModelInferRequest(model_name="m", model_version=kw.pop("version", ""), id=request_id, **kw)
+    message.inputs.add(name="x", datatype="FP32", shape=[rows, 4])
+    message.inputs.add(name="n", datatype="INT64", shape=[rows, 1])
+    message.raw_input_contents.append(data.tobytes())
+    message.raw_input_contents.append(np.arange(rows, dtype=np.int64).tobytes())
+    return message
+
+
+def _through(plans: InferPlans, data: bytes):
+    """What the servicer does with `data`: the plan's request, else the full parse (remembered)."""
+    request, scanned = plans.request(data)
+    if request is not None:
+        return request, True
+    request = to_infer_request(pb.ModelInferRequest.FromString(data))
+    plans.remember(request, scanned)
+    return request, False
+
+
+def _same(a, b) -> None:
+    assert (a.model_name, a.model_version, a.id, a.priority, a.timeout_us, a.parameters) == \
+           (b.model_name, b.model_version, b.id, b.priority, b.timeout_us, b.parameters)
+    assert [(t.name, t.datatype, t.shape) for t in a.inputs] == [(t.name, t.datatype, t.shape) for t in b.inputs]
+    for x, y in zip(a.inputs, b.inputs):
+        assert x.data.dtype == y.data.dtype and np.array_equal(x.data, y.data)
+    assert [(o.name, o.parameters) for o in a.outputs or ()] == [(o.name, o.parameters) for o in b.outputs or ()]
+
+
+def test_a_request_kind_seen_before_is_cut_out_of_its_bytes_and_equals_the_full_parse():
+    plans = InferPlans()
+    first, planned = _through(plans, _request("a").SerializeToString())
+    assert not planned and type(first.signature) is InferPlan
+    values = np.linspace(-1, 1, 8, dtype=np.float32)
+    message = _request("another id", values=values)
+    message.outputs.add(name="y")
+    second_kind, planned = _through(plans, message.SerializeToString())
+    assert not planned  # requested outputs make another kind
+    data = _request("b-\u00e9", values=values).SerializeToString()
+    request, planned = _through(plans, data)
+    assert planned and request.signature is first.signature  # one signature: the executor's checks are reused too
+    _same(request, to_infer_request(pb.ModelInferRequest.FromString(data)))
+    assert request.inputs[0].data.base is not None  # a view of the message, not a copy
+    again, planned = _through(plans, message.SerializeToString())
+    assert planned and again.signature is second_kind.signature and [o.name for o in again.outputs] == ["y"]
+
+
+def test_parameters_priority_and_timeout_belong_to_the_kind():
+    plans = InferPlans()
+    message = _request("a")
+    message.parameters["priority"].int64_param = 2
+    message.parameters["timeout"].int64_param = 5000
+    message.parameters["custom"].string_param = "z"
+    _through(plans, message.SerializeToString())
+    message.id = "b"
+    request, planned = _through(plans, message.SerializeToString())
+    assert planned and (request.priority, request.timeout_us, request.parameters) == (2, 5000, {"custom": "z"})
+    _same(request, to_infer_request(pb.ModelInferRequest.FromString(message.SerializeToString())))
+
+
+def test_what_does_not_match_the_plan_goes_the_full_way_and_gets_its_error():
+    plans = InferPlans()
+    _through(plans, _request("a").SerializeToString())
+    short = _request("b")
+    short.raw_input_contents[0] = short.raw_input_contents[0][:-4]  # one element short: same key, other size
+    assert plans.request(short.SerializeToString())[0] is None
+    with pytest.raises(InferenceError) as e:
+        to_infer_request(pb.ModelInferRequest.FromString(short.SerializeToString()))
+    assert e.value.kind is ErrorKind.INVALID_ARGUMENT and "raw content" in e.value.message
+    one_raw = _request("c")
+    del one_raw.raw_input_contents[1]
+    assert plans.request(one_raw.SerializeToString())[0] is None
+    other_shape = _request("d", rows=3)
+    assert plans.request(other_shape.SerializeToString())[0] is None  # another kind (its shape is in the key)
+    # an id that is not UTF-8: the full parse refuses the message
+    raw_id = _request("").SerializeToString() + b"\x1a\x02\xff\xfe"
+    assert plans.request(raw_id)[0] is None
+
+
+def test_kinds_that_need_checks_per_request_get_no_plan():
+    plans = InferPlans()
+    text = pb.ModelInferRequest(model_name="m")
+    text.inputs.add(name="t", datatype="BYTES", shape=[1])
+    text.raw_input_contents.append(b"\x02\x00\x00\x00hi")
+    boolean = pb.ModelInferRequest(model_name="m")
+    boolean.inputs.add(name="b", datatype="BOOL", shape=[2])
+    boolean.raw_input_contents.append(b"\x01\x00")
+    contents = pb.ModelInferRequest(model_name="m")  # typed contents, not raw: parsed every time
+    contents.inputs.add(name="x", datatype="FP32", shape=[2], contents=pb.InferTensorContents(fp32_contents=[1, 2]))
+    shm = pb.ModelInferRequest(model_name="m")
+    tensor = shm.inputs.add(name="x", datatype="FP32", shape=[2])
+    tensor.parameters["shared_memory_region"].string_param = "r"
+    tensor.parameters["shared_memory_byte_size"].int64_param = 8
+    shm_output = _request("o")  # inputs in raw contents, an output into the client's region: staged per request
+    output = shm_output.outputs.add(name="y")
+    output.parameters["shared_memory_region"].string_param = "r"
+    output.parameters["shared_memory_byte_size"].int64_param = 8
+    for message in (text, boolean, contents, shm, shm_output):
+        data = message.SerializeToString()
+        _through(plans, data)
+        request, planned = _through(plans, data)
+        assert not planned and request.signature is None
+
+
+def test_the_scan_reads_fields_in_any_order_and_leaves_what_it_cannot_read_to_protobuf():
+    data = _request("x").SerializeToString()
+    key, ident, raws = scan(data)
+    assert ident == b"x" and [bytes(r) for r in raws] == list(pb.ModelInferRequest.FromString(data).raw_input_contents)
+    # raw contents first, then the rest, the id twice (the last counts): the same key and the same request
+    message = pb.ModelInferRequest.FromString(data)
+    reordered = b"".join(b"\x3a" + _varint(len(r)) + r for r in message.raw_input_contents)
+    message.ClearField("raw_input_contents")
+    message.id = ""
+    reordered += b"\x1a\x01y" + message.SerializeToString() + b"\x1a\x01x"
+    assert scan(reordered)[:2] == (key, b"x")
+    plans = InferPlans()
+    _through(plans, data)
+    request, planned = _through(plans, reordered)
+    assert planned
+    _same(request, to_infer_request(pb.ModelInferRequest.FromString(reordered)))
+    assert scan(data + b"\x40\x01") is None  # a varint field (unknown here)
+    assert scan(data[:-3]) is None  # cut short inside a raw content
+    assert scan(b"\x0a\xff") is None  # a length that never ends
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _text(values: list[bytes], shape: tuple[int, ...]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array.reshape(shape)
+
+
+ANSWERS = [
+    # (outputs, requested output names or None, response id, request id)
+    ([InferTensor("y", "FP32", (2, 3), np.arange(6, dtype=np.float32).reshape(2, 3))], None, "", "req"),
+    ([InferTensor("y", "FP32", (2, 3), np.arange(6, dtype=np.float32).reshape(2, 3)[:, ::-1]),  # not contiguous
+      InferTensor("z", "INT64", (2,), np.array([-5, 2**40], dtype=np.int64)),
+      InferTensor("h", "FP16", (), np.array(1.5, dtype=np.float16))], ["z", "y"], "own", "req"),
+    ([InferTensor("t", "BYTES", (2,), _text([b"ab", b""], (2,))),
+      InferTensor("s", "FP32", (300, 2), np.zeros((300, 2), np.float32), shm=ShmRef("r", 0, 2400))], None, "", ""),
+    ([InferTensor("e", "UINT8", (0, 200), np.zeros((0, 200), np.uint8))], None, "", ""),
+]
+
+
+@pytest.mark.parametrize("outputs, requested, response_id, request_id", ANSWERS)
+@pytest.mark.parametrize("version", ["", "3"])
+def test_the_answer_written_by_hand_is_the_bytes_protobuf_writes(outputs, requested, response_id, request_id,
+                                                                    version):
+    response = InferResponse("model", version, outputs, response_id)
+    wanted = None if requested is None else [RequestedOutput(name) for name in requested]
+    expected = to_infer_response(response, wanted, request_id).SerializeToString()
+    plan = InferPlan(to_infer_request(_request()))
+    for _ in range(2):  # the second from the plan's kept description
+        assert encode_response(response, wanted, request_id, plan) == expected
+    assert encode_response(response, wanted, request_id, None) == expected
+
+
+def test_an_answer_with_parameters_is_left_to_protobuf():
+    response = InferResponse("m", "1", [InferTensor("y", "FP32", (1,), np.zeros(1, np.float32))], "",
+                             {"sequence_end": True})
+    assert encode_response(response, None, "", None) is None
+
+
+# --- the servicer's callback (Method.start), over a core that answers when told -------------------------------------
+
+class _Core:
+    def __init__(self, refuse: InferenceError | None = None):
+        self.refuse = refuse
+        self.submitted: list = []
+        self.cancelled = 0
+
+    def submit(self, request, done):
+        if self.refuse is not None:
+            raise self.refuse
+        self.submitted.append((request, done))
+        return self._cancel
+
+    def _cancel(self):
+        self.cancelled += 1
+
+
+def _start(core, data: bytes):
+    replies: list = []
+    cancel = InferenceServicer(core).start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"),
+                                                       lambda *reply: replies.append(reply))
+    return cancel, replies
+
+
+def test_start_model_infer_answers_once_with_the_answer_or_the_status():
+    core = _Core()
+    cancel, replies = _start(core, _request("r1").SerializeToString())
+    assert replies == [] and cancel is not None
+    request, done = core.submitted[0]
+    y = InferTensor("y", "FP32", (2, 1), np.ones((2, 1), np.float32))
+    done(InferResponse("m", "1", [y]))
+    (code, details, data), = replies
+    assert code == calls.OK and pb.ModelInferResponse.FromString(data).id == "r1"
+    cancel()
+    assert core.cancelled == 1  # the core's cancel, handed back as it was
+    _, replies = _start(core, _request("r2").SerializeToString())
+    core.submitted[-1][1](InferenceError(ErrorKind.UNAVAILABLE, "queue full"))
+    assert replies == [(calls.UNAVAILABLE, "queue full", None)]
+
+
+@pytest.mark.parametrize("data, core, status", [
+    (b"\xff\xff", _Core(), calls.INVALID_ARGUMENT),  # not a protobuf message
+    (_request("x", rows=0).SerializeToString(), _Core(), calls.OK),  # the core decides on empty tensors
+    (_request("x").SerializeToString(), _Core(InferenceError(ErrorKind.NOT_FOUND, "no model 'm'")), calls.NOT_FOUND),
+])
+def test_start_model_infer_refusals_are_statuses(data, core, status):
+    cancel, replies = _start(core, data)
+    if status == calls.OK:
+        assert replies == [] and core.submitted
+        return
+    assert cancel is None and len(replies) == 1 and replies[0][0] == status
