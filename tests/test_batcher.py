@@ -5,10 +5,11 @@ Times in comments are in seconds unless a name says otherwise; 1 ms = 1_000 us =
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from gpud.executor import batcher as batcher_module
 from gpud.executor.batcher import (
     QUEUE_FULL_MESSAGE,
     REQUEST_TIMEOUT_MESSAGE,
@@ -1149,3 +1150,84 @@ class TestQuietDispatch:
         q.enqueue(req("b"))
         clock.advance(5e-3)
         assert q.decide(1) == Wait(until_s=pytest.approx(10e-3))
+
+
+@st.composite
+def fast_path_configs(draw):
+    """Dynamic batching where decide's fast path applies often: room for many rows, mostly no preferred sizes."""
+    mbs = draw(st.integers(2, 16))
+    policy = QueuePolicy(max_queue_size=draw(st.sampled_from([0, 0, 6])),
+                         default_timeout_us=draw(st.sampled_from([0, 0, 2_000])),
+                         timeout_action=draw(st.sampled_from(["REJECT", "DELAY"])),
+                         allow_timeout_override=draw(st.booleans()))
+    levels = draw(st.sampled_from([0, 0, 2]))
+    return mbs, DynamicBatching(
+        preferred_batch_sizes=tuple(draw(st.sampled_from([[], [], [], [mbs // 2 or 1]]))),
+        max_queue_delay_us=draw(st.sampled_from([0, 500, 2_000, 10_000])),
+        priority_levels=levels, default_priority_level=levels and 1, default_queue_policy=policy)
+
+
+_enqueue_op = st.tuples(st.just("enqueue"), st.integers(1, 4), st.sampled_from(["a", "a", "a", "b"]),
+                        st.integers(0, 3), st.sampled_from([0, 0, 0, 700, 3_000]))
+operations = st.lists(
+    st.one_of(
+        _enqueue_op, _enqueue_op, _enqueue_op,
+        st.tuples(st.just("advance"), st.sampled_from([0.0, 0.00005, 0.0002, 0.001, 0.004])),
+        st.tuples(st.just("decide"), st.integers(0, 2)),
+        st.tuples(st.just("expire")),
+        st.tuples(st.just("remove"), st.integers(0, 1_000)),
+        st.tuples(st.just("ran"), st.sampled_from([0.0001, 0.0005, 0.002])),
+    ),
+    min_size=8,
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(config=fast_path_configs(), quiet=st.booleans(), ops=operations)
+@example(config=(8, DynamicBatching()), quiet=False,  # a second key: the candidate stops before it
+         ops=[("enqueue", 1, "a", 0, 0), ("enqueue", 1, "b", 0, 0), ("decide", 1)])
+@example(config=(8, DynamicBatching(max_queue_delay_us=10_000,  # a deadline passed: not in the batch
+                                     default_queue_policy=QueuePolicy(allow_timeout_override=True))), quiet=False,
+         ops=[("enqueue", 1, "a", 0, 700), ("enqueue", 1, "a", 0, 0), ("advance", 0.001), ("decide", 1)])
+@example(config=(8, DynamicBatching(preferred_batch_sizes=(4,))), quiet=False,  # a preferred prefix goes first
+         ops=[("enqueue", 2, "a", 0, 0), ("enqueue", 2, "a", 0, 0), ("enqueue", 1, "a", 0, 0), ("decide", 1)])
+def test_decisions_without_listing_the_queue_are_the_decisions_that_list_it(config, quiet, ops):
+    """decide's fast path (one shape key, no deadline, rows under the largest batch: the candidate is the whole queue)
+    against the same queue made to list its candidate every time: every decision the same."""
+    mbs, db = config
+    clock = FakeClock()
+    fast = BatchQueue(max_batch_size=mbs, dynamic_batching=db, clock=clock, quiet_dispatch=quiet)
+    listing = BatchQueue(max_batch_size=mbs, dynamic_batching=db, clock=clock, quiet_dispatch=quiet)
+    twins: list[tuple[QueuedRequest, QueuedRequest]] = []
+    for n, op in enumerate(ops):
+        if op[0] == "enqueue":
+            a, b = (req(f"r{n}", rows=op[1], key=op[2], priority=op[3], timeout_us=op[4]) for _ in range(2))
+            outcomes = []
+            for q, r in ((fast, a), (listing, b)):
+                try:
+                    q.enqueue(r)
+                    outcomes.append("queued")
+                except InferenceError as e:
+                    outcomes.append(e.message)
+            assert outcomes[0] == outcomes[1]
+            if outcomes[0] == "queued":
+                twins.append((a, b))
+        elif op[0] == "advance":
+            clock.advance(op[1])
+        elif op[0] == "expire":
+            assert names(fast.expire()) == names(listing.expire())
+        elif op[0] == "remove" and twins:
+            a, b = twins[op[1] % len(twins)]
+            assert fast.remove(a) == listing.remove(b)
+        elif op[0] == "ran":
+            fast.note_run(op[1])
+            listing.note_run(op[1])
+        elif op[0] == "decide":
+            listing._shared_key = batcher_module._MIXED  # as if two keys were queued: the candidate is listed
+            d1, d2 = fast.decide(op[1]), listing.decide(op[1])
+            assert type(d1) is type(d2)
+            if isinstance(d1, Dispatch):
+                assert (names(d1.requests), d1.rows, d1.reason) == (names(d2.requests), d2.rows, d2.reason)
+            elif isinstance(d1, Wait):
+                assert d1.until_s == d2.until_s

@@ -96,6 +96,7 @@ _TIMEOUT_ACTIONS = ("REJECT", "DELAY")
 _BUSY_WAIT_GAPS = 2.0  # rule 6: while arrivals are busy, what is queued waits at most this many typical gaps
 _RUN_SMOOTHING = 0.2  # EWMA weight of the newest batch's run time (note_run)
 _RUN_RISE = 0.05  # ... of a slower one in the average that errs short: a sustained rise, not one slow batch
+_EMPTY, _MIXED = object(), object()  # BatchQueue._shared_key before any request, and where requests differ
 _BATCH_ROWS_SMOOTHING = 0.2  # EWMA weight of the newest batch in rule 7a's "rows of recent batches"
 
 
@@ -395,6 +396,11 @@ class BatchQueue:
         self._levels: dict[int, _Level] = {}
         self._all: dict[QueuedRequest, None] = {}  # every queued request in enqueue order: first = oldest
         self._pending_rows = 0
+        # The shape key every queued request has (_MIXED: not one key, or not known since; read only while some are
+        # queued: the first one queued sets it).
+        # With one key, no deadline and the rows under the largest batch, the candidate is the whole queue and
+        # not blocked: a decision need not list it (decide's fast path: each arrival decides, O(1) then).
+        self._shared_key: object = _EMPTY
         # (deadline_s, seq, request) of undelayed requests with a timeout. Lazy deletion: entries of requests that
         # left the queue or were delayed stay until they reach the top (or a compaction), and are skipped there.
         self._deadlines: list[tuple[float, int, QueuedRequest]] = []
@@ -514,6 +520,10 @@ class BatchQueue:
             queue = self._levels[level] = _Level()
         queue.waiting[req] = None
         queue.members += req.members
+        if not self._all:
+            self._shared_key = req.shape_key
+        elif self._shared_key is not _MIXED and req.shape_key != self._shared_key:
+            self._shared_key = _MIXED
         self._all[req] = None
         self._pending_rows += req.batch_rows
         req._deadline_seq = next(self._seq)
@@ -577,9 +587,17 @@ class BatchQueue:
 
         db = cfg.dynamic_batching
         assert db is not None
-        candidate, blocked = take_candidate(self._ordered(now_s), cfg.max_batch_size)
-        if not candidate:
-            return self._wait_for_deadline()
+        candidate: list[QueuedRequest] | None
+        if self._shared_key is not _MIXED and not self._deadlines and not db.preferred_batch_sizes \
+                and self._pending_rows < cfg.max_batch_size:
+            # The candidate is every queued request, not blocked: rules 4-7 need only its rows in all, and a
+            # request that goes takes the whole queue (choose_dispatch's n is then 1 of these 1 "rows").
+            candidate, blocked, rows = None, False, [self._pending_rows]
+        else:
+            candidate, blocked = take_candidate(self._ordered(now_s), cfg.max_batch_size)
+            if not candidate:
+                return self._wait_for_deadline()
+            rows = [r.batch_rows for r in candidate]
         # Rule 5 times the window from the oldest request in the whole queue. A candidate that is not blocked holds
         # every dispatchable request, so this equals Triton's "oldest request in the pending batch" whenever it
         # matters (a blocked candidate goes at once anyway).
@@ -601,7 +619,7 @@ class BatchQueue:
                 quiet_ends_s = busy_ends_s if quiet_ends_s is None else min(quiet_ends_s, busy_ends_s)
                 lone = False
         choice = choose_dispatch(
-            [r.batch_rows for r in candidate],
+            rows,
             blocked=blocked,
             max_batch_size=cfg.max_batch_size,
             preferred_batch_sizes=db.preferred_batch_sizes,
@@ -613,7 +631,7 @@ class BatchQueue:
         )
         if choice is not None:
             n, reason = choice
-            return self._dispatch(candidate[:n], reason)
+            return self._dispatch(list(self._ordered(None)) if candidate is None else candidate[:n], reason)
         until_s = delay_ends_s if quiet_ends_s is None else min(delay_ends_s, quiet_ends_s)
         deadline_s = self._earliest_deadline_s()
         return Wait(until_s=until_s if deadline_s is None else min(until_s, deadline_s))

@@ -362,7 +362,7 @@ class SchedulerBase:
 
     # --- the step timer and idleness ---------------------------------------------------------------------------
     def _notify_if_idle(self) -> None:
-        if not self._running and not self._queued_requests() and not self._answering:
+        if self._idle_waiters and not self._running and not self._queued_requests() and not self._answering:
             for fut in self._idle_waiters:
                 if not fut.done():
                     fut.set_result(None)
