@@ -436,8 +436,8 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
     options = {"kind": kind, "address": address, "port": listen.getsockname()[1],
                "max_body_bytes": settings.max_request_bytes, "max_head_bytes": settings.max_header_bytes,
                "request_timeout_s": settings.http_request_timeout_seconds,
-               "max_connections": max(1, -(-(settings.http_max_connections if http else
-                                             settings.grpc_max_connections) // n)),
+               # the port's cap: each process counts every process's connections against it
+               "max_connections": settings.http_max_connections if http else settings.grpc_max_connections,
                "max_tensor_elements": settings.max_tensor_elements, "grpc_server": settings.grpc_server,
                "grpc_keepalive": asdict(grpc_keepalive(settings)),
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}

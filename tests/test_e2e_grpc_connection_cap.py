@@ -35,7 +35,7 @@ def _served(url: str) -> bool:
             raw.sock.close()
 
 
-@pytest.mark.parametrize("processes", ["0", "1"])
+@pytest.mark.parametrize("processes", ["0", "1", "2"])  # 2: the cap counts both processes' connections
 def test_the_cap_refuses_a_connection_over_it_and_a_reload_raises_it(tmp_path, processes):
     settings = tmp_path / "gpud.yaml"
     settings.write_text(yaml.safe_dump({"grpc_max_connections": 1}))

@@ -38,7 +38,7 @@ from gpud.api.grpcwire import calls
 from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Reply
 from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
-from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
+from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, SharedCount, check_shape
 from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
                                   repository_index_message, server_metadata_message)
 from gpud.core_api import InferenceCore
@@ -628,6 +628,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
                             admin: AdminAuth | None = None, reuse_port: bool = False,
                             listen: socket.socket | None = None,
                             implementation: str = "gpud", max_connections: int = 10000,
+                            shared_connections: SharedCount | None = None,
                             keepalive: Keepalive = Keepalive()) -> GrpcServer | GrpcioServer:
     """Start serving GRPCInferenceService for `core` on host:port and return the started server.
 
@@ -644,7 +645,7 @@ async def start_grpc_server(core: InferenceCore, host: str, port: int, *, max_me
     if implementation == "gpud":
         server = GrpcServer(method_table(servicer), max_message_bytes=max_message_bytes,
                             max_metadata_bytes=max_metadata_bytes, max_connections=max_connections,
-                            keepalive=keepalive)
+                            keepalive=keepalive, shared_connections=shared_connections)
         if listen is not None:
             await server.start_socket(listen)
         else:

@@ -32,6 +32,7 @@ from urllib.parse import unquote
 import httptools
 import orjson
 
+from gpud.api.limits import SharedCount
 from gpud.api.unix_socket import bind_unix_socket, remove_socket_file
 
 log = logging.getLogger(__name__)
@@ -194,16 +195,19 @@ class _Connection(asyncio.Protocol):
             except OSError:
                 pass
         self.last_activity_s = self.loop.time()
-        if len(self.server.connections) >= self.server.max_connections:
+        if self.server.open_connections() >= self.server.max_connections:
             # Over the cap: answered and closed at once, so a flood of connections cannot exhaust descriptors.
             self.server.connections.add(self)
+            self.server.counted()
             self._answer_and_close(503, f"too many connections (more than {self.server.max_connections}); "
                                         "try again later")
             return
         self.server.connections.add(self)
+        self.server.counted()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.counted()
         self.transport = None
         self.slots.clear()
         self.server._maybe_idle()
@@ -473,6 +477,8 @@ class HttpServer:
     keepalive_timeout_s: float = 75.0
     request_timeout_s: float = 30.0  # a request's head and body must arrive within this, else 408
     max_connections: int = 10000  # more are answered 503 and closed at once
+    # a front-end process's: the cap counts every process's connections on the port (None: this server's alone)
+    shared_connections: SharedCount | None = None
     backlog: int = 1024
     on_close: Callable[[], None] | None = None  # called once every connection is closed (the handler's resources)
     connections: set[_Connection] = field(default_factory=set)
@@ -485,6 +491,15 @@ class HttpServer:
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle: asyncio.Future | None = None
         self._unix: tuple[str, int] | None = None  # the unix socket served: its path and inode
+
+    def open_connections(self) -> int:
+        """The connections the cap counts: this server's, or every process's on the port."""
+        return len(self.connections) if self.shared_connections is None else self.shared_connections.total()
+
+    def counted(self) -> None:
+        """This server's connections changed: the other processes on the port see its count."""
+        if self.shared_connections is not None:
+            self.shared_connections.set(len(self.connections))
 
     async def start(self, host: str, port: int) -> int:
         self.loop = asyncio.get_running_loop()

@@ -7,12 +7,22 @@ could only fail later (or make numpy raise, or allocate a huge array) is a clien
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from gpud.executor.types import ErrorKind, InferenceError
 
 DEFAULT_MAX_TENSOR_ELEMENTS = 2**28  # 4x the elements a 64 MiB body can carry even of 1-byte types
 MAX_TENSOR_DIMS = 32  # numpy 1.x's limit (numpy 2 allows 64); no model has more
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # an HTTP request's line and headers; gRPC metadata
+
+
+class SharedCount(Protocol):
+    """The open connections of every process accepting on one port (gpud.frontproc.connections): a front-end
+    process's server checks its connection cap against `total()` and reports its own with `set`."""
+
+    def total(self) -> int: ...
+
+    def set(self, count: int) -> None: ...
 
 
 def check_shape(name: str, shape: list[int] | tuple[int, ...], max_elements: int) -> int:

@@ -16,6 +16,7 @@ from gpud.api.http_api import HttpApi
 from gpud.api.http_server import HttpServer
 from gpud.api.json_codec import JsonCodecPool
 from gpud.frontproc.arena import Arena
+from gpud.frontproc.connections import SharedConnections
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
 
 log = logging.getLogger("gpud.frontend")
@@ -33,6 +34,8 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.on_stop = on_stop
     core.on_lost = stop.set
     core.start()
+    # the port's connection cap counts every process's connections (the host's shared page)
+    connections = SharedConnections(options["connections_fd"], options["processes"], options["index"])
     if options["kind"] == "grpc":
         from gpud.api.grpc_api import start_grpc_server
         from gpud.api.grpcwire.keepalive import Keepalive
@@ -45,11 +48,12 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
                                               admin=RemoteAdmin(core), reuse_port=True, listen=listen,
                                               implementation=options["grpc_server"],
                                               max_connections=options["max_connections"],
+                                              shared_connections=connections,
                                               keepalive=Keepalive(**options["grpc_keepalive"]))
 
         def on_tune_grpc(request_timeout_s: float, max_connections: int) -> None:
             if isinstance(grpc_server, GrpcServer):  # grpcio's server has no cap
-                grpc_server.max_connections = max_connections  # a reload's --grpc-max-connections, our share
+                grpc_server.max_connections = max_connections  # a reload's --grpc-max-connections
         core.on_tune = on_tune_grpc
         core.ready()
         try:
@@ -66,7 +70,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     server = HttpServer(HttpApi(core, RemoteAdmin(core), options["max_tensor_elements"], json_codec),
                         max_body_bytes=options["max_body_bytes"], max_head_bytes=options["max_head_bytes"],
                         request_timeout_s=options["request_timeout_s"], max_connections=options["max_connections"],
-                        on_close=json_codec.close if json_codec is not None else None)
+                        shared_connections=connections, on_close=json_codec.close if json_codec is not None else None)
 
     def on_tune(request_timeout_s: float, max_connections: int) -> None:
         server.request_timeout_s = request_timeout_s
@@ -91,19 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", required=True, help="JSON")
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
+    options = json.loads(args.options)
+    options["index"] = args.index
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s gpud.frontend[{json.loads(args.options)['kind']} "
-                               f"{args.index}] %(message)s")
+                        format=f"%(asctime)s %(levelname)s gpud.frontend[{options['kind']} {args.index}] %(message)s")
     link = socket.socket(fileno=args.link_fd)
     listen = socket.socket(fileno=args.listen_fd) if args.listen_fd >= 0 else None
     try:
         import uvloop
 
-        uvloop.run(serve(link, listen, json.loads(args.options)))
+        uvloop.run(serve(link, listen, options))
     except ImportError:
-        asyncio.run(serve(link, listen, json.loads(args.options)))
+        asyncio.run(serve(link, listen, options))
     return 0
 
 

@@ -27,6 +27,7 @@ from gpud.core import GpudCore
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import unlink
 from gpud.frontproc.arena import remove_arena_of
+from gpud.frontproc.connections import SharedConnections
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
 from gpud.frontproc.group import group_sizes
 from gpud.frontproc.link import FrameReader, Sender, request_of, response_wire
@@ -114,6 +115,9 @@ class FrontendHost:
         self.count = count
         self.listen = listen
         self.options = options  # what each process's HttpServer and HttpApi take (JSON)
+        # the processes' open connections, one slot each: the port's cap counts them all
+        self.connections = SharedConnections.create(count)
+        options["connections_fd"], options["processes"] = self.connections.fd, count
         self.log_level = log_level
         self.processes: list[FrontendProcess | None] = [None] * count
         self.stopping = False
@@ -134,8 +138,8 @@ class FrontendHost:
             why = failed[0].exception() if failed else f"not serving after {timeout_s:.0f} s"
             raise OSError(f"{self.options['kind']} front-end processes could not start: {why}")
 
-    # A reload's request timeout and connection cap (gpud.reload's HTTP servers), for every process: the cap is
-    # shared out between them.
+    # A reload's request timeout and connection cap (gpud.reload's HTTP servers), for every process: the cap is the
+    # port's, each process checks it against every process's connections (SharedConnections).
     @property
     def request_timeout_s(self) -> float:
         return self.options["request_timeout_s"]
@@ -147,11 +151,11 @@ class FrontendHost:
 
     @property
     def max_connections(self) -> int:
-        return self.options["max_connections"] * self.count
+        return self.options["max_connections"]
 
     @max_connections.setter
     def max_connections(self, value: int) -> None:
-        self.options["max_connections"] = max(1, -(-value // self.count))
+        self.options["max_connections"] = value
         self._tune()
 
     def _tune(self) -> None:
@@ -174,7 +178,8 @@ class FrontendHost:
         cmd = [sys.executable, "-m", "gpud.frontproc.child", "--index", str(index), "--link-fd", str(theirs.fileno()),
                *(["--listen-fd", str(self.listen.fileno())] if http else []), "--options", json.dumps(self.options),
                "--log-level", str(self.log_level)]
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), self.listen.fileno()) if http else (theirs.fileno(),))
+        fds = (theirs.fileno(), self.connections.fd, *((self.listen.fileno(),) if http else ()))
+        proc = subprocess.Popen(cmd, pass_fds=fds)
         theirs.close()
         ours.setblocking(False)
         fp = FrontendProcess(index, proc, ours, started_s=time.monotonic())
@@ -384,6 +389,7 @@ class FrontendHost:
         if fp.proc.poll() is None:
             fp.proc.kill()  # its link is gone: it serves no one (SIGKILL: its arena may be removed under it)
         remove_arena_of(fp.proc.pid)  # a process killed had no chance to remove its own
+        self.connections.clear(fp.index)  # its connections ended with it
         submits, fp.submits = fp.submits, {}
         for cancel in submits.values():
             if cancel is not None:
@@ -427,3 +433,4 @@ class FrontendHost:
                 fp.proc.kill()
                 fp.proc.wait()
             self._lost(fp)
+        self.connections.close()

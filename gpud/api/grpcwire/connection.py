@@ -43,6 +43,10 @@ class ServerSide(Protocol):
     connections: set[GrpcConnection]
     stopping: bool
 
+    def open_connections(self) -> int: ...
+
+    def counted(self) -> None: ...
+
 
 class _ConnectionError(Exception):
     def __init__(self, code: int, message: str):
@@ -118,15 +122,17 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self.peer = calls.peer_string(transport.get_extra_info("peername"))
-        if len(self._server.connections) >= self._server.max_connections:
+        open_now = self._server.open_connections()
+        if open_now >= self._server.max_connections:
             log.warning("gRPC connection from %s refused: %d connections open (--grpc-max-connections)", self.peer,
-                        len(self._server.connections))
+                        open_now)
             transport.write(frames.settings_frame({}) +  # type: ignore[attr-defined]
                             frames.goaway(0, frames.REFUSED_STREAM, b"too many connections"))
             transport.close()
             self._transport = None
             return
         self._server.connections.add(self)
+        self._server.counted()
         self._write(frames.settings_frame({
             frames.SETTINGS_MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
             frames.SETTINGS_INITIAL_WINDOW_SIZE: STREAM_WINDOW_BYTES,
@@ -144,6 +150,7 @@ class GrpcConnection(asyncio.Protocol):
                 timer.cancel()
         self._keepalive_timer = self._keepalive_watchdog = self._idle_timer = None
         self._server.connections.discard(self)
+        self._server.counted()
         for stream in list(self._streams.values()):
             self._drop(stream)
         self.idle.set()

@@ -7,6 +7,7 @@ import logging
 import socket
 
 from gpud.api.grpcwire.calls import Method
+from gpud.api.limits import SharedCount
 from gpud.api.grpcwire.connection import GrpcConnection
 from gpud.api.grpcwire.keepalive import Keepalive
 
@@ -15,20 +16,32 @@ log = logging.getLogger("gpud.grpc")
 
 class GrpcServer:
     def __init__(self, methods: dict[str, Method], *, max_message_bytes: int, max_metadata_bytes: int,
-                 max_connections: int = 10000, keepalive: Keepalive = Keepalive()):
+                 max_connections: int = 10000, keepalive: Keepalive = Keepalive(),
+                 shared_connections: SharedCount | None = None):
         """`methods`: by path ("/package.Service/Method"). A connection over `max_connections` is closed at once
         (GOAWAY, REFUSED: the client may retry later), so that clients cannot take every descriptor. `keepalive`:
         keepalive PINGs, the client ping policy and idle connections (gpud.api.grpcwire.keepalive), for the
-        connections accepted from then on."""
+        connections accepted from then on. `shared_connections` (a front-end process's): the cap counts every
+        process's connections on the port."""
         self.methods = methods
         self.max_connections = max_connections
         self.keepalive = keepalive
         self.max_message_bytes = max_message_bytes
         self.max_metadata_bytes = max_metadata_bytes
         self.connections: set[GrpcConnection] = set()
+        self.shared_connections = shared_connections
         self.stopping = False
         self.bound_port = 0
         self._server: asyncio.base_events.Server | None = None
+
+    def open_connections(self) -> int:
+        """The connections the cap counts: this server's, or every process's on the port."""
+        return len(self.connections) if self.shared_connections is None else self.shared_connections.total()
+
+    def counted(self) -> None:
+        """This server's connections changed: the other processes on the port see its count."""
+        if self.shared_connections is not None:
+            self.shared_connections.set(len(self.connections))
 
     async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
         """Listen on host:port (0: an ephemeral port; `bound_port` says which). OSError when it cannot bind."""
