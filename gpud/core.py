@@ -178,6 +178,8 @@ class GpudCore:
         if self.stopping and not accepted:
             raise InferenceError(ErrorKind.UNAVAILABLE, "the server is shutting down")
         vs = self._served_version(request.model_name, request.model_version)
+        if vs.state is ModelState.READY and vs.instances:  # the usual case, asked first: served, with instances
+            return vs
         if vs.scaled_to_zero:  # the request waits in its queue while an instance loads (bounded: unready_wait_s)
             self.placement.demand(vs)
             return vs

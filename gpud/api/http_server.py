@@ -53,6 +53,9 @@ _MAX_DISCARD_BYTES = 64 * 2**20  # of a refused (413) body read and dropped befo
 # A body declared at least this long is written in place, as it arrives, into memory mapped for it: joining 60 MB of
 # parts at the end (or zeroing a bytearray for it) would hold the event loop for ~25 ms.
 _IN_PLACE_BODY_BYTES = 1 << 20
+# Header names as sent -> their lower-case text: clients send the same few names on every request.
+_HEADER_KEYS: dict[bytes, str] = {}
+_HEADER_KEYS_MAX = 512
 
 
 def _status_line(status: int) -> bytes:
@@ -251,7 +254,11 @@ class _Connection(asyncio.Protocol):
             self._head_too_large("request line")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        key = name.decode("latin-1").lower()
+        key = _HEADER_KEYS.get(name)
+        if key is None:
+            key = name.decode("latin-1").lower()
+            if len(_HEADER_KEYS) < _HEADER_KEYS_MAX and len(name) <= 64:
+                _HEADER_KEYS[name] = key
         text = value.decode("latin-1")
         if key == "transfer-encoding" and key in self.headers:  # repeated: one list, as llhttp frames it
             text = f"{self.headers[key]}, {text}"
@@ -376,7 +383,7 @@ class _Connection(asyncio.Protocol):
         head = _head_prefix(status, content_type)
         extra = b"Content-Length: %d\r\n" % len(body)
         if headers:
-            extra += "".join(f"{k}: {v}\r\n" for k, v in headers).encode("latin-1")
+            extra += "".join([f"{k}: {v}\r\n" for k, v in headers]).encode("latin-1")
         if close:
             extra += b"Connection: close\r\n"
             slot.close = True

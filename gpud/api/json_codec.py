@@ -173,7 +173,10 @@ class JsonCodecPool:
 
     def wants_response(self, response: InferResponse, request: InferRequest) -> bool:
         """Whether this answer would write about `offload_bytes` of JSON (binary outputs cost a copy, no more)."""
-        return json_output_elements(response, request) * _JSON_BYTES_PER_ELEMENT >= self.offload_bytes
+        bar = self.offload_bytes / _JSON_BYTES_PER_ELEMENT
+        if sum([t.data.size for t in response.outputs]) < bar:
+            return False  # under the bar even if every output were JSON (the usual small answer: asked first)
+        return json_output_elements(response, request) >= bar
 
     def decode(self, body: Body, header_length: str | None, model_name: str, model_version: str,
                max_elements: int, done: Done) -> None:
