@@ -85,6 +85,17 @@ class Segment:
             os.close(fd)
         return cls(name, size_bytes, mm, owner=False)
 
+    def release_pages(self) -> None:
+        """Give the segment's memory back (tmpfs pages are the machine's memory, charged to the owner's cgroup):
+        its bytes read as zero afterwards, and pages come back as they are written again. No-op where the kernel
+        cannot (no MADV_REMOVE)."""
+        advice = getattr(mmap, "MADV_REMOVE", None)
+        if advice is not None:
+            try:
+                self._mm.madvise(advice, 0, self.size_bytes)
+            except OSError:
+                pass  # a filesystem that cannot punch holes: the pages stay, as before
+
     def ndarray(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A zero-copy view of part of the segment."""
         return np.ndarray(shape, dtype=dtype, buffer=self.buf, offset=offset)

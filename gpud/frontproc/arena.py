@@ -3,7 +3,10 @@ them from here (one pread into its batch), so the core never touches them.
 
 First-fit allocation over segments the process owns (gpud.executor.shm: plain files in /dev/shm, removed when the
 arena closes); a request's blocks are freed when it is answered. When no segment has room, another is made, twice
-the size needed at least: the arena grows with the bytes in flight, never per request.
+the size needed at least: the arena grows with the bytes in flight, never per request. It gives memory back when
+the bytes in flight fall again (`trim`, called every few seconds): a segment past the first, or one made larger than
+the default for a large tensor, that stayed wholly free from one trim to the next has its pages released (the
+segment stays, so nothing that knows its path needs telling; pages come back as it is written again).
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from gpud.executor.shm import Segment, align, new_segment_name, segment_path, sh
 from gpud.executor.types import RegionSlice
 
 DEFAULT_SEGMENT_BYTES = 64 << 20
+TRIM_INTERVAL_S = 10.0  # how often a front-end process trims its arena: memory comes back 10-20 s after a burst
 ARENA_TAG = "fe"  # its segments' names: gpud-<the process's pid>-fe-<n>-<random>
 
 
@@ -32,8 +36,17 @@ class _Space:
     segment: Segment
     path: str
     free: list[tuple[int, int]] = field(default_factory=list)  # (offset, size), by offset, merged
+    keep: bool = False  # the first segment of the default size: kept warm, never released
+    used: bool = True  # taken from since the last trim
+    released: bool = False  # its pages given back, and not taken from since
+
+    @property
+    def empty(self) -> bool:
+        return self.free == [(0, self.segment.size_bytes)]
 
     def take(self, size: int) -> int | None:
+        self.used = True
+        self.released = False
         for i, (offset, length) in enumerate(self.free):
             if length >= size:
                 if length == size:
@@ -92,7 +105,8 @@ class Arena:
             if offset is not None:
                 return Block(space, offset, size)
         segment = Segment.create(new_segment_name(ARENA_TAG), max(self.segment_bytes, 2 * size))
-        space = _Space(segment, segment_path(segment.name), [(0, segment.size_bytes)])
+        space = _Space(segment, segment_path(segment.name), [(0, segment.size_bytes)],
+                       keep=not self._spaces and segment.size_bytes <= self.segment_bytes)
         self._spaces.append(space)
         offset = space.take(size)
         assert offset is not None
@@ -101,6 +115,21 @@ class Arena:
     @staticmethod
     def free(block: Block) -> None:
         block.space.give(block.offset, block.size)
+
+    def trim(self) -> int:
+        """Release the pages of each segment (but the warm one) that stayed wholly free since the last trim; the
+        bytes released."""
+        released = 0
+        for space in self._spaces:
+            if space.keep or space.released or not space.empty:
+                continue
+            if space.used:
+                space.used = False  # free now: released at the next trim unless taken from meanwhile
+                continue
+            space.segment.release_pages()
+            space.released = True
+            released += space.segment.size_bytes
+        return released
 
     def close(self) -> None:
         for space in self._spaces:

@@ -15,7 +15,7 @@ import sys
 from gpud.api.http_api import HttpApi
 from gpud.api.http_server import HttpServer
 from gpud.api.json_codec import JsonCodecPool
-from gpud.frontproc.arena import Arena
+from gpud.frontproc.arena import TRIM_INTERVAL_S, Arena
 from gpud.frontproc.connections import SharedConnections
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
 
@@ -36,6 +36,14 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.start()
     # the port's connection cap counts every process's connections (the host's shared page)
     connections = SharedConnections(options["connections_fd"], options["processes"], options["index"])
+    loop = asyncio.get_running_loop()
+
+    def trim() -> None:  # the arena gives back what a burst of large tensors made it take
+        released = arena.trim()
+        if released:
+            log.info("gave back %d MiB of shared memory no longer in use", released >> 20)
+        trimmer[0] = loop.call_later(TRIM_INTERVAL_S, trim)
+    trimmer = [loop.call_later(TRIM_INTERVAL_S, trim)]
     if options["kind"] == "grpc":
         from gpud.api.grpc_api import start_grpc_server
         from gpud.api.grpcwire.keepalive import Keepalive
@@ -60,6 +68,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
             await stop.wait()
             await grpc_server.stop(grace[0])
         finally:
+            trimmer[0].cancel()
             core.close()
             arena.close()
         return
@@ -82,6 +91,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
         await stop.wait()
         await server.close(grace[0])
     finally:
+        trimmer[0].cancel()
         core.close()
         arena.close()
 
