@@ -2,6 +2,9 @@
 answer written by hand. Each is held to what protobuf's own parse and serialization make of the same message."""
 from __future__ import annotations
 
+import threading
+
+import grpc
 import numpy as np
 import pytest
 
@@ -11,6 +14,9 @@ from gpud.api.grpcwire import calls
 from gpud.executor.client_shm import ShmRef
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, InferTensor, RequestedOutput
 from gpud.proto import grpc_service_pb2 as pb
+from gpud.proto import grpc_service_pb2_grpc as pb_grpc
+from tests.fake_core import FakeCore
+from tests.test_grpc_api import TIMEOUT_S, ServerThread
 
 
 def _request(request_id: str = "", rows: int = 2, values: np.ndarray | None = None, **kw) -> pb.ModelInferRequest:
@@ -236,3 +242,64 @@ def test_start_model_infer_refusals_are_statuses(data, core, status):
         assert replies == [] and core.submitted
         return
     assert cancel is None and len(replies) == 1 and replies[0][0] == status
+
+
+# --- a stream on gpud's server: answers and errors in band, requests cancelled with the call -------------------------
+
+class _HoldingCore(FakeCore):
+    """Answers requests for 'add_sub' as FakeCore does; holds those for 'hold' until the call ends, then says
+    whether they were cancelled."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = threading.Event()
+        self.cancelled = threading.Event()
+
+    def submit(self, request, done):
+        if request.model_name != "hold":
+            return super().submit(request, done)
+        self.held.set()
+        return self.cancelled.set
+
+
+def _stream_request(model: str, request_id: str) -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name=model, id=request_id)
+    for name in ("INPUT0", "INPUT1"):
+        message.inputs.add(name=name, datatype="FP32", shape=[1, 4])
+        message.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    return message
+
+
+def test_a_stream_answers_in_band_with_what_identifies_each_request_and_a_plan_for_its_kind():
+    running = ServerThread(_HoldingCore(), implementation="gpud")
+    try:
+        with grpc.insecure_channel(running.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            requests = [_stream_request("add_sub", f"ok-{i}") for i in range(3)]
+            requests.insert(1, _stream_request("no_such_model", "bad"))
+            answers = list(stub.ModelStreamInfer(iter(requests), timeout=TIMEOUT_S))
+    finally:
+        running.close()
+    assert len(answers) == 4
+    errors = [a for a in answers if a.error_message]
+    assert len(errors) == 1 and "no_such_model" in errors[0].error_message
+    assert (errors[0].infer_response.model_name, errors[0].infer_response.id) == ("no_such_model", "bad")
+    ok = {a.infer_response.id: a.infer_response for a in answers if not a.error_message}
+    assert sorted(ok) == ["ok-0", "ok-1", "ok-2"]
+    out = {o.name: np.frombuffer(raw, np.float32)
+           for o, raw in zip(ok["ok-2"].outputs, ok["ok-2"].raw_output_contents)}
+    np.testing.assert_array_equal(out["OUTPUT0"], np.full(4, 2, np.float32))  # add_sub: INPUT0 + INPUT1
+
+
+def test_a_stream_cancelled_with_requests_in_flight_cancels_them_in_the_core():
+    core = _HoldingCore()
+    running = ServerThread(core, implementation="gpud")
+    try:
+        with grpc.insecure_channel(running.url) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            call = stub.ModelStreamInfer(iter([_stream_request("hold", "h")]), timeout=TIMEOUT_S)
+            assert core.held.wait(TIMEOUT_S)
+            call.cancel()
+            assert core.cancelled.wait(TIMEOUT_S)
+    finally:
+        running.close()

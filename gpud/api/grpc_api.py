@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +34,7 @@ from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
-from gpud.api.grpc_infer import InferPlan, InferPlans, encode_response
+from gpud.api.grpc_infer import InferPlan, InferPlans, encode_response, stream_answer
 from gpud.api.grpcwire import calls
 from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Reply
 from gpud.api.grpcwire.keepalive import Keepalive
@@ -495,28 +496,38 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
         when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`."""
         try:
-            request, scanned = self._plans.request(data)
-            if request is None:
-                message = _parse_infer_request(data)
-                if isinstance(message, MalformedMessage):
-                    raise message.refuse()
-                request = to_infer_request(message, self._max_tensor_elements)
-                self._plans.remember(request, scanned)
+            request = self._request_of(data)
             return self._core.submit(request, functools.partial(self._infer_done, request, reply))
         except Exception as exc:  # noqa: BLE001 - every request is answered, never a crash
             reply(*_status_of(exc, "ModelInfer"), None)
             return None
 
+    def _request_of(self, data: bytes) -> InferRequest:
+        """A serialized ModelInferRequest as the core's request: from its kind's plan, else parsed and checked in
+        full (and a plan kept for its kind); INVALID_ARGUMENT for what is no such message or not a valid request."""
+        request, scanned = self._plans.request(data)
+        if request is None:
+            message = _parse_infer_request(data)
+            if isinstance(message, MalformedMessage):
+                raise message.refuse()
+            request = to_infer_request(message, self._max_tensor_elements)
+            self._plans.remember(request, scanned)
+        return request
+
     @staticmethod
-    def _infer_done(request: InferRequest, reply: Reply, result: InferResponse | BaseException) -> None:
+    def _answer_bytes(request: InferRequest, response: InferResponse) -> bytes:
+        plan = request.signature if type(request.signature) is InferPlan else None
+        data = encode_response(response, request.outputs, request.id, plan)
+        if data is None:
+            data = to_infer_response(response, request.outputs, request.id).SerializeToString()
+        return data
+
+    def _infer_done(self, request: InferRequest, reply: Reply, result: InferResponse | BaseException) -> None:
         if isinstance(result, BaseException):
             reply(*_status_of(result, "ModelInfer"), None)
             return
         try:
-            plan = request.signature if type(request.signature) is InferPlan else None
-            data = encode_response(result, request.outputs, request.id, plan)
-            if data is None:
-                data = to_infer_response(result, request.outputs, request.id).SerializeToString()
+            data = self._answer_bytes(request, result)
         except Exception as exc:  # noqa: BLE001
             reply(*_status_of(exc, "ModelInfer"), None)
             return
@@ -527,43 +538,73 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         response = await self._core.infer(infer_request)
         return to_infer_response(response, infer_request.outputs, request.id)
 
-    async def _stream_answer(self, request: pb.ModelInferRequest) -> pb.ModelStreamInferResponse:
-        """One stream response; errors go in error_message so that the stream itself stays open."""
-        if isinstance(request, MalformedMessage):
-            return pb.ModelStreamInferResponse(error_message=request.refuse().message)
+    # --- streams: each request submitted with a callback, its answer or error one response ------------------------
+    def _start_stream_request(self, request: bytes | pb.ModelInferRequest | MalformedMessage,
+                              answer: Callable[[Any], None]) -> Callable[[], None] | None:
+        """Submit one of a stream's requests (bytes on gpud's server, a message on grpcio's); `answer` gets its
+        response (bytes or a message, as the request came) once. Returns how to cancel it."""
+        infer_request: InferRequest | None = None
         try:
-            return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
-        except InferenceError as exc:
-            message = exc.message
+            if isinstance(request, bytes):
+                infer_request = self._request_of(request)
+            elif isinstance(request, MalformedMessage):
+                raise request.refuse()
+            else:
+                infer_request = to_infer_request(request, self._max_tensor_elements)
+            return self._core.submit(infer_request, functools.partial(
+                self._stream_done, infer_request, isinstance(request, bytes), answer))
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the client's stream
-            logger.error("gRPC ModelStreamInfer request failed", exc_info=exc)
-            message = f"internal error in ModelStreamInfer: {type(exc).__name__}: {exc}"
-        # Echo what identifies the request: clients match stream responses to requests by id.
-        return pb.ModelStreamInferResponse(
-            error_message=message,
-            infer_response=pb.ModelInferResponse(model_name=request.model_name,
-                                                 model_version=request.model_version, id=request.id),
-        )
+            identity: Any = infer_request
+            if identity is None and isinstance(request, bytes):
+                parsed = _parse_infer_request(request)  # what identifies it, if it is a message at all
+                identity = None if isinstance(parsed, MalformedMessage) else parsed
+            elif identity is None and not isinstance(request, MalformedMessage):
+                identity = request
+            answer(_stream_error(exc, identity, isinstance(request, bytes)))
+            return None
 
-    async def ModelStreamInfer(self, request_iterator: AsyncIterator[pb.ModelInferRequest],
-                               context) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    def _stream_done(self, request: InferRequest, as_bytes: bool, answer: Callable[[Any], None],
+                     result: InferResponse | BaseException) -> None:
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            if as_bytes:
+                answer(stream_answer(self._answer_bytes(request, result)))
+            else:
+                answer(pb.ModelStreamInferResponse(
+                    infer_response=to_infer_response(result, request.outputs, request.id)))
+        except Exception as exc:  # noqa: BLE001
+            answer(_stream_error(exc, request, as_bytes))
+
+    async def ModelStreamInfer(self, request_iterator: AsyncIterator[Any], context) -> AsyncIterator[Any]:
         # Requests of one stream run concurrently, so that the batcher can batch them, and their responses go back
-        # in completion order, as Triton sends them; clients match them to requests by id.
+        # in completion order, as Triton sends them; clients match them to requests by id. Each is submitted with a
+        # callback (no task per request); on gpud's own server requests come and answers go as bytes.
         responses: asyncio.Queue = asyncio.Queue()
-        tasks: set[asyncio.Task] = set()
+        open_requests: dict[int, Callable[[], None] | None] = {}
+        numbers = itertools.count()
+        reading = True
 
-        async def answer(request):
-            responses.put_nowait(await self._stream_answer(request))
+        def answered(number: int, response: Any) -> None:
+            open_requests.pop(number, None)
+            responses.put_nowait(response)
+            if not reading and not open_requests:
+                responses.put_nowait(_StreamEnd)
 
-        async def read_requests():
+        async def read_requests() -> None:
+            nonlocal reading
             try:
                 async for request in request_iterator:
-                    task = asyncio.create_task(answer(request))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                if tasks:
-                    await asyncio.gather(*tasks)
-            finally:
+                    number = next(numbers)
+                    open_requests[number] = None
+                    cancel = self._start_stream_request(request, functools.partial(answered, number))
+                    if number in open_requests:  # not answered at once
+                        open_requests[number] = cancel
+            except BaseException:
+                responses.put_nowait(_StreamEnd)  # the stream cannot be read: it ends now, with this error
+                raise
+            reading = False
+            if not open_requests:
                 responses.put_nowait(_StreamEnd)
 
         reader = asyncio.create_task(read_requests())
@@ -573,8 +614,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             await reader  # re-raises a failure to read the stream
         finally:
             reader.cancel()
-            for task in list(tasks):
-                task.cancel()
+            for cancel in open_requests.values():  # the call ended (cancelled, failed): nobody waits for these
+                if cancel is not None:
+                    cancel()
+            open_requests.clear()
+
+
+def _stream_error(exc: BaseException, identity: Any, as_bytes: bool) -> Any:
+    """A stream's response for a request that failed: errors go in error_message so that the stream itself stays
+    open, with what identifies the request (`identity`: its model name, version and id, when it has them), as
+    clients match stream responses to requests by id. Serialized where the stream's requests come as bytes."""
+    if isinstance(exc, InferenceError):
+        message = exc.message
+    else:
+        logger.error("gRPC ModelStreamInfer request failed", exc_info=exc)
+        message = f"internal error in ModelStreamInfer: {type(exc).__name__}: {exc}"
+    response = pb.ModelStreamInferResponse(error_message=message)
+    if identity is not None:
+        response.infer_response.CopyFrom(pb.ModelInferResponse(
+            model_name=identity.model_name, model_version=identity.model_version, id=identity.id))
+    return response.SerializeToString() if as_bytes else response
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -597,7 +656,8 @@ class GrpcioServer:
 
 
 def _serialize(message: Any) -> bytes:
-    return cast(bytes, message.SerializeToString())
+    """A response as it goes on the wire (ModelStreamInfer's answers come serialized already)."""
+    return message if isinstance(message, bytes) else cast(bytes, message.SerializeToString())
 
 
 def method_table(servicer: InferenceServicer) -> dict[str, Method]:
@@ -607,6 +667,8 @@ def method_table(servicer: InferenceServicer) -> dict[str, Method]:
     table = {}
     for method in service.methods:
         parse = _lenient(message_factory.GetMessageClass(method.input_type).FromString)
+        if method.name == "ModelStreamInfer":
+            parse = bytes  # its requests are read from their bytes (the servicer's plans), as ModelInfer's
         assert parse is not None
         table[f"/{service.full_name}/{method.name}"] = Method(
             getattr(servicer, method.name), parse, _serialize,

@@ -205,6 +205,11 @@ def _raw_output(tensor: InferTensor) -> Any:
     return array.reshape(-1).view(np.uint8).data
 
 
+def stream_answer(data: bytes) -> bytes:
+    """ModelStreamInferResponse holding `data` (a serialized ModelInferResponse) as its infer_response (field 2)."""
+    return b"\x12" + _varint_bytes(len(data)) + data
+
+
 def encode_response(response: InferResponse, requested: list[RequestedOutput] | None, request_id: str,
                     plan: InferPlan | None) -> bytes | None:
     """The serialized ModelInferResponse `to_infer_response` would make (only the requested outputs; all when None);
