@@ -57,3 +57,16 @@ def test_a_segment_taken_from_between_trims_is_not_released(arena):
     arena.free(second)
     assert arena.trim() == 0  # it was used since: another whole interval free first
     assert arena.trim() > 0
+
+
+def test_a_segment_only_looked_at_for_a_larger_block_is_still_released(arena):
+    arena.put(np.ones(10, np.uint8))  # warm segment
+    _, middle = arena.put(np.ones(SEGMENT_BYTES, np.uint8))  # a segment of twice that
+    arena.free(middle)  # wholly free from now on
+    _, big = arena.put(np.ones(3 * SEGMENT_BYTES, np.uint8))  # too large for it: a segment of its own
+    released = []
+    for _ in range(3):  # steady large traffic: each allocation looks at the free segment and passes it by
+        released.append(arena.trim())
+        arena.free(big)
+        _, big = arena.put(np.ones(3 * SEGMENT_BYTES, np.uint8))
+    assert released == [0, 2 * SEGMENT_BYTES, 0]  # released once, at the second trim, and counted once

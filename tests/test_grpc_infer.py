@@ -98,6 +98,33 @@ def test_what_does_not_match_the_plan_goes_the_full_way_and_gets_its_error():
     assert plans.request(raw_id)[0] is None
 
 
+def test_a_kind_with_large_parameters_gets_no_plan_and_an_id_given_twice_goes_the_full_way():
+    plans = InferPlans()
+    message = _request("a")
+    message.parameters["note"].string_param = "x" * 5000  # a client's large parameter: plans must not pin these
+    data = message.SerializeToString()
+    for _ in range(2):
+        request, planned = _through(plans, data)
+        assert not planned and request.signature is None
+    plans = InferPlans()
+    _through(plans, _request("a").SerializeToString())
+    twice = _request("").SerializeToString() + b"\x1a\x02\xff\xfe" + b"\x1a\x01b"  # a bad id, then a good one
+    assert scan(twice) is None and plans.request(twice)[0] is None  # protobuf refuses it (each id's UTF-8)
+
+
+def test_a_request_the_core_refuses_leaves_no_plan():
+    servicer = InferenceServicer(_Core(InferenceError(ErrorKind.NOT_FOUND, "no model 'm'")))
+    data = _request("x").SerializeToString()
+    for _ in range(2):
+        replies: list = []
+        servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), lambda *r: replies.append(r))
+        assert replies[0][0] == calls.NOT_FOUND
+    assert servicer._plans.request(data)[0] is None  # noqa: SLF001 - refused kinds are not remembered
+    accepting = InferenceServicer(_Core())
+    accepting.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), lambda *r: None)
+    assert accepting._plans.request(data)[0] is not None  # noqa: SLF001 - a kind the core took is
+
+
 def test_kinds_that_need_checks_per_request_get_no_plan():
     plans = InferPlans()
     text = pb.ModelInferRequest(model_name="m")
@@ -127,12 +154,12 @@ def test_the_scan_reads_fields_in_any_order_and_leaves_what_it_cannot_read_to_pr
     data = _request("x").SerializeToString()
     key, ident, raws = scan(data)
     assert ident == b"x" and [bytes(r) for r in raws] == list(pb.ModelInferRequest.FromString(data).raw_input_contents)
-    # raw contents first, then the rest, the id twice (the last counts): the same key and the same request
+    # raw contents first, then the id, then the rest: the same key and the same request
     message = pb.ModelInferRequest.FromString(data)
     reordered = b"".join(b"\x3a" + _varint(len(r)) + r for r in message.raw_input_contents)
     message.ClearField("raw_input_contents")
     message.id = ""
-    reordered += b"\x1a\x01y" + message.SerializeToString() + b"\x1a\x01x"
+    reordered += b"\x1a\x01x" + message.SerializeToString()
     assert scan(reordered)[:2] == (key, b"x")
     plans = InferPlans()
     _through(plans, data)

@@ -496,23 +496,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
         when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`."""
         try:
-            request = self._request_of(data)
-            return self._core.submit(request, functools.partial(self._infer_done, request, reply))
+            request, scanned = self._request_of(data)
+            cancel = self._core.submit(request, functools.partial(self._infer_done, request, reply))
         except Exception as exc:  # noqa: BLE001 - every request is answered, never a crash
             reply(*_status_of(exc, "ModelInfer"), None)
             return None
+        self._plans.remember(request, scanned)  # a kind the core took: the next of its kind comes from the plan
+        return cancel
 
-    def _request_of(self, data: bytes) -> InferRequest:
+    def _request_of(self, data: bytes) -> tuple[InferRequest, Any]:
         """A serialized ModelInferRequest as the core's request: from its kind's plan, else parsed and checked in
-        full (and a plan kept for its kind); INVALID_ARGUMENT for what is no such message or not a valid request."""
+        full; INVALID_ARGUMENT for what is no such message or not a valid request. Also what `InferPlans.remember`
+        takes to keep a plan for its kind once the core has taken it (None when it came from one)."""
         request, scanned = self._plans.request(data)
-        if request is None:
-            message = _parse_infer_request(data)
-            if isinstance(message, MalformedMessage):
-                raise message.refuse()
-            request = to_infer_request(message, self._max_tensor_elements)
-            self._plans.remember(request, scanned)
-        return request
+        if request is not None:
+            return request, None
+        message = _parse_infer_request(data)
+        if isinstance(message, MalformedMessage):
+            raise message.refuse()
+        return to_infer_request(message, self._max_tensor_elements), scanned
 
     @staticmethod
     def _answer_bytes(request: InferRequest, response: InferResponse) -> bytes:
@@ -544,15 +546,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Submit one of a stream's requests (bytes on gpud's server, a message on grpcio's); `answer` gets its
         response (bytes or a message, as the request came) once. Returns how to cancel it."""
         infer_request: InferRequest | None = None
+        scanned = None
         try:
             if isinstance(request, bytes):
-                infer_request = self._request_of(request)
+                infer_request, scanned = self._request_of(request)
             elif isinstance(request, MalformedMessage):
                 raise request.refuse()
             else:
                 infer_request = to_infer_request(request, self._max_tensor_elements)
-            return self._core.submit(infer_request, functools.partial(
+            cancel = self._core.submit(infer_request, functools.partial(
                 self._stream_done, infer_request, isinstance(request, bytes), answer))
+            self._plans.remember(infer_request, scanned)
+            return cancel
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the client's stream
             identity: Any = infer_request
             if identity is None and isinstance(request, bytes):

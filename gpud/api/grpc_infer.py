@@ -22,6 +22,8 @@ from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 _PLANS_MAX = 1024
+_PLAN_MAX_KEY_BYTES = 4096  # a kind with more than this around its tensors (large parameters) gets no plan: 1024
+# plans then hold at most 4 MiB, whatever clients send
 _ANSWERS_MAX = 8  # output layouts remembered per plan (one in practice)
 # Little-endian hosts only: a plan's arrays are views of the wire's little-endian bytes.
 _PLANNABLE_DATATYPES = frozenset(("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
@@ -72,7 +74,9 @@ def scan(data: bytes) -> tuple[bytes, bytes | None, list[memoryview]] | None:
             if field == _RAW_INPUT_FIELD:
                 raws.append(view[i:end])
             elif field == _ID_FIELD:
-                ident = data[i:end]  # the last one counts, as in protobuf
+                if ident is not None:
+                    return None  # the id twice: protobuf checks each one's UTF-8, the full parse decides
+                ident = data[i:end]
             else:
                 key.append(data[start:end])
             i = end
@@ -152,7 +156,7 @@ class InferPlans:
         if scanned is None:
             return
         key, raws = scanned
-        if not InferPlan.fits(request, raws):
+        if len(key) > _PLAN_MAX_KEY_BYTES or not InferPlan.fits(request, raws):
             return
         if len(self._plans) >= self.capacity:
             self._plans.clear()  # kinds churn: start over rather than track recency

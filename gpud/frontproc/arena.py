@@ -45,10 +45,10 @@ class _Space:
         return self.free == [(0, self.segment.size_bytes)]
 
     def take(self, size: int) -> int | None:
-        self.used = True
-        self.released = False
         for i, (offset, length) in enumerate(self.free):
             if length >= size:
+                self.used = True
+                self.released = False
                 if length == size:
                     del self.free[i]
                 else:

@@ -36,6 +36,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.start()
     # the port's connection cap counts every process's connections (the host's shared page)
     connections = SharedConnections(options["connections_fd"], options["processes"], options["index"])
+    connections.set(0)  # none yet (a process this one replaces may have written its last count late)
     loop = asyncio.get_running_loop()
 
     def trim() -> None:  # the arena gives back what a burst of large tensors made it take

@@ -409,6 +409,8 @@ class FrontendHost:
         """Collect an ended process's exit status (no zombie left), checking again shortly while it has not."""
         if fp.proc.poll() is None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_later(0.05, self._reap, fp)
+        elif fp.proc.poll() is not None and self.processes[fp.index] is fp:
+            self.connections.clear(fp.index)  # again, now that it cannot write its count any more
 
     def _restart(self, index: int) -> None:
         if not self.stopping:
