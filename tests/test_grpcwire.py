@@ -467,6 +467,15 @@ def test_raw_headers_in_continuation_frames_and_padded_data(server):
     assert flags & frames.END_STREAM and ("grpc-status", "0") in hpack.Decoder().decode(trailers)
 
 
+def test_raw_a_callback_call_is_cancelled_when_its_connection_closes(server):
+    raw = Raw(server.url)
+    headers = [(k, "/t.S/Later" if k == ":path" else v) for k, v in GRPC_HEADERS]
+    raw.send(raw.headers(1, headers) + frames.frame(frames.DATA, frames.END_STREAM, 1, _framed(b"wait")))
+    assert server.handlers.started.wait(TIMEOUT_S)
+    raw.sock.close()  # no RST_STREAM: the connection is just gone
+    assert server.handlers.cancelled.wait(TIMEOUT_S)
+
+
 def test_raw_not_grpc_gets_an_http_status(server):
     raw = Raw(server.url)
     raw.send(raw.headers(1, [(":method", "GET"), (":scheme", "http"), (":path", "/t.S/Echo"), (":authority", "x")],
