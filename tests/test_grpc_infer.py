@@ -35,7 +35,7 @@ def _through(plans: InferPlans, data: bytes):
     if request is not None:
         return request, True
     request = to_infer_request(pb.ModelInferRequest.FromString(data))
-    plans.remember(request, scanned)
+    plans.keep(plans.prepare(request, scanned))
     return request, False
 
 
@@ -112,12 +112,17 @@ def test_a_kind_with_large_parameters_gets_no_plan_and_an_id_given_twice_goes_th
     assert scan(twice) is None and plans.request(twice)[0] is None  # protobuf refuses it (each id's UTF-8)
 
 
+class _Replies(list):
+    def __call__(self, *reply) -> None:
+        self.append(reply)
+
+
 def test_a_request_the_core_refuses_leaves_no_plan():
     servicer = InferenceServicer(_Core(InferenceError(ErrorKind.NOT_FOUND, "no model 'm'")))
     data = _request("x").SerializeToString()
     for _ in range(2):
-        replies: list = []
-        servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), lambda *r: replies.append(r))
+        replies = _Replies()
+        servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), replies)
         assert replies[0][0] == calls.NOT_FOUND
     assert servicer._plans.request(data)[0] is None  # noqa: SLF001 - refused kinds are not remembered
     accepting = InferenceServicer(_Core())
@@ -330,3 +335,24 @@ def test_a_stream_cancelled_with_requests_in_flight_cancels_them_in_the_core():
             assert core.cancelled.wait(TIMEOUT_S)
     finally:
         running.close()
+
+
+class _MovingCore(_Core):
+    """Takes the tensors out of the request as it submits it, as a front-end process's core does (its arena)."""
+
+    def submit(self, request, done):
+        for tensor in request.inputs:
+            tensor.data = np.empty(0, tensor.data.dtype)
+        return super().submit(request, done)
+
+
+@pytest.mark.parametrize("priority", [0, 3])  # 3: a request a front-end process sends alone
+def test_a_plan_is_kept_when_the_core_moves_the_tensors_out_as_it_takes_the_request(priority):
+    servicer = InferenceServicer(_MovingCore())
+    message = _request("x")
+    if priority:
+        message.parameters["priority"].int64_param = priority
+    data = message.SerializeToString()
+    servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), _Replies())
+    request = servicer._plans.request(data)[0]  # noqa: SLF001
+    assert request is not None and request.priority == priority

@@ -496,25 +496,26 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
         when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`."""
         try:
-            request, scanned = self._request_of(data)
+            request, plan = self._request_of(data)
             cancel = self._core.submit(request, functools.partial(self._infer_done, request, reply))
         except Exception as exc:  # noqa: BLE001 - every request is answered, never a crash
             reply(*_status_of(exc, "ModelInfer"), None)
             return None
-        self._plans.remember(request, scanned)  # a kind the core took: the next of its kind comes from the plan
+        self._plans.keep(plan)  # a kind the core took: the next of its kind comes from the plan
         return cancel
 
     def _request_of(self, data: bytes) -> tuple[InferRequest, Any]:
         """A serialized ModelInferRequest as the core's request: from its kind's plan, else parsed and checked in
-        full; INVALID_ARGUMENT for what is no such message or not a valid request. Also what `InferPlans.remember`
-        takes to keep a plan for its kind once the core has taken it (None when it came from one)."""
+        full; INVALID_ARGUMENT for what is no such message or not a valid request. Also a new plan for its kind,
+        for `InferPlans.keep` once the core has taken the request (None when it came from one, or gets none)."""
         request, scanned = self._plans.request(data)
         if request is not None:
             return request, None
         message = _parse_infer_request(data)
         if isinstance(message, MalformedMessage):
             raise message.refuse()
-        return to_infer_request(message, self._max_tensor_elements), scanned
+        request = to_infer_request(message, self._max_tensor_elements)
+        return request, self._plans.prepare(request, scanned)
 
     @staticmethod
     def _answer_bytes(request: InferRequest, response: InferResponse) -> bytes:
@@ -546,18 +547,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Submit one of a stream's requests (bytes on gpud's server, a message on grpcio's); `answer` gets its
         response (bytes or a message, as the request came) once. Returns how to cancel it."""
         infer_request: InferRequest | None = None
-        scanned = None
+        plan = None
         try:
             if isinstance(request, bytes):
-                infer_request, scanned = self._request_of(request)
+                infer_request, plan = self._request_of(request)
             elif isinstance(request, MalformedMessage):
                 raise request.refuse()
             else:
                 infer_request = to_infer_request(request, self._max_tensor_elements)
             cancel = self._core.submit(infer_request, functools.partial(
                 self._stream_done, infer_request, isinstance(request, bytes), answer))
-            self._plans.remember(infer_request, scanned)
-            return cancel
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the client's stream
             identity: Any = infer_request
             if identity is None and isinstance(request, bytes):
@@ -567,12 +566,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 identity = request
             answer(_stream_error(exc, identity, isinstance(request, bytes)))
             return None
+        self._plans.keep(plan)
+        return cancel
 
     def _stream_done(self, request: InferRequest, as_bytes: bool, answer: Callable[[Any], None],
                      result: InferResponse | BaseException) -> None:
+        if isinstance(result, BaseException):
+            answer(_stream_error(result, request, as_bytes))
+            return
         try:
-            if isinstance(result, BaseException):
-                raise result
             if as_bytes:
                 answer(stream_answer(self._answer_bytes(request, result)))
             else:

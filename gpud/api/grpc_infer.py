@@ -139,7 +139,7 @@ class InferPlans:
         self._plans: dict[bytes, InferPlan] = {}
 
     def request(self, data: bytes) -> tuple[InferRequest | None, Any]:
-        """(the request, None) from a known plan; else (None, what `remember` needs to keep one)."""
+        """(the request, None) from a known plan; else (None, what `prepare` needs to make one)."""
         scanned = scan(data)
         if scanned is None:
             return None, None
@@ -151,16 +151,25 @@ class InferPlans:
                 return request, None
         return None, (key, raws)
 
-    def remember(self, request: InferRequest, scanned: Any) -> None:
-        """Keep a plan for requests like `request` (fully parsed and checked), when they can have one."""
+    def prepare(self, request: InferRequest, scanned: Any) -> tuple[bytes, InferPlan] | None:
+        """A plan for requests like `request` (fully parsed and checked, its tensors still its own: a front-end
+        process's core moves them out when it submits), set as its signature; None when its kind gets none. It is
+        kept (`keep`) once the core has taken the request: refused kinds must not pin memory here."""
         if scanned is None:
-            return
+            return None
         key, raws = scanned
         if len(key) > _PLAN_MAX_KEY_BYTES or not InferPlan.fits(request, raws):
+            return None
+        plan = request.signature = InferPlan(request)
+        return key, plan
+
+    def keep(self, prepared: tuple[bytes, InferPlan] | None) -> None:
+        if prepared is None:
             return
         if len(self._plans) >= self.capacity:
             self._plans.clear()  # kinds churn: start over rather than track recency
-        request.signature = self._plans[key] = InferPlan(request)
+        key, plan = prepared
+        self._plans[key] = plan
 
 
 # ---------------------------------------------------------------------------------------------------------------------
