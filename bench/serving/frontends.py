@@ -2,11 +2,12 @@
 under the same load, each count on a fresh daemon, interleaved.
 
     .venv/bin/python bench/serving/frontends.py [--counts 0,1,2,4] [--concurrency 64] [--seconds 5] [--rounds 2]
-                                                [--protocols http,grpc,grpcio] [--perf-analyzer PATH]
+                                                [--protocols http,grpc,grpc-stream,grpcio] [--perf-analyzer PATH]
 
 HTTP: wrk with one fixed KServe binary body (run.py's harness, the tiny MLP, one 1x256 FP32 row per request). gRPC:
 perf_analyzer --async (--perf-analyzer, $GPUD_PERF_ANALYZER or run.py's own install) on gpud's own gRPC server
-("grpc") or grpcio's ("grpcio": --grpc-server grpcio). For each point it prints
+("grpc"), the same with --streaming (its requests on ModelStreamInfer streams: "grpc-stream"), or on
+grpcio's server ("grpcio": --grpc-server grpcio). For each point it prints
 requests/s, p50 and p99, and the CPU per request of the core's process, of the front-end processes together and of
 the device workers. 0 is the front end on the core's event loop. Compare within one run: the client, the daemon's
 processes and the workers share the machine's cores.
@@ -53,7 +54,8 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
             p50, p99 = r["p50_us"] / 1e3, r["p99_us"] / 1e3
         else:
             t0 = time.monotonic()
-            r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds, workdir)
+            r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds, workdir,
+                                      ("--streaming",) if protocol == "grpc-stream" else ())
             rps, p50, p99 = r["requests_per_s"], r["p50_us"] / 1e3, r["p99_us"] / 1e3
             n = rps * (time.monotonic() - t0)  # perf_analyzer's windows plus its set-up: an estimate of the count
         after = (run.cpu_seconds(core), run.cpu_seconds(fe), run.cpu_seconds(workers))
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     counts = [int(c) for c in args.counts.split(",")]
     protocols = [x for x in args.protocols.split(",") if x]
     tools = {"wrk": run.ensure_wrk()}
-    if "grpc" in protocols or "grpcio" in protocols:
+    if any(p.startswith("grpc") for p in protocols):
         tools["perf_analyzer"] = args.perf_analyzer or run.ensure_perf_analyzer()
     print(f"# {os.cpu_count()} cores; mlp; concurrency {args.concurrency}; {args.seconds:.0f} s a point; "
           f"best of {args.rounds} rounds (interleaved)")
