@@ -356,3 +356,22 @@ def test_a_plan_is_kept_when_the_core_moves_the_tensors_out_as_it_takes_the_requ
     servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), _Replies())
     request = servicer._plans.request(data)[0]  # noqa: SLF001
     assert request is not None and request.priority == priority
+
+
+def test_a_large_request_assembled_in_place_is_served_unary_and_on_a_stream_from_its_plan():
+    running = ServerThread(FakeCore(), max_message_bytes=8 << 20, implementation="gpud")
+    data = np.arange(300_000, dtype=np.int64)  # 2.4 MB: over the size assembled in place as it comes
+    message = pb.ModelInferRequest(model_name="identity_int64", id="big")
+    message.inputs.add(name="INPUT0", datatype="INT64", shape=[1, data.size])
+    message.raw_input_contents.append(data.tobytes())
+    try:
+        with grpc.insecure_channel(running.url, options=[("grpc.max_send_message_length", 8 << 20),
+                                                         ("grpc.max_receive_message_length", 8 << 20)]) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            answers = [stub.ModelInfer(message, timeout=TIMEOUT_S) for _ in range(2)]  # the second from its plan
+            answers += [a.infer_response for a in stub.ModelStreamInfer(iter([message] * 2), timeout=TIMEOUT_S)]
+    finally:
+        running.close()
+    for answer in answers:
+        assert answer.id == "big"
+        np.testing.assert_array_equal(np.frombuffer(answer.raw_output_contents[0], np.int64), data)

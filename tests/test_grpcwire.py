@@ -96,6 +96,25 @@ def test_messages_cut_from_data_at_any_boundary():
     assert [m for b in wire for m in reader.feed(bytes([b]))] == [b"first", b"", b"x" * 1000]
 
 
+def test_large_messages_are_assembled_in_place_at_any_boundary():
+    """A message of assemble_bytes or more is copied into place as its data comes (a memoryview), the same bytes."""
+    big = bytes(range(256)) * 2
+    packed = zlib.compress(big)
+    wire = _framed(b"small") + _framed(big) + _framed(packed, compressed=True) + _framed(b"after")
+    expected = [b"small", big, big, b"after"]
+    for cut in range(0, len(wire) + 1, 7):
+        for second in (cut, min(len(wire), cut + 300)):
+            reader = MessageReader(2**20, "deflate", assemble_bytes=100)
+            got = reader.feed(wire[:cut]) + reader.feed(wire[cut:second]) + reader.feed(wire[second:])
+            assert [bytes(m) for m in got] == expected
+            assert not reader.partial and reader.buffered_bytes == 0
+    reader = MessageReader(2**20, None, assemble_bytes=100)
+    assert reader.feed(_framed(big)[:205]) == []  # a large message announced, 200 of its bytes in
+    assert reader.partial and reader.buffered_bytes == 200
+    (message,) = reader.feed(_framed(big)[205:])
+    assert isinstance(message, memoryview) and message == big
+
+
 def test_message_over_the_limit_is_refused_from_its_prefix():
     reader = MessageReader(10, None)
     with pytest.raises(CallAborted, match=r"larger than max \(11 vs. 10\)") as e:

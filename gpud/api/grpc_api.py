@@ -549,22 +549,22 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         infer_request: InferRequest | None = None
         plan = None
         try:
-            if isinstance(request, bytes):
+            if isinstance(request, _WIRE):
                 infer_request, plan = self._request_of(request)
             elif isinstance(request, MalformedMessage):
                 raise request.refuse()
             else:
                 infer_request = to_infer_request(request, self._max_tensor_elements)
             cancel = self._core.submit(infer_request, functools.partial(
-                self._stream_done, infer_request, isinstance(request, bytes), answer))
+                self._stream_done, infer_request, isinstance(request, _WIRE), answer))
         except Exception as exc:  # noqa: BLE001 - one bad request must not end the client's stream
             identity: Any = infer_request
-            if identity is None and isinstance(request, bytes):
+            if identity is None and isinstance(request, _WIRE):
                 parsed = _parse_infer_request(request)  # what identifies it, if it is a message at all
                 identity = None if isinstance(parsed, MalformedMessage) else parsed
             elif identity is None and not isinstance(request, MalformedMessage):
                 identity = request
-            answer(_stream_error(exc, identity, isinstance(request, bytes)))
+            answer(_stream_error(exc, identity, isinstance(request, _WIRE)))
             return None
         self._plans.keep(plan)
         return cancel
@@ -675,7 +675,7 @@ def method_table(servicer: InferenceServicer) -> dict[str, Method]:
     for method in service.methods:
         parse = _lenient(message_factory.GetMessageClass(method.input_type).FromString)
         if method.name == "ModelStreamInfer":
-            parse = bytes  # its requests are read from their bytes (the servicer's plans), as ModelInfer's
+            parse = _as_received  # its requests are read from their bytes (the servicer's plans), as ModelInfer's
         assert parse is not None
         table[f"/{service.full_name}/{method.name}"] = Method(
             getattr(servicer, method.name), parse, _serialize,
@@ -684,9 +684,16 @@ def method_table(servicer: InferenceServicer) -> dict[str, Method]:
     return table
 
 
-def _parse_infer_request(data: bytes) -> Any:
+_WIRE = (bytes, memoryview)  # a request as gpud's server reads it (a large one comes as a memoryview)
+
+
+def _as_received(data: Any) -> Any:
+    return data
+
+
+def _parse_infer_request(data: bytes | memoryview) -> Any:
     try:
-        return pb.ModelInferRequest.FromString(data)
+        return pb.ModelInferRequest.FromString(data)  # type: ignore[arg-type]  # upb takes any bytes-like
     except DecodeError as exc:
         return MalformedMessage(str(exc))
 

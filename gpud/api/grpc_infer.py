@@ -34,7 +34,7 @@ _ID_FIELD = 3
 _RAW_INPUT_FIELD = 7
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
+def _varint(data: bytes | memoryview, i: int) -> tuple[int, int]:
     """The varint at data[i:] and the index after it; IndexError when the data ends inside it."""
     b = data[i]
     if b < 0x80:
@@ -51,12 +51,12 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
             raise IndexError("varint too long")
 
 
-def scan(data: bytes) -> tuple[bytes, bytes | None, list[memoryview]] | None:
+def scan(data: bytes | memoryview) -> tuple[bytes, bytes | None, list[memoryview]] | None:
     """A ModelInferRequest's bytes as (key: its fields but the id and the raw contents, the id's bytes, the raw
     contents as views of `data`); None where a field is not length-delimited or the message is cut short (only
     the full parse says what such a message means), or where it has no raw contents."""
     view = memoryview(data)
-    key: list[bytes] = []
+    key: list[bytes | memoryview] = []
     raws: list[memoryview] = []
     ident = None
     i, n = 0, len(data)
@@ -76,7 +76,7 @@ def scan(data: bytes) -> tuple[bytes, bytes | None, list[memoryview]] | None:
             elif field == _ID_FIELD:
                 if ident is not None:
                     return None  # the id twice: protobuf checks each one's UTF-8, the full parse decides
-                ident = data[i:end]
+                ident = bytes(data[i:end])
             else:
                 key.append(data[start:end])
             i = end
