@@ -283,7 +283,8 @@ def to_infer_response(response: InferResponse, requested: list[RequestedOutput] 
 
 
 def _status_of(exc: BaseException, method: str) -> tuple[int, str]:
-    """The status and details a call ends with for `exc` (as `_abort` answers them)."""
+    """The status and details a call ends with for `exc`: a client's error as its kind says, anything else (not an
+    error a client caused) logged with its traceback and answered INTERNAL, so the server keeps serving."""
     if isinstance(exc, InferenceError):
         return calls.status_number(GRPC_STATUS_CODES[exc.kind]), exc.message
     if isinstance(exc, CallAborted):
@@ -292,14 +293,13 @@ def _status_of(exc: BaseException, method: str) -> tuple[int, str]:
     return calls.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 
 
+_STATUS_CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
     """Answer with the status for exc (context.abort raises, ending the RPC)."""
-    if isinstance(exc, InferenceError):
-        await context.abort(GRPC_STATUS_CODES[exc.kind], exc.message)
-    else:
-        # Not an error a client caused: log it with its traceback, answer INTERNAL, keep serving.
-        logger.error("gRPC %s failed", method, exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+    number, details = _status_of(exc, method)
+    await context.abort(_STATUS_CODES_BY_NUMBER[number], details)
 
 
 class MalformedMessage:
@@ -631,12 +631,7 @@ def _stream_error(exc: BaseException, identity: Any, as_bytes: bool) -> Any:
     """A stream's response for a request that failed: errors go in error_message so that the stream itself stays
     open, with what identifies the request (`identity`: its model name, version and id, when it has them), as
     clients match stream responses to requests by id. Serialized where the stream's requests come as bytes."""
-    if isinstance(exc, InferenceError):
-        message = exc.message
-    else:
-        logger.error("gRPC ModelStreamInfer request failed", exc_info=exc)
-        message = f"internal error in ModelStreamInfer: {type(exc).__name__}: {exc}"
-    response = pb.ModelStreamInferResponse(error_message=message)
+    response = pb.ModelStreamInferResponse(error_message=_status_of(exc, "ModelStreamInfer")[1])
     if identity is not None:
         response.infer_response.CopyFrom(pb.ModelInferResponse(
             model_name=identity.model_name, model_version=identity.model_version, id=identity.id))
