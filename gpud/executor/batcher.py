@@ -96,7 +96,7 @@ _TIMEOUT_ACTIONS = ("REJECT", "DELAY")
 _BUSY_WAIT_GAPS = 2.0  # rule 6: while arrivals are busy, what is queued waits at most this many typical gaps
 _RUN_SMOOTHING = 0.2  # EWMA weight of the newest batch's run time (note_run)
 _RUN_RISE = 0.05  # ... of a slower one in the average that errs short: a sustained rise, not one slow batch
-_EMPTY, _MIXED = object(), object()  # BatchQueue._shared_key before any request, and where requests differ
+_MIXED = object()  # BatchQueue._shared_key where queued requests differ in shape (or none was queued yet)
 _BATCH_ROWS_SMOOTHING = 0.2  # EWMA weight of the newest batch in rule 7a's "rows of recent batches"
 
 
@@ -400,7 +400,7 @@ class BatchQueue:
         # queued: the first one queued sets it).
         # With one key, no deadline and the rows under the largest batch, the candidate is the whole queue and
         # not blocked: a decision need not list it (decide's fast path: each arrival decides, O(1) then).
-        self._shared_key: object = _EMPTY
+        self._shared_key: object = _MIXED
         # (deadline_s, seq, request) of undelayed requests with a timeout. Lazy deletion: entries of requests that
         # left the queue or were delayed stay until they reach the top (or a compaction), and are skipped there.
         self._deadlines: list[tuple[float, int, QueuedRequest]] = []
