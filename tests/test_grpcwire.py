@@ -317,15 +317,32 @@ def test_compressed_requests(server):
         assert _unary(ch, "Echo")(b"z" * 10000, timeout=TIMEOUT_S) == b"z" * 10000
 
 
-def test_deadline_cancels_the_handler(channel, server):
+# A call held open by its handler: a task ("Wait", a coroutine) or a callback ("Later", Method.start).
+HELD = ["Wait", "Later"]
+
+
+def _release(server, method: str) -> None:
+    """Let the held call answer b"released"."""
+    if method == "Wait":
+        server.loop.call_soon_threadsafe(server.handlers.release.set)
+    else:
+        server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"released")
+
+
+@pytest.mark.parametrize("method", HELD)
+def test_deadline_cancels_the_handler(channel, server, method):
     with pytest.raises(grpc.RpcError) as e:
-        _unary(channel, "Wait")(b"", timeout=0.3)
+        _unary(channel, method)(b"wait", timeout=0.3)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert server.handlers.cancelled.wait(TIMEOUT_S)
+    if method == "Later":  # a reply after the end is dropped, and the connection serves on
+        server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"late")
+        assert _unary(channel, "Later")(b"now", timeout=TIMEOUT_S) == b"now!"
 
 
-def test_client_cancel_cancels_the_handler(channel, server):
-    future = _unary(channel, "Wait").future(b"", timeout=TIMEOUT_S)
+@pytest.mark.parametrize("method", HELD)
+def test_client_cancel_cancels_the_handler(channel, server, method):
+    future = _unary(channel, method).future(b"wait", timeout=TIMEOUT_S)
     assert server.handlers.started.wait(TIMEOUT_S)
     future.cancel()
     assert server.handlers.cancelled.wait(TIMEOUT_S)
@@ -344,50 +361,10 @@ def test_a_method_answered_by_callback_answers_at_once_later_or_with_its_error(c
     assert e.value.code() == grpc.StatusCode.INTERNAL and "a start bug" in e.value.details()
     future = later.future(b"wait", timeout=TIMEOUT_S)
     assert server.handlers.started.wait(TIMEOUT_S)
-    server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"released")
+    _release(server, "Later")
     assert future.result(timeout=TIMEOUT_S) == b"released"
     assert not server.handlers.cancelled.is_set()
     assert _unary(channel, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
-
-
-def test_a_callback_call_is_cancelled_by_its_deadline(channel, server):
-    with pytest.raises(grpc.RpcError) as e:
-        _unary(channel, "Later")(b"wait", timeout=0.3)
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert server.handlers.cancelled.wait(TIMEOUT_S)
-    # a reply after the end is dropped, and the connection serves on
-    server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"late")
-    assert _unary(channel, "Later")(b"now", timeout=TIMEOUT_S) == b"now!"
-
-
-def test_a_callback_call_is_cancelled_when_the_client_cancels(channel, server):
-    future = _unary(channel, "Later").future(b"wait", timeout=TIMEOUT_S)
-    assert server.handlers.started.wait(TIMEOUT_S)
-    future.cancel()
-    assert server.handlers.cancelled.wait(TIMEOUT_S)
-    assert _unary(channel, "Echo")(b"ok", timeout=TIMEOUT_S) == b"ok"
-
-
-def test_stop_lets_a_callback_call_finish_in_the_grace_and_cancels_it_after(server):
-    with grpc.insecure_channel(server.url) as ch:
-        waiting = _unary(ch, "Later").future(b"wait", timeout=TIMEOUT_S)
-        assert server.handlers.started.wait(TIMEOUT_S)
-        stopping = asyncio.run_coroutine_threadsafe(server.server.stop(TIMEOUT_S), server.loop)
-        server.loop.call_soon_threadsafe(server.handlers.replies[0], 0, "", b"released")
-        assert waiting.result(timeout=TIMEOUT_S) == b"released"
-        stopping.result(timeout=TIMEOUT_S)
-    assert not server.handlers.cancelled.is_set()
-
-
-def test_stop_after_the_grace_cancels_a_callback_call(server):
-    with grpc.insecure_channel(server.url) as ch:
-        waiting = _unary(ch, "Later").future(b"wait", timeout=TIMEOUT_S)
-        assert server.handlers.started.wait(TIMEOUT_S)
-        server.run(server.server.stop(0.05))
-        with pytest.raises(grpc.RpcError) as e:
-            waiting.result(timeout=TIMEOUT_S)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert server.handlers.cancelled.wait(TIMEOUT_S)
 
 
 def test_bidirectional_stream(channel):
@@ -400,22 +377,25 @@ def test_bidirectional_stream(channel):
     assert list(call(iter(big), timeout=TIMEOUT_S)) == [b + b"!" for b in big]
 
 
-def test_graceful_stop_lets_open_calls_finish_and_refuses_new_ones(server):
+@pytest.mark.parametrize("method", HELD)
+def test_graceful_stop_lets_open_calls_finish_and_refuses_new_ones(server, method):
     with grpc.insecure_channel(server.url) as ch:
-        waiting = _unary(ch, "Wait").future(b"", timeout=TIMEOUT_S)
+        waiting = _unary(ch, method).future(b"wait", timeout=TIMEOUT_S)
         assert server.handlers.started.wait(TIMEOUT_S)
         stopping = asyncio.run_coroutine_threadsafe(server.server.stop(TIMEOUT_S), server.loop)
-        server.loop.call_soon_threadsafe(server.handlers.release.set)
+        _release(server, method)
         assert waiting.result(timeout=TIMEOUT_S) == b"released"
         stopping.result(timeout=TIMEOUT_S)
         with pytest.raises(grpc.RpcError) as e:
             _unary(ch, "Echo")(b"", timeout=TIMEOUT_S)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert not server.handlers.cancelled.is_set()  # it finished: nothing was cancelled
 
 
-def test_stop_after_the_grace_answers_unavailable(server):
+@pytest.mark.parametrize("method", HELD)
+def test_stop_after_the_grace_answers_unavailable(server, method):
     with grpc.insecure_channel(server.url) as ch:
-        waiting = _unary(ch, "Wait").future(b"", timeout=TIMEOUT_S)
+        waiting = _unary(ch, method).future(b"wait", timeout=TIMEOUT_S)
         assert server.handlers.started.wait(TIMEOUT_S)
         server.run(server.server.stop(0.05))
         with pytest.raises(grpc.RpcError) as e:
