@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gpud.executor.bytes_tensor import encode_bytes_elements
-from gpud.executor.datatypes import numpy_dtype
+from gpud.executor.datatypes import UNCHECKED_DATATYPES, numpy_dtype
 from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput
 
 _PLANS_MAX = 1024
@@ -26,8 +26,7 @@ _PLAN_MAX_KEY_BYTES = 4096  # a kind with more than this around its tensors (lar
 # plans then hold at most 4 MiB, whatever clients send
 _ANSWERS_MAX = 8  # output layouts remembered per plan (one in practice)
 # Little-endian hosts only: a plan's arrays are views of the wire's little-endian bytes.
-_PLANNABLE_DATATYPES = frozenset(("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16",
-                                  "FP32", "FP64")) if sys.byteorder == "little" else frozenset()
+_PLANNABLE_DATATYPES = UNCHECKED_DATATYPES if sys.byteorder == "little" else frozenset()
 
 # ModelInferRequest's fields (grpc_service.proto) that the scan treats apart
 _ID_FIELD = 3

@@ -18,7 +18,7 @@ import orjson
 
 from gpud.executor.client_shm import NO_DATA, shm_ref_of
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from gpud.executor.datatypes import KSERVE_DATATYPES, numpy_dtype
+from gpud.executor.datatypes import KSERVE_DATATYPES, UNCHECKED_DATATYPES, numpy_dtype
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api.http_server import JSON, Body
@@ -81,7 +81,7 @@ class _BinaryPlan:
     @staticmethod
     def fits(request: InferRequest, binary_size: int) -> bool:
         return not request.uses_shm and sum(t.data.nbytes for t in request.inputs) == binary_size and all(
-            t.datatype not in ("BYTES", "BOOL") and t.data.base is not None for t in request.inputs)
+            t.datatype in UNCHECKED_DATATYPES and t.data.base is not None for t in request.inputs)
 
     def request(self, body: Body, offset: int, model_name: str, model_version: str) -> InferRequest:
         tensors = []

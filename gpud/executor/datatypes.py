@@ -20,6 +20,9 @@ _DATATYPES: dict[str, tuple[str, type[np.generic]]] = {
     "BYTES": ("TYPE_STRING", np.object_),
 }
 KSERVE_DATATYPES = frozenset(_DATATYPES)
+# Fixed-size datatypes any bytes of which are valid values: a front end may cut a request's tensors out of its bytes
+# by a plan made from an earlier request of the same header (BYTES is text to check, BOOL must be 0 or 1).
+UNCHECKED_DATATYPES = KSERVE_DATATYPES - {"BYTES", "BOOL"}
 _TRITON_TO_KSERVE = {triton: kserve for kserve, (triton, _) in _DATATYPES.items()}
 
 
