@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -40,7 +41,7 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
           tools: dict) -> dict:
     flag = "--http-processes" if protocol == "http" else "--grpc-processes"
     extra = ("--grpc-server", "grpcio") if protocol == "grpcio" else ()
-    server = run.GpudServer(workdir, repo, (flag, str(count), *extra))
+    server = run.GpudServer(workdir, repo, (flag, str(count), *extra, *shlex.split(args.gpud_args)))
     server.start()
     try:
         time.sleep(0.5)  # the front-end processes announce themselves; their CPU at start is not the load's
@@ -49,7 +50,7 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
         if protocol == "http":
             target = next(t for t in server.targets() if t.label == "gpud http-binary")
             r = run.run_wrk(tools["wrk"], server, target, "mlp", args.concurrency, args.seconds, body_file, header_len,
-                            workdir)
+                            workdir, args.client_threads)
             n, rps = r["requests"], r["requests"] / (r["duration_us"] / 1e6)
             p50, p99 = r["p50_us"] / 1e3, r["p99_us"] / 1e3
         else:
@@ -74,18 +75,22 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--protocols", default="http,grpc")
     p.add_argument("--perf-analyzer", default=os.environ.get("GPUD_PERF_ANALYZER") or shutil.which("perf_analyzer"))
+    p.add_argument("--client-threads", type=int, default=1,
+                   help="wrk's threads (one keeps up with gpud on a few cores; more on a large node)")
+    p.add_argument("--instances", type=int, default=1, help="the model's CPU instances (instance_group count)")
+    p.add_argument("--gpud-args", default="", help="more gpud flags for every point, e.g. '--node FILE'")
     args = p.parse_args(argv)
     counts = [int(c) for c in args.counts.split(",")]
     protocols = [x for x in args.protocols.split(",") if x]
     tools = {"wrk": run.ensure_wrk()}
     if any(p.startswith("grpc") for p in protocols):
         tools["perf_analyzer"] = args.perf_analyzer or run.ensure_perf_analyzer()
-    print(f"# {os.cpu_count()} cores; mlp; concurrency {args.concurrency}; {args.seconds:.0f} s a point; "
-          f"best of {args.rounds} rounds (interleaved)")
+    print(f"# {os.cpu_count()} cores; mlp ({args.instances} CPU instance(s)); concurrency {args.concurrency}; "
+          f"{args.seconds:.0f} s a point; best of {args.rounds} rounds (interleaved); wrk threads {args.client_threads}")
     best: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory(prefix="gpud-frontends-") as workdir:
         repo = os.path.join(workdir, "models")
-        models.write_repository(repo)
+        models.write_repository(repo, instances=args.instances)
         row = np.random.default_rng(0).standard_normal(256).astype(np.float32)
         body, header_len = run.kserve_binary(row)
         body_file = os.path.join(workdir, "body")

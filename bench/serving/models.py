@@ -30,7 +30,7 @@ platform: "onnxruntime_onnx"
 max_batch_size: {max_batch}
 input [ {{ name: "input" data_type: TYPE_FP32 dims: [ 256 ] }} ]
 output [ {{ name: "output" data_type: TYPE_FP32 dims: [ 16 ] }} ]
-instance_group [ {{ count: 1 kind: KIND_CPU }} ]
+instance_group [ {{ count: {instances} kind: KIND_CPU }} ]
 dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
 {parameters}"""
 
@@ -79,7 +79,7 @@ def make_heavy(layers: int = HEAVY_LAYERS, seed: int = 7) -> onnx.ModelProto:
 BUILDERS = {"mlp": make_mlp, "heavy": make_heavy}
 
 
-def write_repository(root: str, intra_op_threads: int = 0) -> dict[str, str]:
+def write_repository(root: str, intra_op_threads: int = 0, instances: int = 1) -> dict[str, str]:
     """Write <root>/<name>/1/model.onnx + config.pbtxt for both models; returns name -> model.onnx path."""
     params = ""
     if intra_op_threads > 0:
@@ -91,6 +91,7 @@ def write_repository(root: str, intra_op_threads: int = 0) -> dict[str, str]:
         path = os.path.join(vdir, "model.onnx")
         onnx.save(build(), path)
         with open(os.path.join(root, name, "config.pbtxt"), "w") as f:
-            f.write(CONFIG_PBTXT.format(name=name, max_batch=MAX_BATCH_SIZE, delay_us=DELAY_US, parameters=params))
+            f.write(CONFIG_PBTXT.format(name=name, max_batch=MAX_BATCH_SIZE, delay_us=DELAY_US, parameters=params,
+                                        instances=instances))
         paths[name] = path
     return paths

@@ -457,14 +457,14 @@ def content_type(kind: str) -> str:
 
 
 def run_wrk(wrk: str, server: Server, target: Target, model: str, c: int, seconds: float, body_file: str,
-            header_len: int, workdir: str) -> dict:
+            header_len: int, workdir: str, threads: int = 1) -> dict:
     result_file = os.path.join(workdir, "wrk-result.json")
     if os.path.exists(result_file):
         os.remove(result_file)
     env = dict(os.environ, BODY_FILE=body_file, CONTENT_TYPE=content_type(target.body_kind),
                HEADER_LENGTH=str(header_len or ""), RESULT_FILE=result_file)
     url = f"http://127.0.0.1:{server.http_port}{target.path.format(model=model)}"
-    cmd = [wrk, "-t1", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s", LUA, url]
+    cmd = [wrk, f"-t{threads}", f"-c{c}", f"-d{max(1, round(seconds))}s", "--timeout", "10s", "-s", LUA, url]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0 or not os.path.exists(result_file):
         raise RuntimeError(f"wrk failed: {out.stdout}\n{out.stderr}")

@@ -2,13 +2,15 @@
 input and output per request at concurrency 4 (and 1 KiB for the daemon's own cost per request).
 
     .venv/bin/python bench/serving/shm.py [--perf-analyzer PATH] [--concurrency 4] [--requests 200] [--repeat 2]
+                                          [--cases "http 16 MiB,shm 16 MiB,cuda 16 MiB,..."]
 
 perf_analyzer comes from `scripts/install-perf-analyzer DIR` (or $GPUD_PERF_ANALYZER). One gpud (worker processes, as
 the daemon runs by default, `--allow-client-shm true`) serves every case, interleaved `--repeat` times; for each case
 it prints requests/s (perf_analyzer's throughput), and the CPU seconds per request of the daemon's own process (the
 front end and the core: what the shared-memory path keeps off it) and of its device workers, from /proc. Ratios are
 within the run: shared memory's requests/s over HTTP binary's at 16 MiB, and the daemon's CPU per 16 MiB request
-over its CPU per 1 KiB request.
+over its CPU per 1 KiB request. On a GPU node the "cuda" cases drive CUDA shared memory (perf_analyzer
+`--shared-memory cuda`: its own device allocations, registered by their IPC handles).
 """
 from __future__ import annotations
 
@@ -47,6 +49,12 @@ def write_repo(repo: str) -> None:
         f.write(CONFIG)
 
 
+# name -> (FP32 elements in and out, perf_analyzer's --shared-memory: "" for none)
+CASES = {"http 16 MiB": (4 << 20, ""), "shm 16 MiB": (4 << 20, "system"), "cuda 16 MiB": (4 << 20, "cuda"),
+         "http 1 KiB": (256, ""), "shm 1 KiB": (256, "system"), "cuda 1 KiB": (256, "cuda"),
+         "shm 1 KiB paced": (256, "system")}
+
+
 def start_gpud(repo: str, workdir: str) -> tuple[subprocess.Popen, dict]:
     ready = os.path.join(workdir, "ready.json")
     proc = subprocess.Popen([sys.executable, "-m", "gpud.main", "--model-repository", repo, "--address", "127.0.0.1",
@@ -73,13 +81,13 @@ def success_count(http: str) -> int:
         return json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"]
 
 
-def run_case(pa: str, http: str, proc: psutil.Process, elements: int, shm: bool, args, rate: float = 0) -> dict:
+def run_case(pa: str, http: str, proc: psutil.Process, elements: int, shm: str, args, rate: float = 0) -> dict:
     load = ["--request-rate-range", f"{rate:.0f}"] if rate else ["--concurrency-range", str(args.concurrency)]
     cmd = [pa, "-m", "ident", "-u", http, "-i", "http", *load,
            "--shape", f"INPUT:{elements}", "--input-data", "zero", "--measurement-mode", "count_windows",
            "--measurement-request-count", str(args.requests), "--stability-percentage", "1000", "--max-trials", "3"]
     if shm:
-        cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(elements * 4)]
+        cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(elements * 4)]
     cpu0, count0 = cpu_s(proc), success_count(http)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     cpu1, count1 = cpu_s(proc), success_count(http)
@@ -98,11 +106,18 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--requests", type=int, default=200, help="requests per measurement window")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--cases", default="http 16 MiB,shm 16 MiB,http 1 KiB,shm 1 KiB,shm 1 KiB paced",
+                        help=f"which cases, comma-separated, of: {', '.join(CASES)}")
     args = parser.parse_args()
     if not args.perf_analyzer:
         raise SystemExit("perf_analyzer not found: scripts/install-perf-analyzer DIR, then --perf-analyzer DIR/...")
-    cases = {"http 16 MiB": (4 << 20, False), "shm 16 MiB": (4 << 20, True),
-             "http 1 KiB": (256, False), "shm 1 KiB": (256, True), "shm 1 KiB paced": (256, True)}
+    names = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    if "shm 1 KiB paced" in names and "shm 16 MiB" not in names:
+        raise SystemExit("'shm 1 KiB paced' runs at the rate of 'shm 16 MiB': name both")
+    cases = {n: CASES[n] for n in names}
     with tempfile.TemporaryDirectory(prefix="gpud-shm-bench-") as workdir:
         repo = os.path.join(workdir, "repo")
         write_repo(repo)
@@ -128,14 +143,17 @@ def main() -> int:
     for name, r in best.items():
         print(f"  {name:16s} {r['rps']:9.1f} req/s  daemon {r['daemon_cpu_ms']:.3f} ms CPU/req  "
               f"workers {r['worker_cpu_ms']:.3f} ms CPU/req")
-    print(f"shm / http requests/s at 16 MiB: {best['shm 16 MiB']['rps'] / best['http 16 MiB']['rps']:.2f}x "
-          "(target >= 2)")
-    print(f"daemon CPU per request, shm 16 MiB / shm 1 KiB at the same request rate: "
-          f"{best['shm 16 MiB']['daemon_cpu_ms'] / best['shm 1 KiB paced']['daemon_cpu_ms']:.2f}x (target <= 1.5)")
-    print(f"daemon CPU per request, shm 16 MiB / shm 1 KiB at concurrency {args.concurrency}: "
-          f"{best['shm 16 MiB']['daemon_cpu_ms'] / best['shm 1 KiB']['daemon_cpu_ms']:.2f}x")
-    print(f"daemon CPU per request, shm 16 MiB / http 1 KiB: "
-          f"{best['shm 16 MiB']['daemon_cpu_ms'] / best['http 1 KiB']['daemon_cpu_ms']:.2f}x")
+    ratios = [("shm / http requests/s at 16 MiB (target >= 2)", "shm 16 MiB", "http 16 MiB", "rps"),
+              ("cuda / http requests/s at 16 MiB", "cuda 16 MiB", "http 16 MiB", "rps"),
+              ("cuda / shm requests/s at 16 MiB", "cuda 16 MiB", "shm 16 MiB", "rps"),
+              ("daemon CPU per request, shm 16 MiB / shm 1 KiB at the same request rate (target <= 1.5)",
+               "shm 16 MiB", "shm 1 KiB paced", "daemon_cpu_ms"),
+              (f"daemon CPU per request, shm 16 MiB / shm 1 KiB at concurrency {args.concurrency}",
+               "shm 16 MiB", "shm 1 KiB", "daemon_cpu_ms"),
+              ("daemon CPU per request, shm 16 MiB / http 1 KiB", "shm 16 MiB", "http 1 KiB", "daemon_cpu_ms")]
+    for label, top, bottom, key in ratios:
+        if top in best and bottom in best:
+            print(f"{label}: {best[top][key] / best[bottom][key]:.2f}x")
     return 0
 
 

@@ -472,8 +472,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @_unary
     async def CudaSharedMemoryStatus(self, request, context):
-        self._core.client_shm.cuda_status(request.name)
-        return pb.CudaSharedMemoryStatusResponse()
+        message = pb.CudaSharedMemoryStatusResponse()
+        for r in self._core.client_shm.cuda_status(request.name):
+            message.regions[r["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(
+                name=r["name"], device_id=r["device_id"], byte_size=r["byte_size"]))
+        return message
 
     @_unary
     async def CudaSharedMemoryRegister(self, request, context):

@@ -295,7 +295,7 @@ class HttpApi:
             if not isinstance(raw, str):
                 raise invalid("Shared memory register request has no 'raw_handle' field with a 'b64' string")
             try:
-                raw_handle = base64.b64decode(raw, validate=True)
+                raw_handle = _b64decode(raw)
             except binascii.Error:
                 raise invalid("'raw_handle' 'b64' is not base64") from None
             self.core.client_shm.cuda_register(name, raw_handle, _register_int(doc, "device_id"), byte_size)
@@ -380,6 +380,15 @@ class HttpApi:
 _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()
 
 
+_B64_LINE_BREAKS = str.maketrans("", "", "\r\n")
+
+
+def _b64decode(text: str) -> bytes:
+    """Strict base64 but for line breaks: Triton's C++ clients (perf_analyzer's `--shared-memory cuda`) encode with
+    libb64, which breaks lines every 72 characters, and Triton's decoder skips them."""
+    return base64.b64decode(text.translate(_B64_LINE_BREAKS), validate=True)
+
+
 def _register_int(doc: dict[str, Any], key: str, required: bool = False) -> int:
     value = doc.get(key)
     if value is None:
@@ -396,7 +405,7 @@ def _base64_file(key: str, value: object) -> bytes:
     if not isinstance(value, str):
         raise ValueError(f"'{key}' must be the file's bytes, base64 encoded")
     try:
-        return base64.b64decode(value, validate=True)
+        return _b64decode(value)
     except binascii.Error:
         raise ValueError(f"'{key}' is not base64") from None
 

@@ -18,6 +18,16 @@ one (offset, byte_size). The choices, and why:
   client unlinked the key.
 - **A region in use stays open**: unregistering removes its name at once (new requests cannot use it), and its
   descriptor closes when the last request using it finishes, so a descriptor number is never reused under a request.
+
+A CUDA region is a client's device allocation, registered by its `cudaIpcMemHandle_t` (gpud.executor.cuda_ipc):
+- **Opened at registration, in the daemon's own process**, on the client's `device_id`, as Triton does: a handle
+  that does not open is refused then ("failed to open CUDA IPC handle: invalid argument"), not at the first request;
+  and the region's size is checked against the allocation's, so no copy reaches past what the client shared.
+- **The daemon copies the bytes**: a request's inputs come out of the device into host memory (one copy, then staged
+  for the model's worker as any tensor is), and its outputs go from the answer into the client's allocation. The
+  daemon's process holds a CUDA context on each device that has a registered region.
+- Unregistering closes the mapping once no request uses it, as for system regions: a client frees its memory only
+  after unregistering it (CUDA leaves freeing mapped memory undefined).
 """
 from __future__ import annotations
 
@@ -31,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
+from gpud.executor.cuda_ipc import HANDLE_BYTES, CudaIpc
 from gpud.executor.datatypes import numpy_dtype, placeholder
 from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
                                  ShmRef)
@@ -44,6 +55,45 @@ CUDA_NEEDS_GPU = ("CUDA shared memory needs a GPU: this node has none (system sh
 
 def _invalid(message: str) -> InferenceError:
     return InferenceError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+@dataclass(eq=False)
+class CudaRegion:
+    """One registered CUDA region: the client's allocation mapped into this process, and the requests using it."""
+
+    name: str
+    device_id: int
+    byte_size: int
+    pointer: int
+    ipc: CudaIpc
+    users: int = 0
+    registered: bool = True
+
+    def close_if_unused(self) -> None:
+        if not self.registered and self.users == 0 and self.pointer:
+            pointer, self.pointer = self.pointer, 0
+            self.ipc.close(self.device_id, pointer)
+
+
+@dataclass(frozen=True, slots=True)
+class CudaSlice:
+    """Where a requested output goes in a CUDA region: `byte_size` bytes at `offset` of the client's allocation."""
+
+    region: CudaRegion
+    offset: int
+    byte_size: int
+
+    def read(self, name: str, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The input's bytes copied out of the device (one copy), as its tensor."""
+        buf = np.empty(self.byte_size, dtype=np.uint8)
+        self.region.ipc.read(self.region.device_id, self.region.pointer + self.offset, buf)
+        return as_tensor(buf, name, datatype, shape)
+
+    def write(self, name: str, datatype: str, data: np.ndarray) -> None:
+        blob = output_bytes(datatype, data)
+        if len(blob) > self.byte_size:
+            raise _too_small(name, self.byte_size, len(blob))
+        self.region.ipc.write(self.region.device_id, self.region.pointer + self.offset, blob)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +131,7 @@ class ClientRegions:
     """The registered system shared-memory regions of a server. `allowed`: --allow-client-shm."""
 
     def __init__(self, *, allowed: bool = False, max_regions: int = DEFAULT_MAX_REGIONS, shm_dir: str = SHM_DIR,
-                 has_gpu: bool = False, max_request_bytes: int = 64 * 2**20):
+                 has_gpu: bool = False, max_request_bytes: int = 64 * 2**20, cuda: CudaIpc | None = None):
         self.allowed = allowed
         self.max_regions = max_regions
         # A request's inputs in regions are staged in gpud's memory as a body's would be: the same bound.
@@ -89,6 +139,8 @@ class ClientRegions:
         self.shm_dir = shm_dir
         self.has_gpu = has_gpu
         self._regions: dict[str, Region] = {}
+        self._cuda_ipc = cuda  # made on the first CUDA registration when not given (cuda-python, the gpu extra)
+        self._cuda_regions: dict[str, CudaRegion] = {}
 
     # --- the extension's calls -----------------------------------------------------------------------------------
     def _check_allowed(self) -> None:
@@ -99,12 +151,7 @@ class ClientRegions:
         self._check_allowed()
         if not name:
             raise _invalid("'region name' is necessary to register system shared memory region")
-        if name in self._regions:
-            raise InferenceError(ErrorKind.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
-        if len(self._regions) >= self.max_regions:
-            raise InferenceError(ErrorKind.UNAVAILABLE,
-                                 f"failed to register shared memory region '{name}': {self.max_regions} regions are "
-                                 "registered, the most gpud keeps; unregister some first")
+        self._check_room(name)
         if offset < 0 or byte_size < 0:
             raise _invalid(f"failed to register shared memory region '{name}': invalid args")
         fd = self._open(name, key)
@@ -117,6 +164,15 @@ class ClientRegions:
             os.close(fd)
             raise
         self._regions[name] = Region(name, key, offset, byte_size, fd)
+
+    def _check_room(self, name: str) -> None:
+        """A new region's name is free (one namespace for system and CUDA regions, as Triton's), and there is room."""
+        if name in self._regions or name in self._cuda_regions:
+            raise InferenceError(ErrorKind.ALREADY_EXISTS, f"shared memory region '{name}' already in manager")
+        if len(self._regions) + len(self._cuda_regions) >= self.max_regions:
+            raise InferenceError(ErrorKind.UNAVAILABLE,
+                                 f"failed to register shared memory region '{name}': {self.max_regions} regions are "
+                                 "registered, the most gpud keeps; unregister some first")
 
     def _open(self, name: str, key: str) -> int:
         base = key[1:] if key.startswith("/") else key
@@ -162,47 +218,94 @@ class ClientRegions:
         if not self.has_gpu:
             raise InferenceError(ErrorKind.UNSUPPORTED, CUDA_NEEDS_GPU)
 
+    def _ipc(self) -> CudaIpc:
+        if self._cuda_ipc is None:
+            from gpud.executor.cuda_ipc import CudaRuntimeIpc
+
+            self._cuda_ipc = CudaRuntimeIpc()
+        return self._cuda_ipc
+
     def cuda_register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open the client's allocation (`raw_handle`: its cudaIpcMemHandle_t's 64 bytes) on CUDA device
+        `device_id`, `byte_size` bytes of it from its start being the region."""
         self.check_cuda()
-        raise InferenceError(ErrorKind.UNSUPPORTED,
-                             "CUDA shared memory is not implemented by this gpud yet; use system shared memory")
+        failed = f"failed to register CUDA shared memory region '{name}'"
+        if len(raw_handle) != HANDLE_BYTES:
+            raise _invalid(f"{failed}: failed to open CUDA IPC handle: invalid argument (raw_handle is "
+                           f"{len(raw_handle)} bytes; a cudaIpcMemHandle_t is {HANDLE_BYTES})")
+        if not name:
+            raise _invalid("'region name' is necessary to register cuda shared memory region")
+        self._check_room(name)
+        if byte_size < 0:
+            raise _invalid(f"{failed}: invalid args")
+        ipc = self._ipc()
+        count = ipc.device_count()
+        if isinstance(device_id, bool) or not 0 <= device_id < count:
+            raise _invalid(f"{failed}: device_id {device_id} is not one of this node's CUDA devices (0 to "
+                           f"{count - 1})" if count else f"{failed}: this process sees no CUDA device")
+        try:
+            opened = ipc.open(bytes(raw_handle), device_id)
+        except InferenceError as exc:
+            raise InferenceError(exc.kind, f"{failed}: {exc.message}") from None
+        if byte_size > opened.allocation_bytes:
+            ipc.close(device_id, opened.pointer)
+            raise _invalid(f"{failed}: byte_size {byte_size} is past the end of the CUDA allocation the handle "
+                           f"shares ({opened.allocation_bytes} bytes)")
+        self._cuda_regions[name] = CudaRegion(name, device_id, byte_size, opened.pointer, ipc)
 
     def cuda_unregister(self, name: str = "") -> None:
-        self._check_allowed()  # none can be registered (cuda_register): nothing to remove
+        """One CUDA region, or every one when `name` is empty; an unknown name is no error (as Triton). A region in
+        use is closed when its last request finishes."""
+        self._check_allowed()
+        for n in [name] if name else list(self._cuda_regions):
+            region = self._cuda_regions.pop(n, None)
+            if region is not None:
+                region.registered = False
+                region.close_if_unused()
 
-    def cuda_status(self, name: str = "") -> list[Any]:
+    def cuda_status(self, name: str = "") -> list[dict[str, Any]]:
+        """Triton's status of CUDA regions: name, device_id and byte_size of each (or of the one named)."""
         if name:
-            if name in self._regions:
-                raise InferenceError(ErrorKind.NOT_FOUND, f"The region named '{name}' is registered as system "
-                                                          "shared memory, not CUDA shared memory")
-            raise InferenceError(ErrorKind.NOT_FOUND, f"Unable to find cuda shared memory region: '{name}'")
-        return []
+            region = self._cuda_regions.get(name)
+            if region is None:
+                if name in self._regions:
+                    raise InferenceError(ErrorKind.NOT_FOUND, f"The region named '{name}' is registered as system "
+                                                              "shared memory, not CUDA shared memory")
+                raise InferenceError(ErrorKind.NOT_FOUND, f"Unable to find cuda shared memory region: '{name}'")
+            regions = [region]
+        else:
+            regions = list(self._cuda_regions.values())
+        return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size} for r in regions]
 
     def close(self) -> None:
-        for region in self._regions.values():
+        regions: list[Region | CudaRegion] = [*self._regions.values(), *self._cuda_regions.values()]
+        for region in regions:
             region.registered = False
             region.users = 0
             region.close_if_unused()
         self._regions.clear()
+        self._cuda_regions.clear()
 
     # --- a request's use -----------------------------------------------------------------------------------------
-    def _take(self, ref: ShmRef, what: str) -> tuple[Region, RegionSlice]:
+    def _take(self, ref: ShmRef, what: str) -> tuple[Region, RegionSlice] | tuple[CudaRegion, CudaSlice]:
+        """The region `ref` names, system or CUDA, and where in it the tensor lies (bounds checked)."""
         self._check_allowed()
         region = self._regions.get(ref.region)
-        if region is None:
+        if region is not None:
+            _check_bounds(ref, region.byte_size, what)
+            return region, RegionSlice(region.name, region.path, region.offset + ref.offset, ref.byte_size)
+        cuda = self._cuda_regions.get(ref.region)
+        if cuda is None:
             raise InferenceError(ErrorKind.NOT_FOUND, f"Unable to find shared memory region: '{ref.region}'")
-        if ref.offset < 0 or ref.byte_size < 0 or (region.byte_size and ref.offset >= region.byte_size):
-            raise _invalid(f"Invalid offset for shared memory region: '{ref.region}' ({what})")
-        if ref.offset + ref.byte_size > region.byte_size:
-            raise _invalid(f"Invalid offset + byte size for shared memory region: '{ref.region}' ({what}: "
-                           f"{ref.offset} + {ref.byte_size} > {region.byte_size})")
-        return region, RegionSlice(region.name, region.path, region.offset + ref.offset, ref.byte_size)
+        _check_bounds(ref, cuda.byte_size, what)
+        return cuda, CudaSlice(cuda, ref.offset, ref.byte_size)
 
     def stage(self, request: InferRequest, in_worker: bool = False) -> Staged:
         """Resolve the request's shared-memory inputs and outputs and hold their regions until `Staged.release`.
         `in_worker`: the version's device worker reads the inputs and writes the outputs itself (the request's
         `client_io`; the daemon never touches those bytes); else the inputs are read here, into arrays, and
-        `Staged.deliver` writes the outputs. Raises a client error (and holds nothing) when a region, an offset or
+        `Staged.deliver` writes the outputs. Tensors in CUDA regions are always moved here (this process opened
+        their regions). Raises a client error (and holds nothing) when a region, an offset or
         a size is wrong, or a region's file is shorter than the request needs (its client truncated it)."""
         total = sum(t.shm.byte_size for t in request.inputs if t.shm is not None)
         if total > self.max_request_bytes:
@@ -219,7 +322,10 @@ class ClientRegions:
                 region, where = self._take(ref, what)
                 staged.hold(region)
                 expected_bytes(tensor.name, tensor.datatype, tensor.shape, ref.byte_size)
-                if io is not None and tensor.datatype != "BYTES":  # text is checked element by element: read here
+                if isinstance(where, CudaSlice):
+                    tensor.data = where.read(tensor.name, tensor.datatype, tensor.shape)
+                elif io is not None and tensor.datatype != "BYTES":  # text is checked element by element: read here
+                    assert isinstance(region, Region)
                     _check_file(region, where, what)
                     io.inputs[tensor.name] = where
                     tensor.data = placeholder(tensor.datatype, tensor.shape)
@@ -232,6 +338,10 @@ class ClientRegions:
                     what = f"output '{output.name}'"
                     region, where = self._take(ref, what)
                     staged.hold(region)
+                    if isinstance(where, CudaSlice):  # written here, in `deliver`
+                        staged.outputs[output.name] = (ref, where)
+                        continue
+                    assert isinstance(region, Region)
                     _check_file(region, where, what)
                     if io is not None:
                         io.outputs[output.name] = (ref, where)
@@ -260,6 +370,14 @@ def place_inputs(request: InferRequest, placed: Mapping[str, RegionSlice], in_wo
         request.client_io = io
 
 
+def _check_bounds(ref: ShmRef, region_bytes: int, what: str) -> None:
+    if ref.offset < 0 or ref.byte_size < 0 or (region_bytes and ref.offset >= region_bytes):
+        raise _invalid(f"Invalid offset for shared memory region: '{ref.region}' ({what})")
+    if ref.offset + ref.byte_size > region_bytes:
+        raise _invalid(f"Invalid offset + byte size for shared memory region: '{ref.region}' ({what}: "
+                       f"{ref.offset} + {ref.byte_size} > {region_bytes})")
+
+
 def _check_file(region: Region, where: RegionSlice, what: str) -> None:
     size = os.fstat(region.fd).st_size
     if where.offset + where.byte_size > size:
@@ -271,10 +389,10 @@ def _check_file(region: Region, where: RegionSlice, what: str) -> None:
 class Staged:
     """The regions a request uses (held open until `release`) and where its shared-memory outputs go."""
 
-    regions: list[Region] = field(default_factory=list)
-    outputs: dict[str, tuple[ShmRef, RegionSlice]] = field(default_factory=dict)
+    regions: list[Region | CudaRegion] = field(default_factory=list)
+    outputs: dict[str, tuple[ShmRef, RegionSlice | CudaSlice]] = field(default_factory=dict)
 
-    def hold(self, region: Region) -> None:
+    def hold(self, region: Region | CudaRegion) -> None:
         region.users += 1
         self.regions.append(region)
 
@@ -292,7 +410,10 @@ class Staged:
             if target is None or tensor.shm is not None:  # not in shared memory, or its worker wrote it already
                 continue
             ref, where = target
-            write_tensor(where, tensor.name, tensor.datatype, tensor.data)
+            if isinstance(where, CudaSlice):
+                where.write(tensor.name, tensor.datatype, tensor.data)
+            else:
+                write_tensor(where, tensor.name, tensor.datatype, tensor.data)
             tensor.shm = ref
             tensor.data = NO_DATA
 
@@ -364,11 +485,16 @@ def read_tensor(where: RegionSlice, name: str, datatype: str, shape: tuple[int, 
     """The tensor's bytes read out of its region (one copy), as an array of `shape`."""
     expected_bytes(name, datatype, shape, where.byte_size)
     buf = np.empty(where.byte_size, dtype=np.uint8)
-    view = buf.data  # the array's buffer as a memoryview
-    read_into(where.path, where.offset, view, f"input '{name}'")
+    read_into(where.path, where.offset, buf.data, f"input '{name}'")
+    return as_tensor(buf, name, datatype, shape)
+
+
+def as_tensor(buf: np.ndarray, name: str, datatype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """An input's bytes (a uint8 array read out of a region) as its tensor: elements of `datatype` in `shape`, or
+    serialized BYTES elements decoded (a client error when they do not parse)."""
     if datatype == "BYTES":
         try:
-            return decode_bytes_elements(view, math.prod(shape)).reshape(shape)
+            return decode_bytes_elements(buf.data, math.prod(shape)).reshape(shape)
         except ValueError as exc:
             raise _invalid(f"input '{name}': {exc}") from None
     return buf.view(numpy_dtype(datatype).newbyteorder("<")).reshape(shape)
@@ -389,8 +515,7 @@ def write_tensor(where: RegionSlice, name: str, datatype: str, data: np.ndarray)
 
 def write_blob(path: str, offset: int, byte_size: int, blob: memoryview, name: str) -> None:
     if len(blob) > byte_size:
-        raise _invalid(f"shared memory size specified with the request for output '{name}' ({byte_size} "
-                       f"bytes) should be at least {len(blob)} bytes to hold the results")
+        raise _too_small(name, byte_size, len(blob))
     with open_region(path) as fd:
         size = os.fstat(fd).st_size
         if offset + len(blob) > size:  # a pwrite past the end would grow the client's file: refuse instead
@@ -399,6 +524,11 @@ def write_blob(path: str, offset: int, byte_size: int, blob: memoryview, name: s
         done = 0
         while done < len(blob):
             done += os.pwritev(fd, [blob[done:]], offset + done)
+
+
+def _too_small(name: str, byte_size: int, need: int) -> InferenceError:
+    return _invalid(f"shared memory size specified with the request for output '{name}' ({byte_size} bytes) should "
+                    f"be at least {need} bytes to hold the results")
 
 
 class open_region:

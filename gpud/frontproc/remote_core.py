@@ -79,7 +79,7 @@ class RemoteRegions:
     def cuda_unregister(self, name: str = "") -> None:
         self._core.call_sync("client_shm.cuda_unregister", name)
 
-    def cuda_status(self, name: str = "") -> list[Any]:
+    def cuda_status(self, name: str = "") -> list[dict[str, Any]]:
         return self._core.call_sync("client_shm.cuda_status", name)
 
 
