@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
-from gpud.executor.client_shm import ClientRegions, place_inputs
+from gpud.executor.client_shm import ClientRegions, place_inputs, worker_gpu
 from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.classification import PARAMETER as CLASSIFICATION
@@ -218,7 +218,8 @@ class GpudCore:
         if not request.uses_shm:
             return partial(scheduler.cancel, scheduler.submit(request, done, members))
         # its regions held until answered; their bytes moved by the worker where the scheduler can, else here
-        staged = self.client_shm.stage(request, in_worker=scheduler.moves_client_tensors)
+        staged = self.client_shm.stage(request, in_worker=scheduler.moves_client_tensors,
+                                       worker_gpu=worker_gpu(scheduler))
         try:
             handle = scheduler.submit(request, staged.answering(done))
         except BaseException:
@@ -244,7 +245,8 @@ class GpudCore:
 
     async def infer(self, request: InferRequest) -> InferResponse:
         vs = self._ready_version(request)
-        staged = self.client_shm.stage(request, in_worker=vs.scheduler.moves_client_tensors) \
+        staged = self.client_shm.stage(request, in_worker=vs.scheduler.moves_client_tensors,
+                                       worker_gpu=worker_gpu(vs.scheduler)) \
             if request.uses_shm else None
         try:
             response = await vs.scheduler.infer(request)

@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "loopback address only; a placement can move or remove every instance)")
     p.add_argument("--allow-client-shm", type=_bool, nargs="?", const=True, metavar="BOOL",
                    help="let clients register shared-memory regions and pass tensors through them (Triton's "
-                        "shared-memory extension; default false, as Triton). Registering follows the admin rules "
-                        "of loading a model: gpud then reads and writes that /dev/shm file with its own rights "
-                        "(docs/security.md)")
+                        "shared-memory extension, system and CUDA; default false, as Triton). Registering follows "
+                        "the admin rules of loading a model: gpud then reads and writes that /dev/shm file, or "
+                        "that device allocation, with its own rights (docs/security.md)")
     p.add_argument("--default-max-queue-size", type=int, metavar="N",
                    help="requests queued per model (and priority level) when its config.pbtxt sets no "
                         "max_queue_size; more are refused at once with 503 / UNAVAILABLE, so overload does not grow "

@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
@@ -155,11 +156,18 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
                     client_shm=ClientRegions(allowed=settings.allow_client_shm,
                                              max_request_bytes=settings.max_request_bytes,
                                              has_gpu=any(d.kind in ("gpu", "mig") and not d.simulated
-                                                         for d in leaves)))
+                                                         for d in leaves),
+                                             forget=partial(_forget_everywhere, pool)))
     read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
     poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
     return Components(repo_path, pool, devices, metrics_registry, model_metrics, registry, placement, hints,
                       controller, core, poller)
+
+
+def _forget_everywhere(pool: ExecutorPool, names: list[str]) -> None:
+    """Tell every device worker to drop these segments or regions (a CUDA region unregistered and unused)."""
+    for worker in pool.workers.values():
+        worker.forget_segments(names)
 
 
 async def start_metrics(components: Components, address: str, port: int):

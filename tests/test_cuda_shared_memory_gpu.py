@@ -79,7 +79,8 @@ class DeviceBuffer:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    save(add_sub(), repo, "add_sub", CONFIG)
+    save(add_sub(), repo, "add_sub", CONFIG)  # placed on the GPU: its worker moves the region's bytes
+    save(add_sub(), repo, "add_sub_cpu", CONFIG + 'instance_group [ { kind: KIND_CPU } ]\n')  # the daemon moves them
     d = start_daemon(repo, tmp_path_factory.mktemp("run"), "--allow-client-shm", "true", node=None)
     yield d
     assert d.stop() == 0, d.log()
@@ -108,7 +109,17 @@ def shm(region: str, offset: int, size: int = ROW_BYTES) -> dict:
     return {"shared_memory_region": region, "shared_memory_offset": offset, "shared_memory_byte_size": size}
 
 
-def test_http_inputs_and_outputs_in_cuda_shared_memory(daemon, buffers):
+MODELS = pytest.mark.parametrize("model", ["add_sub", "add_sub_cpu"])
+
+
+def test_one_model_on_the_gpu_and_one_on_the_cpu(daemon):
+    devices = {m["name"]: [i["device"] for i in m["instances"]] for m in daemon.inspect()["models"]}
+    assert devices["add_sub_cpu"] == ["cpu"], devices
+    assert all(d != "cpu" for d in devices["add_sub"]), devices
+
+
+@MODELS
+def test_http_inputs_and_outputs_in_cuda_shared_memory(daemon, buffers, model):
     a, b = np.arange(16, dtype=np.float32), np.full(16, 3.0, np.float32)
     inputs, outputs = buffers(2 * ROW_BYTES), buffers(2 * ROW_BYTES)
     inputs.put(np.concatenate([a, b]))
@@ -121,7 +132,7 @@ def test_http_inputs_and_outputs_in_cuda_shared_memory(daemon, buffers):
                        {"name": "INPUT1", "shape": [1, 16], "datatype": "FP32", "parameters": shm("in", ROW_BYTES)}],
             "outputs": [{"name": "OUTPUT0", "parameters": shm("out", 0)},
                         {"name": "OUTPUT1", "parameters": shm("out", ROW_BYTES)}]}
-    code, doc = daemon.post_json("/v2/models/add_sub/infer", body)
+    code, doc = daemon.post_json(f"/v2/models/{model}/infer", body)
     assert code == 200, doc
     assert all("data" not in o for o in doc["outputs"])
     np.testing.assert_array_equal(outputs.get(0, 16), a + b)
@@ -189,7 +200,8 @@ def test_bad_handles_and_sizes_are_refused_and_the_daemon_serves_on(daemon, buff
     assert code == 200 and doc["outputs"][0]["data"] == [2.0] * 16, doc
 
 
-def test_many_requests_in_cuda_shared_memory_batch_and_each_gets_its_rows(daemon, buffers):
+@MODELS
+def test_many_requests_in_cuda_shared_memory_batch_and_each_gets_its_rows(daemon, buffers, model):
     from concurrent.futures import ThreadPoolExecutor
 
     count = 32
@@ -206,7 +218,7 @@ def test_many_requests_in_cuda_shared_memory_batch_and_each_gets_its_rows(daemon
                             "parameters": shm("many", base + ROW_BYTES)}],
                 "outputs": [{"name": "OUTPUT0", "parameters": shm("many", base + 2 * ROW_BYTES)},
                             {"name": "OUTPUT1", "parameters": shm("many", base + 3 * ROW_BYTES)}]}
-        return daemon.post_json("/v2/models/add_sub/infer", body)[0]
+        return daemon.post_json(f"/v2/models/{model}/infer", body)[0]
 
     with ThreadPoolExecutor(8) as pool:
         assert list(pool.map(one, range(count))) == [200] * count

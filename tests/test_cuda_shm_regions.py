@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 
 from gpud.executor.bytes_tensor import encode_bytes_elements
-from gpud.executor.client_shm import ClientRegions
-from gpud.executor.cuda_ipc import Opened
+from types import SimpleNamespace
+
+from gpud.executor import cuda_ipc
+from gpud.executor.client_shm import ClientRegions, read_into, worker_gpu, write_blob
+from gpud.executor.cuda_ipc import Opened, WorkerCudaRegions
+from gpud.executor.device import WorkerDevice
 from gpud.executor.types import (ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput,
                                  ShmRef)
 
@@ -34,6 +38,9 @@ class FakeCudaIpc:
 
     def device_count(self) -> int:
         return self.devices
+
+    def device_uuid(self, device_id: int) -> str:
+        return f"GPU-fake-{device_id}"
 
     def open(self, handle: bytes, device_id: int) -> Opened:
         if handle not in self.memory:
@@ -213,3 +220,76 @@ def test_without_cuda_python_registration_names_the_missing_extra(monkeypatch):
     regions = ClientRegions(allowed=True, has_gpu=True)
     err = refused(regions.cuda_register, "r", bytes(64), 0, 8)
     assert err.kind is ErrorKind.UNSUPPORTED and "gpud[gpu]" in err.message
+
+
+def test_the_worker_of_the_regions_gpu_moves_its_tensors_itself(ipc, monkeypatch):
+    forgotten = []
+    regions = ClientRegions(allowed=True, has_gpu=True, cuda=ipc, forget=forgotten.extend)
+    handle = ipc.allocate(128)
+    ipc.memory[handle][:64] = np.arange(16, dtype="<f4").tobytes()
+    regions.cuda_register("r", handle, 0, 128)
+    req = request([InferTensor("x", "FP32", (1, 16), np.empty(0), ShmRef("r", 0, 64)),
+                   InferTensor("s", "BYTES", (1, 1), np.empty(0), None)],
+                  [RequestedOutput("y", shm=ShmRef("r", 64, 64))])
+    staged = regions.stage(req, in_worker=True, worker_gpu="GPU-fake-0")
+    where = req.client_io.inputs["x"]
+    assert where.path == cuda_ipc.region_path(handle) and (where.offset, where.byte_size) == (0, 64)
+    assert req.inputs[0].data.shape == (1, 16), "a placeholder: the worker fills the batch"
+    assert req.client_io.outputs["y"][1].offset == 64 and not staged.outputs
+
+    # the worker's side (another process in gpud; its regions opened on its one device, 0)
+    worker_ipc = FakeCudaIpc()
+    worker_ipc.memory = ipc.memory
+    monkeypatch.setattr(cuda_ipc, "_worker_regions", WorkerCudaRegions(worker_ipc))
+    dest = np.zeros(16, np.float32)
+    read_into(where.path, where.offset, dest.data.cast("B"), "input 'x'")
+    assert dest.tolist() == list(range(16))
+    out_where = req.client_io.outputs["y"][1]
+    write_blob(out_where.path, out_where.offset, out_where.byte_size,
+               memoryview(np.full(16, 7.0, "<f4").tobytes()), "y")
+    assert np.frombuffer(ipc.memory[handle], "<f4", 16, 64).tolist() == [7.0] * 16
+    assert len(worker_ipc.mapped) == 1, "opened once, kept for the next batch"
+    read_into(where.path, where.offset, dest.data.cast("B"), "input 'x'")
+    assert len(worker_ipc.mapped) == 1
+
+    staged.release()
+    regions.cuda_unregister("r")
+    assert forgotten == [where.path], "the workers are told to close it"
+    cuda_ipc.forget_in_worker(tuple(forgotten))
+    assert worker_ipc.mapped == {} and ipc.mapped == {}
+
+
+@pytest.mark.parametrize("worker_gpu_uuid,datatype", [("GPU-other", "FP32"), ("", "FP32"), ("GPU-fake-0", "BYTES")])
+def test_elsewhere_or_text_the_daemon_moves_them(ipc, regions, worker_gpu_uuid, datatype):
+    handle = ipc.allocate(128)
+    data = (encode_bytes_elements(np.array([b"x" * 60], dtype=object)) if datatype == "BYTES"
+            else np.ones(16, "<f4").tobytes())
+    ipc.memory[handle][:64] = data
+    regions.cuda_register("r", handle, 0, 128)
+    req = request([InferTensor("x", datatype, (1, 1) if datatype == "BYTES" else (1, 16), np.empty(0),
+                               ShmRef("r", 0, 64))], [RequestedOutput("y", shm=ShmRef("r", 64, 64))])
+    staged = regions.stage(req, in_worker=True, worker_gpu=worker_gpu_uuid)
+    assert not req.client_io.inputs
+    assert req.inputs[0].data.reshape(-1)[0] in (1.0, b"x" * 60)
+    if worker_gpu_uuid == "GPU-fake-0":  # only the text input is read here; the worker writes the output
+        assert "y" in req.client_io.outputs and not staged.outputs
+    else:
+        assert "y" in staged.outputs and not req.client_io.outputs
+    staged.release()
+
+
+def _scheduler(*devices, moves=True, in_process=False):
+    return SimpleNamespace(moves_client_tensors=moves, instances=[
+        SimpleNamespace(worker=SimpleNamespace(device=d, in_process=in_process)) for d in devices])
+
+
+def test_worker_gpu_is_the_one_real_gpu_of_every_instance():
+    gpu = WorkerDevice("gpu0", "gpu", "GPU-a")
+    assert worker_gpu(_scheduler(gpu, gpu)) == "GPU-a"
+    assert worker_gpu(_scheduler(gpu, WorkerDevice("gpu1", "gpu", "GPU-b"))) == ""
+    assert worker_gpu(_scheduler(gpu, moves=False)) == ""
+    assert worker_gpu(_scheduler(gpu, in_process=True)) == ""
+    assert worker_gpu(_scheduler(WorkerDevice("gpu0", "gpu", "GPU-a", simulated=True))) == ""
+    assert worker_gpu(_scheduler(WorkerDevice("mig0", "mig", "MIG-a"))) == ""
+    assert worker_gpu(_scheduler(WorkerDevice("cpu", "cpu"))) == ""
+    assert worker_gpu(_scheduler()) == ""

@@ -30,6 +30,9 @@ NOT_RUN = {
     "gpud --node": "a daemon in the foreground, '...' stands for the other flags",
     "gpudctl check": "minutes of checks on every device (tests/test_check.py)",
     "nvidia-mig-parted": "NVIDIA's tool on a GPU node",
+    "import base64, numpy as np, tritonclient.grpc as grpcclient": "CUDA shared memory: a GPU and cuda-python "
+                                                                   "(tests/test_cuda_shared_memory_gpu.py makes the "
+                                                                   "same calls on one)",
     "for step, chunk in enumerate(chunks):": "a fragment: a sequence model 'asr' and its audio chunks "
                                             "(tests/test_sequence_e2e.py runs sequences through tritonclient)",
 }

@@ -43,16 +43,20 @@ def write_repo(repo: str) -> None:
                               [helper.make_tensor_value_info("OUTPUT", TensorProto.FLOAT, ["b", "n"])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
-    os.makedirs(os.path.join(repo, "ident", "1"))
-    onnx.save(model, os.path.join(repo, "ident", "1", "model.onnx"))
-    with open(os.path.join(repo, "ident", "config.pbtxt"), "w") as f:
-        f.write(CONFIG)
+    for name, config in (("ident", CONFIG), ("ident_cpu", CONFIG + "instance_group [ { kind: KIND_CPU } ]\n")):
+        os.makedirs(os.path.join(repo, name, "1"))
+        onnx.save(model, os.path.join(repo, name, "1", "model.onnx"))
+        with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
+            f.write(config)
 
 
-# name -> (FP32 elements in and out, perf_analyzer's --shared-memory: "" for none)
-CASES = {"http 16 MiB": (4 << 20, ""), "shm 16 MiB": (4 << 20, "system"), "cuda 16 MiB": (4 << 20, "cuda"),
-         "http 1 KiB": (256, ""), "shm 1 KiB": (256, "system"), "cuda 1 KiB": (256, "cuda"),
-         "shm 1 KiB paced": (256, "system")}
+# name -> (FP32 elements in and out, perf_analyzer's --shared-memory: "" for none, the model). "ident" is placed
+# where gpud places it (a GPU when there is one: its worker moves CUDA regions' bytes), "ident_cpu" on the CPU (the
+# daemon's process moves them).
+CASES = {"http 16 MiB": (4 << 20, "", "ident"), "shm 16 MiB": (4 << 20, "system", "ident"),
+         "cuda 16 MiB": (4 << 20, "cuda", "ident"), "cuda 16 MiB cpu model": (4 << 20, "cuda", "ident_cpu"),
+         "http 1 KiB": (256, "", "ident"), "shm 1 KiB": (256, "system", "ident"), "cuda 1 KiB": (256, "cuda", "ident"),
+         "shm 1 KiB paced": (256, "system", "ident")}
 
 
 def start_gpud(repo: str, workdir: str) -> tuple[subprocess.Popen, dict]:
@@ -76,21 +80,22 @@ def cpu_s(proc: psutil.Process) -> tuple[float, float]:
     return own.user + own.system, children
 
 
-def success_count(http: str) -> int:
-    with urllib.request.urlopen(f"http://{http}/v2/models/ident/stats", timeout=10) as r:
+def success_count(http: str, model: str) -> int:
+    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as r:
         return json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"]
 
 
-def run_case(pa: str, http: str, proc: psutil.Process, elements: int, shm: str, args, rate: float = 0) -> dict:
+def run_case(pa: str, http: str, proc: psutil.Process, elements: int, shm: str, model: str, args,
+             rate: float = 0) -> dict:
     load = ["--request-rate-range", f"{rate:.0f}"] if rate else ["--concurrency-range", str(args.concurrency)]
-    cmd = [pa, "-m", "ident", "-u", http, "-i", "http", *load,
+    cmd = [pa, "-m", model, "-u", http, "-i", "http", *load,
            "--shape", f"INPUT:{elements}", "--input-data", "zero", "--measurement-mode", "count_windows",
            "--measurement-request-count", str(args.requests), "--stability-percentage", "1000", "--max-trials", "3"]
     if shm:
         cmd += ["--shared-memory", shm, "--output-shared-memory-size", str(elements * 4)]
-    cpu0, count0 = cpu_s(proc), success_count(http)
+    cpu0, count0 = cpu_s(proc), success_count(http, model)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    cpu1, count1 = cpu_s(proc), success_count(http)
+    cpu1, count1 = cpu_s(proc), success_count(http, model)
     if out.returncode != 0:
         raise SystemExit(out.stdout + out.stderr)
     rps = float(re.search(r"Throughput: ([\d.]+) infer/sec", out.stdout).group(1))
@@ -127,11 +132,11 @@ def main() -> int:
             http = f"127.0.0.1:{ports['http']}"
             best: dict[str, dict] = {}
             for _ in range(args.repeat):
-                for name, (elements, shm) in cases.items():
+                for name, (elements, shm, model) in cases.items():
                     rate = 0.0
                     if name == "shm 1 KiB paced":  # at the 16 MiB case's rate: the same wake-ups per request
                         rate = best["shm 16 MiB"]["rps"]
-                    r = run_case(args.perf_analyzer, http, daemon, elements, shm, args, rate)
+                    r = run_case(args.perf_analyzer, http, daemon, elements, shm, model, args, rate)
                     print(f"  {name:16s} {r['rps']:9.1f} req/s  daemon {r['daemon_cpu_ms']:.3f} ms CPU/req  "
                           f"workers {r['worker_cpu_ms']:.3f} ms CPU/req", flush=True)
                     if name not in best or r["rps"] > best[name]["rps"]:
@@ -146,6 +151,8 @@ def main() -> int:
     ratios = [("shm / http requests/s at 16 MiB (target >= 2)", "shm 16 MiB", "http 16 MiB", "rps"),
               ("cuda / http requests/s at 16 MiB", "cuda 16 MiB", "http 16 MiB", "rps"),
               ("cuda / shm requests/s at 16 MiB", "cuda 16 MiB", "shm 16 MiB", "rps"),
+              ("cuda, model on the GPU / on the CPU, requests/s at 16 MiB", "cuda 16 MiB", "cuda 16 MiB cpu model",
+               "rps"),
               ("daemon CPU per request, shm 16 MiB / shm 1 KiB at the same request rate (target <= 1.5)",
                "shm 16 MiB", "shm 1 KiB paced", "daemon_cpu_ms"),
               (f"daemon CPU per request, shm 16 MiB / shm 1 KiB at concurrency {args.concurrency}",

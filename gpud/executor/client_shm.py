@@ -23,9 +23,12 @@ A CUDA region is a client's device allocation, registered by its `cudaIpcMemHand
 - **Opened at registration, in the daemon's own process**, on the client's `device_id`, as Triton does: a handle
   that does not open is refused then ("failed to open CUDA IPC handle: invalid argument"), not at the first request;
   and the region's size is checked against the allocation's, so no copy reaches past what the client shared.
-- **The daemon copies the bytes**: a request's inputs come out of the device into host memory (one copy, then staged
-  for the model's worker as any tensor is), and its outputs go from the answer into the client's allocation. The
-  daemon's process holds a CUDA context on each device that has a registered region.
+- **The worker of that GPU moves the bytes** when it runs every instance of the request's model: it opens the region
+  itself (gpud.executor.cuda_ipc.WorkerCudaRegions) and copies the inputs straight into the batch's input segment
+  and the outputs straight into the region, so the core never touches them. Otherwise (a model on the CPU or on
+  other GPUs, an ensemble, text tensors) the daemon's process copies them: inputs out of the device into host
+  memory, outputs into the client's allocation. The daemon's process holds a CUDA context on each device that has
+  a registered region.
 - Unregistering closes the mapping once no request uses it, as for system regions: a client frees its memory only
   after unregistering it (CUDA leaves freeing mapped memory undefined).
 """
@@ -41,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
-from gpud.executor.cuda_ipc import HANDLE_BYTES, CudaIpc
+from gpud.executor.cuda_ipc import HANDLE_BYTES, CudaIpc, is_region_path, region_path, worker_regions
 from gpud.executor.datatypes import numpy_dtype, placeholder
 from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
                                  ShmRef)
@@ -66,6 +69,9 @@ class CudaRegion:
     byte_size: int
     pointer: int
     ipc: CudaIpc
+    path: str  # how workers name it (cuda_ipc.region_path)
+    device_uuid: str  # the GPU that holds it
+    on_close: Callable[[list[str]], None] | None = None  # tells the workers that opened it to close it
     users: int = 0
     registered: bool = True
 
@@ -73,6 +79,12 @@ class CudaRegion:
         if not self.registered and self.users == 0 and self.pointer:
             pointer, self.pointer = self.pointer, 0
             self.ipc.close(self.device_id, pointer)
+            if self.on_close is not None:
+                self.on_close([self.path])
+
+    def slice(self, offset: int, byte_size: int) -> RegionSlice:
+        """Where a tensor lies, as the worker of its GPU reads or writes it."""
+        return RegionSlice(self.name, self.path, offset, byte_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +143,8 @@ class ClientRegions:
     """The registered system shared-memory regions of a server. `allowed`: --allow-client-shm."""
 
     def __init__(self, *, allowed: bool = False, max_regions: int = DEFAULT_MAX_REGIONS, shm_dir: str = SHM_DIR,
-                 has_gpu: bool = False, max_request_bytes: int = 64 * 2**20, cuda: CudaIpc | None = None):
+                 has_gpu: bool = False, max_request_bytes: int = 64 * 2**20, cuda: CudaIpc | None = None,
+                 forget: Callable[[list[str]], None] | None = None):
         self.allowed = allowed
         self.max_regions = max_regions
         # A request's inputs in regions are staged in gpud's memory as a body's would be: the same bound.
@@ -141,6 +154,7 @@ class ClientRegions:
         self._regions: dict[str, Region] = {}
         self._cuda_ipc = cuda  # made on the first CUDA registration when not given (cuda-python, the gpu extra)
         self._cuda_regions: dict[str, CudaRegion] = {}
+        self._forget = forget  # sends a closed CUDA region's path to every device worker (protocol.ForgetSegments)
 
     # --- the extension's calls -----------------------------------------------------------------------------------
     def _check_allowed(self) -> None:
@@ -244,6 +258,7 @@ class ClientRegions:
             raise _invalid(f"{failed}: device_id {device_id} is not one of this node's CUDA devices (0 to "
                            f"{count - 1})" if count else f"{failed}: this process sees no CUDA device")
         try:
+            device_uuid = ipc.device_uuid(device_id)
             opened = ipc.open(bytes(raw_handle), device_id)
         except InferenceError as exc:
             raise InferenceError(exc.kind, f"{failed}: {exc.message}") from None
@@ -251,7 +266,8 @@ class ClientRegions:
             ipc.close(device_id, opened.pointer)
             raise _invalid(f"{failed}: byte_size {byte_size} is past the end of the CUDA allocation the handle "
                            f"shares ({opened.allocation_bytes} bytes)")
-        self._cuda_regions[name] = CudaRegion(name, device_id, byte_size, opened.pointer, ipc)
+        self._cuda_regions[name] = CudaRegion(name, device_id, byte_size, opened.pointer, ipc,
+                                              region_path(bytes(raw_handle)), device_uuid, self._forget)
 
     def cuda_unregister(self, name: str = "") -> None:
         """One CUDA region, or every one when `name` is empty; an unknown name is no error (as Triton). A region in
@@ -300,12 +316,13 @@ class ClientRegions:
         _check_bounds(ref, cuda.byte_size, what)
         return cuda, CudaSlice(cuda, ref.offset, ref.byte_size)
 
-    def stage(self, request: InferRequest, in_worker: bool = False) -> Staged:
+    def stage(self, request: InferRequest, in_worker: bool = False, worker_gpu: str = "") -> Staged:
         """Resolve the request's shared-memory inputs and outputs and hold their regions until `Staged.release`.
         `in_worker`: the version's device worker reads the inputs and writes the outputs itself (the request's
         `client_io`; the daemon never touches those bytes); else the inputs are read here, into arrays, and
-        `Staged.deliver` writes the outputs. Tensors in CUDA regions are always moved here (this process opened
-        their regions). Raises a client error (and holds nothing) when a region, an offset or
+        `Staged.deliver` writes the outputs. Tensors in CUDA regions are moved by the worker only when
+        `worker_gpu`, the UUID of the one GPU whose worker runs the version's every instance, holds their region;
+        else here. Raises a client error (and holds nothing) when a region, an offset or
         a size is wrong, or a region's file is shorter than the request needs (its client truncated it)."""
         total = sum(t.shm.byte_size for t in request.inputs if t.shm is not None)
         if total > self.max_request_bytes:
@@ -323,7 +340,11 @@ class ClientRegions:
                 staged.hold(region)
                 expected_bytes(tensor.name, tensor.datatype, tensor.shape, ref.byte_size)
                 if isinstance(where, CudaSlice):
-                    tensor.data = where.read(tensor.name, tensor.datatype, tensor.shape)
+                    if io is not None and where.region.device_uuid == worker_gpu and tensor.datatype != "BYTES":
+                        io.inputs[tensor.name] = where.region.slice(where.offset, where.byte_size)
+                        tensor.data = placeholder(tensor.datatype, tensor.shape)
+                    else:
+                        tensor.data = where.read(tensor.name, tensor.datatype, tensor.shape)
                 elif io is not None and tensor.datatype != "BYTES":  # text is checked element by element: read here
                     assert isinstance(region, Region)
                     _check_file(region, where, what)
@@ -338,8 +359,11 @@ class ClientRegions:
                     what = f"output '{output.name}'"
                     region, where = self._take(ref, what)
                     staged.hold(region)
-                    if isinstance(where, CudaSlice):  # written here, in `deliver`
-                        staged.outputs[output.name] = (ref, where)
+                    if isinstance(where, CudaSlice):
+                        if io is not None and where.region.device_uuid == worker_gpu:
+                            io.outputs[output.name] = (ref, where.region.slice(where.offset, where.byte_size))
+                        else:  # written here, in `deliver`
+                            staged.outputs[output.name] = (ref, where)
                         continue
                     assert isinstance(region, Region)
                     _check_file(region, where, what)
@@ -352,6 +376,22 @@ class ClientRegions:
             raise
         request.client_io = io
         return staged
+
+
+def worker_gpu(scheduler: Any) -> str:
+    """The UUID of the one physical GPU whose worker process runs every instance of a version (`scheduler`'s), when
+    its workers move clients' tensors; "" otherwise (the CPU, a simulated or MIG device, several GPUs, an ensemble).
+    A CUDA region on that GPU is then read and written by that worker (ClientRegions.stage)."""
+    if not scheduler.moves_client_tensors:
+        return ""
+    uuids = set()
+    for inst in getattr(scheduler, "instances", ()):
+        worker = inst.worker
+        device = worker.device if worker is not None else None
+        if device is None or worker.in_process or device.kind != "gpu" or device.simulated or not device.uuid:
+            return ""
+        uuids.add(device.uuid)
+    return uuids.pop() if len(uuids) == 1 else ""
 
 
 def place_inputs(request: InferRequest, placed: Mapping[str, RegionSlice], in_worker: bool) -> None:
@@ -476,7 +516,11 @@ def _pread_exact(fd: int, buf: memoryview, offset: int, what: str) -> None:
 
 
 def read_into(path: str, offset: int, dest: memoryview, what: str) -> None:
-    """Fill `dest` with the bytes at `offset` of a region's file (a device worker's read of a batch's input)."""
+    """Fill `dest` with the bytes at `offset` of a region's file, or of a CUDA region (a device worker's read of a
+    batch's input)."""
+    if is_region_path(path):
+        worker_regions().read(path, offset, dest)
+        return
     with open_region(path) as fd:
         _pread_exact(fd, dest, offset, what)
 
@@ -516,6 +560,9 @@ def write_tensor(where: RegionSlice, name: str, datatype: str, data: np.ndarray)
 def write_blob(path: str, offset: int, byte_size: int, blob: memoryview, name: str) -> None:
     if len(blob) > byte_size:
         raise _too_small(name, byte_size, len(blob))
+    if is_region_path(path):
+        worker_regions().write(path, offset, blob)
+        return
     with open_region(path) as fd:
         size = os.fstat(fd).st_size
         if offset + len(blob) > size:  # a pwrite past the end would grow the client's file: refuse instead

@@ -5,6 +5,11 @@ the gpu extra; imported on first use so a CPU install never needs them).
 `CudaIpc` is what `gpud.executor.client_shm` uses; `CudaRuntimeIpc` is the real one, and tests pass a fake. Every
 failure is an `InferenceError` whose text carries CUDA's own error string, as Triton's does ("failed to open CUDA
 IPC handle: invalid argument").
+
+A device worker whose GPU holds a client's region moves that region's tensors itself (`WorkerCudaRegions`): it finds
+the region by a path of its own kind (`region_path`: the handle, as the system regions' paths are their files), opens
+it on first use and closes it when the daemon forgets it (protocol.ForgetSegments), so the core's loop never copies
+those bytes.
 """
 from __future__ import annotations
 
@@ -30,8 +35,30 @@ class Opened:
     allocation_bytes: int
 
 
+PATH_PREFIX = "cuda-ipc:"
+
+
+def region_path(handle: bytes) -> str:
+    """How gpud's processes name a CUDA region in a batch's reads and writes (its IPC handle, in hex)."""
+    return PATH_PREFIX + handle.hex()
+
+
+def is_region_path(path: str) -> bool:
+    return path.startswith(PATH_PREFIX)
+
+
+def uuid_text(raw: bytes) -> str:
+    """A device's 16-byte UUID as NVML and nvidia-smi write it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
 class CudaIpc(Protocol):
     def device_count(self) -> int: ...
+
+    def device_uuid(self, device_id: int) -> str:
+        """CUDA device `device_id`'s UUID (uuid_text), to find which of gpud's workers runs on it."""
+        ...
 
     def open(self, handle: bytes, device_id: int) -> Opened: ...
 
@@ -87,6 +114,13 @@ class CudaRuntimeIpc:
                 return 0
             return int(result[1])
 
+    def device_uuid(self, device_id: int) -> str:
+        rt = self._runtime()
+        with self._lock:
+            prop = self._check(rt.cudaGetDeviceProperties(device_id), f"failed to read CUDA device {device_id}")
+            raw = prop.uuid.bytes
+            return uuid_text(raw if isinstance(raw, bytes) else bytes(b & 0xFF for b in raw))
+
     def open(self, handle: bytes, device_id: int) -> Opened:
         rt = self._runtime()
         with self._lock:
@@ -133,3 +167,50 @@ class CudaRuntimeIpc:
             # A copy from pageable memory may return before it reaches the device: the client reads the output
             # once answered, so it must be there by then.
             self._check(rt.cudaDeviceSynchronize(), "failed to write an output into CUDA shared memory")
+
+
+class WorkerCudaRegions:
+    """A device worker's clients' CUDA regions: opened on first use on its one visible device (0) and kept open for
+    the next batch, until the daemon forgets them (the region was unregistered and no request uses it)."""
+
+    def __init__(self, ipc: CudaIpc | None = None):
+        self._ipc: CudaIpc = ipc if ipc is not None else CudaRuntimeIpc()
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()  # a worker's instances run batches on threads of their own
+
+    def _pointer(self, path: str) -> int:
+        with self._lock:
+            pointer = self._open.get(path)
+            if pointer is None:
+                handle = bytes.fromhex(path[len(PATH_PREFIX):])
+                pointer = self._open[path] = self._ipc.open(handle, 0).pointer
+            return pointer
+
+    def read(self, path: str, offset: int, dest: memoryview) -> None:
+        self._ipc.read(0, self._pointer(path) + offset, np.frombuffer(dest, dtype=np.uint8))
+
+    def write(self, path: str, offset: int, blob: memoryview) -> None:
+        self._ipc.write(0, self._pointer(path) + offset, blob)
+
+    def forget(self, names: list[str] | tuple[str, ...]) -> None:
+        with self._lock:
+            pointers = [self._open.pop(n) for n in names if n in self._open]
+        for pointer in pointers:
+            self._ipc.close(0, pointer)
+
+
+_worker_regions: WorkerCudaRegions | None = None
+
+
+def worker_regions() -> WorkerCudaRegions:
+    """This worker's CUDA regions (made on the first batch that reads or writes one)."""
+    global _worker_regions
+    if _worker_regions is None:
+        _worker_regions = WorkerCudaRegions()
+    return _worker_regions
+
+
+def forget_in_worker(names: tuple[str, ...]) -> None:
+    """Close the regions among `names` this worker opened (none opened: nothing to do, and cuda-python untouched)."""
+    if _worker_regions is not None and any(is_region_path(n) for n in names):
+        _worker_regions.forget(names)

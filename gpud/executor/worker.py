@@ -20,6 +20,7 @@ import numpy as np
 
 from gpud.executor.backend import Backends, LoadOptions, ModelInstance
 from gpud.executor.client_shm import output_bytes, read_into, write_blob
+from gpud.executor.cuda_ipc import forget_in_worker
 from gpud.executor.device import WorkerDevice
 from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
@@ -239,6 +240,7 @@ class Worker:
                         inst.inbox.put(None)
                 case ForgetSegments(names=names):
                     self.segments.forget(names)
+                    forget_in_worker(names)
                 case Exit():
                     for inst in self.instances.values():
                         inst.inbox.put(None)
