@@ -55,8 +55,10 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
             p50, p99 = r["p50_us"] / 1e3, r["p99_us"] / 1e3
         else:
             t0 = time.monotonic()
+            # perf_analyzer: windows of seconds/3 until three agree, at most ten; more than twice that is a stall
             r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds, workdir,
-                                      ("--streaming",) if protocol == "grpc-stream" else ())
+                                      ("--streaming",) if protocol == "grpc-stream" else (),
+                                      timeout_s=max(30.0, 8 * args.seconds))
             rps, p50, p99 = r["requests_per_s"], r["p50_us"] / 1e3, r["p99_us"] / 1e3
             n = rps * (time.monotonic() - t0)  # perf_analyzer's windows plus its set-up: an estimate of the count
         after = (run.cpu_seconds(core), run.cpu_seconds(fe), run.cpu_seconds(workers))
@@ -86,7 +88,8 @@ def main(argv=None) -> int:
     if any(p.startswith("grpc") for p in protocols):
         tools["perf_analyzer"] = args.perf_analyzer or run.ensure_perf_analyzer()
     print(f"# {os.cpu_count()} cores; mlp ({args.instances} CPU instance(s)); concurrency {args.concurrency}; "
-          f"{args.seconds:.0f} s a point; best of {args.rounds} rounds (interleaved); wrk threads {args.client_threads}")
+          f"{args.seconds:.0f} s a point; best of {args.rounds} rounds (interleaved); "
+          f"wrk threads {args.client_threads}")
     best: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory(prefix="gpud-frontends-") as workdir:
         repo = os.path.join(workdir, "models")
@@ -99,14 +102,21 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for protocol in protocols:
                 for count in counts:
-                    r = point(args, protocol, count, workdir, repo, body_file, header_len, tools)
+                    try:
+                        r = point(args, protocol, count, workdir, repo, body_file, header_len, tools)
+                    except RuntimeError as exc:  # one point's failure (a stall, a client error) ends no other
+                        print(f"# {protocol} {count}: FAILED: {exc}", flush=True)
+                        continue
+                    print(f"# {protocol} {count}: {r['rps']:.0f} req/s, p50 {r['p50']:.2f} ms, p99 {r['p99']:.2f} ms, "
+                          f"core {r['core_us']:.0f} us/req, front ends {r['fe_us']:.0f}, workers "
+                          f"{r['worker_us']:.0f}", flush=True)
                     key = (protocol, count)
                     if key not in best or r["rps"] > best[key]["rps"]:
                         best[key] = r
     print(f"{'protocol':8} {'processes':>9} {'req/s':>8} {'p50 ms':>7} {'p99 ms':>7} {'core us/req':>11} "
           f"{'front ends us/req':>17} {'workers us/req':>14} {'req/s vs 0':>10} {'vs HTTP':>7}")
     for (protocol, count), r in best.items():
-        base = best[(protocol, counts[0])]["rps"]
+        base = best.get((protocol, counts[0]), r)["rps"]
         http = best.get(("http", count))
         vs_http = f"{r['rps'] / http['rps']:7.2f}" if http else f"{'-':>7}"
         print(f"{protocol:8} {count:9d} {r['rps']:8.0f} {r['p50']:7.2f} {r['p99']:7.2f} {r['core_us']:11.0f} "
