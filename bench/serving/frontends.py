@@ -15,12 +15,14 @@ processes and the workers share the machine's cores.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
 import sys
 import tempfile
 import time
+import urllib.request
 
 import numpy as np
 
@@ -35,6 +37,17 @@ def split(server: run.GpudServer) -> tuple[list, list, list]:
     core, *children = server.tree()
     fe = [c for c in children if "gpud.frontproc.child" in " ".join(c.cmdline())]
     return [core], fe, [c for c in children if c not in fe]
+
+
+def pending(server: run.GpudServer) -> str:
+    """The model's pending requests and counts as the core reports them (gpudctl inspect's view), for a stall."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/v2/gpud/inspect", timeout=10) as r:
+            doc = json.load(r)
+        return json.dumps([{k: m.get(k) for k in ("name", "pending_requests", "instances")}
+                           for m in doc.get("models", [])])[:2000]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: the daemon may be stuck too
+        return f"(inspect failed: {exc})"
 
 
 def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: str, header_len: int,
@@ -56,9 +69,10 @@ def point(args, protocol: str, count: int, workdir: str, repo: str, body_file: s
         else:
             t0 = time.monotonic()
             # perf_analyzer: windows of seconds/3 until three agree, at most ten; more than twice that is a stall
-            r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds, workdir,
-                                      ("--streaming",) if protocol == "grpc-stream" else (),
-                                      timeout_s=max(30.0, 8 * args.seconds))
+            r = run.run_perf_analyzer(tools["perf_analyzer"], server, "mlp", args.concurrency, args.seconds,
+                                      workdir, ("--streaming",) if protocol == "grpc-stream" else (),
+                                      timeout_s=max(30.0, 8 * args.seconds),
+                                      on_stall=lambda: f"# the core then: {pending(server)}")
             rps, p50, p99 = r["requests_per_s"], r["p50_us"] / 1e3, r["p99_us"] / 1e3
             n = rps * (time.monotonic() - t0)  # perf_analyzer's windows plus its set-up: an estimate of the count
         after = (run.cpu_seconds(core), run.cpu_seconds(fe), run.cpu_seconds(workers))

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -472,7 +473,8 @@ def run_wrk(wrk: str, server: Server, target: Target, model: str, c: int, second
 
 
 def run_perf_analyzer(pa: str, server: Server, model: str, c: int, seconds: float, workdir: str,
-                      extra_args: tuple[str, ...] = (), timeout_s: float | None = None) -> dict:
+                      extra_args: tuple[str, ...] = (), timeout_s: float | None = None,
+                      on_stall: Callable[[], str] | None = None) -> dict:
     """perf_analyzer over gRPC, async mode; windows of seconds/3 until three agree, at most ten (reported: the last three's average)."""
     csv = os.path.join(workdir, "pa.csv")
     if os.path.exists(csv):
@@ -480,11 +482,15 @@ def run_perf_analyzer(pa: str, server: Server, model: str, c: int, seconds: floa
     window_ms = max(500, int(seconds * 1000 / 3))
     cmd = [pa, "-m", model, "-u", f"127.0.0.1:{server.grpc_port}", "-i", "grpc", "--async",
            "--concurrency-range", str(c), "-p", str(window_ms), "-s", "100", "-r", "10", "-f", csv, *extra_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:  # e.g. a request never answered: perf_analyzer waits for it forever
-        raise RuntimeError(f"perf_analyzer did not finish in {timeout_s:.0f} s: {str(exc.stdout or '')[-2000:]}") \
-            from None
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:  # e.g. a request never answered: perf_analyzer waits for it forever
+        seen = on_stall() if on_stall is not None else ""  # while its connections are still open
+        proc.kill()
+        stdout, _ = proc.communicate()
+        raise RuntimeError(f"perf_analyzer did not finish in {timeout_s:.0f} s: {stdout[-2000:]}\n{seen}") from None
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if out.returncode != 0 or not os.path.exists(csv):
         raise RuntimeError(f"perf_analyzer failed ({out.returncode}): {out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     lines = open(csv).read().strip().splitlines()
