@@ -124,8 +124,8 @@ def test_the_worker_reads_client_inputs_and_writes_client_outputs_and_fails_only
         b_slice = RegionSlice("in", str(tmp_path / "in"), 0, b.nbytes)
         rows, reads = write_inputs(config, [{"x": a}, {"x": np.broadcast_to(np.float32(0), (2, 2))}],
                                    lambda n: in_seg, [None, {"x": b_slice}])
-        assert reads == ((8, str(tmp_path / "in"), 0, 16),)
-        writes = ((0, 0, 1, str(tmp_path / "out-a"), 0, 8), (0, 1, 3, str(tmp_path / "out-b"), 0, 8))
+        assert reads == ((8, str(tmp_path / "in"), 0, 16, 1),)  # the last: the request's index in the batch
+        writes = ((0, 0, 1, str(tmp_path / "out-a"), 0, 8, 0), (0, 1, 3, str(tmp_path / "out-b"), 0, 8, 1))
         done = run_batch(Doubler(), {in_seg.name: in_seg, out_seg.name: out_seg}.__getitem__,
                          Infer("k", in_seg.name, out_seg.name, rows, ("y",), ("FP32",), 1, reads, writes))
         assert isinstance(done, Done)
@@ -149,3 +149,43 @@ def test_a_requests_inputs_in_shared_memory_are_bounded_as_a_body_is(tmp_path):
     regions.unregister()
     assert regions.status() == []
     regions.close()
+
+
+def test_an_input_that_cannot_be_read_fails_its_request_alone_and_its_batch_mates_are_answered(tmp_path):
+    """Three requests batched, each input in a client's region: the middle one's file was truncated after the core
+    staged it (between its check and the worker's read). Before, the read raised and failed the whole batch, so one
+    client's truncation failed every request it was batched with."""
+    from gpud.executor.model_config import ModelConfig, TensorSpec
+    from gpud.executor.protocol import Done, Infer, read_outputs, write_inputs
+    from gpud.executor.shm import Segment, new_segment_name
+    from gpud.executor.types import RegionSlice
+    from gpud.executor.worker import run_batch
+
+    config = ModelConfig(name="double", platform="", backend="fake", max_batch_size=4,
+                         inputs=[TensorSpec("x", "FP32", (2,))], outputs=[TensorSpec("y", "FP32", (2,))])
+    rows = [np.array([[1, 2]], np.float32), np.array([[3, 4]], np.float32), np.array([[5, 6]], np.float32)]
+    for i, row in enumerate(rows):
+        (tmp_path / f"in{i}").write_bytes(row.tobytes())
+        (tmp_path / f"out{i}").write_bytes(bytes(8))
+    (tmp_path / "in1").write_bytes(b"\x01\x02")  # truncated by its client
+    in_seg = Segment.create(new_segment_name("in"), 4096)
+    out_seg = Segment.create(new_segment_name("out"), 4096)
+    try:
+        slices = [{"x": RegionSlice(f"r{i}", str(tmp_path / f"in{i}"), 0, 8)} for i in range(3)]
+        placeholders = [{"x": np.broadcast_to(np.float32(0), (1, 2))} for _ in range(3)]
+        metas, reads = write_inputs(config, placeholders, lambda n: in_seg, slices)
+        writes = tuple((0, i, i + 1, str(tmp_path / f"out{i}"), 0, 8, i) for i in range(3))
+        done = run_batch(Doubler(), {in_seg.name: in_seg, out_seg.name: out_seg}.__getitem__,
+                         Infer("k", in_seg.name, out_seg.name, metas, ("y",), ("FP32",), 1, reads, writes))
+        assert isinstance(done, Done), done
+        assert [(i, kind) for i, kind, _ in done.read_errors] == [(1, "INVALID_ARGUMENT")]
+        assert "the client truncated it" in done.read_errors[0][2]
+        assert (tmp_path / "out0").read_bytes() == (rows[0] * 2).tobytes()
+        assert (tmp_path / "out2").read_bytes() == (rows[2] * 2).tobytes()
+        assert (tmp_path / "out1").read_bytes() == bytes(8), "nothing written for the request that failed"
+        assert done.write_errors == ()
+        [(_, _, y)] = read_outputs(done, out_seg)  # not every row went to a region: the output is staged too
+        assert y.shape == (3, 2)
+    finally:
+        in_seg.close()
+        out_seg.close()

@@ -180,6 +180,30 @@ def test_a_batch_whose_only_request_failed_writing_its_client_region_is_not_an_e
     assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (1, 1)
 
 
+def test_a_request_whose_input_the_worker_could_not_read_fails_alone_with_its_kind(made):
+    """The worker's read of one request's input from its region failed (Done.read_errors): that request fails with
+    the read's error kind and message, its batch mate is answered, and the statistics count one of each."""
+    worker = Worker()
+    scheduler, _ = made(TWO_OUTPUTS, worker)
+
+    async def run():
+        got: dict[str, object] = {}
+        scheduler.submit(_req("m", [0, 0]), lambda r: None)  # occupies the instance so the next two batch
+        bad = _req("m", [1, 2], ["y"])
+        bad.client_io = ClientIO(inputs={"x": RegionSlice("r", "/r", 0, 8)})
+        scheduler.submit(bad, lambda r: got.setdefault("bad", r))
+        scheduler.submit(_req("m", [3, 4], ["y"]), lambda r: got.setdefault("good", r))
+        worker.finish()
+        inst, msg, callback = worker.pending.pop()
+        callback(worker.reply(inst, msg)._replace(read_errors=((0, "UNAVAILABLE", "region gone"),)))
+        assert isinstance(got["bad"], InferenceError) and got["bad"].kind is ErrorKind.UNAVAILABLE
+        assert got["bad"].message == "region gone"
+        np.testing.assert_array_equal(got["good"].outputs[0].data, [[6, 8]])
+
+    asyncio.run(run())
+    assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (2, 1)
+
+
 def test_each_request_gets_its_outputs_in_its_own_order_whatever_its_batch_mates_asked(made):
     """A batch computes the union of its requests' outputs, in the order they first appear; each request's answer
     had them in that order, so the bytes of an answer depended on which requests it happened to be batched with (all

@@ -226,7 +226,7 @@ class DynamicScheduler(SchedulerBase):
 
     def _client_writes(self, batch: list[Pending], output_names: tuple[str, ...]) -> tuple[tuple, list[int]]:
         """The outputs the worker writes into clients' regions (protocol.Infer.writes), and the request of each."""
-        writes: list[tuple[int, int, int, str, int, int]] = []
+        writes: list[tuple[int, int, int, str, int, int, int]] = []
         owners: list[int] = []
         start = 0
         for i, p in enumerate(batch):
@@ -237,7 +237,7 @@ class DynamicScheduler(SchedulerBase):
                     if name in p.prepared.output_names:
                         stop = start + rows if self.config.batches else -1
                         writes.append((output_names.index(name), start, stop, where.path, where.offset,
-                                       where.byte_size))
+                                       where.byte_size, i))
                         owners.append(i)
             start += rows
         return tuple(writes), owners
@@ -266,12 +266,15 @@ class DynamicScheduler(SchedulerBase):
 
     def _written_to_regions(self, batch: list[Pending], done: protocol.Done, answers: tuple) -> tuple[list, tuple]:
         """The requests whose outputs the worker wrote into their regions: those outputs answered by shape alone,
-        and the requests whose write failed (too small a region) failed, out of the batch that is answered."""
+        and the requests whose write failed (too small a region) or whose input could not be read failed, out of
+        the batch that is answered."""
         per_request = answers[0]
-        failed: dict[int, str] = {}
+        failed: dict[int, InferenceError] = {owner: InferenceError(ErrorKind[kind], message)
+                                             for owner, kind, message in done.read_errors}
         if done.write_errors:
             owners = self._client_writes(batch, tuple(m.name for m in done.outputs))[1]  # Infer's output order
-            failed = {owners[index]: message for index, message in done.write_errors}
+            for index, message in done.write_errors:
+                failed.setdefault(owners[index], InferenceError(ErrorKind.INVALID_ARGUMENT, message))
         for i, p in enumerate(batch):
             io = p.request.client_io
             if io is not None and i not in failed:
@@ -281,8 +284,8 @@ class DynamicScheduler(SchedulerBase):
                         tensor.shm = target[0]
         if not failed:
             return batch, answers
-        for i, message in failed.items():
-            self._fail([batch[i]], InferenceError(ErrorKind.INVALID_ARGUMENT, message))
+        for i, error in failed.items():
+            self._fail([batch[i]], error)
         keep = [i for i in range(len(batch)) if i not in failed]
         return [batch[i] for i in keep], ([per_request[i] for i in keep], *answers[1:])
 

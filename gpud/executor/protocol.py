@@ -65,12 +65,13 @@ class Infer(NamedTuple):
     output_types: tuple[str, ...]  # the model's datatype of each output
     seq: int = -1  # numbered when sent (numbered()); the reply carries it back
     # Inputs in clients' shared-memory regions, which the worker copies into `in_seg` before reading the batch:
-    # (offset in in_seg, region file path, offset in it, bytes). The daemon never touches those bytes.
-    reads: tuple[tuple[int, str, int, int], ...] = ()
+    # (offset in in_seg, region path, offset in it, bytes, the request's index in the batch). The daemon never
+    # touches those bytes. A read that fails fails its request alone (Done.read_errors).
+    reads: tuple[tuple[int, str, int, int, int], ...] = ()
     # Outputs the worker writes into clients' regions: (output index, first row, row past the last (-1: the whole
-    # tensor), region file path, offset in it, bytes the client gave). An output every row of which goes to a
-    # region is not written into the output segment (its TensorMeta offset is -1).
-    writes: tuple[tuple[int, int, int, str, int, int], ...] = ()
+    # tensor), region path, offset in it, bytes the client gave, the request's index in the batch). An output every
+    # row of which goes to a region is not written into the output segment (its TensorMeta offset is -1).
+    writes: tuple[tuple[int, int, int, str, int, int, int], ...] = ()
 
     def numbered(self, seq: int) -> Infer:
         """This batch with its sequence number; cheaper than _replace, which this runs for every batch."""
@@ -125,6 +126,9 @@ class Done(NamedTuple):
     infer_ns: int  # the backend's run
     output_ns: int  # writing the outputs
     write_errors: tuple[tuple[int, str], ...] = ()  # (index into Infer.writes, why): those requests failed
+    # (request index in the batch, ErrorKind name, why): requests whose input could not be read from their region
+    # (truncated, unregistered, a CUDA handle that does not open here); they fail, their batch mates are answered
+    read_errors: tuple[tuple[int, str, str], ...] = ()
 
 
 class Failed(NamedTuple):
@@ -162,8 +166,8 @@ def dumps(msg: Message) -> bytes:
         key, in_seg, out_seg, inputs, outputs, output_types, seq, reads, writes = msg
         wire = (_INFER, key, in_seg, out_seg, _plain(inputs), outputs, output_types, seq, reads, writes)
     elif type(msg) is Done:
-        seq, done_outputs, ovf_seg, input_ns, infer_ns, output_ns, write_errors = msg
-        wire = (_DONE, seq, _plain(done_outputs), ovf_seg, input_ns, infer_ns, output_ns, write_errors)
+        seq, done_outputs, ovf_seg, input_ns, infer_ns, output_ns, write_errors, read_errors = msg
+        wire = (_DONE, seq, _plain(done_outputs), ovf_seg, input_ns, infer_ns, output_ns, write_errors, read_errors)
     else:
         wire = (_TAG[type(msg)], *msg)
     return pickle.dumps(wire, _PICKLE_PROTOCOL)
@@ -178,8 +182,9 @@ def loads(data) -> Message:
         return _new(Infer, (key, in_seg, out_seg, tuple(map(_meta, inputs)), outputs, output_types, seq, reads,
                             writes))
     if tag == _DONE:
-        _, seq, outputs, ovf_seg, input_ns, infer_ns, output_ns, write_errors = wire
-        return _new(Done, (seq, tuple(map(_meta, outputs)), ovf_seg, input_ns, infer_ns, output_ns, write_errors))
+        _, seq, outputs, ovf_seg, input_ns, infer_ns, output_ns, write_errors, read_errors = wire
+        return _new(Done, (seq, tuple(map(_meta, outputs)), ovf_seg, input_ns, infer_ns, output_ns, write_errors,
+                           read_errors))
     return _new(_CLASSES[tag], wire[1:])
 
 
@@ -227,7 +232,7 @@ def write_inputs(config: ModelConfig, requests: Sequence[Mapping[str, np.ndarray
             total += align(nbytes)
     seg = reserve(total)
     rows_meta, offset = [], 0
-    reads: list[tuple[int, str, int, int]] = []
+    reads: list[tuple[int, str, int, int, int]] = []
     for name, datatype, shape, payload, nbytes in plans:
         if datatype == "BYTES":
             seg.buf[offset:offset + nbytes] = payload
@@ -245,12 +250,12 @@ def write_inputs(config: ModelConfig, requests: Sequence[Mapping[str, np.ndarray
 
 
 def _place_parts(seg: Segment, offset: int, name: str, parts: Sequence[np.ndarray],
-                 slices: Sequence[RegionSlice | None], reads: list[tuple[int, str, int, int]]) -> None:
+                 slices: Sequence[RegionSlice | None], reads: list[tuple[int, str, int, int, int]]) -> None:
     """One input's per-request parts one after another from `offset`: copied when given, or a read for the worker
     when in a client's region."""
-    for part, where in zip(parts, slices):
+    for owner, (part, where) in enumerate(zip(parts, slices)):
         if where is not None:
-            reads.append((offset, where.path, where.offset, where.byte_size))
+            reads.append((offset, where.path, where.offset, where.byte_size, owner))
             offset += where.byte_size
         else:
             seg.buf[offset:offset + part.nbytes] = np.ascontiguousarray(part).reshape(-1).view(np.uint8).data

@@ -113,8 +113,7 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
     try:
         t0 = time.perf_counter_ns()
         in_seg = segment(msg.in_seg)
-        for offset, path, src_offset, nbytes in msg.reads:
-            read_into(path, src_offset, in_seg.buf[offset:offset + nbytes], "an input in shared memory")
+        read_errors = _read_client_inputs(msg, in_seg) if msg.reads else ()
         feed = read_inputs(in_seg, msg.inputs)
         t1 = time.perf_counter_ns()
         results = model.run(feed, msg.outputs)
@@ -122,7 +121,7 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
         skip: frozenset[int] = frozenset()
         write_errors: tuple[tuple[int, str], ...] = ()
         if msg.writes:
-            write_errors, skip = _write_client_outputs(msg, results)
+            write_errors, skip = _write_client_outputs(msg, results, frozenset(i for i, _, _ in read_errors))
         outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results, skip)
         t3 = time.perf_counter_ns()
     except Exception as exc:  # noqa: BLE001 - the model's own error, whatever its type, is the answer; the worker goes on
@@ -131,16 +130,38 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
         kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
         log.debug("instance %s: batch %s failed:\n%s", key or msg.key, msg.seq, traceback.format_exc())
         return Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}")
-    return Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2, write_errors)
+    return Done(msg.seq, outputs, ovf_seg, t1 - t0, t2 - t1, t3 - t2, write_errors, read_errors)
 
 
-def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray]) -> tuple[tuple[tuple[int, str], ...],
-                                                                             frozenset[int]]:
+def _read_client_inputs(msg: Infer, in_seg: Segment) -> tuple[tuple[int, str, str], ...]:
+    """The batch's inputs in clients' regions copied into its segment. A read that fails (a region truncated or
+    unregistered since the request came, a CUDA handle that does not open here) fails its request alone: its rows
+    are zeroed so the batch runs on defined data, and its other reads are skipped."""
+    errors: list[tuple[int, str, str]] = []
+    failed: set[int] = set()
+    for offset, path, src_offset, nbytes, owner in msg.reads:
+        dest = in_seg.buf[offset:offset + nbytes]
+        if owner not in failed:
+            try:
+                read_into(path, src_offset, dest, "an input in shared memory")
+                continue
+            except InferenceError as exc:
+                failed.add(owner)
+                errors.append((owner, exc.kind.name, exc.message))
+        np.frombuffer(dest, dtype=np.uint8).fill(0)
+    return tuple(errors)
+
+
+def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray],
+                          failed: frozenset[int] = frozenset()) -> tuple[tuple[tuple[int, str], ...], frozenset[int]]:
     """Each request's rows of its outputs bound for clients' regions, written there; the writes that failed (that
-    request fails, the others of the batch are answered), and the outputs every row of which went to regions."""
+    request fails, the others of the batch are answered), and the outputs every row of which went to regions.
+    Requests in `failed` (their inputs could not be read) have nothing written."""
     errors = []
     rows_written = [0] * len(results)
-    for index, (output, start, stop, path, offset, byte_size) in enumerate(msg.writes):
+    for index, (output, start, stop, path, offset, byte_size, owner) in enumerate(msg.writes):
+        if owner in failed:
+            continue
         arr = np.asarray(results[output])
         part = arr if stop < 0 else arr[start:stop]
         try:
