@@ -324,12 +324,17 @@ class TestDecodeInputs:
         (_request("FP32", [2, 2], fp32_contents=[1.0, 2.0, 3.0]), "got 3 elements in fp32_contents, expected 4"),
         (_request("FP16", [1], fp32_contents=[1.0]), "FP16 data must be sent in raw_input_contents"),
         (_request("INT8", [1], int_contents=[300]), "a value in int_contents does not fit INT8"),
+        (_request("BOOL", [3], raw=b"\x00\x01\x02"), "input 'x': BOOL elements must be bytes 0 or 1"),  # as HTTP
     ])
     def test_malformed_input_is_invalid_argument(self, request_, message):
         with pytest.raises(InferenceError) as exc_info:
             decode_inputs(request_)
         assert exc_info.value.kind is ErrorKind.INVALID_ARGUMENT
         assert message in exc_info.value.message
+
+    def test_raw_bool_of_zeros_and_ones_is_decoded(self):
+        (tensor,) = decode_inputs(_request("BOOL", [3], raw=b"\x00\x01\x01"))
+        assert tensor.data.tolist() == [False, True, True]
 
     def test_raw_contents_must_cover_every_input(self):
         request = _request("FP32", [1], raw=b"\x00" * 4)

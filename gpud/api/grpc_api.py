@@ -147,6 +147,8 @@ def _decode_raw(name: str, datatype: str, shape: tuple[int, ...], raw: bytes, el
     if len(raw) != expected_bytes:
         raise _invalid(f"input {name!r}: got {len(raw)} bytes of raw content, expected {expected_bytes} "
                        f"for shape {list(shape)} of {datatype}")
+    if datatype == "BOOL" and element_count and np.frombuffer(raw, np.uint8).max() > 1:  # as HTTP: not 0 or 1
+        raise _invalid(f"input {name!r}: BOOL elements must be bytes 0 or 1")
     # The wire is little-endian; astype is a no-op on little-endian hosts and swaps bytes elsewhere.
     return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype, copy=False).reshape(shape)
 
