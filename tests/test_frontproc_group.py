@@ -127,7 +127,8 @@ class _CoreEnd:
             if len(self.messages) >= count:
                 break
             await asyncio.sleep(0.005)
-        got, self.messages = self.messages, []
+        got = list(self.messages)
+        self.messages.clear()  # the same list: the reader appends to it
         return got
 
 
@@ -234,6 +235,45 @@ class TestRemoteCore:
             assert [m[0] for m in submits] == ["submit"]  # the one left goes alone
         asyncio.run(run())
 
+
+    def test_an_answer_that_cannot_be_read_is_an_error_for_its_requests_and_the_next_answers_still_arrive(
+            self, link, monkeypatch):
+        """Reading an answer raised (its segment gone, memory): the request was already taken off the waiting list,
+        so it never heard anything, and the exception left the messages read after it unhandled."""
+        import gpud.frontproc.remote_core as remote_core
+
+        core, end, theirs, arena = link
+        real = remote_core.response_of
+        calls = []
+
+        def response_of(wire):
+            calls.append(wire)
+            if len(calls) <= 2:  # the lone request's answer, then the group's
+                raise OSError("No such file or directory")
+            return real(wire)
+        monkeypatch.setattr(remote_core, "response_of", response_of)
+
+        async def run():
+            core.start()
+            results: dict[int, object] = {}
+            core.submit(request(rows=2), lambda r: results.__setitem__("alone", r))
+            for i in range(2):
+                core.submit(request(), lambda r, i=i: results.__setitem__(i, r))
+            messages = await end.receive(2)
+            alone = next(m for m in messages if m[0] == "submit")
+            group = next(m for m in messages if m[0] == "group")
+            ok = response_wire(InferResponse("m", "1", [InferTensor("out", "FP32", (2, 1), np.ones((2, 1)))]))
+            _send(theirs, [("answer", alone[1], True, ok), ("answers", group[1], True, ok)])
+            core.submit(request(rows=3), lambda r: results.__setitem__("next", r))
+            (nxt,) = await end.receive(1)
+            out3 = response_wire(InferResponse("m", "1", [InferTensor("out", "FP32", (3, 1), np.ones((3, 1)))]))
+            _send(theirs, [("answer", nxt[1], True, out3)])
+            await _answers_arrive(results, 4)
+            assert all(isinstance(results[k], InferenceError) and results[k].kind is ErrorKind.INTERNAL
+                       and "could not be read" in results[k].message for k in ("alone", 0, 1))
+            assert results[0] is not results[1]
+            assert isinstance(results["next"], InferResponse)
+        asyncio.run(run())
 
     def test_an_answer_handed_over_in_a_segment_for_withdrawn_requests_removes_the_segment(self, link):
         """A large output comes back in a shared-memory segment of its own, which the receiver removes when it maps
@@ -356,6 +396,21 @@ class TestFrontendHost:
         assert [(m[0], m[1], m[2], m[3].kind) for m in answers] == [("answer", 100, False, ErrorKind.NOT_FOUND),
                                                                     ("answer", 101, False, ErrorKind.NOT_FOUND)]
         assert answers[0][3] is not answers[1][3]
+
+    def test_an_answer_that_cannot_be_staged_for_the_front_end_is_an_error_for_its_requests(self, monkeypatch):
+        """Staging an answer for its front-end process raised (/dev/shm full): its requests were already taken off
+        the waiting list and never heard anything."""
+        import gpud.frontproc.host as host_module
+
+        def response_wire(result, handed=None):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(host_module, "response_wire", response_wire)
+        host, fp = _host(_FakeCore(limit=2))
+        host._on_message(fp, _group_message(3))  # 2 as a group, the last alone
+        answers = fp.sender.messages
+        assert [(m[0], m[1], m[2]) for m in answers] == [("answers", [100, 101], False), ("answer", 102, False)]
+        assert all(m[3].kind is ErrorKind.INTERNAL and "No space left on device" in m[3].message for m in answers)
+        assert not fp.submits
 
     def test_a_group_is_withdrawn_only_when_all_its_members_are(self):
         cancelled = []

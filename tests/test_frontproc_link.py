@@ -67,6 +67,7 @@ def test_a_turns_messages_go_as_one_frame_and_arrive_in_order(caplog):
         sender.put(("bad", lambda: None))  # cannot be pickled: dropped and logged, its turn's others still go
         sender.put(("b", 2))
         sender.put(("answer", 7, True, lambda: None))  # an answer that cannot go: its request hears why instead
+        sender.put(("answers", [8, 9], True, lambda: None))  # a group's: each member hears why
         sender.flush()
         sender.put(("c", 3))
         sender.flush()
@@ -76,7 +77,9 @@ def test_a_turns_messages_go_as_one_frame_and_arrive_in_order(caplog):
         return got
 
     got = asyncio.run(main())
-    assert got[:2] == [("a", 1), ("b", 2)] and got[3] == ("c", 3)
+    assert got[:2] == [("a", 1), ("b", 2)] and got[4] == ("c", 3)
     kind, ident, ok, error = got[2]
     assert (kind, ident, ok) == ("answer", 7, False) and "could not be sent to the front-end process" in error.message
+    kind, idents, ok, error = got[3]
+    assert (kind, idents, ok) == ("answers", [8, 9], False) and "could not be sent" in error.message
     assert "a 'bad' message to the other process could not be pickled" in caplog.text

@@ -204,6 +204,34 @@ def test_a_request_whose_input_the_worker_could_not_read_fails_alone_with_its_ki
     assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (2, 1)
 
 
+def test_a_batch_its_worker_could_not_take_for_a_bug_fails_and_the_instance_serves_the_next(made):
+    """worker.submit raising something other than InferenceError or OSError (a bug): the batch's requests were
+    never answered, and the instance stayed 'running' for ever, so nothing after them ran either."""
+    worker = Worker()
+    scheduler, _ = made(TWO_OUTPUTS, worker)
+    real_submit, calls = worker.submit, []
+
+    def submit(msg, callback):
+        calls.append(msg)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        real_submit(msg, callback)
+
+    worker.submit = submit
+
+    async def run():
+        got = []
+        scheduler.submit(_req("m", [1, 2]), got.append)
+        assert len(got) == 1 and isinstance(got[0], InferenceError) and got[0].kind is ErrorKind.INTERNAL
+        assert "RuntimeError: boom" in got[0].message
+        scheduler.submit(_req("m", [3, 4]), got.append)
+        worker.finish()
+        np.testing.assert_array_equal(got[1].outputs[0].data, [[6, 8]])
+
+    asyncio.run(run())
+    assert (scheduler.stats.success.count, scheduler.stats.fail.count) == (1, 1)
+
+
 def test_each_request_gets_its_outputs_in_its_own_order_whatever_its_batch_mates_asked(made):
     """A batch computes the union of its requests' outputs, in the order they first appear; each request's answer
     had them in that order, so the bytes of an answer depended on which requests it happened to be batched with (all

@@ -222,6 +222,8 @@ class DynamicScheduler(SchedulerBase):
         writes = self._client_writes(batch, output_names)[0] if has_io else ()
         error = self._submit_batch(inst, batch, batch, inputs, output_names, t0, self._on_reply, reads, writes)
         if error is not None:
+            if error.kind is ErrorKind.INTERNAL:  # not sent for a bug of ours: its worker is fine, and so is it
+                self._free.appendleft(inst)
             self._fail(batch, error)
 
     def _client_writes(self, batch: list[Pending], output_names: tuple[str, ...]) -> tuple[tuple, list[int]]:

@@ -482,6 +482,11 @@ class SchedulerBase:
             self._running.pop(inst, None)
             return exc if isinstance(exc, InferenceError) else \
                 InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug: the batch's requests hear it, the instance stays usable
+            self._running.pop(inst, None)
+            log.exception("a batch could not be sent to instance %s", inst.key)
+            return InferenceError(ErrorKind.INTERNAL, f"the batch could not be sent to instance {inst.key}: "
+                                                      f"{type(exc).__name__}: {exc}")
         return None
 
     # --- shutdown / unload -------------------------------------------------------------------------------------

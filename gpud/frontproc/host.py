@@ -105,6 +105,14 @@ class FrontendProcess:
     serving: asyncio.Future | None = None  # done when it says it serves
 
 
+def _unstaged(exc: Exception) -> InferenceError:
+    """An answer that could not be put where its front-end process reads it (its removal from `submits` already
+    done): logged, and the error its request gets instead of waiting for ever."""
+    log.exception("an answer could not be staged for its front-end process")
+    return InferenceError(ErrorKind.INTERNAL, f"the answer could not be staged for the front end: "
+                                              f"{type(exc).__name__}: {exc}")
+
+
 class FrontendHost:
     def __init__(self, core: GpudCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
                  log_level: int = logging.INFO):
@@ -296,9 +304,12 @@ class FrontendHost:
         if not waiting or not fp.alive or fp.sender is None:
             return  # all withdrawn, or their process is gone
         if isinstance(result, InferResponse):
-            fp.sender.put(("answers", idents, True, response_wire(result, fp.handed.append)))
-        else:
-            fp.sender.put(("answers", idents, False, result))
+            try:
+                fp.sender.put(("answers", idents, True, response_wire(result, fp.handed.append)))
+                return
+            except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: the members hear why, not nothing
+                result = _unstaged(exc)
+        fp.sender.put(("answers", idents, False, result))
 
     @staticmethod
     def _slice(fp: FrontendProcess, at: tuple) -> RegionSlice:
@@ -316,9 +327,12 @@ class FrontendHost:
             for tensor in result.outputs:
                 if tensor.shm is not None:  # in the client's region: only the shape travels
                     tensor.data = NO_DATA
-            fp.sender.put(("answer", ident, True, response_wire(result, fp.handed.append)))
-        else:
-            fp.sender.put(("answer", ident, False, result))
+            try:
+                fp.sender.put(("answer", ident, True, response_wire(result, fp.handed.append)))
+                return
+            except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: the request hears why, not nothing
+                result = _unstaged(exc)
+        fp.sender.put(("answer", ident, False, result))
 
     def _call(self, fp: FrontendProcess, ident: int, method: str, args: tuple) -> None:
         try:

@@ -244,7 +244,7 @@ class Sender:
                 frames.append(frame([message]))
             except Exception as exc:  # noqa: BLE001 - a bug: logged with what it was, the rest is sent
                 log.exception("a %r message to the other process could not be pickled; dropped", message[0])
-                if message[0] in ("answer", "result"):  # its request or call waits for it: it hears why instead
+                if message[0] in ("answer", "answers", "result"):  # its requests or call wait: they hear why
                     frames.append(frame([(message[0], message[1], False, InferenceError(
                         ErrorKind.INTERNAL, f"the answer could not be sent to the front-end process: {exc}"))]))
         return frames

@@ -35,6 +35,11 @@ Done = Callable[[InferResponse | InferenceError], None]
 SIGNATURES_MAX = 4096
 
 
+
+def _unreadable(exc: Exception) -> InferenceError:
+    log.exception("an answer from the core could not be read")
+    return InferenceError(ErrorKind.INTERNAL, f"the answer could not be read: {type(exc).__name__}: {exc}")
+
 class _SharedBlocks:
     """A group's blocks in the arena, shared by its members: freed when the last is answered or withdrawn."""
 
@@ -164,7 +169,12 @@ class RemoteCore:
             if entry is not None:
                 done, blocks = entry
                 self._free(blocks)
-                done(response_of(value) if ok else value)
+                if ok:
+                    try:
+                        value = response_of(value)
+                    except Exception as exc:  # noqa: BLE001 - its request hears why; the next messages go on
+                        value = _unreadable(exc)
+                done(value)
             elif ok:  # withdrawn while its answer was on the way
                 discard_response(value)
         elif kind == "answers":  # a group's: one answer for its members, split by rows
@@ -185,8 +195,8 @@ class RemoteCore:
                 if answers is None:
                     try:
                         answers = split_answer(response_of(value), len(idents))
-                    except ValueError as exc:
-                        value, ok = InferenceError(ErrorKind.INTERNAL, f"a group's answer: {exc}"), False
+                    except Exception as exc:  # noqa: BLE001 - every member hears why; the next messages go on
+                        value, ok = _unreadable(exc), False
                         done(copy.copy(value))
                         continue
                 done(answers[i])
