@@ -616,3 +616,28 @@ async def _until_fewer(server: GrpcServer, count: int) -> None:
     the condition at each turn of the loop, bounded by the caller's timeout."""
     while len(server.connections) >= count:
         await asyncio.sleep(0)
+
+
+def test_an_internal_error_handling_frames_closes_the_connection_with_a_goaway_and_the_server_goes_on(
+        server, monkeypatch, caplog):
+    """A bug raised while handling a frame: it is logged as such and the connection ends with GOAWAY INTERNAL_ERROR
+    (its calls end with a status). Left to the event loop, the transport closed with a generic line and a client's
+    streams ended with no status at all."""
+    from gpud.api.grpcwire import connection
+
+    real = connection.GrpcConnection._frame
+
+    def broken(self, kind, flags, stream_id, payload):
+        if kind == frames.DATA:
+            raise RuntimeError("a bug")
+        return real(self, kind, flags, stream_id, payload)
+
+    monkeypatch.setattr(connection.GrpcConnection, "_frame", broken)
+    with grpc.insecure_channel(server.url) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            _unary(ch, "Echo")(b"x", timeout=TIMEOUT_S)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+    assert "an internal error handling its frames" in caplog.text
+    monkeypatch.undo()
+    with grpc.insecure_channel(server.url) as ch:
+        assert _unary(ch, "Echo")(b"y", timeout=TIMEOUT_S) == b"y"

@@ -188,6 +188,12 @@ class GrpcConnection(asyncio.Protocol):
             log.info("gRPC connection from %s closed: %s", self.peer, exc)
             self._close(exc.code, str(exc))
             return
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: said, and its calls end with the connection
+            # (left to the event loop, the transport would close with a generic line, and a client's streams with
+            # no status, which some clients wait on for ever)
+            log.exception("gRPC connection from %s closed: an internal error handling its frames", self.peer)
+            self._close(frames.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            return
         del buffer[:i]
 
     # --- frames in -------------------------------------------------------------------------------------------------
