@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.supervisor import CrashLoop
+from gpud.executor.types import InferenceError
 from gpud.scaling.sampler import HintsSampler
 from gpud.scaling.controller import ScalingController
 from gpud.core import GpudCore
@@ -167,7 +168,10 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
 def _forget_everywhere(pool: ExecutorPool, names: list[str]) -> None:
     """Tell every device worker to drop these segments or regions (a CUDA region unregistered and unused)."""
     for worker in pool.workers.values():
-        worker.forget_segments(names)
+        try:
+            worker.forget_segments(names)
+        except (InferenceError, OSError):  # a worker gone or restarting has nothing mapped: the others go on
+            pass
 
 
 async def start_metrics(components: Components, address: str, port: int):

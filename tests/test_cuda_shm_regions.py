@@ -293,3 +293,35 @@ def test_worker_gpu_is_the_one_real_gpu_of_every_instance():
     assert worker_gpu(_scheduler(WorkerDevice("mig0", "mig", "MIG-a"))) == ""
     assert worker_gpu(_scheduler(WorkerDevice("cpu", "cpu"))) == ""
     assert worker_gpu(_scheduler()) == ""
+
+
+def test_one_handle_under_two_names_stays_open_in_the_workers_until_both_are_gone(ipc):
+    forgotten = []
+    regions = ClientRegions(allowed=True, has_gpu=True, cuda=ipc, forget=forgotten.extend)
+    handle = ipc.allocate(128)
+    regions.cuda_register("a", handle, 0, 128)
+    regions.cuda_register("b", handle, 0, 128)
+    staged = regions.stage(request([InferTensor("x", "FP32", (1, 16), np.empty(0), ShmRef("b", 0, 64))]),
+                           in_worker=True, worker_gpu="GPU-fake-0")
+    regions.cuda_unregister("a")
+    assert forgotten == [], "'b' uses the workers' mapping of the same handle"
+    regions.cuda_unregister("b")
+    assert forgotten == []
+    staged.release()
+    assert forgotten == [cuda_ipc.region_path(handle)] and ipc.mapped == {}
+
+
+def test_a_worker_that_cannot_be_told_to_close_a_region_costs_no_answer_and_no_other_region(ipc):
+    def gone(names):
+        raise BrokenPipeError(32, "Broken pipe")
+    regions = ClientRegions(allowed=True, has_gpu=True, cuda=ipc, forget=gone)
+    for name in ("a", "b"):
+        regions.cuda_register(name, ipc.allocate(128), 0, 128)
+    req = request([InferTensor("x", "FP32", (1, 16), np.empty(0), ShmRef("a", 0, 64)),
+                   InferTensor("z", "FP32", (1, 16), np.empty(0), ShmRef("b", 0, 64))])
+    answered = []
+    answer = regions.stage(req).answering(answered.append)
+    regions.cuda_unregister()
+    answer(InferResponse("m", "1", []))
+    assert len(answered) == 1 and isinstance(answered[0], InferResponse)
+    assert ipc.mapped == {}, "both closed here"

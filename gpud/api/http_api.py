@@ -298,7 +298,8 @@ class HttpApi:
                 raw_handle = _b64decode(raw)
             except binascii.Error:
                 raise invalid("'raw_handle' 'b64' is not base64") from None
-            self.core.client_shm.cuda_register(name, raw_handle, _register_int(doc, "device_id"), byte_size)
+            self.core.client_shm.cuda_register(name, raw_handle, _register_int(doc, "device_id", required=True),
+                                               byte_size)
             return 200, b""
         key = doc.get("key")
         if not isinstance(key, str):

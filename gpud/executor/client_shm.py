@@ -34,6 +34,7 @@ A CUDA region is a client's device allocation, registered by its `cudaIpcMemHand
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import stat
@@ -49,6 +50,7 @@ from gpud.executor.datatypes import numpy_dtype, placeholder
 from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
                                  ShmRef)
 
+log = logging.getLogger("gpud.shm")
 SHM_DIR = "/dev/shm"
 DEFAULT_MAX_REGIONS = 1024  # one open descriptor each
 DISABLED_MESSAGE = "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
@@ -71,7 +73,7 @@ class CudaRegion:
     ipc: CudaIpc
     path: str  # how workers name it (cuda_ipc.region_path)
     device_uuid: str  # the GPU that holds it
-    on_close: Callable[[list[str]], None] | None = None  # tells the workers that opened it to close it
+    on_close: Callable[[str], None] | None = None  # its mapping closed here: the workers may close theirs
     users: int = 0
     registered: bool = True
 
@@ -80,7 +82,7 @@ class CudaRegion:
             pointer, self.pointer = self.pointer, 0
             self.ipc.close(self.device_id, pointer)
             if self.on_close is not None:
-                self.on_close([self.path])
+                self.on_close(self.path)
 
     def slice(self, offset: int, byte_size: int) -> RegionSlice:
         """Where a tensor lies, as the worker of its GPU reads or writes it."""
@@ -155,6 +157,9 @@ class ClientRegions:
         self._cuda_ipc = cuda  # made on the first CUDA registration when not given (cuda-python, the gpu extra)
         self._cuda_regions: dict[str, CudaRegion] = {}
         self._forget = forget  # sends a closed CUDA region's path to every device worker (protocol.ForgetSegments)
+        # CUDA regions open here by path: one handle may be registered under several names, and the workers map it
+        # once for all of them (cuda_ipc.WorkerCudaRegions), so they close it only when the last of them closes
+        self._open_paths: dict[str, int] = {}
 
     # --- the extension's calls -----------------------------------------------------------------------------------
     def _check_allowed(self) -> None:
@@ -266,8 +271,25 @@ class ClientRegions:
             ipc.close(device_id, opened.pointer)
             raise _invalid(f"{failed}: byte_size {byte_size} is past the end of the CUDA allocation the handle "
                            f"shares ({opened.allocation_bytes} bytes)")
-        self._cuda_regions[name] = CudaRegion(name, device_id, byte_size, opened.pointer, ipc,
-                                              region_path(bytes(raw_handle)), device_uuid, self._forget)
+        path = region_path(bytes(raw_handle))
+        self._open_paths[path] = self._open_paths.get(path, 0) + 1
+        self._cuda_regions[name] = CudaRegion(name, device_id, byte_size, opened.pointer, ipc, path, device_uuid,
+                                              self._cuda_closed)
+
+    def _cuda_closed(self, path: str) -> None:
+        """A CUDA region's mapping here closed: when no other region has its handle, the workers close theirs. A
+        worker that cannot be told (gone, restarting) has nothing mapped any more: never an error for the request
+        whose release closed it."""
+        left = self._open_paths.get(path, 1) - 1
+        if left > 0:
+            self._open_paths[path] = left
+            return
+        self._open_paths.pop(path, None)
+        if self._forget is not None:
+            try:
+                self._forget([path])
+            except Exception:  # noqa: BLE001 - see above; logged, the answer and the other regions go on
+                log.warning("could not tell every device worker to close a CUDA region", exc_info=True)
 
     def cuda_unregister(self, name: str = "") -> None:
         """One CUDA region, or every one when `name` is empty; an unknown name is no error (as Triton). A region in

@@ -200,13 +200,17 @@ class WorkerCudaRegions:
 
 
 _worker_regions: WorkerCudaRegions | None = None
+_worker_regions_lock = threading.Lock()
 
 
 def worker_regions() -> WorkerCudaRegions:
-    """This worker's CUDA regions (made on the first batch that reads or writes one)."""
+    """This worker's CUDA regions (made on the first batch that reads or writes one; instances' threads may ask at
+    once, and one table must hold every mapping so that a forget finds it)."""
     global _worker_regions
     if _worker_regions is None:
-        _worker_regions = WorkerCudaRegions()
+        with _worker_regions_lock:
+            if _worker_regions is None:
+                _worker_regions = WorkerCudaRegions()
     return _worker_regions
 
 
