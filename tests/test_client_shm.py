@@ -131,8 +131,8 @@ def test_the_worker_reads_client_inputs_and_writes_client_outputs_and_fails_only
         assert isinstance(done, Done)
         assert (tmp_path / "out-a").read_bytes() == (a * 2).tobytes()
         assert (tmp_path / "out-b").read_bytes() == bytes(8)  # nothing written where it does not fit
-        assert [i for i, _ in done.write_errors] == [1]
-        assert "should be at least 16 bytes" in done.write_errors[0][1]
+        assert [(i, kind) for i, kind, _ in done.write_errors] == [(1, "INVALID_ARGUMENT")]
+        assert "should be at least 16 bytes" in done.write_errors[0][2]
         assert done.outputs[0].offset == -1  # every row went to a region: nothing staged for the daemon
         [(name, _, y)] = read_outputs(done, out_seg)
         assert y.shape == (3, 2) and y.strides == (0, 0)  # its shape only
@@ -186,6 +186,29 @@ def test_an_input_that_cannot_be_read_fails_its_request_alone_and_its_batch_mate
         assert done.write_errors == ()
         [(_, _, y)] = read_outputs(done, out_seg)  # not every row went to a region: the output is staged too
         assert y.shape == (3, 2)
+    finally:
+        in_seg.close()
+        out_seg.close()
+
+
+def test_a_write_into_a_region_gone_meanwhile_fails_its_request_with_unavailable(tmp_path):
+    """The worker's write errors keep their kind: a region whose file is gone is UNAVAILABLE (503), not a 400."""
+    from gpud.executor.model_config import ModelConfig, TensorSpec
+    from gpud.executor.protocol import Done, Infer, write_inputs
+    from gpud.executor.shm import Segment, new_segment_name
+    from gpud.executor.worker import run_batch
+
+    config = ModelConfig(name="double", platform="", backend="fake", max_batch_size=4,
+                         inputs=[TensorSpec("x", "FP32", (2,))], outputs=[TensorSpec("y", "FP32", (2,))])
+    in_seg = Segment.create(new_segment_name("in"), 4096)
+    out_seg = Segment.create(new_segment_name("out"), 4096)
+    try:
+        metas, reads = write_inputs(config, [{"x": np.ones((1, 2), np.float32)}], lambda n: in_seg)
+        writes = ((0, 0, 1, str(tmp_path / "gone"), 0, 8, 0),)
+        done = run_batch(Doubler(), {in_seg.name: in_seg, out_seg.name: out_seg}.__getitem__,
+                         Infer("k", in_seg.name, out_seg.name, metas, ("y",), ("FP32",), 1, reads, writes))
+        assert isinstance(done, Done)
+        assert [(i, kind) for i, kind, _ in done.write_errors] == [(0, "UNAVAILABLE")]
     finally:
         in_seg.close()
         out_seg.close()

@@ -169,7 +169,7 @@ def test_a_batch_whose_only_request_failed_writing_its_client_region_is_not_an_e
         idle = asyncio.ensure_future(scheduler.wait_idle())
         await asyncio.sleep(0)
         inst, msg, callback = worker.pending.pop()
-        callback(worker.reply(inst, msg)._replace(write_errors=((0, "should be at least 8 bytes"),)))
+        callback(worker.reply(inst, msg)._replace(write_errors=((0, "INVALID_ARGUMENT", "should be at least 8 bytes"),)))
         assert len(got) == 1 and isinstance(got[0], InferenceError) and got[0].kind is ErrorKind.INVALID_ARGUMENT
         await asyncio.wait_for(idle, 1.0)
         scheduler.submit(_req("m", [3, 4]), got.append)  # and it serves on

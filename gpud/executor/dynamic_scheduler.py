@@ -275,8 +275,8 @@ class DynamicScheduler(SchedulerBase):
                                              for owner, kind, message in done.read_errors}
         if done.write_errors:
             owners = self._client_writes(batch, tuple(m.name for m in done.outputs))[1]  # Infer's output order
-            for index, message in done.write_errors:
-                failed.setdefault(owners[index], InferenceError(ErrorKind.INVALID_ARGUMENT, message))
+            for index, kind, message in done.write_errors:
+                failed.setdefault(owners[index], InferenceError(ErrorKind[kind], message))
         for i, p in enumerate(batch):
             io = p.request.client_io
             if io is not None and i not in failed:

@@ -125,7 +125,8 @@ class Done(NamedTuple):
     input_ns: int  # reading the inputs
     infer_ns: int  # the backend's run
     output_ns: int  # writing the outputs
-    write_errors: tuple[tuple[int, str], ...] = ()  # (index into Infer.writes, why): those requests failed
+    # (index into Infer.writes, ErrorKind name, why): those requests failed (a region too small, gone, truncated)
+    write_errors: tuple[tuple[int, str, str], ...] = ()
     # (request index in the batch, ErrorKind name, why): requests whose input could not be read from their region
     # (truncated, unregistered, a CUDA handle that does not open here); they fail, their batch mates are answered
     read_errors: tuple[tuple[int, str, str], ...] = ()

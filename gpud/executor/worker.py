@@ -119,7 +119,7 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
         results = model.run(feed, msg.outputs)
         t2 = time.perf_counter_ns()
         skip: frozenset[int] = frozenset()
-        write_errors: tuple[tuple[int, str], ...] = ()
+        write_errors: tuple[tuple[int, str, str], ...] = ()
         if msg.writes:
             write_errors, skip = _write_client_outputs(msg, results, frozenset(i for i, _, _ in read_errors))
         outputs, ovf_seg = write_outputs(segment(msg.out_seg), msg.outputs, msg.output_types, results, skip)
@@ -153,7 +153,8 @@ def _read_client_inputs(msg: Infer, in_seg: Segment) -> tuple[tuple[int, str, st
 
 
 def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray],
-                          failed: frozenset[int] = frozenset()) -> tuple[tuple[tuple[int, str], ...], frozenset[int]]:
+                          failed: frozenset[int] = frozenset()) -> tuple[tuple[tuple[int, str, str], ...],
+                                                                         frozenset[int]]:
     """Each request's rows of its outputs bound for clients' regions, written there; the writes that failed (that
     request fails, the others of the batch are answered), and the outputs every row of which went to regions.
     Requests in `failed` (their inputs could not be read) have nothing written."""
@@ -167,7 +168,7 @@ def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray],
         try:
             write_blob(path, offset, byte_size, output_bytes(msg.output_types[output], part), msg.outputs[output])
         except InferenceError as exc:
-            errors.append((index, exc.message))
+            errors.append((index, exc.kind.name, exc.message))
         rows_written[output] += arr.shape[0] if stop < 0 or arr.ndim == 0 else stop - start
     covered = frozenset(i for i, n in enumerate(rows_written)
                         if n and (np.ndim(results[i]) == 0 or n >= np.shape(results[i])[0]))
