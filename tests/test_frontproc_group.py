@@ -263,7 +263,11 @@ class TestRemoteCore:
             alone = next(m for m in messages if m[0] == "submit")
             group = next(m for m in messages if m[0] == "group")
             ok = response_wire(InferResponse("m", "1", [InferTensor("out", "FP32", (2, 1), np.ones((2, 1)))]))
-            _send(theirs, [("answer", alone[1], True, ok), ("answers", group[1], True, ok)])
+            handed: list[str] = []  # a large output comes in a segment of its own: removed though never read
+            big = response_wire(InferResponse("m", "1", [InferTensor("out", "FP32", (2, 32768),
+                                                                     np.ones((2, 32768), np.float32))]), handed.append)
+            assert len(handed) == 1 and os.path.exists(f"/dev/shm/{handed[0]}")
+            _send(theirs, [("answer", alone[1], True, big), ("answers", group[1], True, ok)])
             core.submit(request(rows=3), lambda r: results.__setitem__("next", r))
             (nxt,) = await end.receive(1)
             out3 = response_wire(InferResponse("m", "1", [InferTensor("out", "FP32", (3, 1), np.ones((3, 1)))]))
@@ -273,6 +277,7 @@ class TestRemoteCore:
                        and "could not be read" in results[k].message for k in ("alone", 0, 1))
             assert results[0] is not results[1]
             assert isinstance(results["next"], InferResponse)
+            assert not os.path.exists(f"/dev/shm/{handed[0]}")
         asyncio.run(run())
 
     def test_an_answer_handed_over_in_a_segment_for_withdrawn_requests_removes_the_segment(self, link):

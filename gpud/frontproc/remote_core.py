@@ -36,8 +36,14 @@ SIGNATURES_MAX = 4096
 
 
 
-def _unreadable(exc: Exception) -> InferenceError:
+def _unreadable(exc: Exception, wire: tuple) -> InferenceError:
+    """An answer that could not be read: logged, the segments it was handed over in removed (those not taken
+    already), and the error its requests get instead."""
     log.exception("an answer from the core could not be read")
+    try:
+        discard_response(wire)
+    except Exception:  # noqa: BLE001 - the wire itself may be what is wrong: nothing more to remove then
+        pass
     return InferenceError(ErrorKind.INTERNAL, f"the answer could not be read: {type(exc).__name__}: {exc}")
 
 class _SharedBlocks:
@@ -173,7 +179,7 @@ class RemoteCore:
                     try:
                         value = response_of(value)
                     except Exception as exc:  # noqa: BLE001 - its request hears why; the next messages go on
-                        value = _unreadable(exc)
+                        value = _unreadable(exc, value)
                 done(value)
             elif ok:  # withdrawn while its answer was on the way
                 discard_response(value)
@@ -196,7 +202,7 @@ class RemoteCore:
                     try:
                         answers = split_answer(response_of(value), len(idents))
                     except Exception as exc:  # noqa: BLE001 - every member hears why; the next messages go on
-                        value, ok = _unreadable(exc), False
+                        value, ok = _unreadable(exc, value), False
                         done(copy.copy(value))
                         continue
                 done(answers[i])
