@@ -325,3 +325,17 @@ def test_a_worker_that_cannot_be_told_to_close_a_region_costs_no_answer_and_no_o
     answer(InferResponse("m", "1", []))
     assert len(answered) == 1 and isinstance(answered[0], InferResponse)
     assert ipc.mapped == {}, "both closed here"
+
+
+def test_a_worker_that_cannot_open_a_region_says_retry(monkeypatch):
+    """The core chose the worker because its GPU held the region; if the model moved meanwhile, the worker cannot
+    open it: UNAVAILABLE saying so (retrying stages it again where it now runs), not a 400 about device 0."""
+    class NoDevice(FakeCudaIpc):
+        def open(self, handle, device_id):
+            raise InferenceError(ErrorKind.INVALID_ARGUMENT, "failed to use CUDA device 0: invalid device ordinal")
+
+    monkeypatch.setattr(cuda_ipc, "_worker_regions", WorkerCudaRegions(NoDevice()))
+    with pytest.raises(InferenceError) as info:
+        read_into(cuda_ipc.region_path(bytes(64)), 0, memoryview(bytearray(8)), "input 'x'")
+    assert info.value.kind is ErrorKind.UNAVAILABLE
+    assert "invalid device ordinal" in info.value.message and "retry" in info.value.message

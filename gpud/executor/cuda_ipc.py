@@ -183,7 +183,15 @@ class WorkerCudaRegions:
             pointer = self._open.get(path)
             if pointer is None:
                 handle = bytes.fromhex(path[len(PATH_PREFIX):])
-                pointer = self._open[path] = self._ipc.open(handle, 0).pointer
+                try:
+                    pointer = self._open[path] = self._ipc.open(handle, 0).pointer
+                except InferenceError as exc:
+                    # The core checked the handle at registration and chose this worker because its GPU holds the
+                    # region: a failure here means the model moved to another device since (a re-placement), or
+                    # the client freed its memory. Retrying is the client's answer to both.
+                    raise InferenceError(ErrorKind.UNAVAILABLE, "the worker that ran the batch could not open the "
+                                         f"CUDA region ({exc.message}): its model may have moved to another device "
+                                         "meanwhile; retry") from None
             return pointer
 
     def read(self, path: str, offset: int, dest: memoryview) -> None:
