@@ -36,10 +36,12 @@ class FakeInstance:
     def __init__(self, model_path: str, config: ModelConfig, device: WorkerDevice, options: LoadOptions):
         self.loaded_with = (model_path, config.name, device.id, options)
         self.runs: list[tuple[dict, tuple]] = []
+        self.threads: list[str] = []  # the thread of each run
         self.closed = False
 
     def run(self, inputs, output_names):
         self.runs.append(({k: v.copy() for k, v in inputs.items()}, tuple(output_names)))
+        self.threads.append(threading.current_thread().name)
         if (inputs["x"] < 0).any():
             raise InvalidArgument("x must not be negative")
         return [2 * inputs["x"]]
@@ -183,3 +185,25 @@ def test_a_model_for_a_backend_the_worker_lacks_fails_its_load_saying_what_is_su
     assert failed.error == ("UnsupportedBackend: model 'o': platform 'onnxruntime_onnx' is not supported; "
                             "supported: fake (platform fake_plan)")
     assert not fake.instances
+
+
+@pytest.mark.parametrize("inline_max_s, second_on", [(0.002, "reader"), (0.0, "instance")])
+def test_a_quick_instance_among_several_runs_its_next_batch_on_the_readers_thread(worker, monkeypatch, inline_max_s,
+                                                                                  second_on):
+    """Two instances on one device: a batch goes to its instance's thread (a wake-up each) unless the instance is
+    idle and its last batch was quick, when the reader runs it itself; it was so only for a device's only instance."""
+    import gpud.executor.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "INLINE_MAX_S", inline_max_s)
+    conn, fake, segs = worker
+    _recv(conn)  # Hello
+    for key in ("a/1/0", "b/1/0"):
+        conn.send_bytes(protocol.dumps(Load(key, "/models/m/1/model.plan", FAKE)))
+        assert type(_recv(conn)) is Loaded
+    a = fake.instances[0]
+    for _ in range(2):
+        conn.send_bytes(protocol.dumps(_batch(segs, "a/1/0", np.array([[1, 2]], np.float32))))
+        assert type(_recv(conn)) is Done
+    warmup, first, second = a.threads
+    assert first == "instance-a/1/0", "no batch time known yet: its own thread"
+    assert (second == "instance-a/1/0") == (second_on == "instance")

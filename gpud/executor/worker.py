@@ -175,6 +175,11 @@ def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray],
     return tuple(errors), covered
 
 
+# A batch that ran faster than this runs its instance's next one on the reader's thread, with other instances on the
+# device too: the reader then holds their next batches no longer than that.
+INLINE_MAX_S = 0.002
+
+
 class _Instance:
     def __init__(self, key: str, worker: Worker):
         self.key = key
@@ -184,6 +189,7 @@ class _Instance:
         # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
         # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
         self.queued = 0
+        self.last_run_s = float("inf")  # wall time of its last batch: whether the next may run on the reader's thread
         self.thread = threading.Thread(target=self._loop, name=f"instance-{key}", daemon=True)
 
     def _loop(self) -> None:
@@ -210,7 +216,10 @@ class _Instance:
         if model is None:  # its load failed: the daemon does not send it batches
             self.worker.send(Failed(msg.seq, "UNAVAILABLE", f"instance {self.key} is not loaded"))
             return
-        self.worker.send(run_batch(model, self.worker.segments.get, msg, self.key))
+        t0 = time.perf_counter()
+        reply = run_batch(model, self.worker.segments.get, msg, self.key)
+        self.last_run_s = time.perf_counter() - t0
+        self.worker.send(reply)
 
 
 class Worker:
@@ -241,9 +250,11 @@ class Worker:
                     if inst is None:
                         self.send(Failed(msg.seq, "UNAVAILABLE",
                                          f"instance {key} is not loaded on device {self.device.id}"))
-                    elif len(self.instances) == 1 and inst.model is not None and inst.queued == 0:
-                        # The only instance here and idle: run it on this thread. A hand-off to the instance's
-                        # thread costs a wake-up per batch, which is most of the overhead for small models.
+                    elif inst.model is not None and inst.queued == 0 and \
+                            (len(self.instances) == 1 or inst.last_run_s < INLINE_MAX_S):
+                        # Idle, and the only instance here or a quick one: run it on this thread. A hand-off to the
+                        # instance's thread costs a wake-up per batch, which is most of the overhead for small
+                        # models; another instance's next batch waits at most a quick batch's time meanwhile.
                         inst._infer(msg)
                     else:
                         inst.queued += 1
