@@ -207,3 +207,16 @@ def test_a_quick_instance_among_several_runs_its_next_batch_on_the_readers_threa
     warmup, first, second = a.threads
     assert first == "instance-a/1/0", "no batch time known yet: its own thread"
     assert (second == "instance-a/1/0") == (second_on == "instance")
+
+
+
+def test_a_batch_is_judged_quick_by_the_last_ones_time_scaled_up_by_its_rows():
+    from gpud.executor.worker import INLINE_MAX_S, _Instance
+
+    inst = _Instance("a/1/0", None)  # type: ignore[arg-type]
+    rows = lambda n: Infer("a/1/0", "in", "out", (protocol.TensorMeta("x", "FP32", (n, 2), 0, 8 * n),), ("y",),
+                           ("FP32",))  # noqa: E731
+    assert not inst.quick_for(rows(1)), "no batch time known yet"
+    inst.last_run_s, inst.last_rows = INLINE_MAX_S / 10, 4
+    assert inst.quick_for(rows(1)) and inst.quick_for(rows(4)) and inst.quick_for(rows(39))
+    assert not inst.quick_for(rows(40)), "10x the rows of a batch that took a tenth of the bound"

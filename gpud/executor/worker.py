@@ -180,6 +180,12 @@ def _write_client_outputs(msg: Infer, results: Sequence[np.ndarray],
 INLINE_MAX_S = 0.002
 
 
+def _rows(msg: Infer) -> int:
+    """A batch's rows (its first input's first dimension; 1 for a model that does not batch or has no inputs)."""
+    shape = msg.inputs[0].shape if msg.inputs else ()
+    return max(1, shape[0]) if shape else 1
+
+
 class _Instance:
     def __init__(self, key: str, worker: Worker):
         self.key = key
@@ -189,7 +195,9 @@ class _Instance:
         # Infer messages in the inbox or running on the instance thread. Unlocked: the daemon never sends an
         # instance a batch before the previous one is answered, so this thread and the reader never overlap on it.
         self.queued = 0
-        self.last_run_s = float("inf")  # wall time of its last batch: whether the next may run on the reader's thread
+        # its last batch's wall time and rows: whether the next may run on the reader's thread (quick_for)
+        self.last_run_s = float("inf")
+        self.last_rows = 1
         self.thread = threading.Thread(target=self._loop, name=f"instance-{key}", daemon=True)
 
     def _loop(self) -> None:
@@ -218,8 +226,13 @@ class _Instance:
             return
         t0 = time.perf_counter()
         reply = run_batch(model, self.worker.segments.get, msg, self.key)
-        self.last_run_s = time.perf_counter() - t0
+        self.last_run_s, self.last_rows = time.perf_counter() - t0, _rows(msg)
         self.worker.send(reply)
+
+    def quick_for(self, msg: Infer) -> bool:
+        """Whether `msg` is expected to run in under INLINE_MAX_S: the last batch's time, scaled up by rows (a
+        batch's time grows less than its rows, so this errs long)."""
+        return self.last_run_s * max(1.0, _rows(msg) / self.last_rows) < INLINE_MAX_S
 
 
 class Worker:
@@ -251,7 +264,7 @@ class Worker:
                         self.send(Failed(msg.seq, "UNAVAILABLE",
                                          f"instance {key} is not loaded on device {self.device.id}"))
                     elif inst.model is not None and inst.queued == 0 and \
-                            (len(self.instances) == 1 or inst.last_run_s < INLINE_MAX_S):
+                            (len(self.instances) == 1 or inst.quick_for(msg)):
                         # Idle, and the only instance here or a quick one: run it on this thread. A hand-off to the
                         # instance's thread costs a wake-up per batch, which is most of the overhead for small
                         # models; another instance's next batch waits at most a quick batch's time meanwhile.
