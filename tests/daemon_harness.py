@@ -136,6 +136,24 @@ def save(model: onnx.ModelProto, repo: Path, name: str, config: str | None = Non
     return d / "model.onnx"
 
 
+ADD_SUB_CONFIG = """max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 500 }
+"""
+
+
+def add_sub_model() -> onnx.ModelProto:
+    """Triton's `simple` example: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1 ([batch, 16] FP32)."""
+    t = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 16])  # noqa: E731
+    graph = helper.make_graph([helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+                               helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
+                              [t("INPUT0"), t("INPUT1")], [t("OUTPUT0"), t("OUTPUT1")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return model
+
+
 def slow_model(width: int = 1024, layers: int = 300, seed: int = 0) -> onnx.ModelProto:
     """[-1, width] FP32 -> same: `layers` matmuls with one shared weight, so a batch takes a while to compute (for
     tests that need a request to be in flight) while the file stays small."""

@@ -8,11 +8,9 @@ from __future__ import annotations
 import base64
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper
 
-from tests.daemon_harness import save, start_daemon
+from tests.daemon_harness import ADD_SUB_CONFIG, add_sub_model, save, start_daemon
 
 
 def _cuda_or_reason():
@@ -30,22 +28,7 @@ rt, _WHY_NOT = _cuda_or_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(_WHY_NOT is not None, reason=f"needs a GPU: {_WHY_NOT}")]
 
-CONFIG = """max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 500 }
-"""
 ROW_BYTES = 16 * 4
-
-
-def add_sub() -> onnx.ModelProto:
-    t = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 16])  # noqa: E731
-    graph = helper.make_graph([helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-                               helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
-                              [t("INPUT0"), t("INPUT1")], [t("OUTPUT0"), t("OUTPUT1")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    return model
 
 
 def ok(result):
@@ -79,8 +62,9 @@ class DeviceBuffer:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    save(add_sub(), repo, "add_sub", CONFIG)  # placed on the GPU: its worker moves the region's bytes
-    save(add_sub(), repo, "add_sub_cpu", CONFIG + 'instance_group [ { kind: KIND_CPU } ]\n')  # the daemon moves them
+    save(add_sub_model(), repo, "add_sub", ADD_SUB_CONFIG)  # placed on the GPU: its worker moves the region's bytes
+    save(add_sub_model(), repo, "add_sub_cpu",  # on the CPU: the daemon moves them
+         ADD_SUB_CONFIG + 'instance_group [ { kind: KIND_CPU } ]\n')
     d = start_daemon(repo, tmp_path_factory.mktemp("run"), "--allow-client-shm", "true", node=None)
     yield d
     assert d.stop() == 0, d.log()

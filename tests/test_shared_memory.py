@@ -9,37 +9,19 @@ import os
 import uuid
 
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
-from tests.daemon_harness import save, start_daemon
+from tests.daemon_harness import ADD_SUB_CONFIG, add_sub_model, save, start_daemon
 from tests.ensemble_models import ensemble_config, save_model, step
 from tests.test_text_tensors import CONFIG as ECHO_CONFIG
 from tests.test_text_tensors import identity_model as echo_model
 
 pytestmark = pytest.mark.slow
-ADD_SUB_CONFIG = """max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 500 }
-"""
 BYTES_16 = 16 * 4
-
-
-def add_sub_model() -> onnx.ModelProto:
-    """Triton's `simple` example: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1."""
-    t = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 16])  # noqa: E731
-    graph = helper.make_graph([helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
-                               helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "add_sub",
-                              [t("INPUT0"), t("INPUT1")], [t("OUTPUT0"), t("OUTPUT1")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    model.ir_version = 8
-    return model
 
 
 @pytest.fixture(scope="module")
