@@ -303,13 +303,7 @@ class FrontendHost:
                 waiting = True
         if not waiting or not fp.alive or fp.sender is None:
             return  # all withdrawn, or their process is gone
-        if isinstance(result, InferResponse):
-            try:
-                fp.sender.put(("answers", idents, True, response_wire(result, fp.handed.append)))
-                return
-            except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: the members hear why, not nothing
-                result = _unstaged(exc)
-        fp.sender.put(("answers", idents, False, result))
+        self._send_answer(fp, "answers", idents, result)
 
     @staticmethod
     def _slice(fp: FrontendProcess, at: tuple) -> RegionSlice:
@@ -327,12 +321,21 @@ class FrontendHost:
             for tensor in result.outputs:
                 if tensor.shm is not None:  # in the client's region: only the shape travels
                     tensor.data = NO_DATA
+        self._send_answer(fp, "answer", ident, result)
+
+    @staticmethod
+    def _send_answer(fp: FrontendProcess, kind: str, to: int | list[int], result: InferResponse | InferenceError
+                     ) -> None:
+        """An "answer" (one request's) or "answers" (a group's) message. A response that cannot be staged for the
+        process (e.g. /dev/shm full) reaches its requests as an error instead of nothing."""
+        assert fp.sender is not None
+        if isinstance(result, InferResponse):
             try:
-                fp.sender.put(("answer", ident, True, response_wire(result, fp.handed.append)))
+                fp.sender.put((kind, to, True, response_wire(result, fp.handed.append)))
                 return
-            except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: the request hears why, not nothing
+            except Exception as exc:  # noqa: BLE001 - see above
                 result = _unstaged(exc)
-        fp.sender.put(("answer", ident, False, result))
+        fp.sender.put((kind, to, False, result))
 
     def _call(self, fp: FrontendProcess, ident: int, method: str, args: tuple) -> None:
         try:

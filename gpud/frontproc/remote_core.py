@@ -35,7 +35,6 @@ Done = Callable[[InferResponse | InferenceError], None]
 SIGNATURES_MAX = 4096
 
 
-
 def _unreadable(exc: Exception, wire: tuple) -> InferenceError:
     """An answer that could not be read: logged, the segments it was handed over in removed (those not taken
     already), and the error its requests get instead."""
@@ -45,6 +44,7 @@ def _unreadable(exc: Exception, wire: tuple) -> InferenceError:
     except Exception:  # noqa: BLE001 - the wire itself may be what is wrong: nothing more to remove then
         pass
     return InferenceError(ErrorKind.INTERNAL, f"the answer could not be read: {type(exc).__name__}: {exc}")
+
 
 class _SharedBlocks:
     """A group's blocks in the arena, shared by its members: freed when the last is answered or withdrawn."""
