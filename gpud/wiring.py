@@ -11,13 +11,11 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import partial
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.supervisor import CrashLoop
-from gpud.executor.types import InferenceError
 from gpud.scaling.sampler import HintsSampler
 from gpud.scaling.controller import ScalingController
 from gpud.core import GpudCore
@@ -158,20 +156,11 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
                                              max_request_bytes=settings.max_request_bytes,
                                              has_gpu=any(d.kind in ("gpu", "mig") and not d.simulated
                                                          for d in leaves),
-                                             forget=partial(_forget_everywhere, pool)))
+                                             forget=pool.forget_everywhere))
     read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
     poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
     return Components(repo_path, pool, devices, metrics_registry, model_metrics, registry, placement, hints,
                       controller, core, poller)
-
-
-def _forget_everywhere(pool: ExecutorPool, names: list[str]) -> None:
-    """Tell every device worker to drop these segments or regions (a CUDA region unregistered and unused)."""
-    for worker in pool.workers.values():
-        try:
-            worker.forget_segments(names)
-        except (InferenceError, OSError):  # a worker gone or restarting has nothing mapped: the others go on
-            pass
 
 
 async def start_metrics(components: Components, address: str, port: int):

@@ -339,3 +339,22 @@ def test_a_worker_that_cannot_open_a_region_says_retry(monkeypatch):
         read_into(cuda_ipc.region_path(bytes(64)), 0, memoryview(bytearray(8)), "input 'x'")
     assert info.value.kind is ErrorKind.UNAVAILABLE
     assert "invalid device ordinal" in info.value.message and "retry" in info.value.message
+
+
+def test_the_pool_tells_every_worker_to_forget_a_region_even_when_one_cannot_hear():
+    from gpud.executor.pool import ExecutorPool
+
+    told = []
+
+    class Gone:
+        def forget_segments(self, names):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    class Alive:
+        def forget_segments(self, names):
+            told.append(names)
+
+    pool = ExecutorPool()
+    pool.workers.update({"gpu0": Gone(), "gpu1": Alive()})
+    pool.forget_everywhere(["cuda-ipc:00"])
+    assert told == [["cuda-ipc:00"]]

@@ -40,7 +40,7 @@ import os
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from gpud.executor.cuda_ipc import HANDLE_BYTES, CudaIpc, is_region_path, region
 from gpud.executor.datatypes import numpy_dtype, placeholder
 from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
                                  ShmRef)
+
+if TYPE_CHECKING:
+    from gpud.executor.scheduler import Scheduler
 
 log = logging.getLogger("gpud.shm")
 SHM_DIR = "/dev/shm"
@@ -400,19 +403,19 @@ class ClientRegions:
         return staged
 
 
-def worker_gpu(scheduler: Any) -> str:
+def worker_gpu(scheduler: Scheduler) -> str:
     """The UUID of the one physical GPU whose worker process runs every instance of a version (`scheduler`'s), when
     its workers move clients' tensors; "" otherwise (the CPU, a simulated or MIG device, several GPUs, an ensemble).
     A CUDA region on that GPU is then read and written by that worker (ClientRegions.stage)."""
     if not scheduler.moves_client_tensors:
         return ""
     uuids = set()
-    for inst in getattr(scheduler, "instances", ()):
+    for inst in scheduler.instances:
         worker = inst.worker
-        device = worker.device if worker is not None else None
-        if device is None or worker.in_process or device.kind != "gpu" or device.simulated or not device.uuid:
+        if worker is None or worker.in_process or worker.device.kind != "gpu" or worker.device.simulated \
+                or not worker.device.uuid:
             return ""
-        uuids.add(device.uuid)
+        uuids.add(worker.device.uuid)
     return uuids.pop() if len(uuids) == 1 else ""
 
 

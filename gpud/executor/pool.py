@@ -96,6 +96,15 @@ class ExecutorPool:
             await worker.unload(inst.key)
         inst.close_segments()
 
+    def forget_everywhere(self, names: list[str]) -> None:
+        """Tell every device worker to drop these segments or regions (a client's CUDA region unregistered and
+        unused: the workers that mapped it close it)."""
+        for worker in self.workers.values():
+            try:
+                worker.forget_segments(names)
+            except (InferenceError, OSError):  # a worker gone or restarting has nothing mapped: the others go on
+                pass
+
     # --- UsageSource for simulated devices and the CPU --------------------------------------------------------
     def memory_used_bytes(self, device_id: str) -> int | None:
         worker = self.workers.get(device_id)
