@@ -22,7 +22,9 @@ defaults; the same bounds the controller applies) and HPA's stabilization window
 *lowest* recommendation of the last `scale_up_stabilization_seconds`, a scale-down only to the *highest* recommendation
 of the last `scale_down_stabilization_seconds` (so a burst or a lull shorter than the window changes nothing). Unlike
 HPA, a fresh state has no evidence yet: until a window is covered by recommendations, the current count stands in for
-the missing part of it, so a daemon that just started does not scale on its first sample.
+the missing part of it, so a daemon that just started does not scale on its first sample. A version with a latency
+objective skips the scale-up window for the instances a rise beyond the counts' noise needs
+(`rising_rate_lower_bound`): the rise is the evidence the window waits for.
 
 Headroom is the other pure function: how many more instances of each model fit on each device, from the device's
 free memory and the model's measured footprint.
@@ -81,6 +83,10 @@ class ModelObservation:
     # instance takes to load: a version with an objective plans for the rate expected once an added one serves.
     arrival_rise_per_second2: float = 0.0
     lead_s: float = 0.0
+    # A rise beyond the counts' noise (rising_rate_lower_bound): the rate the load will at least reach once an
+    # instance asked for now serves and the next one could be asked for. None: no such rise (or too few samples).
+    # Evidence enough to add instances at once, with no scale-up window.
+    rising_rate_per_second: float | None = None
 
     def planned_arrival_rate_per_second(self) -> float:
         """The rate a version with an objective plans for: the larger of the window's and the last interval's, plus
@@ -88,7 +94,8 @@ class ModelObservation:
         recent = self.recent_arrival_rate_per_second
         if recent is None:
             return self.arrival_rate_per_second
-        return max(self.arrival_rate_per_second, recent + self.arrival_rise_per_second2 * self.lead_s)
+        planned = max(self.arrival_rate_per_second, recent + self.arrival_rise_per_second2 * self.lead_s)
+        return planned if self.rising_rate_per_second is None else max(planned, self.rising_rate_per_second)
 
 
 @dataclass(frozen=True)
@@ -168,6 +175,32 @@ SCALE_DOWN_LOAD_MARGIN = 1.1
 UNREACHABLE_AIM = 2.5
 
 
+# How many standard deviations of the counts' noise a rise must clear before instances are added for it at once.
+RISE_CONFIDENCE_Z = 2.0
+
+
+def _step_limit(current: int, bounds: InstanceBounds) -> int:
+    limit = max(2 * max(current, 1), current + 1)  # as the queue metric: at most doubling per step
+    if bounds.maximum is not None:
+        limit = min(limit, max(bounds.maximum, 1))
+    return limit
+
+
+def rising_instances(obs: ModelObservation, bounds: InstanceBounds) -> int | None:
+    """The instances a version with an objective needs for its rise beyond noise alone
+    (ModelObservation.rising_rate_per_second): added at once, with no scale-up window, because the rise is the
+    evidence the window waits for. None: no such rise, no batch times, or an objective no count meets."""
+    rising, line = obs.rising_rate_per_second, obs.batch_line
+    if obs.objective_seconds is None or rising is None or line is None:
+        return None
+    share = obs.objective_share
+    if predicted_latency_s(0.0, 1, line, obs.max_batch_size, share) >= obs.objective_seconds:
+        return None
+    limit = _step_limit(obs.ready_instances, bounds)
+    need = instances_for_objective(rising, line, obs.max_batch_size, obs.objective_seconds, limit, share)
+    return bounds.clamp(limit if need is None else need)
+
+
 def objective_recommendation(obs: ModelObservation,
                              bounds: InstanceBounds) -> tuple[int, int | None, int | None, float | None, str]:
     """What a version with a latency objective needs: the fewest instances whose predicted latency quantile (the
@@ -182,9 +215,7 @@ def objective_recommendation(obs: ModelObservation,
     rate = obs.planned_arrival_rate_per_second()
     missed = obs.attainment is not None and obs.attainment < share
     attained = "" if obs.attainment is None else f", attained {obs.attainment:.2%}"
-    limit = max(2 * max(current, 1), current + 1)  # as the queue metric: at most doubling per step
-    if bounds.maximum is not None:
-        limit = min(limit, max(bounds.maximum, 1))
+    limit = _step_limit(current, bounds)
     if rate <= 0:
         raw, reason = (current, f"{spec}: missed{attained}, no arrivals to predict: holding") if missed else \
             (0, f"{spec}: no requests")
@@ -247,6 +278,10 @@ def desired_instances(policy: HintPolicy, state: HintState, obs: ModelObservatio
         desired = up
     if desired > down:
         desired = down
+    rising = rising_instances(obs, bounds)
+    if rising is not None and rising > desired:
+        desired = rising
+        reason += f"; rising beyond noise to {obs.rising_rate_per_second:.1f} req/s: added at once"
     if desired != rec:
         reason += (f"; scale-up stabilized ({policy.scale_up_stabilization_seconds:.0f} s window)" if rec > desired
                    else f"; scale-down stabilized ({policy.scale_down_stabilization_seconds:.0f} s window)")
@@ -334,9 +369,29 @@ def arrivals_per_second(older: ModelCounters, newer: ModelCounters) -> float:
     return max(0.0, arrived / (newer.time_s - older.time_s))
 
 
+def rising_rate_lower_bound(early: tuple[ModelCounters, ModelCounters], late: tuple[ModelCounters, ModelCounters],
+                            horizon_s: float, z: float = RISE_CONFIDENCE_Z) -> float | None:
+    """The arrival rate `horizon_s` after the `late` span ends, on the line through the two spans' rates, less `z`
+    standard deviations of that extrapolation (the arrivals counted in a span are Poisson: their variance is their
+    count). None when even that is not above the late span's rate: no rise beyond the counts' noise. Pure."""
+    (a, b), (c, d) = early, late
+    early_s, late_s = b.time_s - a.time_s, d.time_s - c.time_s
+    if early_s <= 0 or late_s <= 0 or c.time_s < b.time_s:
+        return None
+    n_early = max(0, b.requests - a.requests + b.pending - a.pending)
+    n_late = max(0, d.requests - c.requests + d.pending - c.pending)
+    r_early, r_late = n_early / early_s, n_late / late_s
+    k = (horizon_s + late_s / 2) / ((c.time_s + d.time_s) / 2 - (a.time_s + b.time_s) / 2)
+    forecast = r_late + (r_late - r_early) * k
+    sd = math.sqrt((1 + k) ** 2 * n_late / late_s ** 2 + k ** 2 * n_early / early_s ** 2)
+    low = forecast - z * sd
+    return low if low > r_late else None
+
+
 def observe(older: ModelCounters, newer: ModelCounters,
             last_throughput_per_second: float | None = None,
-            previous: ModelCounters | None = None) -> ModelObservation:
+            previous: ModelCounters | None = None,
+            early: tuple[ModelCounters, ModelCounters] | None = None) -> ModelObservation:
     """Rates over [older, newer] (and, given the `previous` sample, the arrival rate over [previous, newer] too).
     Throughput is one instance's capacity with full batches, from the window's batch times by size
     (batch_capacity_per_second); without them, requests completed per second an instance was busy. A window with no
@@ -362,6 +417,10 @@ def observe(older: ModelCounters, newer: ModelCounters,
         apart_s = (previous.time_s - older.time_s) / 2
         if apart_s > 0:
             rise = max(0.0, (recent - arrival) / apart_s)
+    rising = None
+    if previous is not None and early is not None and newer.objective_seconds is not None:
+        # until an instance asked for now serves (its load), and the next could be asked for (one interval)
+        rising = rising_rate_lower_bound(early, (previous, newer), newer.load_s + newer.time_s - previous.time_s)
     return ModelObservation(ready_instances=newer.ready_instances,
                             arrival_rate_per_second=arrival,
                             throughput_per_instance_per_second=throughput, queue_seconds=queue_s,
@@ -370,7 +429,7 @@ def observe(older: ModelCounters, newer: ModelCounters,
                             batch_line=batch_line(window) if newer.batches else None,
                             max_batch_size=newer.max_batch_size,
                             recent_arrival_rate_per_second=recent, arrival_rise_per_second2=rise,
-                            lead_s=newer.load_s)
+                            lead_s=newer.load_s, rising_rate_per_second=rising)
 
 
 # --- headroom ------------------------------------------------------------------------------------------------

@@ -95,6 +95,9 @@ def model_footprints(snapshot: ServingSnapshot) -> list[ModelFootprint]:
     return out
 
 
+_KEPT_FOR_RISE = 4  # samples: the last interval and the one two before it
+
+
 class HintsSampler(Collector):
     """Ticks every `interval_s` of `clock`; exports gpud_model_desired_instances and friends at scrape time.
     `snapshot` is the serving core's (gpud.telemetry.serving); `free_devices` the free memory per leaf device as
@@ -135,12 +138,20 @@ class HintsSampler(Collector):
                 continue
             samples = track.samples
             samples.append(counters)
-            # Keep the newest sample at least rate_window_s old as the base of the delta (one sample per tick).
-            while len(samples) > 2 and now - samples[1].time_s >= self.rate_window_s:
+            # The newest sample at least rate_window_s old is the base of the delta (one sample per tick); four at
+            # least are kept, for the span two intervals before the last one, which a rise is seen against
+            # (hints.rising_rate_lower_bound) even where the window is shorter.
+            while len(samples) > _KEPT_FOR_RISE and now - samples[1].time_s >= self.rate_window_s:
                 samples.popleft()
-            if counters.time_s <= samples[0].time_s:
+            base = samples[0]
+            for s in samples:
+                if now - s.time_s < self.rate_window_s:
+                    break
+                base = s
+            if counters.time_s <= base.time_s:
                 continue  # a clock that did not move: no rate to compute
-            track.observation = observe(samples[0], counters, track.throughput, samples[-2])
+            early = (samples[-4], samples[-3]) if len(samples) >= _KEPT_FOR_RISE else None
+            track.observation = observe(base, counters, track.throughput, samples[-2], early)
             track.throughput = track.observation.throughput_per_instance_per_second
             track.decision, track.state = desired_instances(self.policy, track.state, track.observation, now,
                                                             bounds)
