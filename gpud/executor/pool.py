@@ -67,7 +67,13 @@ class ExecutorPool:
         """Start `device`'s worker if needed and load the instance there. On failure `inst.error` says why."""
         if inst.device_id != device.id:
             raise ValueError(f"instance {inst.key} is for device {inst.device_id!r}, not {device.id!r}")
-        inst.open_segments()
+        try:
+            inst.open_segments()
+        except OSError as exc:  # shm.ShmFull: no room for one full batch's inputs and outputs
+            inst.error = f"cannot make its shared memory: {exc}"
+            log.error("instance %s on %s: not loaded: %s", inst.key, device.id, inst.error)
+            inst.close_segments()
+            return inst
         worker = None
         try:
             worker = await self._worker(device)

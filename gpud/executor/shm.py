@@ -7,6 +7,7 @@ exits (Python < 3.13 has no track=False).
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import mmap
 import os
@@ -49,30 +50,77 @@ def new_segment_name(tag: str) -> str:
     return f"gpud-{os.getpid()}-{tag}-{next(_counter)}-{secrets.token_hex(3)}"
 
 
+class ShmFull(OSError):
+    """Shared memory has no room for a segment's pages. A write through a mapping into a full tmpfs is a SIGBUS that
+    kills the writing process (a container's /dev/shm is 64 MiB unless told otherwise), so pages are reserved before
+    they are written (`Segment.create`, `Segment.reserve`) and this is raised instead: the one request, batch or
+    load fails, saying what to do."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _reserve(fd: int, start: int, length: int) -> None:
+    """Back [start, start + length) of a segment's file with pages now (posix_fallocate)."""
+    try:
+        os.posix_fallocate(fd, start, length)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            try:
+                free = os.statvfs(_dir()).f_bavail * os.statvfs(_dir()).f_frsize
+            except OSError:
+                free = -1
+            raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for {length} more bytes ("
+                                        f"{max(free, 0)} free): give gpud more shared memory (a container's "
+                                        "--shm-size, e.g. docker run --shm-size=1g; Kubernetes: an emptyDir with "
+                                        "medium Memory mounted at /dev/shm)") from None
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return  # a filesystem that cannot reserve: pages come as they are written, as before
+        raise
+
+
 class Segment:
     """One mapped segment. `create` makes (and owns) it; `attach` maps an existing one."""
 
-    def __init__(self, name: str, size_bytes: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, size_bytes: int, mm: mmap.mmap, owner: bool, reserved_bytes: int = 0):
         self.name = name
         self.size_bytes = size_bytes
         self._mm = mm
         self.owner = owner
         self.buf = memoryview(mm)
+        self.reserved_bytes = reserved_bytes  # how much of it, from its start, is backed by pages (reserve)
 
     @classmethod
-    def create(cls, name: str, size_bytes: int) -> Segment:
+    def create(cls, name: str, size_bytes: int, *, reserve: bool = True) -> Segment:
+        """A new segment, its pages reserved (ShmFull when there is no room) unless `reserve` is False: then the
+        owner reserves what it writes (`reserve`) before writing it."""
         size_bytes = max(ALIGN_BYTES, align(size_bytes))
         path = os.path.join(_dir(), name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size_bytes)
+            if reserve:
+                _reserve(fd, 0, size_bytes)
             mm = mmap.mmap(fd, size_bytes)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
         os.close(fd)
-        return cls(name, size_bytes, mm, owner=True)
+        return cls(name, size_bytes, mm, owner=True, reserved_bytes=size_bytes if reserve else 0)
+
+    def reserve(self, nbytes: int) -> None:
+        """Back the segment's first `nbytes` with pages before they are written (ShmFull when there is no room).
+        Only the part past what is reserved already costs a call."""
+        nbytes = min(nbytes, self.size_bytes)
+        if nbytes <= self.reserved_bytes:
+            return
+        fd = os.open(os.path.join(_dir(), self.name), os.O_RDWR)
+        try:
+            _reserve(fd, self.reserved_bytes, nbytes - self.reserved_bytes)
+        finally:
+            os.close(fd)
+        self.reserved_bytes = nbytes
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -83,7 +131,7 @@ class Segment:
             mm = mmap.mmap(fd, size_bytes)
         finally:
             os.close(fd)
-        return cls(name, size_bytes, mm, owner=False)
+        return cls(name, size_bytes, mm, owner=False, reserved_bytes=size_bytes)  # (its owner reserves)
 
     def release_pages(self) -> None:
         """Give the segment's memory back (tmpfs pages are the machine's memory, charged to the owner's cgroup):
@@ -94,7 +142,8 @@ class Segment:
             try:
                 self._mm.madvise(advice, 0, self.size_bytes)
             except OSError:
-                pass  # a filesystem that cannot punch holes: the pages stay, as before
+                return  # a filesystem that cannot punch holes: the pages stay, as before
+            self.reserved_bytes = 0
 
     def ndarray(self, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A zero-copy view of part of the segment."""

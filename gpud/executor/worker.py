@@ -25,7 +25,7 @@ from gpud.executor.device import WorkerDevice
 from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
                                FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
 from gpud.executor.reshape import with_reshape
-from gpud.executor.shm import Segment
+from gpud.executor.shm import Segment, ShmFull
 from gpud.executor.types import InferenceError
 
 log = logging.getLogger("gpud.worker")
@@ -127,6 +127,8 @@ def run_batch(model: ModelInstance, segment: Callable[[str], Segment], msg: Infe
     except Exception as exc:  # noqa: BLE001 - the model's own error, whatever its type, is the answer; the worker goes on
         if isinstance(exc, InferenceError):  # a client's region that no longer holds what it said
             return Failed(msg.seq, exc.kind.name, exc.message)
+        if isinstance(exc, ShmFull):  # no room for outputs larger than its region: retry, or give gpud more
+            return Failed(msg.seq, "UNAVAILABLE", f"could not write the batch's outputs: {exc}")
         kind = "INVALID_ARGUMENT" if type(exc).__name__ in ("InvalidArgument", "Fail") else "INTERNAL"
         log.debug("instance %s: batch %s failed:\n%s", key or msg.key, msg.seq, traceback.format_exc())
         return Failed(msg.seq, kind, f"{type(exc).__name__}: {exc}")

@@ -103,14 +103,25 @@ class Arena:
         for space in self._spaces:
             offset = space.take(size)
             if offset is not None:
-                return Block(space, offset, size)
-        segment = Segment.create(new_segment_name(ARENA_TAG), max(self.segment_bytes, 2 * size))
+                return self._reserved(Block(space, offset, size))
+        # Pages are reserved as blocks reach them (first fit keeps to the start), not the whole segment at once.
+        segment = Segment.create(new_segment_name(ARENA_TAG), max(self.segment_bytes, 2 * size), reserve=False)
         space = _Space(segment, segment_path(segment.name), [(0, segment.size_bytes)],
                        keep=not self._spaces and segment.size_bytes <= self.segment_bytes)
         self._spaces.append(space)
         offset = space.take(size)
         assert offset is not None
-        return Block(space, offset, size)
+        return self._reserved(Block(space, offset, size))
+
+    @staticmethod
+    def _reserved(block: Block) -> Block:
+        """The block, its pages reserved (shm.ShmFull, the block given back, when shared memory is full)."""
+        try:
+            block.space.segment.reserve(block.offset + block.size)
+        except BaseException:
+            block.space.give(block.offset, block.size)
+            raise
+        return block
 
     @staticmethod
     def free(block: Block) -> None:

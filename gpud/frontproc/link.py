@@ -86,19 +86,30 @@ HANDOFF_MIN_BYTES = 64 << 10  # an answer's tensor at least this big goes in a s
 def response_wire(r: InferResponse, handed: Callable[[str], None] | None = None) -> tuple:
     """The answer as a tuple. With `handed`, each large fixed-size output is written into a shared-memory segment of
     its own instead (one copy, where pickling and sending it would be three, and hold the loop while the other side
-    reads); the receiver maps it and removes its file; `handed(name)` is told each segment's name."""
+    reads); the receiver maps it and removes its file; `handed(name)` is told each segment's name once the whole
+    answer is staged. When staging fails partway (/dev/shm full), the segments already made are removed: nobody
+    will map them."""
     outputs = []
-    for t in r.outputs:
-        data: Any = t.data
-        if data is NO_DATA:  # in the client's region (host._answer): only the shape travels
-            data = None
-        elif data.dtype.kind != "O":  # (text stays an array: its elements are Python objects)
-            if handed is not None and t.shm is None and data.nbytes >= HANDOFF_MIN_BYTES:
-                data = _hand_off(data)
-                handed(data[1])
-            else:
-                data = ("bytes", data.dtype.str, data.shape, data.tobytes())
-        outputs.append((t.name, t.datatype, t.shape, data, _ref(t.shm)))
+    made: list[str] = []
+    try:
+        for t in r.outputs:
+            data: Any = t.data
+            if data is NO_DATA:  # in the client's region (host._answer): only the shape travels
+                data = None
+            elif data.dtype.kind != "O":  # (text stays an array: its elements are Python objects)
+                if handed is not None and t.shm is None and data.nbytes >= HANDOFF_MIN_BYTES:
+                    data = _hand_off(data)
+                    made.append(data[1])
+                else:
+                    data = ("bytes", data.dtype.str, data.shape, data.tobytes())
+            outputs.append((t.name, t.datatype, t.shape, data, _ref(t.shm)))
+    except BaseException:
+        for name in made:
+            unlink(name)
+        raise
+    if handed is not None:
+        for name in made:
+            handed(name)
     return (r.model_name, r.model_version, r.id, outputs, r.parameters, r.compute_ns)
 
 
@@ -108,6 +119,9 @@ def _hand_off(array: Any) -> tuple[str, str, str]:
     segment.owner = False  # the receiver removes it once mapped
     try:
         segment.ndarray(0, array.shape, array.dtype)[...] = array
+    except BaseException:  # (a sparse file's pages are only taken when written: /dev/shm can fill here)
+        unlink(name)
+        raise
     finally:
         segment.close()
     return ("segment", name, array.dtype.str)

@@ -23,6 +23,7 @@ from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryMo
                            ServedModelConfig, ServerMetadata)
 from gpud.executor.client_shm import NO_DATA, RegionStatus
 from gpud.executor.scheduler import answer_of
+from gpud.executor.shm import ShmFull
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.group import group_key, split_answer
@@ -302,11 +303,19 @@ class RemoteCore:
         placed: dict[str, tuple[str, int, int]] = {}
         blocks: list[Block] = []
         if not request.uses_shm:  # a client's own regions: the core reads them (its ClientRegions)
+            try:
+                for tensor in request.inputs:
+                    if tensor.datatype != "BYTES":  # text goes inline: the core checks it element by element
+                        where, block = self.arena.put(tensor.data)
+                        blocks.append(block)
+                        placed[tensor.name] = (where.path, where.offset, where.byte_size)
+            except BaseException as exc:
+                self._free(blocks)  # the inputs placed before the one that did not fit
+                if isinstance(exc, ShmFull):
+                    raise InferenceError(ErrorKind.UNAVAILABLE, str(exc)) from None
+                raise
             for tensor in request.inputs:
-                if tensor.datatype != "BYTES":  # text goes inline: the core checks it element by element
-                    where, block = self.arena.put(tensor.data)
-                    blocks.append(block)
-                    placed[tensor.name] = (where.path, where.offset, where.byte_size)
+                if tensor.name in placed:
                     tensor.data = NO_DATA
         return placed, blocks
 
@@ -324,6 +333,7 @@ class RemoteCore:
                     self._send_group(members)
             except Exception as exc:  # noqa: BLE001 - the link lost, the arena full: its members hear why
                 error = exc if isinstance(exc, InferenceError) else \
+                    InferenceError(ErrorKind.UNAVAILABLE, str(exc)) if isinstance(exc, ShmFull) else \
                     InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")
                 for ident, _ in members:
                     entry = self._submits.pop(ident, None)
