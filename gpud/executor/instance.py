@@ -15,7 +15,7 @@ from gpud.executor.channel import Reply
 from gpud.executor.device import WorkerDevice
 from gpud.executor.model_config import ModelConfig, execution_config
 from gpud.executor.protocol import DEFAULT_SEGMENT_BYTES, Infer, Loaded, LoadFailed, tensor_region_bytes
-from gpud.executor.shm import Segment, new_segment_name
+from gpud.executor.shm import Segment, new_segment_name, shm_dir, shm_free_bytes
 
 log = logging.getLogger("gpud.executor")
 
@@ -148,17 +148,34 @@ class InstanceHandle:
         """Create its input and output regions, one full batch each (or a default that grows, for variable
         shapes)."""
         config = execution_config(self.config)  # a sequence model's control and state tensors travel there too
-        self.in_seg = Segment.create(new_segment_name("in"), tensor_region_bytes(config, config.inputs))
-        self.out_seg = Segment.create(new_segment_name("out"), tensor_region_bytes(config, config.outputs))
+        # Pages are reserved as batches reach them (ensure_capacity; the worker for its outputs), not a full
+        # batch's up front: a model whose batches stay small takes no more shared memory than they need.
+        self.in_seg = Segment.create(new_segment_name("in"), tensor_region_bytes(config, config.inputs),
+                                     reserve=False)
+        self.out_seg = Segment.create(new_segment_name("out"), tensor_region_bytes(config, config.outputs),
+                                      reserve=False)
+        full = self.in_seg.size_bytes + self.out_seg.size_bytes
+        free = shm_free_bytes()
+        if free is not None and free < full:
+            log.warning("instance %s: a full batch takes %.1f MiB of shared memory (%s), %.1f MiB is free: batches "
+                        "that do not fit will be refused (503); give gpud more (a container's --shm-size)",
+                        self.key, full / 2**20, shm_dir(), free / 2**20)
 
     def ensure_capacity(self, input_bytes: int) -> Segment:
         """The input region, grown first when a batch does not fit (variable-size inputs; the worker drops the old
         one)."""
         if self.in_seg is not None and self.in_seg.size_bytes >= input_bytes:
+            self.in_seg.reserve(input_bytes)  # (shm.ShmFull: no room; the batch fails, the instance stays)
             return self.in_seg
         old = self.in_seg
         size = max(input_bytes, 2 * old.size_bytes if old else DEFAULT_SEGMENT_BYTES)
-        self.in_seg = Segment.create(new_segment_name("in"), size)
+        grown = Segment.create(new_segment_name("in"), size, reserve=False)
+        try:
+            grown.reserve(input_bytes)
+        except BaseException:
+            grown.close()
+            raise
+        self.in_seg = grown
         if old is not None:
             old.close()
             if self.worker is not None:

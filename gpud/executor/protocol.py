@@ -320,6 +320,8 @@ def write_outputs(segment: Segment, names: Sequence[str], output_types: Sequence
         ovf_name = new_segment_name("out")
         seg = Segment.create(ovf_name, sum(sizes))
         seg.owner = False  # the daemon removes it once read
+    else:
+        seg.reserve(sum(sizes))  # (shm.ShmFull: no room; the batch fails, not the worker)
     rows, offset = [], 0
     try:
         for (name, datatype, shape, blob), size in zip(blobs, sizes):

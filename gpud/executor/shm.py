@@ -35,6 +35,15 @@ def shm_dir() -> str:
     return _dir()
 
 
+def shm_free_bytes() -> int | None:
+    """Bytes free where segments are (None: not known)."""
+    try:
+        st = os.statvfs(_dir())
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def segment_path(name: str) -> str:
     """The file a segment's name stands for (how another process opens it)."""
     return os.path.join(_dir(), name)
@@ -66,12 +75,8 @@ def _reserve(fd: int, start: int, length: int) -> None:
         os.posix_fallocate(fd, start, length)
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            try:
-                free = os.statvfs(_dir()).f_bavail * os.statvfs(_dir()).f_frsize
-            except OSError:
-                free = -1
             raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for {length} more bytes ("
-                                        f"{max(free, 0)} free): give gpud more shared memory (a container's "
+                                        f"{shm_free_bytes() or 0} free): give gpud more shared memory (a container's "
                                         "--shm-size, e.g. docker run --shm-size=1g; Kubernetes: an emptyDir with "
                                         "medium Memory mounted at /dev/shm)") from None
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
@@ -131,7 +136,7 @@ class Segment:
             mm = mmap.mmap(fd, size_bytes)
         finally:
             os.close(fd)
-        return cls(name, size_bytes, mm, owner=False, reserved_bytes=size_bytes)  # (its owner reserves)
+        return cls(name, size_bytes, mm, owner=False)  # (what it writes, it reserves first)
 
     def release_pages(self) -> None:
         """Give the segment's memory back (tmpfs pages are the machine's memory, charged to the owner's cgroup):
