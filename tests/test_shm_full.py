@@ -176,3 +176,47 @@ def test_an_answer_that_cannot_be_staged_whole_leaves_no_segment_behind(monkeypa
         response_wire(answer, handed.append)
     assert len(made) == 2 and handed == []
     assert {n for n in os.listdir(shm.shm_dir()) if n.startswith(mine)} == before
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.ENOMEM])  # ENOMEM: a memory cgroup's limit (a pod's emptyDir)
+def test_no_pages_for_either_reason_is_shm_full(monkeypatch, code):
+    def fails(fd: int, start: int, length: int) -> None:
+        raise OSError(code, os.strerror(code))
+    monkeypatch.setattr(shm.os, "posix_fallocate", fails)
+    with pytest.raises(ShmFull):
+        Segment.create(new_segment_name("t"), 4096)
+
+
+def test_a_segment_removed_by_its_owner_meanwhile_is_not_an_error_to_reserve():
+    seg = Segment.create(new_segment_name("t"), 1 << 16, reserve=False)
+    attached = Segment.attach(seg.name)
+    try:
+        seg.close()  # the owner removes the file (an instance unloaded while its batch ran)
+        attached.reserve(4096)  # the worker's write into its mapping goes on: nobody reads it
+        assert attached.reserved_bytes == 0
+    finally:
+        attached.close()
+
+
+def test_a_clients_region_on_a_full_shm_fails_that_output_with_unavailable(tmp_path, monkeypatch):
+    from gpud.executor import client_shm
+    from gpud.executor.types import ErrorKind, InferenceError
+
+    region = tmp_path / "region"
+    region.write_bytes(b"\0" * 4096)
+
+    def full(fd, buffers, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(client_shm.os, "pwritev", full)
+    with pytest.raises(InferenceError) as info:
+        client_shm.write_blob(str(region), 0, 4096, memoryview(b"x" * 16), "y")
+    assert info.value.kind is ErrorKind.UNAVAILABLE and "--shm-size" in info.value.message
+
+
+def test_an_answer_that_does_not_fit_for_its_front_end_is_unavailable_not_a_bug():
+    from gpud.executor.types import ErrorKind
+    from gpud.frontproc.host import _unstaged
+
+    error = _unstaged(ShmFull(errno.ENOSPC, "no room in shared memory (/dev/shm) for 1 more bytes"))
+    assert error.kind is ErrorKind.UNAVAILABLE and "no room in shared memory" in error.message
+    assert _unstaged(ValueError("a bug")).kind is ErrorKind.INTERNAL

@@ -34,6 +34,7 @@ A CUDA region is a client's device allocation, registered by its `cudaIpcMemHand
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -594,8 +595,16 @@ def write_blob(path: str, offset: int, byte_size: int, blob: memoryview, name: s
             raise _invalid(f"output '{name}': the shared-memory region is {size} bytes, too short for the output "
                            f"at offset {offset}: the client truncated it")
         done = 0
-        while done < len(blob):
-            done += os.pwritev(fd, [blob[done:]], offset + done)
+        try:
+            while done < len(blob):
+                done += os.pwritev(fd, [blob[done:]], offset + done)
+        except OSError as exc:  # a client's region is a sparse file: its pages are taken as they are written
+            if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            raise InferenceError(ErrorKind.UNAVAILABLE, f"output '{name}': no room in shared memory to write it into "
+                                                        f"the client's region ({exc.strerror}); retry, or give "
+                                                        "the server more shared memory (a container's --shm-size)"
+                                 ) from None
 
 
 def _too_small(name: str, byte_size: int, need: int) -> InferenceError:

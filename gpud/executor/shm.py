@@ -74,7 +74,7 @@ def _reserve(fd: int, start: int, length: int) -> None:
     try:
         os.posix_fallocate(fd, start, length)
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # (ENOMEM: a memory cgroup's limit, e.g. a pod's emptyDir)
             raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for {length} more bytes ("
                                         f"{shm_free_bytes() or 0} free): give gpud more shared memory (a container's "
                                         "--shm-size, e.g. docker run --shm-size=1g; Kubernetes: an emptyDir with "
@@ -101,7 +101,13 @@ class Segment:
         owner reserves what it writes (`reserve`) before writing it."""
         size_bytes = max(ALIGN_BYTES, align(size_bytes))
         path = os.path.join(_dir(), name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:  # (no inode left: as full as no page left)
+                raise
+            raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for another segment (no inode "
+                                        "left): give gpud more shared memory (a container's --shm-size)") from None
         try:
             os.ftruncate(fd, size_bytes)
             if reserve:
@@ -120,7 +126,10 @@ class Segment:
         nbytes = min(nbytes, self.size_bytes)
         if nbytes <= self.reserved_bytes:
             return
-        fd = os.open(os.path.join(_dir(), self.name), os.O_RDWR)
+        try:
+            fd = os.open(os.path.join(_dir(), self.name), os.O_RDWR)
+        except FileNotFoundError:
+            return  # removed by its owner meanwhile (an instance unloaded mid-batch): nobody reads what is written
         try:
             _reserve(fd, self.reserved_bytes, nbytes - self.reserved_bytes)
         finally:

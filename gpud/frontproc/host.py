@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from gpud.api.admin import AdminAuth
 from gpud.core import GpudCore
 from gpud.executor.client_shm import NO_DATA
-from gpud.executor.shm import unlink
+from gpud.executor.shm import ShmFull, unlink
 from gpud.frontproc.arena import remove_arena_of
 from gpud.frontproc.connections import SharedConnections
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
@@ -108,6 +108,9 @@ class FrontendProcess:
 def _unstaged(exc: Exception) -> InferenceError:
     """An answer that could not be put where its front-end process reads it (its removal from `submits` already
     done): logged, and the error its request gets instead of waiting for ever."""
+    if isinstance(exc, ShmFull):  # a condition of the node, not a bug: no traceback per answer
+        log.warning("an answer could not be staged for its front-end process: %s", exc)
+        return InferenceError(ErrorKind.UNAVAILABLE, f"the answer could not be staged for the front end: {exc}")
     log.exception("an answer could not be staged for its front-end process")
     return InferenceError(ErrorKind.INTERNAL, f"the answer could not be staged for the front end: "
                                               f"{type(exc).__name__}: {exc}")

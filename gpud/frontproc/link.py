@@ -119,7 +119,7 @@ def _hand_off(array: Any) -> tuple[str, str, str]:
     segment.owner = False  # the receiver removes it once mapped
     try:
         segment.ndarray(0, array.shape, array.dtype)[...] = array
-    except BaseException:  # (a sparse file's pages are only taken when written: /dev/shm can fill here)
+    except BaseException:
         unlink(name)
         raise
     finally:
