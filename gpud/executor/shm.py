@@ -71,8 +71,11 @@ class ShmFull(OSError):
 
 def _reserve(fd: int, start: int, length: int) -> None:
     """Back [start, start + length) of a segment's file with pages now (posix_fallocate)."""
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:
+        return  # (not Linux: pages come as they are written)
     try:
-        os.posix_fallocate(fd, start, length)
+        fallocate(fd, start, length)
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # (ENOMEM: a memory cgroup's limit, e.g. a pod's emptyDir)
             raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for {length} more bytes ("
