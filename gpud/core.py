@@ -16,7 +16,7 @@ from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.classification import PARAMETER as CLASSIFICATION
 from gpud.executor.classification import class_count, classified
-from gpud.executor.scheduler import Done, Scheduler
+from gpud.executor.scheduler import Done, RequestHandle, Scheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
@@ -36,6 +36,23 @@ log = logging.getLogger("gpud")
 # Only what gpud really implements: clients use this list to decide what to call.
 EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics", "binary_tensor_data",
               "schedule_policy", "sequence", "sequence(string_id)", "system_shared_memory", "cuda_shared_memory"]
+
+
+class GroupCancel:
+    """What `GpudCore.submit` gives back for a group (`members` > 1): called, the whole group goes; `one()`, one
+    member went away (Scheduler.withdraw_member)."""
+
+    __slots__ = ("scheduler", "handle")
+
+    def __init__(self, scheduler: Scheduler, handle: RequestHandle):
+        self.scheduler = scheduler
+        self.handle = handle
+
+    def __call__(self) -> None:
+        self.scheduler.cancel(self.handle)
+
+    def one(self) -> None:
+        self.scheduler.withdraw_member(self.handle)
 
 
 class GpudCore:
@@ -216,7 +233,10 @@ class GpudCore:
         if placed:
             place_inputs(request, placed, in_worker=scheduler.moves_client_tensors)
         if not request.uses_shm:
-            return partial(scheduler.cancel, scheduler.submit(request, done, members))
+            handle = scheduler.submit(request, done, members)
+            if members > 1:  # a group: its members may go away one by one (gpud.frontproc.host)
+                return GroupCancel(scheduler, handle)
+            return partial(scheduler.cancel, handle)
         # its regions held until answered; their bytes moved by the worker where the scheduler can, else here
         staged = self.client_shm.stage(request, in_worker=scheduler.moves_client_tensors,
                                        worker_gpu=worker_gpu(scheduler))

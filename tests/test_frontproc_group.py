@@ -431,6 +431,29 @@ class TestFrontendHost:
         host._on_message(fp, ("cancel", 101))
         assert cancelled == [2]
 
+    def test_a_member_withdrawn_alone_is_told_to_the_core_so_it_is_not_counted(self):
+        from gpud.core import GroupCancel
+        calls = []
+
+        class Recording:
+            def cancel(self, handle):
+                calls.append(("cancel", handle))
+
+            def withdraw_member(self, handle):
+                calls.append(("one", handle))
+
+        class Holding(_FakeCore):
+            def submit(self, request, done, placed=None, members=1):
+                self.submitted.append((tuple(request.inputs[0].shape), members, {}))
+                return GroupCancel(Recording(), "h")
+        host, fp = _host(Holding(limit=8))
+        host._on_message(fp, _group_message(3))
+        host._on_message(fp, ("cancel", 100))
+        host._on_message(fp, ("cancel", 102))
+        assert calls == [("one", "h"), ("one", "h")]
+        host._on_message(fp, ("cancel", 101))
+        assert calls[-1] == ("cancel", "h")
+
 
 def test_a_stopping_host_refuses_new_connections_once_its_processes_have_closed_theirs():
     """The processes accept on the daemon's listening socket, each with a descriptor of its own. Told to stop, each

@@ -281,3 +281,26 @@ def test_a_group_is_batched_and_answered_as_one_request_and_counted_as_its_membe
     no_batching = DynamicScheduler(ModelConfig(name="n", max_batch_size=8, inputs=CONFIG.inputs, outputs=CONFIG.outputs),
                                  "1")
     assert not no_batching.takes_groups  # each request a batch of its own: a group would change that
+
+
+def test_a_group_member_withdrawn_while_queued_is_not_counted_and_one_withdrawn_while_running_is(setup):
+    # A front-end process's group (gpud.frontproc.host): a member whose client went away is counted no more while
+    # the group waits (as a lone request withdrawn while queued is not), its rows still running with the others';
+    # once the group runs, it counts (as a lone request withdrawn while running does).
+    scheduler, inst, worker, log = setup
+
+    async def run():
+        results: list = []
+        scheduler.submit(_request(1.0), results.append)  # takes the one instance
+        queued = scheduler.submit(_request(1.0, rows=3), results.append, members=3)
+        assert scheduler.pending_requests == 4
+        scheduler.withdraw_member(queued)
+        assert scheduler.pending_requests == 3
+        worker.finish(inst)
+        scheduler.withdraw_member(queued)  # running now: still counted
+        worker.finish(inst)
+        assert log == [("dispatch", 1), ("dispatch", 3)] and [r.outputs[0].shape for r in results] == [(1, 2), (3, 2)]
+        st = scheduler.stats
+        assert (st.success.count, st.inference_count, st.execution_count) == (3, 4, 2)
+
+    asyncio.run(run())

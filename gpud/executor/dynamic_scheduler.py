@@ -181,6 +181,11 @@ class DynamicScheduler(SchedulerBase):
             pending.queued = None
             self._notify_if_idle()  # the queue may just have emptied: a shutdown waiting for idle goes on
 
+    def withdraw_member(self, handle: RequestHandle) -> None:
+        pending = cast(Pending, handle)  # submit's, by the protocol
+        if pending.queued is not None and pending.members > 1:
+            pending.members -= 1
+
     def step(self) -> None:
         for q in self.queue.expire():
             self._fail([q.payload], self._shed_error() if q.shed else timeout_error())

@@ -305,6 +305,9 @@ class EnsembleScheduler:
                         break
                     self._launch(run, run.steps[index])
 
+    def withdraw_member(self, handle: RequestHandle) -> None:
+        """An ensemble takes no groups (takes_groups): nothing to withdraw."""
+
     def cancel(self, handle: RequestHandle) -> None:
         """The client went away: its steps still queued never run; its callback is not called."""
         run = cast(_Run, handle)  # submit's, by the protocol

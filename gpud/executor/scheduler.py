@@ -109,6 +109,12 @@ class Scheduler(Protocol):
         """The client went away: its callback is not called (whether it still runs is the scheduler's to say)."""
         ...
 
+    def withdraw_member(self, handle: RequestHandle) -> None:
+        """One member of a group (`submit`'s `members` > 1) went away while the others wait: while the group is
+        queued it stands for one request fewer in the statistics, as a lone request withdrawn while queued is not
+        counted; its rows still run with the others'."""
+        ...
+
     async def infer(self, request: InferRequest) -> InferResponse:
         """`submit` as a coroutine; cancelling the awaiting task withdraws the request."""
         ...
@@ -328,6 +334,9 @@ class SchedulerBase:
 
     def cancel(self, handle: RequestHandle) -> None:
         raise NotImplementedError
+
+    def withdraw_member(self, handle: RequestHandle) -> None:
+        """Groups come only where `takes_groups` says so (gpud.executor.dynamic_scheduler): nothing here."""
 
     def add_instance(self, inst: InstanceHandle) -> None:
         raise NotImplementedError

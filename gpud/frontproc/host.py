@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from gpud.api.admin import AdminAuth
-from gpud.core import GpudCore
+from gpud.core import GpudCore, GroupCancel
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import ShmFull, unlink
 from gpud.frontproc.arena import remove_arena_of
@@ -69,7 +69,7 @@ def _rows_of(placed: dict[str, tuple], first: int, count: int, members: int) -> 
 
 class _Withdraw:
     """A group member's cancel: the group is withdrawn when all its members are (one withdrawn alone still runs
-    with the others: its answer is dropped)."""
+    with the others, its answer dropped, and is not counted in the statistics while the group is still queued)."""
 
     __slots__ = ("cancel", "left")
 
@@ -81,6 +81,8 @@ class _Withdraw:
         self.left -= 1
         if self.left == 0:
             self.cancel()
+        elif isinstance(self.cancel, GroupCancel):
+            self.cancel.one()
 
 
 @dataclass(eq=False)
