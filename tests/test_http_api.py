@@ -6,6 +6,7 @@ synchronous). Startup and shutdown wait on futures with bounded timeouts; nothin
 from __future__ import annotations
 
 import asyncio
+import json
 import gzip
 import http.client
 import re
@@ -537,6 +538,44 @@ class TestCodec:
                                              "parameters": {"binary_data_size": 1}}]}, b"\x02")
         with pytest.raises(InferenceError, match="0 or 1"):
             decode_infer_request(body, headers[INFER_HEADER_CONTENT_LENGTH], "m", "")
+
+    def test_non_finite_json_inputs_are_read_as_triton_reads_them(self):
+        # Python's json (tritonclient's JSON inputs) writes NaN, Infinity, -Infinity; Triton reads them
+        doc = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [4],
+                                      "data": [float("nan"), float("inf"), float("-inf"), 1.5]}]}).encode()
+        assert b"Infinity" in doc
+        request = decode_infer_request(doc, None, "m", "")
+        np.testing.assert_array_equal(request.inputs[0].data, np.array([np.nan, np.inf, -np.inf, 1.5], np.float32))
+        for bad in (b'{"inputs": [{"name": "x", "datatype": "INT32", "shape": [1], "data": [NaN]}]}',
+                    b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [NaN]',):
+            with pytest.raises(InferenceError) as info:
+                decode_infer_request(bad, None, "m", "")
+            assert info.value.kind is ErrorKind.INVALID_ARGUMENT
+
+    @pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+    def test_non_finite_json_outputs_are_written_as_triton_writes_them_and_read_back_exactly(self, datatype):
+        # Triton's JSON writes NaN, Infinity and -Infinity (its qa/L0_nan_inf); orjson alone would write null, which
+        # tritonclient reads back as NaN: each infinity lost. An FP16 overflow is an infinity too.
+        request = decode_infer_request(orjson.dumps(
+            {"inputs": [{"name": "x", "datatype": "INT32", "shape": [1], "data": [0]}]}), None, "m", "")
+        dtype = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}[datatype]
+        y = np.array([np.nan, np.inf, -np.inf, 1.5, -0.0], dtype=dtype)
+        if datatype == "FP16":
+            with np.errstate(over="ignore"):
+                y[3] = np.float32(70000.0).astype(np.float16)  # past FP16's range: an infinity
+        finite = np.array([0.25, 2.0], dtype=dtype)
+        response = encode_infer_response(InferResponse("m", "1", [InferTensor("y", datatype, (5,), y),
+                                                                   InferTensor("f", datatype, (2,), finite)]),
+                                         request)
+        doc = json.loads(response.body)
+        assert b"NaN" in response.body and b"-Infinity" in response.body and b"null" not in response.body
+        assert doc["outputs"][1]["data"] == [0.25, 2.0]
+        result = httpclient.InferResult.from_response_body(response.body)
+        np.testing.assert_array_equal(result.as_numpy("y"), y)  # (NaN == NaN here: assert_array_equal)
+        # and a finite answer is orjson's, unchanged
+        plain = encode_infer_response(InferResponse("m", "1", [InferTensor("f", datatype, (2,), finite)]), request)
+        assert plain.body == orjson.dumps({"model_name": "m", "model_version": "1", "outputs": [
+            {"name": "f", "datatype": datatype, "shape": [2], "data": [0.25, 2.0]}]})
 
     def test_non_contiguous_output_is_serialized_in_row_major_order(self):
         x = np.arange(6, dtype=np.int32).reshape(2, 3).T  # a transposed view

@@ -9,6 +9,7 @@ joined with the header into the body in one copy. A header seen before is not pa
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,14 @@ def _loads(data: bytes | memoryview, what: str) -> Any:
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError as e:
-        raise invalid(f"malformed JSON in {what}: {e}") from None
+        error = e
+    raw = bytes(data)
+    if b"NaN" in raw or b"Infinity" in raw:  # Triton reads NaN, Infinity and -Infinity (RapidJSON's
+        try:                                   # kParseNanAndInfFlag), as Python's json writes them; orjson does not
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            pass
+    raise invalid(f"malformed JSON in {what}: {error}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -418,6 +426,7 @@ def _encode_infer_response(response: InferResponse, request: InferRequest) -> tu
     outputs_json: list[dict[str, Any]] = []
     buffers: list[Any] = []
     reusable = True
+    finite = True
     for tensor in response.outputs:
         binary = per_output.get(tensor.name)
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
@@ -429,8 +438,10 @@ def _encode_infer_response(response: InferResponse, request: InferRequest) -> tu
             buffers.append(data)
             reusable = reusable and tensor.datatype != "BYTES"
         else:
-            entry["data"] = _json_output(tensor)
+            data = entry["data"] = _json_output(tensor)
             reusable = False
+            if finite and isinstance(data, np.ndarray) and data.dtype.kind == "f" and not np.isfinite(data).all():
+                finite = False
         outputs_json.append(entry)
 
     doc: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
@@ -439,12 +450,25 @@ def _encode_infer_response(response: InferResponse, request: InferRequest) -> tu
     if response.parameters:
         doc["parameters"] = response.parameters
     doc["outputs"] = outputs_json
-    header = orjson.dumps(doc, option=_OPT_NUMPY)
+    header = orjson.dumps(doc, option=_OPT_NUMPY) if finite else _dumps_non_finite(doc)
     if not buffers:
         return EncodedResponse(header, JSON, {}), None
     # One copy: join reads the arrays' buffers directly (no tobytes()).
     return (EncodedResponse(b"".join([header, *buffers]), _OCTET_STREAM,
                             {INFER_HEADER_CONTENT_LENGTH: str(len(header))}), header if reusable else None)
+
+
+def _dumps_non_finite(doc: dict[str, Any]) -> bytes:
+    """`doc` with NaN, Infinity and -Infinity where its numbers are not finite, as Triton writes them (RapidJSON's
+    kWriteNanAndInfFlag) and Python's json and tritonclient read them back; orjson would write null, which reads back
+    as NaN at best: an infinity lost. Only for answers that hold such numbers (the stdlib is slower)."""
+    return json.dumps(doc, default=_as_list, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _as_list(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"cannot write a {type(value).__name__} as JSON")
 
 
 def _wire_array(tensor: InferTensor) -> np.ndarray:
