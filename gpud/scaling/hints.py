@@ -175,7 +175,9 @@ SCALE_DOWN_LOAD_MARGIN = 1.1
 UNREACHABLE_AIM = 2.5
 
 
-# How many standard deviations of the counts' noise a rise must clear before instances are added for it at once.
+# How many standard deviations of the counts' noise the rise between the two spans must clear (a one-sided chance of
+# 0.13% on a steady load, whatever the horizon), and how many the extrapolated rate is taken below its estimate.
+RISE_SIGNIFICANCE_Z = 3.0
 RISE_CONFIDENCE_Z = 2.0
 
 
@@ -373,7 +375,10 @@ def rising_rate_lower_bound(early: tuple[ModelCounters, ModelCounters], late: tu
                             horizon_s: float, z: float = RISE_CONFIDENCE_Z) -> float | None:
     """The arrival rate `horizon_s` after the `late` span ends, on the line through the two spans' rates, less `z`
     standard deviations of that extrapolation (the arrivals counted in a span are Poisson: their variance is their
-    count). None when even that is not above the late span's rate: no rise beyond the counts' noise. Pure."""
+    count, taken as at least one, so an empty span is not certainty). None when the late span's rate is not above
+    the early one's by RISE_SIGNIFICANCE_Z standard deviations of their difference (the longer the horizon, the more
+    a chance difference would be multiplied: the rise itself must be beyond the noise), or when even the bound is
+    not above the late span's rate. Pure."""
     (a, b), (c, d) = early, late
     early_s, late_s = b.time_s - a.time_s, d.time_s - c.time_s
     if early_s <= 0 or late_s <= 0 or c.time_s < b.time_s:
@@ -381,9 +386,12 @@ def rising_rate_lower_bound(early: tuple[ModelCounters, ModelCounters], late: tu
     n_early = max(0, b.requests - a.requests + b.pending - a.pending)
     n_late = max(0, d.requests - c.requests + d.pending - c.pending)
     r_early, r_late = n_early / early_s, n_late / late_s
+    var_early, var_late = max(n_early, 1) / early_s ** 2, max(n_late, 1) / late_s ** 2
+    if r_late - r_early <= RISE_SIGNIFICANCE_Z * math.sqrt(var_early + var_late):
+        return None
     k = (horizon_s + late_s / 2) / ((c.time_s + d.time_s) / 2 - (a.time_s + b.time_s) / 2)
     forecast = r_late + (r_late - r_early) * k
-    sd = math.sqrt((1 + k) ** 2 * n_late / late_s ** 2 + k ** 2 * n_early / early_s ** 2)
+    sd = math.sqrt((1 + k) ** 2 * var_late + k ** 2 * var_early)
     low = forecast - z * sd
     return low if low > r_late else None
 
