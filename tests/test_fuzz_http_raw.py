@@ -151,7 +151,11 @@ CASES: list[tuple[str, bytes, set[int] | None]] = [
     ("data nested 500 deep", post("/v2/models/mlp/infer", b'{"inputs":[{"name":"input","datatype":"FP32",'
                                   b'"shape":[1,256],"data":' + b"[" * 500 + b"]" * 500 + b"}]}"), {400}),
     ("invalid UTF-8", post("/v2/models/mlp/infer", b'{"inputs":[{"name":"\xff\xfe","datatype":"FP32"}]}'), {400}),
-    ("NaN in data", post("/v2/models/mlp/infer", MLP_JSON.replace(b"0.5", b"NaN", 1)), {400}),
+    # Triton reads NaN, Infinity and -Infinity in JSON (RapidJSON's kParseNanAndInfFlag): so does gpud
+    ("NaN in data", post("/v2/models/mlp/infer", MLP_JSON.replace(b"0.5", b"NaN", 1)), {200}),
+    ("NaN in an INT data", post("/v2/models/mlp/infer", MLP_JSON.replace(b"0.5", b"NaN", 1).replace(b"FP32", b"INT32")),
+     {400}),
+    ("NaN as a key's value elsewhere", post("/v2/models/mlp/infer", MLP_JSON.replace(b'"input"', b"NaN", 1)), {400}),
     ("model name with ..", post("/v2/models/../infer", MLP_JSON), {400, 404}),
     ("model name with NUL", post("/v2/models/a%00b/infer", MLP_JSON), {400}),
     ("load with file: override", post("/v2/repository/models/mlp/load",
