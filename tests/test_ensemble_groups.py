@@ -36,6 +36,9 @@ class GroupingModel(ScriptedModel):
         self.members.append(members)
         return p
 
+    def withdraw_member(self, p) -> None:
+        self.log.append(f"withdrawn one of {self.name}")
+
 
 def grouping(h: Harness, *names: str, max_batch_size: int = 8) -> Harness:
     for name in names:
@@ -132,6 +135,7 @@ def test_a_cancelled_member_leaves_the_group_and_the_group_is_withdrawn_when_non
         a = h.models["a"]
         h.scheduler.cancel(first)
         assert not a.pending[0].cancelled  # the other member still waits for it
+        assert h.log[-1] == "withdrawn one of a"  # and the model counts one request fewer for the group
         h.scheduler.cancel(second)
         assert a.pending[0].cancelled and h.scheduler.pending_requests == 0
         cancelled_before = h.submit_only(1)

@@ -167,10 +167,16 @@ class _Group:
         return all(run.finished for run, _, _ in self.members)
 
     def cancel(self, run: RequestHandle) -> None:
-        """`run` is over (the ensemble marks it finished first); the group's request goes once all its runs are."""
-        if self.target is not None and self.handle is not None and self.abandoned:
+        """`run` is over (the ensemble marks it finished first); the group's request goes once all its runs are.
+        Until then the step's model counts one request fewer for it while the group is queued (as a lone step
+        request withdrawn while queued is not counted: Scheduler.withdraw_member)."""
+        if self.target is None or self.handle is None:
+            return
+        if self.abandoned:
             self.target.cancel(self.handle)
             self.handle = None
+        else:
+            self.target.withdraw_member(self.handle)
 
 
 def _joined(arrays: list[Any]) -> Any:
