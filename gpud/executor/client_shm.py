@@ -48,6 +48,7 @@ import numpy as np
 from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_elements
 from gpud.executor.cuda_ipc import HANDLE_BYTES, CudaIpc, is_region_path, region_path, worker_regions
 from gpud.executor.datatypes import numpy_dtype, placeholder
+from gpud.executor.shm import SHM_FULL_ADVICE
 from gpud.executor.types import (ClientIO, ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice,
                                  ShmRef)
 
@@ -602,9 +603,8 @@ def write_blob(path: str, offset: int, byte_size: int, blob: memoryview, name: s
             if exc.errno not in (errno.ENOSPC, errno.ENOMEM):
                 raise
             raise InferenceError(ErrorKind.UNAVAILABLE, f"output '{name}': no room in shared memory to write it into "
-                                                        f"the client's region ({exc.strerror}); retry, or give "
-                                                        "the server more shared memory (a container's --shm-size)"
-                                 ) from None
+                                                        f"the client's region ({exc.strerror}); retry, or "
+                                                        f"{SHM_FULL_ADVICE}") from None
 
 
 def _too_small(name: str, byte_size: int, need: int) -> InferenceError:

@@ -23,7 +23,6 @@ from gpud.executor.instance import InstanceHandle
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.objective import LatencyObjective
 from gpud.executor.scheduler import Done, Pending, RequestHandle, SchedulerBase, defer_step
-from gpud.executor.shm import ShmFull
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 
 log = logging.getLogger("gpud.executor")
@@ -222,8 +221,7 @@ class DynamicScheduler(SchedulerBase):
                                                   [io.inputs if io else None for io in ios] if has_io else ())
         except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: this batch fails, the instance stays usable
             self._free.appendleft(inst)
-            self._fail(batch, InferenceError(ErrorKind.UNAVAILABLE if isinstance(exc, ShmFull) else ErrorKind.INTERNAL,
-                                             f"could not stage the batch: {exc}"))
+            self._fail(batch, self._staging_error(exc))
             return
         output_names = tuple(dict.fromkeys(n for p in batch for n in p.prepared.output_names))
         writes = self._client_writes(batch, output_names)[0] if has_io else ()

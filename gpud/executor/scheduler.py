@@ -30,6 +30,7 @@ from gpud.executor.instance import InstanceHandle
 from gpud.executor.objective import LatencyObjective
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.stats import ModelStats
+from gpud.executor.shm import ShmFull
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from gpud.executor.validation import PreparedCache, PreparedRequest
 
@@ -453,6 +454,13 @@ class SchedulerBase:
     def _ran(self, seconds: float) -> None:
         """A batch took `seconds` from dispatch to its answers (the dynamic batcher's expected run time: what an
         objective's batch delay leaves room for, and whether requests come faster than a batch runs)."""
+
+    @staticmethod
+    def _staging_error(exc: Exception) -> InferenceError:
+        """A batch whose inputs could not be put in its instance's segment: UNAVAILABLE when shared memory is full
+        (a condition of the node: retry, or give gpud more), INTERNAL otherwise."""
+        kind = ErrorKind.UNAVAILABLE if isinstance(exc, ShmFull) else ErrorKind.INTERNAL
+        return InferenceError(kind, f"could not stage the batch: {exc}")
 
     def _fail(self, batch: list[Pending], exc: InferenceError) -> None:
         now_ns = time.perf_counter_ns()

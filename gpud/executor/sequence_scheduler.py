@@ -33,7 +33,6 @@ from gpud.executor.scheduler import Done, Pending, RequestHandle, SchedulerBase
 from gpud.executor.sequence_batcher import (CorrelationId, SequenceBatcher, SequenceDispatch, SequenceRequest,
                                        describe_id)
 from gpud.executor.sequence_config import CORRID, END, READY, START, control_value, initial_state
-from gpud.executor.shm import ShmFull
 from gpud.executor.model_config import execution_config
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferTensor
 
@@ -242,8 +241,7 @@ class SequenceScheduler(SchedulerBase):
             inputs, _ = protocol.write_inputs(self.exec_config, self._rows(d), inst.ensure_capacity)
         except Exception as exc:  # noqa: BLE001 - e.g. /dev/shm full: this batch fails, the instance stays usable
             self.batcher.complete(d)
-            self._fail(batch, InferenceError(ErrorKind.UNAVAILABLE if isinstance(exc, ShmFull) else ErrorKind.INTERNAL,
-                                             f"could not stage the batch: {exc}"))
+            self._fail(batch, self._staging_error(exc))
             self.step()
             return
         output_names = tuple(dict.fromkeys([n for p in batch for n in p.prepared.output_names]

@@ -59,6 +59,11 @@ def new_segment_name(tag: str) -> str:
     return f"gpud-{os.getpid()}-{tag}-{next(_counter)}-{secrets.token_hex(3)}"
 
 
+# What to do when shared memory is full, in every error that says so.
+SHM_FULL_ADVICE = ("give gpud more shared memory (a container's --shm-size, e.g. docker run --shm-size=1g; "
+                   "Kubernetes: an emptyDir with medium Memory mounted at /dev/shm)")
+
+
 class ShmFull(OSError):
     """Shared memory has no room for a segment's pages. A write through a mapping into a full tmpfs is a SIGBUS that
     kills the writing process (a container's /dev/shm is 64 MiB unless told otherwise), so pages are reserved before
@@ -79,9 +84,7 @@ def _reserve(fd: int, start: int, length: int) -> None:
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):  # (ENOMEM: a memory cgroup's limit, e.g. a pod's emptyDir)
             raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for {length} more bytes ("
-                                        f"{shm_free_bytes() or 0} free): give gpud more shared memory (a container's "
-                                        "--shm-size, e.g. docker run --shm-size=1g; Kubernetes: an emptyDir with "
-                                        "medium Memory mounted at /dev/shm)") from None
+                                        f"{shm_free_bytes() or 0} free): {SHM_FULL_ADVICE}") from None
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             return  # a filesystem that cannot reserve: pages come as they are written, as before
         raise
@@ -110,7 +113,7 @@ class Segment:
             if exc.errno != errno.ENOSPC:  # (no inode left: as full as no page left)
                 raise
             raise ShmFull(errno.ENOSPC, f"no room in shared memory ({_dir()}) for another segment (no inode "
-                                        "left): give gpud more shared memory (a container's --shm-size)") from None
+                                        f"left): {SHM_FULL_ADVICE}") from None
         try:
             os.ftruncate(fd, size_bytes)
             if reserve:

@@ -181,6 +181,14 @@ RISE_SIGNIFICANCE_Z = 3.0
 RISE_CONFIDENCE_Z = 2.0
 
 
+def lone_request_s(obs: ModelObservation) -> float | None:
+    """A lone request's latency at the objective's share (the model's own, with no queueing): an objective below it
+    is met by no instance count (unreachable). None: no batch times yet."""
+    if obs.batch_line is None:
+        return None
+    return predicted_latency_s(0.0, 1, obs.batch_line, obs.max_batch_size, obs.objective_share)
+
+
 def _step_limit(current: int, bounds: InstanceBounds) -> int:
     limit = max(2 * max(current, 1), current + 1)  # as the queue metric: at most doubling per step
     if bounds.maximum is not None:
@@ -192,14 +200,12 @@ def rising_instances(obs: ModelObservation, bounds: InstanceBounds) -> int | Non
     """The instances a version with an objective needs for its rise beyond noise alone
     (ModelObservation.rising_rate_per_second): added at once, with no scale-up window, because the rise is the
     evidence the window waits for. None: no such rise, no batch times, or an objective no count meets."""
-    rising, line = obs.rising_rate_per_second, obs.batch_line
-    if obs.objective_seconds is None or rising is None or line is None:
-        return None
-    share = obs.objective_share
-    if predicted_latency_s(0.0, 1, line, obs.max_batch_size, share) >= obs.objective_seconds:
+    rising, line, floor_s = obs.rising_rate_per_second, obs.batch_line, lone_request_s(obs)
+    if obs.objective_seconds is None or rising is None or line is None or floor_s is None \
+            or floor_s >= obs.objective_seconds:
         return None
     limit = _step_limit(obs.ready_instances, bounds)
-    need = instances_for_objective(rising, line, obs.max_batch_size, obs.objective_seconds, limit, share)
+    need = instances_for_objective(rising, line, obs.max_batch_size, obs.objective_seconds, limit, obs.objective_share)
     return bounds.clamp(limit if need is None else need)
 
 
@@ -229,7 +235,8 @@ def objective_recommendation(obs: ModelObservation,
         # A lone request's latency is the model's own: an objective below it is not met by any count. Instances can
         # still take away the load's queueing: aim at a latency they can give, and do not add one per missed window
         # (that would fill the node for nothing).
-        floor_s = predicted_latency_s(0.0, 1, line, largest, share)
+        floor_s = lone_request_s(obs)
+        assert floor_s is not None  # (this branch has batch times)
         unreachable = floor_s >= objective_s
         aim_s = UNREACHABLE_AIM * floor_s if unreachable else objective_s
         need = instances_for_objective(rate, line, largest, aim_s, limit, share)

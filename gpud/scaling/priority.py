@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from gpud.scaling.hints import SCALE_DOWN_LOAD_MARGIN, ModelObservation
+from gpud.scaling.hints import SCALE_DOWN_LOAD_MARGIN, ModelObservation, lone_request_s
 from gpud.scaling.tail import instances_for_objective, predicted_latency_s
 from gpud.scaling.plan import Key
 
@@ -81,7 +81,8 @@ def standing_of(obs: ModelObservation, minimum: int) -> ObjectiveStanding | None
                 spare = n - max(need, floor)
         if spare:
             spare_predicted = None if line is None else predicted_latency_s(rate, n - spare, line, largest, share)
-    reachable = line is None or predicted_latency_s(0.0, 1, line, largest, share) < objective_s
+    floor_s = lone_request_s(obs)
+    reachable = floor_s is None or floor_s < objective_s
     return ObjectiveStanding(objective_s, obs.objective_share, obs.attainment, predicted, n, spare, spare_predicted,
                              reachable)
 
