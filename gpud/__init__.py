@@ -1,6 +1,10 @@
 """gpud: a node daemon for GPU servers, and the same server in-process (`gpud.Server`)."""
 __version__ = "0.1.0"
 
+from gpud import compiled as _compiled  # noqa: E402 - before any other gpud module: they may load compiled
+
+_compiled.install()
+
 __all__ = ["Server", "InferenceError", "InferenceTimeout", "ErrorKind", "__version__"]
 
 

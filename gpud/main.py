@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, replace
 
-from gpud import __version__
+from gpud import __version__, compiled
 from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
 from gpud.cpus import usable_cpus
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Node daemon for GPU servers: serves a Triton-layout model repository (KServe v2 over HTTP and "
                     "gRPC), places model instances on GPUs and MIG instances by memory, exports Prometheus metrics. "
                     "Without an NVIDIA driver it runs on a simulated node and computes on the CPU.")
-    p.add_argument("--version", action="version", version=f"gpud {__version__}")
+    p.add_argument("--version", action="version",
+                   version=f"gpud {__version__} (request path {compiled.status().reason})")
     p.add_argument("--model-repository", "--model-store", dest="model_repository", metavar="DIR",
                    help="Triton-layout model repository (<DIR>/<model>/<version>/model.onnx [+ config.pbtxt]). "
                         "Default: generate the example models and serve them")
@@ -361,7 +362,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     gc.freeze()
     ready = sum(1 for v in parts.registry.versions() if v.ready)
     notify(f"READY=1\nSTATUS=serving {ready} model version(s)")
-    log.info("gpud %s ready: serving", __version__)
+    log.info("gpud %s ready: serving; request path %s", __version__, compiled.status().reason)
 
     watchdog_s = watchdog_interval_s(os.environ, os.getpid())
     watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None

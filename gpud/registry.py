@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mypy_extensions import mypyc_attr
+
 from gpud.executor.instance import InstanceHandle
 from gpud.executor.scheduler import Scheduler
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
@@ -27,6 +29,7 @@ from gpud.telemetry.serving import InstanceView, ModelState, ModelView, ServingS
 log = logging.getLogger("gpud")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # RegisteredEnsemble (gpud.ensembles)
 @dataclass(eq=False)
 class RegisteredVersion:
     """One served version of a model: its scheduler and instances, and why it is not ready when it is not."""

@@ -14,3 +14,17 @@ ensure_venv() {  # ensure_venv EXTRA MARKER   e.g. ensure_venv "[test]" .venv/.i
   flock -u 9
   exec 9>&-
 }
+
+# gpud's request path compiled to C (gpud/compiled/), rebuilt when its sources changed (~1 min on two cores; the
+# venv needs the [compile] or [test] extra). Without a C compiler it says why, and gpud runs as pure Python: the same
+# behaviour at more CPU per request. GPUD_PURE_PYTHON=1 skips it (and makes gpud ignore a build).
+ensure_compiled() {
+  [ "${GPUD_PURE_PYTHON:-}" = 1 ] && return 0
+  exec 9>.venv.lock
+  flock 9
+  if .venv/bin/python -m gpud.compiled.build --if-stale --quiet; then
+    export GPUD_EXPECT_COMPILED=1  # tests/test_compiled.py: the build must then load
+  fi
+  flock -u 9
+  exec 9>&-
+}

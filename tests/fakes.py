@@ -16,3 +16,27 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+def wait_until(decision: object) -> float:
+    """A batcher Wait's deadline, to compare with pytest.approx (the compiled Wait takes only a float, so
+    `Wait(until_s=pytest.approx(x))` cannot be built)."""
+    from gpud.executor.batcher import Wait
+
+    assert isinstance(decision, Wait), decision
+    return decision.until_s
+
+
+def replaces_methods_of(module: str):
+    """Skips a test that replaces a method on an object of `module`'s classes when that module runs compiled
+    (gpud.compiled: a compiled class's methods cannot be replaced). The pure-Python pass of .ci/run runs it."""
+    import importlib
+
+    import pytest
+
+    from gpud import compiled
+
+    importlib.import_module(module)
+    return pytest.mark.skipif(compiled.is_compiled(module),
+                              reason=f"replaces a method of {module}'s classes, compiled here: the pure-Python pass "
+                                     "(GPUD_PURE_PYTHON=1) runs it")

@@ -28,7 +28,7 @@ from gpud.executor.batcher import (
 )
 from gpud.executor.model_config import DynamicBatching, QueuePolicy
 from gpud.executor.types import ErrorKind, InferenceError
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, wait_until
 
 
 def req(name: str = "r", rows: int = 1, key: object = "k", priority: int = 0, timeout_us: int = 0) -> QueuedRequest:
@@ -322,7 +322,7 @@ class TestNoFreeInstance:
         q.enqueue(req("a"))  # deadline 0 + 5 ms = 0.005
         clock.advance(0.001)
         q.enqueue(req("b", timeout_us=2_000))  # deadline 0.001 + 2 ms = 0.003 < 0.005
-        assert q.decide(0) == Wait(until_s=pytest.approx(0.003))
+        assert wait_until(q.decide(0)) == pytest.approx(0.003)
 
 
 class TestFullBatch:
@@ -640,7 +640,7 @@ class TestRemoveAndDrain:
         assert q.oldest_enqueue_time_s == 0.05
         clock.now = 0.06
         q.enqueue(req("c"))
-        assert q.decide(1) == Wait(until_s=pytest.approx(0.15))  # 0.05 + 100 ms
+        assert wait_until(q.decide(1)) == pytest.approx(0.15)  # 0.05 + 100 ms
 
 
 class TestReconfigure:
@@ -942,7 +942,7 @@ class TestQuietDispatch:
         clock.advance(100e-6)
         q.enqueue(req("c"))     # gap 100 us -> ewma 0.5 * 100 + 0.5 * 100 = 100 us
         # quiet after 4 * 100 us = 400 us from the last arrival at 200 us -> 600 us (< 10 ms delay)
-        assert q.decide(1) == Wait(until_s=pytest.approx(600e-6))
+        assert wait_until(q.decide(1)) == pytest.approx(600e-6)
         clock.advance(399e-6)
         assert isinstance(q.decide(1), Wait)
         clock.advance(1e-6)
@@ -957,7 +957,7 @@ class TestQuietDispatch:
         clock.advance(300e-6)
         q.enqueue(req("c"))     # gap 300 us -> ewma 0.5 * 100 + 0.5 * 300 = 200 us
         # quiet time 4 * 200 = 800 us after c's arrival at 400 us -> 1200 us
-        assert q.decide(1) == Wait(until_s=pytest.approx(1200e-6))
+        assert wait_until(q.decide(1)) == pytest.approx(1200e-6)
 
     def test_gaps_across_an_empty_queue_do_not_count(self, clock):
         q = self.quiet(clock)
@@ -974,7 +974,7 @@ class TestQuietDispatch:
         clock.advance(100e-6)
         q.enqueue(req("e"))     # gap 100 us -> ewma still 100 us; 2 rows < the previous batch's 3
         # d arrived at 0.0002 + 0.005 + 1.0 = 1.0052 s, e at 1.0053 s; quiet 400 us later
-        assert q.decide(1) == Wait(until_s=pytest.approx(1.0053 + 400e-6))
+        assert wait_until(q.decide(1)) == pytest.approx(1.0053 + 400e-6)
 
     def test_as_many_rows_as_the_previous_batch_go_at_once(self, clock):
         q = self.quiet(clock)
@@ -992,7 +992,7 @@ class TestQuietDispatch:
         q.enqueue(req("a"))
         clock.advance(4e-3)
         q.enqueue(req("b"))     # gap 4 ms -> quiet time 16 ms > the 10 ms delay
-        assert q.decide(1) == Wait(until_s=pytest.approx(10e-3))  # oldest (0) + 10 ms
+        assert wait_until(q.decide(1)) == pytest.approx(10e-3)  # oldest (0) + 10 ms
 
     def test_no_free_instance_never_dispatches(self, clock):
         q = self.quiet(clock)
@@ -1016,7 +1016,7 @@ class TestQuietDispatch:
         self._full_batch_in_a_stream(q, clock)
         clock.advance(50e-6)
         q.enqueue(req("d"))               # 50 us after c: less than the quiet time, max(50 us, 4 x 50 us) = 200 us
-        assert q.decide(1) == Wait(until_s=pytest.approx(150e-6 + 200e-6))
+        assert wait_until(q.decide(1)) == pytest.approx(150e-6 + 200e-6)
         clock.advance(200e-6)
         d = q.decide(1)                   # nobody came: it goes alone after all, within the quiet time
         assert (names(d.requests), d.reason) == (["d"], DispatchReason.QUIET)
@@ -1090,11 +1090,11 @@ class TestQuietDispatch:
         clock.advance(300e-6)
         q.enqueue(req("b"))  # 0.3 ms after a: it would come while b's batch of one ran
         # not at once, and not by rule 7a's bar of one row either: it waits for the next arrival, two gaps at most
-        assert q.decide(1) == Wait(until_s=pytest.approx(300e-6 + 2 * 300e-6))
+        assert wait_until(q.decide(1)) == pytest.approx(300e-6 + 2 * 300e-6)
         clock.advance(300e-6)
         q.enqueue(req("c"))
         d = q.decide(1)
-        assert d == Wait(until_s=pytest.approx(600e-6 + 2 * 300e-6))  # two gaps from c (rule 7b's four: later)
+        assert wait_until(d) == pytest.approx(600e-6 + 2 * 300e-6)  # two gaps from c (rule 7b's four: later)
         clock.advance(d.until_s - clock())
         d = q.decide(1)
         assert (names(d.requests), d.reason) == (["b", "c"], DispatchReason.QUIET)
@@ -1149,7 +1149,7 @@ class TestQuietDispatch:
         clock.advance(100e-6)
         q.enqueue(req("b"))
         clock.advance(5e-3)
-        assert q.decide(1) == Wait(until_s=pytest.approx(10e-3))
+        assert wait_until(q.decide(1)) == pytest.approx(10e-3)
 
 
 @st.composite

@@ -433,7 +433,9 @@ class TestFrontendHost:
 
     def test_a_member_withdrawn_alone_is_told_to_the_core_so_it_is_not_counted(self):
         from gpud.core import GroupCancel
+        from gpud.executor.scheduler import RequestHandle
         calls = []
+        handle = RequestHandle()  # (a real one: the compiled GroupCancel checks its type)
 
         class Recording:
             def cancel(self, handle):
@@ -445,14 +447,14 @@ class TestFrontendHost:
         class Holding(_FakeCore):
             def submit(self, request, done, placed=None, members=1):
                 self.submitted.append((tuple(request.inputs[0].shape), members, {}))
-                return GroupCancel(Recording(), "h")
+                return GroupCancel(Recording(), handle)
         host, fp = _host(Holding(limit=8))
         host._on_message(fp, _group_message(3))
         host._on_message(fp, ("cancel", 100))
         host._on_message(fp, ("cancel", 102))
-        assert calls == [("one", "h"), ("one", "h")]
+        assert calls == [("one", handle), ("one", handle)]
         host._on_message(fp, ("cancel", 101))
-        assert calls[-1] == ("cancel", "h")
+        assert calls[-1] == ("cancel", handle)
 
 
 def test_a_stopping_host_refuses_new_connections_once_its_processes_have_closed_theirs():

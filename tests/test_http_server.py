@@ -174,16 +174,12 @@ class ServerThread:
         self.loop = ClockLoop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="http-server-test", daemon=True)
         self.thread.start()
-        self.http = HttpServer(handler or self.handler, connections=WatchedSet(), **kw)
-        sweep = self.http._sweep
-
-        def counted_sweep() -> None:  # the sweeper re-arms itself through self._sweep, so every sweep is counted
-            sweep()
+        def counted_sweep() -> None:
             with self.seen:
                 self.sweeps += 1
                 self.seen.notify_all()
 
-        self.http._sweep = counted_sweep
+        self.http = HttpServer(handler or self.handler, connections=WatchedSet(), on_swept=counted_sweep, **kw)
         self.port = self.submit(self.http.start("127.0.0.1", 0)).result(TIMEOUT_S)
 
     # --- the default handler, called on the loop thread ----------------------------------------------------------
@@ -201,7 +197,7 @@ class ServerThread:
             respond(200, b"first", "text/plain")
             respond(201, b"second", "text/plain")
             return
-        respond(200, request.body or request.path.encode(), "application/octet-stream",
+        respond(200, bytes(request.body) or request.path.encode(), "application/octet-stream",  # (a large body: mmap)
                 [("X-Method", request.method), ("X-Query", request.query)])
 
     # --- helpers for the test thread ----------------------------------------------------------------------------

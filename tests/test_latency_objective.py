@@ -12,12 +12,12 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from gpud.executor.batcher import BatchQueue, Dispatch, DispatchReason, QueuedRequest, Wait
+from gpud.executor.batcher import BatchQueue, Dispatch, DispatchReason, QueuedRequest
 from gpud.executor.model_config import DynamicBatching, QueuePolicy
 from gpud.executor.objective import LatencyObjective, delay_budget_s
 from gpud.executor.stats import ModelStats
 from tests.daemon_harness import save, slow_model, start_daemon
-from tests.fakes import FakeClock
+from tests.fakes import FakeClock, wait_until
 
 DB = DynamicBatching(max_queue_delay_us=10_000)  # 10 ms
 
@@ -34,7 +34,7 @@ class TestBatchDelay:
         q = queue(clock, latency_budget_s=0.005)
         q.expected_run_s = 0.002
         q.enqueue(QueuedRequest("a", 1, "k"))
-        assert q.decide(1) == Wait(until_s=pytest.approx(0.003))  # 5 ms objective - 2 ms run, not the 10 ms delay
+        assert wait_until(q.decide(1)) == pytest.approx(0.003)  # 5 ms objective - 2 ms run, not the 10 ms delay
         clock.now = 0.003
         d = q.decide(1)
         assert isinstance(d, Dispatch) and d.reason is DispatchReason.DELAY
@@ -44,7 +44,7 @@ class TestBatchDelay:
         q = queue(clock, latency_budget_s=0.5)
         q.expected_run_s = 0.002
         q.enqueue(QueuedRequest("a", 1, "k"))
-        assert q.decide(1) == Wait(until_s=pytest.approx(0.010))
+        assert wait_until(q.decide(1)) == pytest.approx(0.010)
 
     def test_a_run_longer_than_the_objective_sends_at_once(self):
         clock = FakeClock()
@@ -61,7 +61,7 @@ class TestBatchDelay:
         q.enqueue(QueuedRequest("a", 1, "k"))
         clock.now = 0.004
         q.enqueue(QueuedRequest("b", 1, "k"))
-        assert q.decide(1) == Wait(until_s=pytest.approx(0.005))  # a's 6 ms - 1 ms, from a's arrival
+        assert wait_until(q.decide(1)) == pytest.approx(0.005)  # a's 6 ms - 1 ms, from a's arrival
 
 
 class TestShedding:
@@ -72,7 +72,7 @@ class TestShedding:
         q.enqueue(a)
         clock.now = 0.003
         q.enqueue(b)
-        assert q.decide(0) == Wait(until_s=pytest.approx(0.005))  # no instance free: wake for a's shedding
+        assert wait_until(q.decide(0)) == pytest.approx(0.005)  # no instance free: wake for a's shedding
         clock.now = 0.005
         assert q.expire() == [a] and a.shed
         clock.now = 0.008

@@ -38,6 +38,22 @@ def test_the_wheel_carries_the_packages_and_their_data(wheel_names):
         assert path in wheel_names, path
 
 
+def test_the_wheel_carries_the_compile_step_and_no_build_of_this_tree(wheel_names):
+    """`python -m gpud.compiled.build` compiles an installed gpud; a build made in a checkout stays there."""
+    assert "gpud/compiled/build.py" in wheel_names
+    assert not [n for n in wheel_names if "/compiled/lib" in n or n.endswith(".so")]
+
+
+def test_the_container_image_copies_only_what_exists():
+    """The Containerfile once copied the pre-issue-22 top-level packages, gone from the tree: no image could build."""
+    containerfile = ROOT / "deploy" / "container" / "Containerfile"
+    for line in containerfile.read_text().splitlines():
+        if line.startswith("COPY "):
+            *sources, _ = line.split()[1:]
+            for source in sources:
+                assert (ROOT / source).exists(), f"{containerfile.name}: {line}"
+
+
 def _gpud_imports(path: Path) -> set[str]:
     """The gpud packages a module imports, by second name ('placement' for gpud.placement.model), at any depth."""
     found = set()

@@ -18,6 +18,7 @@ from gpud.repository.layout import ModelRepository
 from gpud.telemetry.serving import ModelState
 from gpud.telemetry.simulated import SimulatedBackend
 from tests.test_placement_service import MIB, ScriptedPool
+from tests.fakes import replaces_methods_of
 
 ONE_GPU = """
 gpus:
@@ -50,6 +51,7 @@ def test_a_reload_loads_the_new_instance_before_the_old_one_unloads(tmp_path):
     assert new is not old and new.ready and not old.instances and old.state is ModelState.UNLOADING
 
 
+@replaces_methods_of("gpud.executor.dynamic_scheduler")
 def test_requests_accepted_by_the_old_version_finish_there(tmp_path):
     core, pool = core_on(tmp_path)
 

@@ -17,6 +17,7 @@ from gpud.repository.layout import ModelRepository
 from gpud.telemetry.serving import ModelState
 from gpud.telemetry.simulated import SimulatedBackend
 from tests.test_placement_service import MIB, ScriptedPool
+from tests.fakes import replaces_methods_of
 
 ONE_GPU = """
 gpus:
@@ -84,6 +85,7 @@ def test_a_model_without_room_at_start_is_scaled_to_zero_and_loads_on_demand_evi
     asyncio.run(scenario())
 
 
+@replaces_methods_of("gpud.executor.dynamic_scheduler")
 def test_with_nothing_to_evict_the_waiting_requests_hear_why(tmp_path):
     core, pool, _ = node(tmp_path, {"mlp": 1, "cnn": 0}, room_bytes=7 * MIB)
 
@@ -128,6 +130,7 @@ def test_a_scale_up_with_no_room_evicts_only_instances_idle_for_the_window(tmp_p
     assert core.registry.version("mlp").scheduler.stats.evictions == 1
 
 
+@replaces_methods_of("gpud.executor.dynamic_scheduler")
 def test_nothing_is_evicted_when_evicting_would_not_make_room(tmp_path):
     # 7 MiB for instances; mlp (6.8 MiB measured once loaded) is idle and evictable, but cnn now needs 8 MiB: even an
     # empty device would not hold it, so mlp keeps serving and the waiting requests hear why.
@@ -183,6 +186,7 @@ def test_only_the_instances_that_make_room_are_evicted(tmp_path):
     asyncio.run(scenario())
 
 
+@replaces_methods_of("gpud.executor.dynamic_scheduler")
 def test_after_a_failed_load_on_demand_requests_fail_at_once_until_the_node_changes(tmp_path):
     # mlp holds its minimum; cnn has no room. The first demand plans and fails; the next fails at once with the same
     # reason (no plan); once an instance has stopped (the node changed), the next demand plans again.

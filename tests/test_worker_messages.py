@@ -14,6 +14,7 @@ import pytest
 from gpud.executor.busy import BusyTracker
 from gpud.executor.channel import WorkerChannel
 from gpud.executor.protocol import Done, Failed, Hello, Unloaded, dumps
+from tests.fakes import replaces_methods_of
 
 
 @pytest.fixture
@@ -34,6 +35,7 @@ def _frame(obj) -> bytes:
     return len(payload).to_bytes(4, "big", signed=True) + payload
 
 
+@replaces_methods_of("gpud.executor.channel")
 def test_messages_sent_by_a_connection_are_read(channel_and_peer):
     channel, theirs, seen, deaths = channel_and_peer
     sender = Connection(os.dup(theirs.fileno()))
@@ -51,6 +53,7 @@ def test_messages_sent_by_a_connection_are_read(channel_and_peer):
     assert [(type(m), m) for m in seen] == [(type(m), m) for m in messages]
 
 
+@replaces_methods_of("gpud.executor.channel")
 def test_a_frame_split_anywhere_waits_for_its_end(channel_and_peer):
     channel, theirs, seen, deaths = channel_and_peer
     data = _frame(Unloaded("a")) + _frame(Hello(2, ()))
@@ -65,6 +68,7 @@ def test_a_frame_split_anywhere_waits_for_its_end(channel_and_peer):
     assert [(type(m), m) for m in seen] == [(Unloaded, ("a",)), (Hello, (2, ()))] and not deaths
 
 
+@replaces_methods_of("gpud.executor.channel")
 def test_end_of_file_is_the_workers_death(channel_and_peer):
     channel, theirs, seen, deaths = channel_and_peer
     theirs.sendall(_frame(Done(9, (), "", 0, 0, 0)))
@@ -75,6 +79,7 @@ def test_end_of_file_is_the_workers_death(channel_and_peer):
     assert deaths == [True]
 
 
+@replaces_methods_of("gpud.executor.channel")
 def test_poll_reads_only_with_batches_in_flight(channel_and_peer):
     channel, theirs, seen, _ = channel_and_peer
     theirs.sendall(_frame(Done(1, (), "", 0, 0, 0)))

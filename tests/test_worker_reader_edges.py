@@ -17,6 +17,7 @@ from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.protocol import Done, Failed, dumps
 from gpud.executor.supervisor import WorkerSupervisor
 from gpud.executor.types import InferenceError
+from tests.fakes import replaces_methods_of
 
 
 def _frame(obj) -> bytes:
@@ -72,6 +73,7 @@ def _readable(sock: socket.socket) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # Fixed bugs (each test failed before its fix)
 # ---------------------------------------------------------------------------------------------------------------------
+@replaces_methods_of("gpud.executor.channel")
 def test_replies_received_before_end_of_file_are_handled_first(channel_and_peer):
     channel, theirs = channel_and_peer
     seen, deaths = [], []

@@ -22,7 +22,7 @@ from gpud.executor.bytes_tensor import decode_bytes_elements, encode_bytes_eleme
 from gpud.executor.datatypes import KSERVE_DATATYPES, UNCHECKED_DATATYPES, numpy_dtype
 from gpud.executor.model_config import ModelConfig
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
-from gpud.api.http_server import JSON, Body
+from gpud.api.http_server import JSON, AnswerBody, Body
 from gpud.api.limits import DEFAULT_MAX_TENSOR_ELEMENTS, check_shape
 
 INFER_HEADER_CONTENT_LENGTH = "Inference-Header-Content-Length"
@@ -383,7 +383,7 @@ def _bytes_from_json(name: str, data: list) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class EncodedResponse:
-    body: bytes
+    body: AnswerBody  # a view of the bytes where a JSON child encoded it
     content_type: str
     headers: dict[str, str]
 

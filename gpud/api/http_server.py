@@ -26,7 +26,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import unquote
 
 import httptools
@@ -44,7 +44,10 @@ _REASONS = {100: "Continue", 200: "OK", 400: "Bad Request", 404: "Not Found", 40
             501: "Not Implemented", 503: "Service Unavailable", 504: "Gateway Timeout"}
 _STATUS_LINES: dict[int, bytes] = {}
 JSON = "application/json"
-Body = bytes | mmap.mmap  # a request body: an mmap (bytes-like, read it as a buffer) from 1 MiB on
+# A request body: an mmap (bytes-like, read it as a buffer) from 1 MiB on; a bytearray where a JSON child received it.
+Body = bytes | bytearray | mmap.mmap
+# An answer's body: a view of the bytes a JSON child encoded (received into place, not copied).
+AnswerBody = bytes | bytearray | memoryview
 # The answers a handler gives most often have their first lines prebuilt.
 _HEAD_CACHE: dict[tuple[int, str], bytes] = {}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -87,7 +90,7 @@ class HttpRequest:
 
 
 class Respond(Protocol):
-    def __call__(self, status: int, body: bytes = b"", content_type: str = JSON,
+    def __call__(self, status: int, body: AnswerBody = b"", content_type: str = JSON,
                  headers: list[tuple[str, str]] | None = None) -> None: ...
 
 
@@ -152,7 +155,7 @@ class _Slot:
     __slots__ = ("data", "close", "done", "http10_keep_alive")
 
     def __init__(self) -> None:
-        self.data: bytes | list[bytes] | None = None
+        self.data: bytes | list[AnswerBody] | None = None
         self.close = False
         self.done = False
         self.http10_keep_alive = False
@@ -350,20 +353,20 @@ class _Connection(asyncio.Protocol):
         if encoding and encoding != "identity":
             try:
                 request.body = inflate(body, encoding.lower(), self.server.max_body_bytes)
-            except BodyTooLarge as e:
-                self._write(slot, 413, error_body(str(e)), JSON, None, False)
+            except BodyTooLarge as too_large:  # (a name per exception type: compiled code types each name once)
+                self._write(slot, 413, error_body(str(too_large)), JSON, None, False)
                 return
             except LookupError:
                 self._write(slot, 415, error_body(f"unsupported content-encoding {encoding!r}; "
                                                   "use gzip or deflate"), JSON, None, False)
                 return
-            except ValueError as e:
+            except ValueError as undecodable:
                 self._write(slot, 400, error_body(f"cannot decode the request body with content-encoding "
-                                                  f"{encoding}: {e}"), JSON, None, False)
+                                                  f"{encoding}: {undecodable}"), JSON, None, False)
                 return
         head = request.method == "HEAD"
 
-        def respond(status: int, body: bytes = b"", content_type: str = JSON,
+        def respond(status: int, body: AnswerBody = b"", content_type: str = JSON,
                     headers: list[tuple[str, str]] | None = None) -> None:
             self._write(slot, status, body, content_type, headers, head)
 
@@ -374,7 +377,7 @@ class _Connection(asyncio.Protocol):
             respond(500, error_body(f"internal error: {type(e).__name__}: {e}"))
 
     # --- answers ---------------------------------------------------------------------------------------------
-    def _write(self, slot: _Slot, status: int, body: bytes, content_type: str,
+    def _write(self, slot: _Slot, status: int, body: AnswerBody, content_type: str,
                headers: list[tuple[str, str]] | None, head_only: bool) -> None:
         if slot.done or self.transport is None:
             return
@@ -488,6 +491,7 @@ class HttpServer:
     shared_connections: SharedCount | None = None
     backlog: int = 1024
     on_close: Callable[[], None] | None = None  # called once every connection is closed (the handler's resources)
+    on_swept: Callable[[], None] | None = None  # called after each sweep of idle connections (tests count them)
     connections: set[_Connection] = field(default_factory=set)
     closing: bool = False
     port: int = 0
@@ -497,7 +501,7 @@ class HttpServer:
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self._idle: asyncio.Future | None = None
-        self._unix: tuple[str, int] | None = None  # the unix socket served: its path and inode
+        self._unix_socket: tuple[str, int] | None = None  # the unix socket served: its path and inode
 
     def open_connections(self) -> int:
         """The connections the cap counts: this server's, or every process's on the port."""
@@ -512,7 +516,9 @@ class HttpServer:
         self.loop = asyncio.get_running_loop()
         self._server = await self.loop.create_server(lambda: _Connection(self), host, port, backlog=self.backlog,
                                                      reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
+        # (through Any: uvloop gives a list where asyncio's typing says tuple, which compiled code would check)
+        sockets = cast(Any, self._server).sockets
+        self.port = sockets[0].getsockname()[1]
         self._arm_sweeper()
         return self.port
 
@@ -527,14 +533,14 @@ class HttpServer:
     async def start_unix(self, path: str) -> None:
         """Serve on a unix socket at `path`, created with mode 0660 (gpud.api.unix_socket); `close()` removes it."""
         sock = bind_unix_socket(path)
-        self._unix = (path, os.lstat(path).st_ino)
+        self._unix_socket = (path, os.lstat(path).st_ino)
         self.loop = asyncio.get_running_loop()
         try:
             self._server = await self.loop.create_unix_server(lambda: _Connection(self), sock=sock,
                                                               backlog=self.backlog)
         except BaseException:
             sock.close()
-            remove_socket_file(*self._unix)
+            remove_socket_file(*self._unix_socket)
             raise
         self._arm_sweeper()
 
@@ -558,6 +564,8 @@ class HttpServer:
                 conn.close_if_idle()
         if not self.closing:
             self._arm_sweeper()
+        if self.on_swept is not None:
+            self.on_swept()
 
     def _maybe_idle(self) -> None:
         if self._idle is not None and not self._idle.done() and all(not c.slots for c in self.connections):
@@ -585,7 +593,7 @@ class HttpServer:
                 conn.transport.close()
         if self._server is not None:
             await self._server.wait_closed()
-        if self._unix is not None:
-            remove_socket_file(*self._unix)
+        if self._unix_socket is not None:
+            remove_socket_file(*self._unix_socket)
         if self.on_close is not None:
             self.on_close()

@@ -41,7 +41,7 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_server import Body
@@ -199,7 +199,9 @@ class JsonCodecPool:
             except Exception as e:  # noqa: BLE001 - answered by the front end like any encoding error
                 done(e)
             return
-        self._start(("encode", (response, _slim(request))), done, "encoded")
+        def encoded(result: Any) -> None:
+            done(EncodedResponse(*result) if isinstance(result, tuple) else result)
+        self._start(("encode", (response, _slim(request))), encoded, "encoded")
 
     def _full(self) -> bool:
         return self.in_flight >= self.max_in_flight or self._closed
@@ -323,8 +325,9 @@ def _work(kind: str, args: tuple) -> Any:
         return request
     response, request = args
     encoded = encode_infer_response(response, request)
-    # cast: the body travels as an out-of-band pickle buffer (no copy); the parent receives it as a bytearray
-    return EncodedResponse(cast(bytes, pickle.PickleBuffer(encoded.body)), encoded.content_type, encoded.headers)
+    # The body travels as an out-of-band pickle buffer (no copy); the parent receives it as a bytearray and makes
+    # the EncodedResponse (a tuple here: the compiled EncodedResponse takes no PickleBuffer).
+    return pickle.PickleBuffer(encoded.body), encoded.content_type, encoded.headers
 
 
 def _serve(sock: socket.socket) -> None:

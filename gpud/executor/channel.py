@@ -17,7 +17,7 @@ import os
 import select
 import socket
 from collections.abc import Callable
-from typing import cast
+from typing import Any, cast
 from multiprocessing.connection import Connection
 
 from gpud.executor.busy import BusyTracker
@@ -101,7 +101,9 @@ class WorkerChannel:
         if self.conn is not None:
             if self._loop is not None:
                 try:
-                    self._loop.remove_reader(self.conn.fileno())
+                    # (through Any: uvloop's returns None where asyncio's typing says bool, which compiled code
+                    # would check)
+                    cast(Any, self._loop).remove_reader(self.conn.fileno())
                 except (ValueError, OSError, RuntimeError):  # RuntimeError: the loop is closed already
                     pass
             self.conn.close()

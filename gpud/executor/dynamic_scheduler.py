@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import cast
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gpud.executor import protocol
 from gpud.executor.batcher import BatchQueue, Dispatch, QueuedRequest, Wait, timeout_error
@@ -39,6 +40,7 @@ def direct_capable(config: ModelConfig) -> bool:
             and all(t.datatype != "BYTES" for t in (*config.inputs, *config.outputs)))
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the replay's SimScheduler (bench/replay)
 class DynamicScheduler(SchedulerBase):
     """Queues, batches and runs the requests of one model version on its instances."""
 
@@ -307,8 +309,8 @@ class DynamicScheduler(SchedulerBase):
         t0 = time.perf_counter_ns()
         try:
             per_request = self._split(batch, self._read_outputs(inst, done))
-        except InferenceError as exc:
-            return exc
+        except InferenceError as refused:  # (a name per exception type: compiled code types each name once)
+            return refused
         except Exception as exc:
             log.exception("model %s: reading a batch's outputs failed", self.config.name)
             return InferenceError(ErrorKind.INTERNAL, f"reading outputs failed: {exc}")

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+from mypy_extensions import mypyc_attr
 
 from gpud.executor import protocol
 from gpud.executor.batcher import QueuedRequest
@@ -41,6 +42,7 @@ Done = Callable[[Any], None]
 """Called once with the request's InferResponse or its InferenceError."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the ensemble's runs (gpud.executor.ensemble)
 class RequestHandle:
     """What `Scheduler.submit` returns: opaque to the caller, for `cancel` on the same scheduler."""
 
@@ -267,6 +269,7 @@ class Pending(RequestHandle):
 
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # SequenceScheduler (not compiled)
 class SchedulerBase:
     """What a model version's scheduler does whatever decides its batches (the dynamic batcher here, the sequence
     batcher in gpud.executor.sequence_scheduler): its instances' readiness, one step timer, the wait for a ready
@@ -495,10 +498,10 @@ class SchedulerBase:
         self._running[inst] = handle
         try:
             worker.submit(msg, lambda reply: on_reply(inst, handle, reply, stage_ns))
-        except (InferenceError, OSError) as exc:
+        except (InferenceError, OSError) as refused:  # (a name per exception type: compiled code types each once)
             self._running.pop(inst, None)
-            return exc if isinstance(exc, InferenceError) else \
-                InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {exc}")
+            return refused if isinstance(refused, InferenceError) else \
+                InferenceError(ErrorKind.UNAVAILABLE, f"worker for {inst.device_id} unreachable: {refused}")
         except Exception as exc:  # noqa: BLE001 - a bug: the batch's requests hear it, the instance stays usable
             self._running.pop(inst, None)
             log.exception("a batch could not be sent to instance %s", inst.key)

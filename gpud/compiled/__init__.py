@@ -1,0 +1,138 @@
+"""gpud's request path compiled to C (mypyc), used only while it matches the sources (issue 25, item 3).
+
+The modules every request runs through (HTTP parsing and answering, routing, validation, the batcher, the
+schedulers, the worker channel) are typed Python; mypyc compiles them into C extensions that run the same code
+at ~15% less CPU per request on the loop (bench/serving/http_cost.py). `python -m gpud.compiled.build` makes them
+(scripts/run and scripts/test do it when a C compiler is there) into `gpud/compiled/lib/`, with a manifest of each
+source's hash.
+
+`install()` (called by `gpud/__init__.py`, before anything else of gpud is imported) puts a finder on `sys.meta_path`
+that loads those modules from `lib/` only when every one of their sources is the one that was compiled: the
+compiled modules call each other directly, so one edited source makes the whole set pure Python again, never a mix
+and never a stale build. Pure Python is what runs when there is no build, a stale one, another Python, or
+`GPUD_PURE_PYTHON=1`; the behaviour is the same (both are tested), only the CPU per request differs.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+# The request path, in import-name form. Edit with care: each must compile with mypyc (its attributes declared,
+# no monkey-patching of its classes), and what these import from each other is bound at compile time.
+MODULES: tuple[str, ...] = (
+    "gpud.api.http_server", "gpud.api.http_api", "gpud.api.http_infer", "gpud.api.http_encode",
+    "gpud.core", "gpud.registry",
+    "gpud.executor.scheduler", "gpud.executor.dynamic_scheduler", "gpud.executor.batcher",
+    "gpud.executor.channel", "gpud.executor.protocol", "gpud.executor.validation", "gpud.executor.stats",
+)
+PURE_ENV = "GPUD_PURE_PYTHON"
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gpud/
+LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Status:
+    compiled: bool
+    reason: str  # what runs and why, for the daemon's log and `gpud --version`
+
+
+_status = Status(False, "pure Python: gpud.compiled.install() was not called")
+
+
+def source_path(module: str, root: str = PACKAGE_ROOT) -> str:
+    return os.path.join(root, *module.split(".")) + ".py"
+
+
+def source_hash(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def decide(manifest: dict | None, hashes: dict[str, str | None], cache_tag: str, pure: bool) -> Status:
+    """Whether the build in `manifest` may be used (pure: the decision alone, no files read). `hashes`: each
+    module's source hash now (None: no source)."""
+    if pure:
+        return Status(False, f"pure Python ({PURE_ENV}=1)")
+    if manifest is None:
+        return Status(False, "pure Python: no compiled build (python -m gpud.compiled.build makes one)")
+    if manifest.get("cache_tag") != cache_tag:
+        return Status(False, f"pure Python: the build is for {manifest.get('cache_tag')}, this is {cache_tag} "
+                             "(python -m gpud.compiled.build rebuilds it)")
+    built = manifest.get("modules", {})
+    if set(built) != set(hashes):
+        return Status(False, "pure Python: the build has another set of modules (python -m gpud.compiled.build "
+                             "rebuilds it)")
+    changed = sorted(m for m, h in hashes.items() if built[m].get("sha256") != h)
+    if changed:
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        return Status(False, f"pure Python: {changed[0]}{more} changed since the build "
+                             "(python -m gpud.compiled.build rebuilds it)")
+    return Status(True, f"compiled (mypyc): {len(built)} modules of the request path")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Loads the compiled modules (and their shared library) from lib/; everything else is left to the others."""
+
+    def __init__(self, paths: dict[str, str]):
+        self.paths = paths
+
+    def find_spec(self, fullname, path=None, target=None):
+        so = self.paths.get(fullname)
+        if so is None:
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(fullname, so)
+        return importlib.util.spec_from_file_location(fullname, so, loader=loader)
+
+
+def read_manifest(lib_dir: str = LIB_DIR) -> dict | None:
+    try:
+        with open(os.path.join(lib_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def install() -> Status:
+    """Use the compiled build if it matches the sources (once per process)."""
+    global _status
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return _status
+    manifest = read_manifest()
+    hashes: dict[str, str | None] = {}
+    if manifest is not None and os.environ.get(PURE_ENV) != "1":
+        for module in MODULES:
+            try:
+                hashes[module] = source_hash(source_path(module))
+            except OSError:
+                hashes[module] = None
+    else:
+        hashes = dict.fromkeys(MODULES, None)
+    _status = decide(manifest, hashes, sys.implementation.cache_tag, os.environ.get(PURE_ENV) == "1")
+    if _status.compiled and manifest is not None:
+        paths = {name: os.path.join(LIB_DIR, entry["so"]) for name, entry in manifest["modules"].items()}
+        paths.update({name: os.path.join(LIB_DIR, so) for name, so in manifest.get("libraries", {}).items()})
+        if all(os.path.exists(p) for p in paths.values()):
+            sys.meta_path.insert(0, _Finder(paths))
+        else:
+            _status = Status(False, "pure Python: the build's files are incomplete (python -m gpud.compiled.build "
+                                    "rebuilds it)")
+    return _status
+
+
+def status() -> Status:
+    return _status
+
+
+def is_compiled(module_name: str) -> bool:
+    """Whether an imported module runs compiled (its file is an extension)."""
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None) or ""
+    return file.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))

@@ -1,0 +1,121 @@
+"""Compile gpud's request path with mypyc into gpud/compiled/lib/ (see gpud.compiled).
+
+    python -m gpud.compiled.build [--if-stale] [--quiet]
+
+Needs mypy (the `compile` extra: `pip install 'gpud[compile]'`; the `test` extra has it too), a C compiler and
+Python's headers. Takes about a minute on two cores. Without them it says why and exits 1; gpud then runs as pure
+Python, the same behaviour at more CPU per request. `--if-stale`: do nothing when the build matches the sources.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+
+from gpud import compiled
+
+
+def _missing() -> str | None:
+    """What the build needs and this machine lacks, or None."""
+    try:
+        import mypyc.build  # noqa: F401
+    except ImportError:
+        return "mypy (with mypyc) is not installed: pip install 'gpud[compile]'"
+    include = sysconfig.get_paths().get("include", "")
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return f"Python's headers (Python.h) are not in {include}: install python3-dev or its equivalent"
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        return f"no C compiler ({cc}) on PATH: install gcc or clang"
+    return None
+
+
+def build(lib_dir: str = compiled.LIB_DIR, quiet: bool = False) -> None:
+    """Compile compiled.MODULES into `lib_dir` (replacing what is there, only once the new build is complete)."""
+    from mypyc.build import mypycify
+    from setuptools import Distribution  # type: ignore[import-untyped]
+
+    root = compiled.PACKAGE_ROOT
+    sources = {m: compiled.source_path(m, root) for m in compiled.MODULES}
+    hashes = {m: compiled.source_hash(p) for m, p in sources.items()}
+    work = tempfile.mkdtemp(prefix="gpud-compile-")
+    out = os.path.join(work, "lib")
+    cwd = os.getcwd()
+    try:
+        # From the directory that holds gpud/: mypy names the modules from there and reads pyproject.toml's
+        # [tool.mypy] when it is a checkout.
+        os.chdir(root)
+        sink = io.StringIO()
+        with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
+            extensions = mypycify([os.path.relpath(p, root) for p in sources.values()],
+                                  target_dir=os.path.join(work, "c"), opt_level="3", strip_asserts=False)
+            dist = Distribution({"name": "gpud-compiled", "ext_modules": extensions})
+            dist.script_args = ["build_ext", "--build-lib", out, "--build-temp", os.path.join(work, "obj"),
+                                "--parallel", str(os.cpu_count() or 1)]
+            if quiet:
+                dist.script_args.insert(0, "--quiet")
+            dist.parse_command_line()
+            dist.run_commands()
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        modules = {}
+        for m in compiled.MODULES:
+            so = os.path.join(*m.split(".")) + suffix
+            if not os.path.exists(os.path.join(out, so)):
+                raise RuntimeError(f"mypyc made no {so}")
+            modules[m] = {"so": so, "sha256": hashes[m]}
+        libraries = {name[:-len(suffix)]: name for name in os.listdir(out)
+                     if name.endswith(suffix) and "__mypyc" in name}
+        manifest = {"cache_tag": sys.implementation.cache_tag, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                      time.gmtime()),
+                    "modules": modules, "libraries": libraries}
+        with open(os.path.join(out, compiled.MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        # The new build replaces the old only when complete; a process that has the old one loaded keeps its
+        # mapped files (removed, not overwritten).
+        old = lib_dir + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(lib_dir):
+            os.rename(lib_dir, old)
+        shutil.move(out, lib_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        os.chdir(cwd)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gpud.compiled.build", description=__doc__.split("\n\n")[0])
+    p.add_argument("--if-stale", action="store_true", help="do nothing when the build matches the sources")
+    p.add_argument("--quiet", action="store_true", help="print only the outcome")
+    args = p.parse_args(argv)
+    if args.if_stale:
+        manifest = compiled.read_manifest()
+        hashes: dict[str, str | None] = {m: compiled.source_hash(compiled.source_path(m)) for m in compiled.MODULES}
+        if compiled.decide(manifest, hashes, sys.implementation.cache_tag, False).compiled:
+            if not args.quiet:
+                print("gpud.compiled: the build matches the sources")
+            return 0
+    missing = _missing()
+    if missing:
+        print(f"gpud.compiled: not built, gpud runs as pure Python: {missing}", file=sys.stderr)
+        return 1
+    started = time.monotonic()
+    try:
+        build(quiet=args.quiet)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure (mypy exits on a type error) leaves pure Python
+        print(f"gpud.compiled: the build failed, gpud runs as pure Python: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"gpud.compiled: {len(compiled.MODULES)} modules compiled into {compiled.LIB_DIR} "
+          f"in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
