@@ -10,53 +10,77 @@ import pytest
 
 from gpud import compiled
 
-TAG = sys.implementation.cache_tag
+SUFFIX = compiled.EXT_SUFFIX
+SOURCES = {f"gpud/m{i}.py": f"hash-{i}" for i in range(5)}
 
 
-def manifest(hashes: dict[str, str], tag: str = TAG) -> dict:
-    return {"cache_tag": tag, "modules": {m: {"so": f"{m}.so", "sha256": h} for m, h in hashes.items()},
-            "libraries": {}}
-
-
-HASHES = {m: f"hash-{i}" for i, m in enumerate(compiled.MODULES)}
+def manifest(sources: dict[str, str] = SOURCES, suffix: str = SUFFIX, modules=compiled.MODULES) -> dict:
+    return {"ext_suffix": suffix, "modules": {m: {"so": f"{m}.so"} for m in modules}, "libraries": {},
+            "sources": dict(sources)}
 
 
 def test_a_build_that_matches_every_source_is_used():
-    status = compiled.decide(manifest(HASHES), HASHES, TAG, pure=False)
+    status = compiled.decide(manifest(), SOURCES, SUFFIX, pure=False)
     assert status.compiled and "compiled (mypyc)" in status.reason
 
 
 def test_one_changed_source_makes_the_whole_set_pure_python_and_says_which():
-    now = dict(HASHES, **{"gpud.executor.batcher": "edited"})
-    status = compiled.decide(manifest(HASHES), now, TAG, pure=False)
+    now = dict(SOURCES, **{"gpud/m3.py": "edited"})
+    status = compiled.decide(manifest(), now, SUFFIX, pure=False)
     assert not status.compiled
-    assert "gpud.executor.batcher changed since the build" in status.reason
+    assert "gpud/m3.py changed since the build" in status.reason
     assert "python -m gpud.compiled.build" in status.reason
 
 
-def test_several_changed_sources_are_counted():
-    now = {m: "edited" for m in HASHES}
-    status = compiled.decide(manifest(HASHES), now, TAG, pure=False)
-    assert not status.compiled and f"and {len(HASHES) - 1} more" in status.reason
+def test_a_source_added_removed_or_several_changed_are_changes_too():
+    assert "gpud/new.py changed" in compiled.decide(manifest(), dict(SOURCES, **{"gpud/new.py": "x"}), SUFFIX,
+                                                    pure=False).reason
+    fewer = dict(SOURCES)
+    del fewer["gpud/m0.py"]
+    assert "gpud/m0.py changed" in compiled.decide(manifest(), fewer, SUFFIX, pure=False).reason
+    status = compiled.decide(manifest(), {p: "edited" for p in SOURCES}, SUFFIX, pure=False)
+    assert not status.compiled and f"and {len(SOURCES) - 1} more" in status.reason
 
 
-def test_no_build_another_python_another_module_set_and_the_switch_are_pure_python():
-    assert "no compiled build" in compiled.decide(None, HASHES, TAG, pure=False).reason
-    other = compiled.decide(manifest(HASHES, tag="cpython-399"), HASHES, TAG, pure=False)
-    assert not other.compiled and "cpython-399" in other.reason
-    fewer = dict(list(HASHES.items())[1:])
-    assert not compiled.decide(manifest(fewer), HASHES, TAG, pure=False).compiled
-    assert not compiled.decide(manifest(HASHES), {m: None for m in HASHES}, TAG, pure=False).compiled
-    pure = compiled.decide(manifest(HASHES), HASHES, TAG, pure=True)
+def test_no_build_another_python_another_module_set_missing_files_and_the_switch_are_pure_python():
+    assert "no compiled build" in compiled.decide(None, SOURCES, SUFFIX, pure=False).reason
+    other = compiled.decide(manifest(suffix=".cpython-313t-x86_64-linux-gnu.so"), SOURCES, SUFFIX, pure=False)
+    assert not other.compiled and "cpython-313t" in other.reason
+    assert not compiled.decide(manifest(modules=compiled.MODULES[1:]), SOURCES, SUFFIX, pure=False).compiled
+    incomplete = compiled.decide(manifest(), SOURCES, SUFFIX, pure=False, present=False)
+    assert not incomplete.compiled and "incomplete" in incomplete.reason
+    pure = compiled.decide(manifest(), SOURCES, SUFFIX, pure=True)
     assert not pure.compiled and compiled.PURE_ENV in pure.reason
+
+
+@pytest.mark.parametrize("broken", [[], {"ext_suffix": SUFFIX}, {"ext_suffix": SUFFIX, "modules": 3, "sources": {}},
+                                    {"ext_suffix": SUFFIX, "modules": {m: {} for m in compiled.MODULES},
+                                     "sources": None}])
+def test_a_manifest_of_another_shape_is_pure_python_not_a_failed_import(broken, tmp_path):
+    assert not compiled.decide(broken, SOURCES, SUFFIX, pure=False).compiled
+    (tmp_path / compiled.MANIFEST).write_text(json.dumps(broken))
+    status, _ = compiled.check(str(tmp_path))
+    assert not status.compiled and status.reason.startswith("pure Python")
 
 
 def test_a_missing_or_unreadable_manifest_reads_as_none(tmp_path):
     assert compiled.read_manifest(str(tmp_path)) is None
     (tmp_path / compiled.MANIFEST).write_text("{not json")
     assert compiled.read_manifest(str(tmp_path)) is None
-    (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest(HASHES)))
-    assert compiled.read_manifest(str(tmp_path)) == manifest(HASHES)
+    (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest()))
+    assert compiled.read_manifest(str(tmp_path)) == manifest()
+
+
+def test_a_build_whose_files_are_gone_is_incomplete(tmp_path):
+    (tmp_path / compiled.MANIFEST).write_text(json.dumps(manifest(compiled.source_hashes())))
+    status, _ = compiled.check(str(tmp_path))
+    assert not status.compiled and "incomplete" in status.reason
+
+
+def test_every_source_of_gpud_is_hashed_and_a_build_is_not():
+    hashes = compiled.source_hashes()
+    assert "gpud/api/http_server.py" in hashes and "gpud/executor/types.py" in hashes
+    assert not [p for p in hashes if "/compiled/lib" in p or not p.endswith(".py")]
 
 
 def _probe(env: dict[str, str]) -> dict:
@@ -95,11 +119,26 @@ def test_the_build_says_what_is_missing_instead_of_failing_obscurely(monkeypatch
 def test_if_stale_does_nothing_when_the_build_matches(monkeypatch, capsys):
     from gpud.compiled import build
 
-    hashes = {m: compiled.source_hash(compiled.source_path(m)) for m in compiled.MODULES}
-    monkeypatch.setattr(compiled, "read_manifest", lambda lib_dir=compiled.LIB_DIR: manifest(hashes))
+    monkeypatch.setattr(compiled, "check", lambda lib_dir=compiled.LIB_DIR, pure=False: (
+        compiled.Status(True, "compiled"), {}))
     monkeypatch.setattr(build, "build", lambda **kw: pytest.fail("must not build"))
     assert build.main(["--if-stale"]) == 0
     assert "matches the sources" in capsys.readouterr().out
+
+
+def test_the_builds_type_check_needs_no_checkout(tmp_path):
+    """An installed gpud has no pyproject.toml: the build's mypy settings (gpud/compiled/mypy.ini) must pass the
+    compiled modules there too (the container image's build failed on missing stubs without them)."""
+    import shutil
+
+    pytest.importorskip("mypy")
+    shutil.copytree(compiled.PACKAGE_ROOT + "/gpud", tmp_path / "gpud",
+                    ignore=shutil.ignore_patterns("lib", "lib.old", "__pycache__", ".build-*"))
+    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", "gpud/compiled/mypy.ini",
+                          "--cache-dir", str(tmp_path / ".mypy_cache"),
+                          *[os.path.relpath(compiled.source_path(m, str(tmp_path)), tmp_path) for m in compiled.MODULES]],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
 
 
 def test_every_compiled_module_has_its_source():

@@ -225,6 +225,23 @@ def test_sequences_go_on_with_their_state_when_their_instance_goes(made):
     assert (got.out("x1"), got.out("y1"), got.out("x2"), got.out("y2")) == (1, 10, 3, 30)
 
 
+def test_requests_failed_for_want_of_a_ready_instance_hear_that_their_sequences_keep_their_state(made):
+    """(Compiled, the base class once read its own empty note instead of the sequence scheduler's.)"""
+    scheduler, (a,) = made("acc", accumulator_model(), accumulator_config(max_batch_size=2), 1)
+    got = Answers()
+
+    async def go():
+        a.ready = False
+        a.on_ready_change(a)
+        scheduler.submit(request("acc", 1, 1, start=True), got("x1"))
+        scheduler._on_unready_deadline()  # the unready wait ran out
+
+    run(go)
+    error = got.got["x1"]
+    assert isinstance(error, InferenceError) and error.kind is ErrorKind.UNAVAILABLE
+    assert error.message.endswith("; its sequences keep their state"), error.message
+
+
 def test_a_start_during_a_live_sequence_restarts_its_state(made, caplog):
     scheduler, (inst,) = made("acc", accumulator_model(), accumulator_config())
     got = Answers()

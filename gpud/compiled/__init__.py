@@ -35,6 +35,7 @@ PURE_ENV = "GPUD_PURE_PYTHON"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gpud/
 LIB_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
 MANIFEST = "manifest.json"
+EXT_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # what this Python loads (e.g. .cpython-311-x86_64-linux-gnu.so)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Status:
 
 
 _status = Status(False, "pure Python: gpud.compiled.install() was not called")
+_REBUILD = "python -m gpud.compiled.build rebuilds it"
 
 
 def source_path(module: str, root: str = PACKAGE_ROOT) -> str:
@@ -55,26 +57,44 @@ def source_hash(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def decide(manifest: dict | None, hashes: dict[str, str | None], cache_tag: str, pure: bool) -> Status:
-    """Whether the build in `manifest` may be used (pure: the decision alone, no files read). `hashes`: each
-    module's source hash now (None: no source)."""
+def source_hashes(root: str = PACKAGE_ROOT) -> dict[str, str]:
+    """Every gpud source's hash, by its path under `root`: the compiled code checks the types the other modules
+    declare too (a request's fields, a config's), so any edited source makes the build stale."""
+    hashes = {}
+    for directory, dirs, files in os.walk(os.path.join(root, "gpud")):
+        dirs[:] = sorted(d for d in dirs if d not in ("lib", "lib.old", "__pycache__") and not d.startswith("."))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                hashes[os.path.relpath(path, root)] = source_hash(path)
+    return hashes
+
+
+def decide(manifest: object, hashes: dict[str, str], ext_suffix: str, pure: bool, present: bool = True) -> Status:
+    """Whether the build in `manifest` may be used (pure: the decision alone, no files read). `hashes`: every
+    source's hash now (source_hashes); `present`: whether the build's files are all there."""
     if pure:
         return Status(False, f"pure Python ({PURE_ENV}=1)")
     if manifest is None:
         return Status(False, "pure Python: no compiled build (python -m gpud.compiled.build makes one)")
-    if manifest.get("cache_tag") != cache_tag:
-        return Status(False, f"pure Python: the build is for {manifest.get('cache_tag')}, this is {cache_tag} "
-                             "(python -m gpud.compiled.build rebuilds it)")
-    built = manifest.get("modules", {})
-    if set(built) != set(hashes):
-        return Status(False, "pure Python: the build has another set of modules (python -m gpud.compiled.build "
-                             "rebuilds it)")
-    changed = sorted(m for m, h in hashes.items() if built[m].get("sha256") != h)
+    try:
+        assert isinstance(manifest, dict)
+        if manifest["ext_suffix"] != ext_suffix:
+            return Status(False, f"pure Python: the build is for {manifest['ext_suffix']}, this Python loads "
+                                 f"{ext_suffix} ({_REBUILD})")
+        if set(manifest["modules"]) != set(MODULES):
+            return Status(False, f"pure Python: the build has another set of modules ({_REBUILD})")
+        built: dict = manifest["sources"]
+        changed = sorted(set(built) ^ set(hashes) | {p for p in set(built) & set(hashes) if built[p] != hashes[p]})
+    except (AssertionError, KeyError, TypeError) as e:
+        return Status(False, f"pure Python: the build's manifest is unreadable ({type(e).__name__}: {e}; "
+                             f"{_REBUILD})")
     if changed:
         more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
-        return Status(False, f"pure Python: {changed[0]}{more} changed since the build "
-                             "(python -m gpud.compiled.build rebuilds it)")
-    return Status(True, f"compiled (mypyc): {len(built)} modules of the request path")
+        return Status(False, f"pure Python: {changed[0]}{more} changed since the build ({_REBUILD})")
+    if not present:
+        return Status(False, f"pure Python: the build's files are incomplete ({_REBUILD})")
+    return Status(True, f"compiled (mypyc): {len(MODULES)} modules of the request path")
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -100,30 +120,39 @@ def read_manifest(lib_dir: str = LIB_DIR) -> dict | None:
     return manifest if isinstance(manifest, dict) else None
 
 
+def _paths(manifest: dict, lib_dir: str) -> dict[str, str]:
+    """The build's files by import name: the modules and their shared library."""
+    paths = {name: os.path.join(lib_dir, entry["so"]) for name, entry in manifest["modules"].items()}
+    paths.update({name: os.path.join(lib_dir, so) for name, so in manifest.get("libraries", {}).items()})
+    return paths
+
+
+def check(lib_dir: str = LIB_DIR, pure: bool = False) -> tuple[Status, dict[str, str]]:
+    """Whether the build in `lib_dir` matches the sources and is whole, and its files by import name."""
+    manifest = None if pure else read_manifest(lib_dir)
+    if manifest is None:
+        return decide(manifest, {}, EXT_SUFFIX, pure), {}
+    try:
+        paths = _paths(manifest, lib_dir)
+    except (KeyError, TypeError, AttributeError) as e:
+        return Status(False, f"pure Python: the build's manifest is unreadable ({type(e).__name__}: {e}; "
+                             f"{_REBUILD})"), {}
+    status = decide(manifest, source_hashes(), EXT_SUFFIX, pure,
+                    present=all(os.path.exists(p) for p in paths.values()))
+    return status, paths
+
+
 def install() -> Status:
     """Use the compiled build if it matches the sources (once per process)."""
     global _status
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return _status
-    manifest = read_manifest()
-    hashes: dict[str, str | None] = {}
-    if manifest is not None and os.environ.get(PURE_ENV) != "1":
-        for module in MODULES:
-            try:
-                hashes[module] = source_hash(source_path(module))
-            except OSError:
-                hashes[module] = None
-    else:
-        hashes = dict.fromkeys(MODULES, None)
-    _status = decide(manifest, hashes, sys.implementation.cache_tag, os.environ.get(PURE_ENV) == "1")
-    if _status.compiled and manifest is not None:
-        paths = {name: os.path.join(LIB_DIR, entry["so"]) for name, entry in manifest["modules"].items()}
-        paths.update({name: os.path.join(LIB_DIR, so) for name, so in manifest.get("libraries", {}).items()})
-        if all(os.path.exists(p) for p in paths.values()):
-            sys.meta_path.insert(0, _Finder(paths))
-        else:
-            _status = Status(False, "pure Python: the build's files are incomplete (python -m gpud.compiled.build "
-                                    "rebuilds it)")
+    try:
+        _status, paths = check(pure=os.environ.get(PURE_ENV) == "1")
+    except OSError as e:  # a source that cannot be read: nothing to compare the build with
+        _status, paths = Status(False, f"pure Python: the sources cannot be read ({e})"), {}
+    if _status.compiled:
+        sys.meta_path.insert(0, _Finder(paths))
     return _status
 
 

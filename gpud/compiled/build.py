@@ -43,18 +43,23 @@ def build(lib_dir: str = compiled.LIB_DIR, quiet: bool = False) -> None:
     from setuptools import Distribution  # type: ignore[import-untyped]
 
     root = compiled.PACKAGE_ROOT
-    sources = {m: compiled.source_path(m, root) for m in compiled.MODULES}
-    hashes = {m: compiled.source_hash(p) for m, p in sources.items()}
-    work = tempfile.mkdtemp(prefix="gpud-compile-")
+    hashes = compiled.source_hashes(root)  # before compiling: an edit made meanwhile makes the build stale
+    suffix = compiled.EXT_SUFFIX
+    # Beside lib/ (the same file system): the finished build replaces the old one with a rename, never a copy that
+    # a process starting meanwhile could find half written.
+    parent = os.path.dirname(lib_dir)
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".build-", dir=parent)
     out = os.path.join(work, "lib")
     cwd = os.getcwd()
     try:
-        # From the directory that holds gpud/: mypy names the modules from there and reads pyproject.toml's
-        # [tool.mypy] when it is a checkout.
-        os.chdir(root)
+        os.chdir(root)  # mypy names the modules from the directory that holds gpud/
         sink = io.StringIO()
         with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
-            extensions = mypycify([os.path.relpath(p, root) for p in sources.values()],
+            # Our own mypy settings, the same in a checkout and in an installed copy (no pyproject.toml there).
+            options = ["--config-file", os.path.join(os.path.dirname(compiled.__file__), "mypy.ini")]
+            extensions = mypycify(options + [os.path.relpath(compiled.source_path(m, root), root)
+                                             for m in compiled.MODULES],
                                   target_dir=os.path.join(work, "c"), opt_level="3", strip_asserts=False)
             dist = Distribution({"name": "gpud-compiled", "ext_modules": extensions})
             dist.script_args = ["build_ext", "--build-lib", out, "--build-temp", os.path.join(work, "obj"),
@@ -63,27 +68,24 @@ def build(lib_dir: str = compiled.LIB_DIR, quiet: bool = False) -> None:
                 dist.script_args.insert(0, "--quiet")
             dist.parse_command_line()
             dist.run_commands()
-        suffix = sysconfig.get_config_var("EXT_SUFFIX")
         modules = {}
         for m in compiled.MODULES:
             so = os.path.join(*m.split(".")) + suffix
             if not os.path.exists(os.path.join(out, so)):
                 raise RuntimeError(f"mypyc made no {so}")
-            modules[m] = {"so": so, "sha256": hashes[m]}
+            modules[m] = {"so": so}
         libraries = {name[:-len(suffix)]: name for name in os.listdir(out)
                      if name.endswith(suffix) and "__mypyc" in name}
-        manifest = {"cache_tag": sys.implementation.cache_tag, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                      time.gmtime()),
-                    "modules": modules, "libraries": libraries}
-        with open(os.path.join(out, compiled.MANIFEST), "w") as f:
+        manifest = {"ext_suffix": suffix, "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "modules": modules, "libraries": libraries, "sources": hashes}
+        with open(os.path.join(out, compiled.MANIFEST), "w") as f:  # last: a build without it is no build
             json.dump(manifest, f, indent=1)
-        # The new build replaces the old only when complete; a process that has the old one loaded keeps its
-        # mapped files (removed, not overwritten).
+        # A process that has the old build loaded keeps its mapped files (removed, not overwritten).
         old = lib_dir + ".old"
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(lib_dir):
             os.rename(lib_dir, old)
-        shutil.move(out, lib_dir)
+        os.rename(out, lib_dir)
         shutil.rmtree(old, ignore_errors=True)
     finally:
         os.chdir(cwd)
@@ -95,18 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--if-stale", action="store_true", help="do nothing when the build matches the sources")
     p.add_argument("--quiet", action="store_true", help="print only the outcome")
     args = p.parse_args(argv)
-    if args.if_stale:
-        manifest = compiled.read_manifest()
-        hashes: dict[str, str | None] = {m: compiled.source_hash(compiled.source_path(m)) for m in compiled.MODULES}
-        if compiled.decide(manifest, hashes, sys.implementation.cache_tag, False).compiled:
-            if not args.quiet:
-                print("gpud.compiled: the build matches the sources")
-            return 0
+    if args.if_stale and compiled.check()[0].compiled:
+        if not args.quiet:
+            print("gpud.compiled: the build matches the sources")
+        return 0
     missing = _missing()
     if missing:
         print(f"gpud.compiled: not built, gpud runs as pure Python: {missing}", file=sys.stderr)
         return 1
     started = time.monotonic()
+    print(f"gpud.compiled: compiling the request path ({len(compiled.MODULES)} modules, about a minute; "
+          f"{compiled.PURE_ENV}=1 skips it)", file=sys.stderr, flush=True)
     try:
         build(quiet=args.quiet)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure (mypy exits on a type error) leaves pure Python

@@ -297,7 +297,6 @@ class SchedulerBase:
     @property
     def moves_client_tensors(self) -> bool:
         return False
-    _unready_note = ""  # added to the message of requests failed for want of a ready instance
 
     def __init__(self, config: ModelConfig, version: str, clock: Callable[[], float], unready_wait_s: float,
                  objective: LatencyObjective | None = None):
@@ -415,7 +414,12 @@ class SchedulerBase:
             return
         self.fail_all_queued(f"no instance of model '{self.config.name}' version {self.version} became ready within "
                              f"{self.unready_wait_s:g} s (its worker is restarting, or the model is being placed "
-                             f"on another device){self._unready_note}")
+                             f"on another device){self._unready_note()}")
+
+    def _unready_note(self) -> str:
+        """Added to the message of requests failed for want of a ready instance (a method, not a class attribute:
+        the compiled base class would read its own)."""
+        return ""
 
     # --- answers -----------------------------------------------------------------------------------------------
     def _done_or_error(self, reply: protocol.Done | protocol.Failed | InferenceError) -> protocol.Done | InferenceError:

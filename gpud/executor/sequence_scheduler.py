@@ -77,8 +77,6 @@ class SequenceScheduler(SchedulerBase):
     """Queues, batches and runs the requests of one sequence model version on its instances. A
     gpud.executor.scheduler.Scheduler."""
 
-    _unready_note = "; its sequences keep their state"
-
     def __init__(self, config: ModelConfig, version: str, *, clock=time.monotonic, unready_wait_s: float = 30.0,
                  default_max_queue_size: int = 0, objective: LatencyObjective | None = None):
         if config.sequence_batching is None:
@@ -98,6 +96,9 @@ class SequenceScheduler(SchedulerBase):
         self._corrid = policy.control(CORRID)
         self._initial = {s.input_name: initial_state(s, batches) for s in policy.states}
         self._state_outputs = tuple(s.output_name for s in policy.states)
+
+    def _unready_note(self) -> str:
+        return "; its sequences keep their state"
 
     # --- instances -------------------------------------------------------------------------------------------
     def add_instance(self, inst: InstanceHandle) -> None:
