@@ -7,10 +7,11 @@ at ~15% less CPU per request on the loop (bench/serving/http_cost.py). `python -
 source's hash.
 
 `install()` (called by `gpud/__init__.py`, before anything else of gpud is imported) puts a finder on `sys.meta_path`
-that loads those modules from `lib/` only when every one of their sources is the one that was compiled: the
-compiled modules call each other directly, so one edited source makes the whole set pure Python again, never a mix
-and never a stale build. Pure Python is what runs when there is no build, a stale one, another Python, or
-`GPUD_PURE_PYTHON=1`; the behaviour is the same (both are tested), only the CPU per request differs.
+that loads those modules from `lib/` only when every source of gpud is the one the build was made from: the compiled
+modules call each other directly and check the types the others declare, so one edited source makes the whole set
+pure Python again, never a mix and never a stale build. Pure Python is what runs when there is no build, a stale
+one, another Python, or `GPUD_PURE_PYTHON=1`; the behaviour is the same (both are tested), only the CPU per request
+differs.
 """
 from __future__ import annotations
 
