@@ -53,21 +53,31 @@ def build(lib_dir: str = compiled.LIB_DIR, quiet: bool = False) -> None:
     out = os.path.join(work, "lib")
     cwd = os.getcwd()
     try:
-        os.chdir(root)  # mypy names the modules from the directory that holds gpud/
+        # From a copy of the sources: mypy names the modules from the directory that holds gpud/, and an installed
+        # gpud's is site-packages, whose other modules mypy would then take for ours (mypy_extensions.py "shadows
+        # library module").
+        src = os.path.join(work, "src")
+        shutil.copytree(os.path.join(root, "gpud"), os.path.join(src, "gpud"),
+                        ignore=shutil.ignore_patterns("lib", "lib.old", ".build-*", "__pycache__", "*.so"))
+        os.chdir(src)
         sink = io.StringIO()
-        with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
-            # Our own mypy settings, the same in a checkout and in an installed copy (no pyproject.toml there).
-            options = ["--config-file", os.path.join(os.path.dirname(compiled.__file__), "mypy.ini")]
-            extensions = mypycify(options + [os.path.relpath(compiled.source_path(m, root), root)
-                                             for m in compiled.MODULES],
-                                  target_dir=os.path.join(work, "c"), opt_level="3", strip_asserts=False)
-            dist = Distribution({"name": "gpud-compiled", "ext_modules": extensions})
-            dist.script_args = ["build_ext", "--build-lib", out, "--build-temp", os.path.join(work, "obj"),
-                                "--parallel", str(os.cpu_count() or 1)]
-            if quiet:
-                dist.script_args.insert(0, "--quiet")
-            dist.parse_command_line()
-            dist.run_commands()
+        try:
+            with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
+                # Our own mypy settings, the same in a checkout and in an installed copy (no pyproject.toml there).
+                options = ["--config-file", os.path.join(os.path.dirname(compiled.__file__), "mypy.ini")]
+                extensions = mypycify(options + [os.path.relpath(compiled.source_path(m, src), src)
+                                                 for m in compiled.MODULES],
+                                      target_dir=os.path.join(work, "c"), opt_level="3", strip_asserts=False)
+                dist = Distribution({"name": "gpud-compiled", "ext_modules": extensions})
+                dist.script_args = ["build_ext", "--build-lib", out, "--build-temp", os.path.join(work, "obj"),
+                                    "--parallel", str(os.cpu_count() or 1)]
+                if quiet:
+                    dist.script_args.insert(0, "--quiet")
+                dist.parse_command_line()
+                dist.run_commands()
+        except BaseException:
+            sys.stderr.write(sink.getvalue()[-4000:])  # what mypy or the compiler said, kept back by --quiet
+            raise
         modules = {}
         for m in compiled.MODULES:
             so = os.path.join(*m.split(".")) + suffix
