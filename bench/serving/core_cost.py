@@ -28,18 +28,18 @@ import json
 import logging
 import os
 import pstats
-import shutil
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+from cost_harness import ROOT, mlp_parts, rows_per_batch, run_arms  # noqa: E402
 
 
 # --- the stand-in front end (its own process) ------------------------------------------------------------------
@@ -226,80 +226,53 @@ async def measure(core, requests: int, warmup: int, concurrency: int,
 
 
 async def main_async(args) -> int:
-    from gpud import wiring
     from gpud.executor.types import InferResponse, InferTensor
-    from gpud.settings import Settings, prepare_settings
 
-    import models
-
-    workdir = tempfile.mkdtemp(prefix="gpud-core-cost-")
-    try:
-        repo = os.path.join(workdir, "models")
-        models.write_repository(repo)
-        shutil.rmtree(os.path.join(repo, "heavy"))
-        settings = Settings(model_repository=repo, allow_metrics=False, placement_control="off", json_processes=0,
-                            log_level="WARNING")
-        parts = wiring.build(prepare_settings(settings))
-        await parts.start()
-        try:
-            core = parts.core
-            scheduler = core.registry.version("mlp", "").scheduler
-            out = np.zeros((1, 16), np.float32)
-            link_only = _Answering(InferResponse("mlp", "1", [InferTensor("output", "FP32", (1, 16), out)]))
-            n, warm, c = args.requests, args.warmup, args.concurrency
-            g = args.grouped
-            await measure(core, 2000, 0, c, None, g)  # the worker's first batches, onnxruntime's first runs
-            runs: dict[str, list[float]] = {"core": [], "link": []}
-            rates: list[float] = []
-            rows: list[float] = []
-            for _ in range(args.rounds):
-                s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                cpu_s, wall_s = await measure(core, n, warm, c, None, g)
-                runs["core"].append(cpu_s / n * 1e6)
-                rates.append(n / wall_s)
-                s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))  # (the warm-up's batches too)
-                runs["link"].append((await measure(link_only, n, warm, c, None, g))[0] / n * 1e6)
-            core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
-            if args.json:
-                print(json.dumps({"core_us": core_us, "link_us": link_us, "rps": statistics.median(rates),
-                                  "rows": statistics.median(rows)}))
-                return 0
-            print(f"# {n} requests a round after {warm} of warm-up, {c} in flight, {args.rounds} rounds (medians); "
-                  f"CPU of the core's process")
-            print(f"core   {core_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['core'])}); "
-                  f"{statistics.median(rates):.0f} req/s; {statistics.median(rows):.1f} rows per batch")
-            print(f"link   {link_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['link'])})")
-            print(f"core's own (core - link) {core_us - link_us:.1f} us/req; core / link {core_us / link_us:.2f}")
-            if args.profile:
-                profile = cProfile.Profile(time.process_time)  # CPU, not wall time: the loop is preempted
-                await measure(core, n, warm, c, profile, g)
-                stats = pstats.Stats(profile)
-                stats.sort_stats("tottime").print_stats(args.profile)
-        finally:
-            await parts.shutdown(5.0)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    async with mlp_parts("gpud-core-cost-") as parts:
+        core = parts.core
+        scheduler = core.registry.version("mlp", "").scheduler
+        out = np.zeros((1, 16), np.float32)
+        link_only = _Answering(InferResponse("mlp", "1", [InferTensor("output", "FP32", (1, 16), out)]))
+        n, warm, c = args.requests, args.warmup, args.concurrency
+        g = args.grouped
+        await measure(core, 2000, 0, c, None, g)  # the worker's first batches, onnxruntime's first runs
+        runs: dict[str, list[float]] = {"core": [], "link": []}
+        rates: list[float] = []
+        rows: list[float] = []
+        for _ in range(args.rounds):
+            s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+            cpu_s, wall_s = await measure(core, n, warm, c, None, g)
+            runs["core"].append(cpu_s / n * 1e6)
+            rates.append(n / wall_s)
+            s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+            rows.append(rows_per_batch(s0, s1))  # (the warm-up's batches too)
+            runs["link"].append((await measure(link_only, n, warm, c, None, g))[0] / n * 1e6)
+        core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
+        if args.json:
+            print(json.dumps({"core_us": core_us, "link_us": link_us, "rps": statistics.median(rates),
+                              "rows": statistics.median(rows)}))
+            return 0
+        print(f"# {n} requests a round after {warm} of warm-up, {c} in flight, {args.rounds} rounds (medians); "
+              f"CPU of the core's process")
+        print(f"core   {core_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['core'])}); "
+              f"{statistics.median(rates):.0f} req/s; {statistics.median(rows):.1f} rows per batch")
+        print(f"link   {link_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['link'])})")
+        print(f"core's own (core - link) {core_us - link_us:.1f} us/req; core / link {core_us / link_us:.2f}")
+        if args.profile:
+            profile = cProfile.Profile(time.process_time)  # CPU, not wall time: the loop is preempted
+            await measure(core, n, warm, c, profile, g)
+            stats = pstats.Stats(profile)
+            stats.sort_stats("tottime").print_stats(args.profile)
     return 0
 
 
 def against(args) -> int:
     """This tree and another (`--against`: a checkout of gpud, e.g. `git worktree add /tmp/base <commit>`), one
     process each per round, alternating which goes first; the medians and head / base."""
-    root = os.path.dirname(os.path.dirname(HERE))
-    arms = {"base": os.path.abspath(args.against), "head": root}
-    got: dict[str, list[dict]] = {"base": [], "head": []}
-    for r in range(args.rounds):
-        for arm in (("base", "head") if r % 2 == 0 else ("head", "base")):
-            tree = arms[arm]
-            env = dict(os.environ, PYTHONPATH=tree)  # its gpud, and its workers' (they start from its directory)
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", "--rounds", "1",
-                                  "--requests", str(args.requests), "--warmup", str(args.warmup),
-                                  "--concurrency", str(args.concurrency), *(["--grouped"] if args.grouped else [])],
-                                 cwd=tree, env=env, capture_output=True, text=True, timeout=600)
-            if out.returncode != 0:
-                raise SystemExit(f"{arm} ({tree}) failed:\n{out.stderr[-3000:]}")
-            got[arm].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    arms = {"base": os.path.abspath(args.against), "head": ROOT}
+    got = run_arms(__file__, {arm: (tree, {}) for arm, tree in arms.items()},
+                   ["--rounds", "1", "--requests", str(args.requests), "--warmup", str(args.warmup),
+                    "--concurrency", str(args.concurrency), *(["--grouped"] if args.grouped else [])], args.rounds)
     print(f"# {args.requests} requests a round, {args.concurrency} in flight, {args.rounds} rounds a tree "
           f"(alternating), medians; base {arms['base']}, head {arms['head']}")
     print(f"{'tree':5} {'core us/req':>11} {'link us/req':>11} {'core - link':>11} {'req/s':>7} {'rows/batch':>10}  "

@@ -16,7 +16,8 @@ per cent, so it can tell a 5% change.
 The baseline, measured in the same run: the same connections and requests with a handler that answers every
 request at once with a prebuilt 200 (HTTP parsing and answering alone). Printed: µs of CPU per request (this
 process; the worker is another), the handler's own (the difference), requests/s and rows per batch. Rounds
-alternate the two; medians. `--profile N`: cProfile's top N functions by own time (CPU time), one extra round.
+alternate the two; medians. `--profile N`: cProfile's top N functions by own time (CPU time), one extra round
+(its statistics also saved to $HTTP_COST_PSTATS, default /tmp/http_cost.pstats).
 `--against TREE`: the same in this tree and another checkout (the code before a change), a process each, alternating.
 `--compiled-against-pure`: this tree with its request path compiled (gpud.compiled) against itself as pure Python.
 """
@@ -28,11 +29,8 @@ import cProfile
 import json
 import os
 import pstats
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -40,6 +38,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+
+from cost_harness import ROOT, mlp_parts, rows_per_batch, run_arms  # noqa: E402
 
 
 def request_bytes(port: int = 8000) -> bytes:
@@ -160,67 +160,50 @@ def _answering_handler() -> Callable:
 
 
 async def main_async(args) -> int:
-    import models
-
-    from gpud import wiring
     from gpud.api.http_api import HttpApi
     from gpud.api.http_server import HttpServer
-    from gpud.settings import Settings, prepare_settings
 
-    workdir = tempfile.mkdtemp(prefix="gpud-http-cost-")
-    try:
-        repo = os.path.join(workdir, "models")
-        models.write_repository(repo)
-        shutil.rmtree(os.path.join(repo, "heavy"))
-        settings = Settings(model_repository=repo, allow_metrics=False, placement_control="off", json_processes=0,
-                            log_level="WARNING")
-        parts = wiring.build(prepare_settings(settings))
-        await parts.start()
-        try:
-            loop = asyncio.get_running_loop()
-            core = parts.core
-            scheduler = core.registry.version("mlp", "").scheduler
-            servers = {"gpud": HttpServer(HttpApi(core, None, 1 << 24, None)),
-                       "parse": HttpServer(_answering_handler())}
-            for server in servers.values():
-                server.loop = loop  # as start() sets it; no socket is listened on
-            request = request_bytes()
-            n, warm, c = args.requests, args.warmup, args.concurrency
-            await measure(servers["gpud"], request, 2000, 0, c, None)  # the worker's first batches
-            runs: dict[str, list[float]] = {"gpud": [], "parse": []}
-            rates: list[float] = []
-            rows: list[float] = []
-            for _ in range(args.rounds):
-                s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                cpu_s, wall_s = await measure(servers["gpud"], request, n, warm, c, None)
-                s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
-                runs["gpud"].append(cpu_s / n * 1e6)
-                rates.append(n / wall_s)
-                rows.append((s1[0] - s0[0]) / max(1, s1[1] - s0[1]))
-                runs["parse"].append((await measure(servers["parse"], request, n, warm, c, None))[0] / n * 1e6)
-            gpud_us, parse_us = statistics.median(runs["gpud"]), statistics.median(runs["parse"])
-            if args.json:
-                from gpud import compiled
+    async with mlp_parts("gpud-http-cost-") as parts:
+        loop = asyncio.get_running_loop()
+        core = parts.core
+        scheduler = core.registry.version("mlp", "").scheduler
+        servers = {"gpud": HttpServer(HttpApi(core, None, 1 << 24, None)),
+                   "parse": HttpServer(_answering_handler())}
+        for server in servers.values():
+            server.loop = loop  # as start() sets it; no socket is listened on
+        request = request_bytes()
+        n, warm, c = args.requests, args.warmup, args.concurrency
+        await measure(servers["gpud"], request, 2000, 0, c, None)  # the worker's first batches
+        runs: dict[str, list[float]] = {"gpud": [], "parse": []}
+        rates: list[float] = []
+        rows: list[float] = []
+        for _ in range(args.rounds):
+            s0 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+            cpu_s, wall_s = await measure(servers["gpud"], request, n, warm, c, None)
+            s1 = (scheduler.stats.inference_count, scheduler.stats.execution_count)
+            runs["gpud"].append(cpu_s / n * 1e6)
+            rates.append(n / wall_s)
+            rows.append(rows_per_batch(s0, s1))
+            runs["parse"].append((await measure(servers["parse"], request, n, warm, c, None))[0] / n * 1e6)
+        gpud_us, parse_us = statistics.median(runs["gpud"]), statistics.median(runs["parse"])
+        if args.json:
+            from gpud import compiled
 
-                print(json.dumps({"gpud_us": gpud_us, "parse_us": parse_us, "rps": statistics.median(rates),
-                                  "rows": statistics.median(rows), "compiled": compiled.status().compiled}))
-                return 0
-            print(f"# {n} requests a round after {warm} of warm-up, {c} connections, {args.rounds} rounds (medians); "
-                  "CPU of this process (the front end's loop; the worker is another process)")
-            print(f"gpud   {gpud_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['gpud'])}); "
-                  f"{statistics.median(rates):.0f} req/s; {statistics.median(rows):.1f} rows per batch")
-            print(f"parse  {parse_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['parse'])})")
-            print(f"the handler's own (gpud - parse) {gpud_us - parse_us:.1f} us/req")
-            if args.profile:
-                profile = cProfile.Profile(time.process_time)
-                await measure(servers["gpud"], request, n, warm, c, profile)
-                stats = pstats.Stats(profile)
-                stats.dump_stats(os.environ.get("HTTP_COST_PSTATS", "/tmp/http_cost.pstats"))
-                stats.sort_stats("tottime").print_stats(args.profile)
-        finally:
-            await parts.shutdown(5.0)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+            print(json.dumps({"gpud_us": gpud_us, "parse_us": parse_us, "rps": statistics.median(rates),
+                              "rows": statistics.median(rows), "compiled": compiled.status().compiled}))
+            return 0
+        print(f"# {n} requests a round after {warm} of warm-up, {c} connections, {args.rounds} rounds (medians); "
+              "CPU of this process (the front end's loop; the worker is another process)")
+        print(f"gpud   {gpud_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['gpud'])}); "
+              f"{statistics.median(rates):.0f} req/s; {statistics.median(rows):.1f} rows per batch")
+        print(f"parse  {parse_us:7.1f} us/req  (each: {', '.join(f'{x:.1f}' for x in runs['parse'])})")
+        print(f"the handler's own (gpud - parse) {gpud_us - parse_us:.1f} us/req")
+        if args.profile:
+            profile = cProfile.Profile(time.process_time)
+            await measure(servers["gpud"], request, n, warm, c, profile)
+            stats = pstats.Stats(profile)
+            stats.dump_stats(os.environ.get("HTTP_COST_PSTATS", "/tmp/http_cost.pstats"))
+            stats.sort_stats("tottime").print_stats(args.profile)
     return 0
 
 
@@ -228,29 +211,18 @@ def against(args) -> int:
     """Two arms, one process each per round, alternating which goes first; medians and head / base. `--against
     TREE`: that checkout (base) and this one (head). `--compiled-against-pure`: this tree as pure Python (base,
     GPUD_PURE_PYTHON=1) and with its compiled request path (head; gpud.compiled, which must match the sources)."""
-    root = os.path.dirname(os.path.dirname(HERE))
     if args.compiled_against_pure:
-        arms = {"base": (root, {"GPUD_PURE_PYTHON": "1"}), "head": (root, {"GPUD_PURE_PYTHON": "0"})}
+        arms = {"base": (ROOT, {"GPUD_PURE_PYTHON": "1"}), "head": (ROOT, {"GPUD_PURE_PYTHON": "0"})}
         names = {"base": "pure Python", "head": "compiled"}
     else:
-        arms = {"base": (os.path.abspath(args.against), {}), "head": (root, {})}
-        names = {"base": arms["base"][0], "head": root}
-    got: dict[str, list[dict]] = {"base": [], "head": []}
-    for r in range(args.rounds):
-        for arm in (("base", "head") if r % 2 == 0 else ("head", "base")):
-            tree, extra = arms[arm]
-            env = dict(os.environ, PYTHONPATH=tree, **extra)  # its gpud, and its workers'
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--json", "--rounds", "1",
-                                  "--requests", str(args.requests), "--warmup", str(args.warmup),
-                                  "--concurrency", str(args.concurrency)],
-                                 cwd=tree, env=env, capture_output=True, text=True, timeout=600)
-            if out.returncode != 0:
-                raise SystemExit(f"{arm} ({tree}) failed:\n{out.stderr[-3000:]}")
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            if args.compiled_against_pure and result["compiled"] != (arm == "head"):
-                raise SystemExit(f"the {names[arm]} arm ran {'compiled' if result['compiled'] else 'pure Python'}:"
-                                 " build the request path first (python -m gpud.compiled.build)")
-            got[arm].append(result)
+        arms = {"base": (os.path.abspath(args.against), {}), "head": (ROOT, {})}
+        names = {"base": arms["base"][0], "head": ROOT}
+    got = run_arms(__file__, arms, ["--rounds", "1", "--requests", str(args.requests), "--warmup",
+                                    str(args.warmup), "--concurrency", str(args.concurrency)], args.rounds)
+    for arm, results in got.items():
+        if args.compiled_against_pure and any(r["compiled"] != (arm == "head") for r in results):
+            raise SystemExit(f"the {names[arm]} arm did not run {names[arm]}: build the request path first "
+                             "(python -m gpud.compiled.build)")
     print(f"# {args.requests} requests a round, {args.concurrency} connections, {args.rounds} rounds an arm "
           f"(alternating), medians; base {names['base']}, head {names['head']}")
     print(f"{'arm':5} {'gpud us/req':>11} {'parse us/req':>12} {'handler':>8} {'req/s':>7} {'rows/batch':>10}  "

@@ -325,8 +325,8 @@ def _work(kind: str, args: tuple) -> Any:
         return request
     response, request = args
     encoded = encode_infer_response(response, request)
-    # The body travels as an out-of-band pickle buffer (no copy); the parent receives it as a bytearray and makes
-    # the EncodedResponse (a tuple here: the compiled EncodedResponse takes no PickleBuffer).
+    # The body travels as an out-of-band pickle buffer (no copy); the parent receives a view of it and makes the
+    # EncodedResponse (a tuple here: a PickleBuffer is no AnswerBody).
     return pickle.PickleBuffer(encoded.body), encoded.content_type, encoded.headers
 
 
