@@ -339,43 +339,68 @@ class HttpApi:
         codec = self.json_codec
         if codec is not None and codec.wants_request(request.body, header_length):
             # A large JSON body would hold the loop (and every other request) for as long as it takes to parse.
-            def decoded(result: InferRequest | BaseException) -> None:
-                if isinstance(result, BaseException):
-                    self._respond_error(respond, result, request)
-                    return
-                try:
-                    self._submit(result, respond, request)
-                except Exception as e:  # noqa: BLE001 - refused (bad shape, unknown model, full queue): answered here,
-                    self._respond_error(respond, e, request)  # as route() answers the loop's own decode
-            codec.decode(request.body, header_length, name, version, self.max_tensor_elements, decoded)
+            codec.decode(request.body, header_length, name, version, self.max_tensor_elements,
+                         _Decoded(self, respond, request))
             return
         self._submit(decode_infer_request(request.body, header_length, name, version, self.max_tensor_elements),
                      respond, request)
 
     def _submit(self, infer_request: InferRequest, respond: Respond, request: HttpRequest) -> None:
-        def answer(encoded: EncodedResponse | BaseException) -> None:
-            if isinstance(encoded, BaseException):
-                self._respond_error(respond, encoded, request)
-                return
-            respond(200, encoded.body, encoded.content_type,
-                    list(encoded.headers.items()) if encoded.headers else None)
+        self.core.submit(infer_request, _InferAnswer(self, infer_request, respond, request))
 
-        def done(result: InferResponse | BaseException) -> None:
-            if isinstance(result, BaseException):
-                self._respond_error(respond, result, request)
-                return
-            codec = self.json_codec
-            if codec is not None and codec.wants_response(result, infer_request):
-                codec.encode(result, infer_request, answer)  # millions of numbers written as text: not here
-                return
-            try:
-                encoded = encode_infer_response(result, infer_request)
-            except Exception as e:  # noqa: BLE001 - any bug is answered as an error, never a dropped connection
-                self._respond_error(respond, e, request)
-                return
-            answer(encoded)
 
-        self.core.submit(infer_request, done)
+class _Decoded:
+    """Submits a request the JSON codec decoded off the loop (a class rather than a closure: see _InferAnswer)."""
+    __slots__ = ("api", "respond", "request")
+
+    def __init__(self, api: HttpApi, respond: Respond, request: HttpRequest) -> None:
+        self.api = api
+        self.respond = respond
+        self.request = request
+
+    def __call__(self, result: InferRequest | BaseException) -> None:
+        if isinstance(result, BaseException):
+            self.api._respond_error(self.respond, result, self.request)
+            return
+        try:
+            self.api._submit(result, self.respond, self.request)
+        except Exception as e:  # noqa: BLE001 - refused (bad shape, unknown model, full queue): answered here,
+            self.api._respond_error(self.respond, e, self.request)  # as route() answers the loop's own decode
+
+
+class _InferAnswer:
+    """Answers one inference request when the core is done with it (`done`), encoded here or by the JSON codec.
+    A class rather than closures: compiled (gpud.compiled), closures and their environment refer to each other, so
+    each request's (and the request's tensors with them) would wait for the cyclic collector."""
+    __slots__ = ("api", "infer_request", "respond", "request")
+
+    def __init__(self, api: HttpApi, infer_request: InferRequest, respond: Respond, request: HttpRequest) -> None:
+        self.api = api
+        self.infer_request = infer_request
+        self.respond = respond
+        self.request = request
+
+    def __call__(self, result: InferResponse | BaseException) -> None:
+        if isinstance(result, BaseException):
+            self.api._respond_error(self.respond, result, self.request)
+            return
+        codec = self.api.json_codec
+        if codec is not None and codec.wants_response(result, self.infer_request):
+            codec.encode(result, self.infer_request, self.answer)  # millions of numbers written as text: not here
+            return
+        try:
+            encoded = encode_infer_response(result, self.infer_request)
+        except Exception as e:  # noqa: BLE001 - any bug is answered as an error, never a dropped connection
+            self.api._respond_error(self.respond, e, self.request)
+            return
+        self.answer(encoded)
+
+    def answer(self, encoded: EncodedResponse | BaseException) -> None:
+        if isinstance(encoded, BaseException):
+            self.api._respond_error(self.respond, encoded, self.request)
+            return
+        self.respond(200, encoded.body, encoded.content_type,
+                     list(encoded.headers.items()) if encoded.headers else None)
 
 
 _HEADER_LENGTH_KEY = INFER_HEADER_CONTENT_LENGTH.lower()

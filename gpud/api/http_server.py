@@ -161,6 +161,28 @@ class _Slot:
         self.http10_keep_alive = False
 
 
+class _NoCallbacks:
+    pass
+
+
+_CLOSED_PARSER = httptools.HttpRequestParser(_NoCallbacks())  # a closed connection's: fed nothing, calls nothing
+
+
+class _Responder:
+    """A request's `respond`. A class rather than a closure: compiled (gpud.compiled), a closure and its environment
+    refer to each other, so each request's would wait for the cyclic collector instead of going when answered."""
+    __slots__ = ("connection", "slot", "head_only")
+
+    def __init__(self, connection: _Connection, slot: _Slot, head_only: bool) -> None:
+        self.connection = connection
+        self.slot = slot
+        self.head_only = head_only
+
+    def __call__(self, status: int, body: AnswerBody = b"", content_type: str = JSON,
+                 headers: list[tuple[str, str]] | None = None) -> None:
+        self.connection._write(self.slot, status, body, content_type, headers, self.head_only)
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, server: HttpServer):
         self.server = server
@@ -215,6 +237,9 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         self.server.counted()
         self.transport = None
+        # The parser holds this connection's callbacks and the connection the parser: without this the pair (and
+        # whatever the last request left on it) waits for the cyclic collector, for every connection closed.
+        self.parser = _CLOSED_PARSER
         self.slots.clear()
         self.server._maybe_idle()
 
@@ -364,12 +389,7 @@ class _Connection(asyncio.Protocol):
                 self._write(slot, 400, error_body(f"cannot decode the request body with content-encoding "
                                                   f"{encoding}: {undecodable}"), JSON, None, False)
                 return
-        head = request.method == "HEAD"
-
-        def respond(status: int, body: AnswerBody = b"", content_type: str = JSON,
-                    headers: list[tuple[str, str]] | None = None) -> None:
-            self._write(slot, status, body, content_type, headers, head)
-
+        respond = _Responder(self, slot, request.method == "HEAD")
         try:
             self.server.handler(request, respond)
         except Exception as e:
