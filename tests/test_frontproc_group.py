@@ -19,6 +19,7 @@ from gpud.executor.types import (ErrorKind, InferenceError, InferRequest, InferR
 from gpud.frontproc.arena import Arena
 from gpud.frontproc.group import group_key, group_sizes, split_answer
 from gpud.frontproc.link import FrameReader, request_of, response_wire
+from tests.fakes import replaces_functions_of
 
 
 def request(rows: int = 1, value: float = 0.0, **changes) -> InferRequest:
@@ -236,6 +237,7 @@ class TestRemoteCore:
         asyncio.run(run())
 
 
+    @replaces_functions_of("gpud.frontproc.remote_core")
     def test_an_answer_that_cannot_be_read_is_an_error_for_its_requests_and_the_next_answers_still_arrive(
             self, link, monkeypatch):
         """Reading an answer raised (its segment gone, memory): the request was already taken off the waiting list,
@@ -402,6 +404,7 @@ class TestFrontendHost:
                                                                     ("answer", 101, False, ErrorKind.NOT_FOUND)]
         assert answers[0][3] is not answers[1][3]
 
+    @replaces_functions_of("gpud.frontproc.host")
     def test_an_answer_that_cannot_be_staged_for_the_front_end_is_an_error_for_its_requests(self, monkeypatch):
         """Staging an answer for its front-end process raised (/dev/shm full): its requests were already taken off
         the waiting list and never heard anything."""

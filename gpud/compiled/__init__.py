@@ -31,6 +31,9 @@ MODULES: tuple[str, ...] = (
     "gpud.core", "gpud.registry",
     "gpud.executor.scheduler", "gpud.executor.dynamic_scheduler", "gpud.executor.batcher",
     "gpud.executor.channel", "gpud.executor.protocol", "gpud.executor.validation", "gpud.executor.stats",
+    # front ends in processes of their own: the child's side (remote_core, link, arena, group) and the core's (host)
+    "gpud.frontproc.remote_core", "gpud.frontproc.link", "gpud.frontproc.arena", "gpud.frontproc.group",
+    "gpud.frontproc.host", "gpud.frontproc.connections",
 )
 PURE_ENV = "GPUD_PURE_PYTHON"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gpud/

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from gpud.api.admin import AdminAuth
-from gpud.core import GpudCore, GroupCancel
+from gpud.core import GroupCancel
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import ShmFull, unlink
 from gpud.frontproc.arena import remove_arena_of
@@ -44,6 +44,18 @@ RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
 SIGNATURES_MAX = 4096
 SLICES_MAX = 4096
 K = TypeVar("K")
+
+
+class HostedCore(Protocol):
+    """What the host asks of the core (gpud.core.GpudCore): submits, group limits, its regions, and CALLS by name."""
+
+    client_shm: Any
+
+    def submit(self, request: Any, done: Callable[[Any], None], *, placed: dict[str, RegionSlice] | None = None,
+               members: int = 1) -> Callable[[], None]: ...
+
+    def group_limit(self, request: Any) -> int: ...
+
 V = TypeVar("V")
 
 
@@ -85,13 +97,21 @@ class _Withdraw:
             self.cancel.one()
 
 
+class Outbox(Protocol):
+    """Where the host's messages to a process go: its link's Sender (a Protocol, so that tests may stand in)."""
+
+    def put(self, message: tuple) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 @dataclass(eq=False)
 class FrontendProcess:
     index: int
     proc: subprocess.Popen
     sock: socket.socket
     reader: FrameReader | None = None
-    sender: Sender | None = None
+    sender: Outbox | None = None
     submits: dict[int, Callable[[], None] | None] = field(default_factory=dict)
     # the process's signature numbers -> ours; (number, members) -> a group's of that many
     signatures: dict[int | tuple[int, int], object] = field(default_factory=dict)
@@ -119,7 +139,7 @@ def _unstaged(exc: Exception) -> InferenceError:
 
 
 class FrontendHost:
-    def __init__(self, core: GpudCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
+    def __init__(self, core: HostedCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
                  log_level: int = logging.INFO):
         """`listen`: the listening socket the processes accept from; for gRPC on grpcio (options["grpc_server"]),
         the port's socket the daemon holds (bound with SO_REUSEPORT, not listening), which the processes bind too."""
@@ -246,9 +266,9 @@ class FrontendHost:
         except InferenceError as exc:
             self._answer(fp, ident, exc)
             return
-        except Exception as exc:  # noqa: BLE001 - a bug answers this request with a 500, the rest goes on
+        except Exception as bug:  # noqa: BLE001 - a bug answers this request with a 500, the rest goes on
             log.exception("front-end process %d: a request failed", fp.index)
-            self._answer(fp, ident, InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self._answer(fp, ident, InferenceError(ErrorKind.INTERNAL, f"{type(bug).__name__}: {bug}"))
             return
         if ident in fp.submits:
             fp.submits[ident] = cancel
@@ -359,9 +379,9 @@ class FrontendHost:
         except InferenceError as exc:
             self._send(fp, ("result", ident, False, exc))
             return
-        except Exception as exc:  # noqa: BLE001 - the caller gets a 500; the core goes on
+        except Exception as bug:  # noqa: BLE001 - the caller gets a 500; the core goes on
             log.exception("front-end process %d: %s failed", fp.index, method)
-            self._send(fp, ("result", ident, False, InferenceError(ErrorKind.INTERNAL, f"{type(exc).__name__}: {exc}")))
+            self._send(fp, ("result", ident, False, InferenceError(ErrorKind.INTERNAL, f"{type(bug).__name__}: {bug}")))
             return
         if not asyncio.iscoroutine(result):
             self._send(fp, ("result", ident, True, result))
@@ -399,7 +419,7 @@ class FrontendHost:
             fp.sender.flush()  # what the core said before the end (a stop, answers)
         assert self._loop is not None
         try:
-            self._loop.remove_reader(fp.sock.fileno())
+            cast(Any, self._loop).remove_reader(fp.sock.fileno())  # uvloop's returns None, typed bool
         except (ValueError, OSError, RuntimeError):
             pass
         fp.sock.close()

@@ -30,7 +30,7 @@ import pickle
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -287,7 +287,7 @@ class Sender:
         if self._writing:
             self._writing = False
             try:
-                self._loop.remove_writer(self.sock.fileno())
+                cast(Any, self._loop).remove_writer(self.sock.fileno())  # uvloop's returns None, typed bool
             except (ValueError, OSError, RuntimeError):
                 pass
 

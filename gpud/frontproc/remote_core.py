@@ -133,7 +133,7 @@ class RemoteCore:
 
     def close(self) -> None:
         try:
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            cast(Any, asyncio.get_running_loop()).remove_reader(self.sock.fileno())  # uvloop's: None, typed bool
         except (RuntimeError, ValueError, OSError):
             pass
         self.sock.close()
@@ -152,7 +152,7 @@ class RemoteCore:
             return
         self.lost = True
         try:
-            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            cast(Any, asyncio.get_running_loop()).remove_reader(self.sock.fileno())  # uvloop's: None, typed bool
         except (RuntimeError, ValueError, OSError):
             pass
         submits, self._submits = self._submits, {}
