@@ -37,6 +37,9 @@ def test_non_batching_model_keeps_full_shape():
     ([t("a", "FP32", (3, 4))], None, "expected input 'b'"),
     ([t("a", "FP32", (3, 4)), t("b", "INT64", (3, 7)), t("c", "FP32", (1,))], None, "unexpected inference input 'c'"),
     ([t("a", "FP32", (9, 4)), t("b", "INT64", (9, 7))], None, "batch-size must be <= 8"),
+    # an empty batch says so, and which input is empty (it read "must be <= 8, got 0")
+    ([t("a", "FP32", (0, 4)), t("b", "INT64", (0, 7))], None,
+     "batch-size must be >= 1 for 'm', got 0 (input 'a' has shape [0,4])"),
     ([t("a", "FP32", (3, 4)), t("b", "INT64", (2, 7))], None, "batch size 2, other inputs have 3"),
     ([t("a", "FP32", (3, 4)), t("b", "INT64", (3, 7))], [RequestedOutput("z")], "unexpected inference output 'z'"),
     ([t("a", "FP32", (4,)), t("b", "INT64", (3, 7))], None, "unexpected shape for input 'a'"),

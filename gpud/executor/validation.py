@@ -67,7 +67,10 @@ def prepare(config: ModelConfig, request: InferRequest) -> PreparedRequest:
                            f"{_fmt((-1,) + spec.dims)}, got {_fmt(shape)}")
             _check_dims(model, spec, shape, (-1,) + spec.dims)
             rows = shape[0]
-            if rows < 1 or rows > config.max_batch_size:
+            if rows < 1:  # an empty batch: nothing to run, and "must be <= N" would not say why
+                raise _bad(f"inference request batch-size must be >= 1 for '{model}', got {rows} (input "
+                           f"'{spec.name}' has shape {_fmt(shape)})")
+            if rows > config.max_batch_size:
                 raise _bad(f"inference request batch-size must be <= {config.max_batch_size} for '{model}', "
                            f"got {rows}")
             if batch_rows is not None and rows != batch_rows:
