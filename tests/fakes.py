@@ -31,21 +31,16 @@ def replaces_functions_of(module: str):
     """Skips a test that replaces a module-level function of `module` (monkeypatch.setattr(module, name, ...)) when
     that module runs compiled: compiled code calls its module's functions directly, past the module attribute. The
     pure-Python pass of .ci/run runs it."""
-    import importlib
-
-    import pytest
-
-    from gpud import compiled
-
-    importlib.import_module(module)
-    return pytest.mark.skipif(compiled.is_compiled(module),
-                              reason=f"replaces a function of {module}, compiled here: the pure-Python pass "
-                                     "(GPUD_PURE_PYTHON=1) runs it")
+    return _skipped_when_compiled(module, f"replaces a function of {module}")
 
 
 def replaces_methods_of(module: str):
     """Skips a test that replaces a method on an object of `module`'s classes when that module runs compiled
     (gpud.compiled: a compiled class's methods cannot be replaced). The pure-Python pass of .ci/run runs it."""
+    return _skipped_when_compiled(module, f"replaces a method of {module}'s classes")
+
+
+def _skipped_when_compiled(module: str, what: str):
     import importlib
 
     import pytest
@@ -54,5 +49,4 @@ def replaces_methods_of(module: str):
 
     importlib.import_module(module)
     return pytest.mark.skipif(compiled.is_compiled(module),
-                              reason=f"replaces a method of {module}'s classes, compiled here: the pure-Python pass "
-                                     "(GPUD_PURE_PYTHON=1) runs it")
+                              reason=f"{what}, compiled here: the pure-Python pass (GPUD_PURE_PYTHON=1) runs it")

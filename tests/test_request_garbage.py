@@ -10,8 +10,9 @@ the cyclic collector off and counts what a collection then finds; it runs in bot
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -97,17 +98,38 @@ def collector_off() -> Iterator[None]:
         gc.enable()
 
 
-async def _served(repo: Path, make_requests) -> tuple[int, list[bytes]]:
-    """Serves `make_requests()`'s requests over 4 connections; returns what a collection then found, and the
-    answers."""
+@contextlib.asynccontextmanager
+async def _daemon_parts(repo: Path) -> AsyncIterator[wiring.Components]:
+    """gpud's parts, started on `repo` (add_sub in a real worker process); shut down at the end."""
     settings = Settings(model_repository=str(repo), allow_metrics=False, placement_control="off", json_processes=0,
                         log_level="WARNING")
     parts = wiring.build(prepare_settings(settings))
     await parts.start()
     try:
+        yield parts
+    finally:
+        await parts.shutdown(5.0)
+
+
+def _http_server(parts: wiring.Components) -> HttpServer:
+    server = HttpServer(HttpApi(parts.core, None, 1 << 24, None))
+    server.loop = asyncio.get_running_loop()  # as start() sets it; no socket is listened on
+    return server
+
+
+def _connect(transport: _Transport, server: HttpServer) -> None:
+    """A new connection of `server` on `transport`, sending its first request."""
+    transport.protocol = _Connection(server)
+    transport.protocol.connection_made(transport)  # type: ignore[arg-type]
+    transport.send_next()
+
+
+async def _served(repo: Path, make_requests) -> tuple[int, list[bytes]]:
+    """Serves `make_requests()`'s requests over 4 connections; returns what a collection then found, and the
+    answers."""
+    async with _daemon_parts(repo) as parts:
         loop = asyncio.get_running_loop()
-        server = HttpServer(HttpApi(parts.core, None, 1 << 24, None))
-        server.loop = loop  # as start() sets it; no socket is listened on
+        server = _http_server(parts)
         warm = loop.create_future()
         _run(server, loop, [_binary_request(np.zeros((1, 16), np.float32), np.ones((1, 16), np.float32))] * 8, warm)
         await asyncio.wait_for(warm, 60)
@@ -121,15 +143,11 @@ async def _served(repo: Path, make_requests) -> tuple[int, list[bytes]]:
             assert t.protocol is not None
             t.protocol.connection_lost(None)
         return found, [a for t in transports for a in t.answers]
-    finally:
-        await parts.shutdown(5.0)
 
 
 def _run(server: HttpServer, loop, requests: list[bytes], finished: asyncio.Future) -> _Transport:
     transport = _Transport(loop, list(requests), finished)
-    transport.protocol = _Connection(server)
-    transport.protocol.connection_made(transport)  # type: ignore[arg-type]
-    transport.send_next()
+    _connect(transport, server)
     return transport
 
 
@@ -174,22 +192,15 @@ class _ClosingTransport(_Transport):
         assert self.protocol is not None
         self.protocol.connection_lost(None)
         self.closed = False
-        self.protocol = _Connection(self.server)
-        self.protocol.connection_made(self)  # type: ignore[arg-type]
-        self.send_next()
+        _connect(self, self.server)
 
 
 def test_connections_closed_leave_no_cycles(repo, collector_off):
     """A client that opens a connection per request: the connection and its parser go with it."""
     async def served() -> tuple[int, list[bytes]]:
-        settings = Settings(model_repository=str(repo), allow_metrics=False, placement_control="off",
-                            json_processes=0, log_level="WARNING")
-        parts = wiring.build(prepare_settings(settings))
-        await parts.start()
-        try:
+        async with _daemon_parts(repo) as parts:
             loop = asyncio.get_running_loop()
-            server = HttpServer(HttpApi(parts.core, None, 1 << 24, None))
-            server.loop = loop
+            server = _http_server(parts)
             ones = np.ones((1, 16), np.float32)
             request = _binary_request(ones, ones).replace(b"Host: t\r\n", b"Host: t\r\nConnection: close\r\n")
             warm = loop.create_future()
@@ -200,8 +211,6 @@ def test_connections_closed_leave_no_cycles(repo, collector_off):
             transport = _closing(server, loop, [request] * REQUESTS, finished)
             await asyncio.wait_for(finished, 60)
             return gc.collect(), transport.answers
-        finally:
-            await parts.shutdown(5.0)
     found, answers = asyncio.run(served())
     assert len(answers) == REQUESTS and all(a.startswith(b"HTTP/1.1 200 ") and b"Connection: close" in a
                                             for a in answers), answers[:1]
@@ -210,9 +219,7 @@ def test_connections_closed_leave_no_cycles(repo, collector_off):
 
 def _closing(server: HttpServer, loop, requests: list[bytes], finished: asyncio.Future) -> _ClosingTransport:
     transport = _ClosingTransport(server, loop, list(requests), finished)
-    transport.protocol = _Connection(server)
-    transport.protocol.connection_made(transport)  # type: ignore[arg-type]
-    transport.send_next()
+    _connect(transport, server)
     return transport
 
 
@@ -231,24 +238,19 @@ def test_refused_requests_leave_no_cycles(repo, collector_off):
 
 def test_in_process_calls_leave_no_cycles(repo, collector_off):
     """The core's own `infer` (what gpud.Server calls), with its future."""
+    def request() -> InferRequest:
+        ones = np.ones((1, 16), np.float32)
+        return InferRequest("add_sub", [InferTensor("INPUT0", "FP32", (1, 16), ones),
+                                        InferTensor("INPUT1", "FP32", (1, 16), ones)])
+
     async def served() -> int:
-        settings = Settings(model_repository=str(repo), allow_metrics=False, placement_control="off",
-                            json_processes=0, log_level="WARNING")
-        parts = wiring.build(prepare_settings(settings))
-        await parts.start()
-        try:
-            def request() -> InferRequest:
-                ones = np.ones((1, 16), np.float32)
-                return InferRequest("add_sub", [InferTensor("INPUT0", "FP32", (1, 16), ones),
-                                                InferTensor("INPUT1", "FP32", (1, 16), ones)])
+        async with _daemon_parts(repo) as parts:
             await parts.core.infer(request())
             gc.collect()
             for _ in range(REQUESTS // 10):
                 responses = await asyncio.gather(*(parts.core.infer(request()) for _ in range(10)))
                 assert all(r.outputs[0].data[0, 0] == 2.0 for r in responses)
             return gc.collect()
-        finally:
-            await parts.shutdown(5.0)
     found = asyncio.run(served())
     assert found < MAX_FOUND, f"{found} objects in reference cycles after {REQUESTS} in-process calls"
 
