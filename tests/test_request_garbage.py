@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -253,6 +254,52 @@ def test_in_process_calls_leave_no_cycles(repo, collector_off):
             return gc.collect()
     found = asyncio.run(served())
     assert found < MAX_FOUND, f"{found} objects in reference cycles after {REQUESTS} in-process calls"
+
+
+def _grpc_request(i: int) -> Any:
+    from gpud.proto import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="add_sub", id=str(i))
+    for name in ("INPUT0", "INPUT1"):
+        tensor = request.inputs.add(name=name, datatype="FP32")
+        tensor.shape.extend([1, 16])
+        request.raw_input_contents.append(np.ones((1, 16), np.float32).tobytes())
+    return request
+
+
+@pytest.mark.parametrize("call", ["unary", "stream"])
+def test_grpc_calls_leave_no_cycles(repo, collector_off, call):
+    """gpud's own gRPC server (HTTP/2 framing, calls, plans: compiled too) over loopback, a grpcio client in a
+    thread: unary ModelInfer calls, and one ModelStreamInfer stream with every request on it."""
+    import grpc
+
+    from gpud.api.grpc_api import start_grpc_server
+    from gpud.proto import grpc_service_pb2_grpc as pb_grpc
+
+    def client(port: int, n: int) -> list[Any]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            if call == "unary":
+                return [stub.ModelInfer(_grpc_request(i), timeout=30) for i in range(n)]
+            return list(stub.ModelStreamInfer(iter([_grpc_request(i) for i in range(n)]), timeout=60))
+
+    async def served() -> tuple[int, list[Any]]:
+        async with _daemon_parts(repo) as parts:
+            server = await start_grpc_server(parts.core, "127.0.0.1", 0)
+            try:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, client, server.bound_port, 8)  # the channel's and plans' first
+                gc.collect()
+                answers = await loop.run_in_executor(None, client, server.bound_port, REQUESTS)
+                return gc.collect(), answers
+            finally:
+                await server.stop(1.0)
+    found, answers = asyncio.run(served())
+    if call == "stream":
+        assert all(not a.error_message for a in answers), answers[0]
+        answers = [a.infer_response for a in answers]
+    assert len(answers) == REQUESTS and all(len(a.raw_output_contents) == 2 for a in answers)
+    assert found < MAX_FOUND, f"{found} objects in reference cycles after {REQUESTS} gRPC {call} requests"
 
 
 def test_the_counting_can_fail(collector_off):

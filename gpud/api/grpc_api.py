@@ -36,7 +36,7 @@ from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
 from gpud.api.grpc_infer import InferPlan, InferPlans, encode_response, stream_answer
 from gpud.api.grpcwire import calls
-from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Reply
+from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Received, Reply
 from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, SharedCount, check_shape
@@ -322,12 +322,12 @@ def _bytes_file(key: str, value: object) -> bytes:
     return value
 
 
-def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[Received], Any] | None:
     if deserialize is None:  # a method that takes the raw bytes (none of the generated ones)
         return None
-    def parse(data: bytes) -> Any:
+    def parse(data: Received) -> Any:
         try:
-            return deserialize(data)
+            return deserialize(data)  # type: ignore[arg-type]  # upb takes any bytes-like (a large one's view)
         except DecodeError as exc:
             return MalformedMessage(str(exc))
     return parse
@@ -497,7 +497,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         return await self._infer(request)
 
-    def start_model_infer(self, data: bytes, context: CallContext, reply: Reply) -> Callable[[], None] | None:
+    def start_model_infer(self, data: Received, context: CallContext, reply: Reply) -> Callable[[], None] | None:
         """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
         when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`."""
         try:
@@ -509,7 +509,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._plans.keep(plan)  # a kind the core took: the next of its kind comes from the plan
         return cancel
 
-    def _request_of(self, data: bytes) -> tuple[InferRequest, Any]:
+    def _request_of(self, data: Received) -> tuple[InferRequest, Any]:
         """A serialized ModelInferRequest as the core's request: from its kind's plan, else parsed and checked in
         full; INVALID_ARGUMENT for what is no such message or not a valid request. Also a new plan for its kind,
         for `InferPlans.keep` once the core has taken the request (None when it came from one, or gets none)."""

@@ -137,7 +137,7 @@ class InferPlans:
         self.capacity = capacity
         self._plans: dict[bytes, InferPlan] = {}
 
-    def request(self, data: bytes) -> tuple[InferRequest | None, Any]:
+    def request(self, data: bytes | memoryview) -> tuple[InferRequest | None, Any]:
         """(the request, None) from a known plan; else (None, what `prepare` needs to make one)."""
         scanned = scan(data)
         if scanned is None:

@@ -34,6 +34,9 @@ MODULES: tuple[str, ...] = (
     # front ends in processes of their own: the child's side (remote_core, link, arena, group) and the core's (host)
     "gpud.frontproc.remote_core", "gpud.frontproc.link", "gpud.frontproc.arena", "gpud.frontproc.group",
     "gpud.frontproc.host", "gpud.frontproc.connections",
+    # gpud's own gRPC server: HTTP/2 framing, HPACK, calls, and the ModelInfer plans
+    "gpud.api.grpcwire.connection", "gpud.api.grpcwire.calls", "gpud.api.grpcwire.frames",
+    "gpud.api.grpcwire.hpack_decoder", "gpud.api.grpcwire.keepalive", "gpud.api.grpc_infer",
 )
 PURE_ENV = "GPUD_PURE_PYTHON"
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds gpud/

@@ -3,7 +3,7 @@
     python -m gpud.compiled.build [--if-stale] [--quiet]
 
 Needs mypy (the `compile` extra: `pip install 'gpud[compile]'`; the `test` extra has it too), a C compiler and
-Python's headers. Takes about a minute on two cores. Without them it says why and exits 1; gpud then runs as pure
+Python's headers. Takes about three minutes on two cores. Without them it says why and exits 1; gpud then runs as pure
 Python, the same behaviour at more CPU per request. `--if-stale`: do nothing when the build matches the sources.
 """
 from __future__ import annotations
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpud.compiled: not built, gpud runs as pure Python: {missing}", file=sys.stderr)
         return 1
     started = time.monotonic()
-    print(f"gpud.compiled: compiling the request path ({len(compiled.MODULES)} modules, about a minute; "
-          f"{compiled.PURE_ENV}=1 skips it)", file=sys.stderr, flush=True)
+    print(f"gpud.compiled: compiling the request path ({len(compiled.MODULES)} modules, about three minutes on two "
+          f"cores; {compiled.PURE_ENV}=1 skips it)", file=sys.stderr, flush=True)
     try:
         build(quiet=args.quiet)
     except (Exception, SystemExit) as e:  # noqa: BLE001 - any failure (mypy exits on a type error) leaves pure Python

@@ -13,6 +13,8 @@ from typing import Any
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND = 0, 1, 2, 3, 4, 5
 RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
 
+Received = bytes | memoryview  # a request message as it came in: a large one (MessageReader) is a memoryview
+
 
 @dataclass(frozen=True, slots=True)
 class Method:
@@ -20,14 +22,14 @@ class Method:
     and how its messages are read and written."""
 
     handler: Callable[..., Any]
-    parse: Callable[[bytes], Any]
+    parse: Callable[[Received], Any]
     serialize: Callable[[Any], bytes]
     client_streaming: bool = False
     server_streaming: bool = False
     # A unary method may also be answered without a task: `start(request bytes, context, reply)` calls
     # `reply(status, details, message bytes)` once (now or later, from the event loop) and returns how to cancel
     # the call (or None). The server then uses it instead of `handler`.
-    start: Callable[[bytes, CallContext, Reply], Callable[[], None] | None] | None = None
+    start: Callable[[Received, CallContext, Reply], Callable[[], None] | None] | None = None
 
 
 Reply = Callable[[int, str, Any], None]  # (status, details, the serialized answer where the status is OK)

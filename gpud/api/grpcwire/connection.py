@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from gpud.api.grpcwire import calls, frames
-from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageReader, Method
+from gpud.api.grpcwire.calls import CallAborted, CallContext, MessageReader, Method, Received
 from gpud.api.grpcwire.hpack_decoder import Decoder, HpackError
 from gpud.api.grpcwire.keepalive import Keepalive, PingStrikes
 
@@ -65,7 +65,7 @@ class _Stream:
         self.method: Method | None = None
         self.context: CallContext | None = None
         self.reader: MessageReader | None = None
-        self.request: bytes | None = None  # a unary call's request, once in
+        self.request: Received | None = None  # a unary call's request, once in
         self.requests: asyncio.Queue | None = None  # a streaming call's requests
         self.task: asyncio.Task | None = None
         self.cancel: Callable[[], None] | None = None  # a call answered by callback (Method.start): stops it
@@ -79,6 +79,28 @@ class _Stream:
         self.headers_sent = False
         self.deadline: asyncio.TimerHandle | None = None
         self.writable: asyncio.Event | None = None  # set when a streaming call's output is no longer blocked
+
+
+class _Requests:
+    """A client-streaming call's requests, each parsed as it comes, until the client ends its side. A class, not an
+    async generator: mypyc compiles no async generators (this module is compiled, gpud.compiled)."""
+
+    def __init__(self, queue: asyncio.Queue, parse: Callable[[Received], Any]):
+        self._queue = queue
+        self._parse = parse
+        self._ended = False
+
+    def __aiter__(self) -> _Requests:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._ended:
+            raise StopAsyncIteration
+        message = await self._queue.get()
+        if message is _END:
+            self._ended = True
+            raise StopAsyncIteration
+        return self._parse(message)
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -188,11 +210,11 @@ class GrpcConnection(asyncio.Protocol):
             log.info("gRPC connection from %s closed: %s", self.peer, exc)
             self._close(exc.code, str(exc))
             return
-        except Exception as exc:  # noqa: BLE001 - a bug of ours: said, and its calls end with the connection
+        except Exception as bug:  # noqa: BLE001 - a bug of ours: said, and its calls end with the connection
             # (left to the event loop, the transport would close with a generic line, and a client's streams with
             # no status, which some clients wait on for ever)
             log.exception("gRPC connection from %s closed: an internal error handling its frames", self.peer)
-            self._close(frames.INTERNAL_ERROR, f"internal error: {type(exc).__name__}")
+            self._close(frames.INTERNAL_ERROR, f"internal error: {type(bug).__name__}")
             return
         del buffer[:i]
 
@@ -502,7 +524,7 @@ class GrpcConnection(asyncio.Protocol):
                 self._pump(stream)
 
     # --- calls -----------------------------------------------------------------------------------------------------
-    def _start(self, stream: _Stream, start: Callable, request: bytes) -> None:
+    def _start(self, stream: _Stream, start: Callable, request: Received) -> None:
         """A unary call answered by callback (`Method.start`): no task, no coroutine."""
         try:
             cancel = start(request, stream.context, functools.partial(self._reply, stream))
@@ -529,19 +551,19 @@ class GrpcConnection(asyncio.Protocol):
         if cancel is not None:
             cancel()
 
-    async def _run_unary(self, stream: _Stream, method: Method, request: bytes) -> None:
+    async def _run_unary(self, stream: _Stream, method: Method, request: Received) -> None:
         try:
             response = await method.handler(method.parse(request), stream.context)
             message = method.serialize(response)
         except CallAborted as exc:
             self._finish(stream, exc.code, exc.details)
-        except Exception as exc:  # noqa: BLE001 - a handler's bug answers INTERNAL; the server goes on
-            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=exc)
-            self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except Exception as bug:  # noqa: BLE001 - a handler's bug answers INTERNAL; the server goes on
+            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=bug)
+            self._finish(stream, calls.INTERNAL, f"{type(bug).__name__}: {bug}")
         else:
             self._answer(stream, message)
 
-    async def _run_streaming(self, stream: _Stream, method: Method, request: bytes = b"") -> None:
+    async def _run_streaming(self, stream: _Stream, method: Method, request: Received = b"") -> None:
         """A call with a stream either way; `request`: the one request of a call that streams only answers."""
         try:
             argument: Any
@@ -563,16 +585,16 @@ class GrpcConnection(asyncio.Protocol):
                 self._send_message(stream, calls.framed(method.serialize(response)))
         except CallAborted as exc:
             self._finish(stream, exc.code, exc.details)
-        except Exception as exc:  # noqa: BLE001
-            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=exc)
-            self._finish(stream, calls.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except Exception as bug:  # noqa: BLE001
+            log.error("gRPC call %s from %s failed", stream.path, self.peer, exc_info=bug)
+            self._finish(stream, calls.INTERNAL, f"{type(bug).__name__}: {bug}")
         else:
             self._finish(stream, calls.OK, "")
 
-    async def _requests(self, stream: _Stream, method: Method):
+    @staticmethod
+    def _requests(stream: _Stream, method: Method) -> _Requests:
         assert stream.requests is not None
-        while (message := await stream.requests.get()) is not _END:
-            yield method.parse(message)
+        return _Requests(stream.requests, method.parse)
 
     def _expire(self, stream: _Stream) -> None:
         stream.deadline = None
