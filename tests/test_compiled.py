@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -124,6 +125,45 @@ def test_if_stale_does_nothing_when_the_build_matches(monkeypatch, capsys):
     monkeypatch.setattr(build, "build", lambda **kw: pytest.fail("must not build"))
     assert build.main(["--if-stale"]) == 0
     assert "matches the sources" in capsys.readouterr().out
+
+
+class _Compiler:
+    """distutils' compiler as compile_in_parallel uses it: `b.o` is up to date (not in the work to do)."""
+
+    def __init__(self, barrier: threading.Barrier | None = None, fail: str = ""):
+        self.barrier, self.fail = barrier, fail
+        self.compiled: list[tuple] = []
+
+    def _setup_compile(self, output_dir, macros, include_dirs, sources, depends, extra_postargs):
+        objects = [s.replace(".c", ".o") for s in sources]
+        return macros, objects, ["-post"], ["-Iinc"], {o: (s, ".c") for o, s in zip(objects, sources) if o != "b.o"}
+
+    def _get_cc_args(self, pp_opts, debug, extra_preargs):
+        return ["-O3", *pp_opts]
+
+    def _compile(self, obj, src, ext, cc_args, extra_postargs, pp_opts):
+        if self.barrier is not None:
+            self.barrier.wait()  # both files at once, or a broken barrier
+        if src == self.fail:
+            raise RuntimeError(f"error compiling {src}")
+        self.compiled.append((obj, src, ext, tuple(cc_args), tuple(extra_postargs), tuple(pp_opts)))
+
+
+def test_the_builds_c_files_compile_side_by_side_and_all_objects_are_returned():
+    from gpud.compiled.build import compile_in_parallel
+
+    compiler = _Compiler(threading.Barrier(2, timeout=30))
+    objects = compile_in_parallel(compiler, 2, ["a.c", "b.c", "c.c"], macros=[("X", "1")])
+    assert objects == ["a.o", "b.o", "c.o"]  # what distutils links: the up-to-date one too
+    assert sorted(compiler.compiled) == [("a.o", "a.c", ".c", ("-O3", "-Iinc"), ("-post",), ("-Iinc",)),
+                                         ("c.o", "c.c", ".c", ("-O3", "-Iinc"), ("-post",), ("-Iinc",))]
+
+
+def test_a_c_file_that_fails_fails_the_build():
+    from gpud.compiled.build import compile_in_parallel
+
+    with pytest.raises(RuntimeError, match="error compiling c.c"):
+        compile_in_parallel(_Compiler(fail="c.c"), 2, ["a.c", "c.c"])
 
 
 def test_the_builds_type_check_needs_no_checkout(tmp_path):

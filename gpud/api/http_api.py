@@ -350,7 +350,9 @@ class HttpApi:
 
 
 class _Decoded:
-    """Submits a request the JSON codec decoded off the loop (a class rather than a closure: see _InferAnswer)."""
+    """Submits a request the JSON codec decoded off the loop (a class rather than a closure: see _InferAnswer). It
+    shares three fields with _InferAnswer but no base class: compiled with mypyc 2.4, a shared base's subclasses
+    crashed the process (a segmentation fault in tests/test_request_garbage.py)."""
     __slots__ = ("api", "respond", "request")
 
     def __init__(self, api: HttpApi, respond: Respond, request: HttpRequest) -> None:

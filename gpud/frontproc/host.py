@@ -43,7 +43,6 @@ REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cud
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
 SIGNATURES_MAX = 4096
 SLICES_MAX = 4096
-K = TypeVar("K")
 
 
 class HostedCore(Protocol):
@@ -56,6 +55,8 @@ class HostedCore(Protocol):
 
     def group_limit(self, request: Any) -> int: ...
 
+
+K = TypeVar("K")
 V = TypeVar("V")
 
 
