@@ -223,16 +223,17 @@ def test_four_60_mb_json_bodies_at_once_neither_stall_the_loop_nor_multiply_memo
     # Four bodies keep both decoding children busy alongside the client and the daemon on 2 cores: the loop waits
     # for a core now and then, so the tail is bounded looser than for one body; decoded on the loop, each of them
     # stalled it ~420 ms in turn. The p99 bound holds in every run; the slowest probe, as for one body, in one of
-    # three (CI once saw one 283 ms probe among 13,724 with p99 2.5 ms).
+    # three (CI once saw one 283 ms probe among 13,724 with p99 2.5 ms; on this VM's slow days, 2026-11-28, the
+    # slowest was 205-252 ms in all three): 300 ms, under the 420 ms that one body decoded on the loop costs.
     runs = []
     for _ in range(3):
         runs.append(run := measure(daemon, body, expected, 4))
         print(f"\n4 x {len(body) / 2**20:.0f} MB: {run.summary()}")
         lat = run.latencies_s
         assert lat[len(lat) * 99 // 100] < PROBE_LIMIT_S, run.summary()
-        if lat[-1] < 4 * PROBE_LIMIT_S:
+        if lat[-1] < 6 * PROBE_LIMIT_S:
             break
-    assert run.latencies_s[-1] < 4 * PROBE_LIMIT_S, [r.summary() for r in runs]
+    assert run.latencies_s[-1] < 6 * PROBE_LIMIT_S, [r.summary() for r in runs]
     # Memory: the daemon holds each body (60 MB) and its 22 MB tensor, no more; the parse itself (~6x its body in
     # Python objects, ~7x with the array and the interpreter) happens in at most 2 children whatever their number.
     assert run.peak_rss_bytes - run.idle_rss_bytes < 4 * 3 * len(body) + 64 * 2**20, run.summary()
