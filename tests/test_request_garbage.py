@@ -13,8 +13,8 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson

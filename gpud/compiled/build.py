@@ -41,16 +41,16 @@ def _missing() -> str | None:
     return None
 
 
-def _parallel_build_ext() -> type:
-    """setuptools' build_ext whose compiler compiles an extension's C files at once, one per CPU (distutils
-    compiles them one after another; its `--parallel` is per extension, and mypyc makes one of all the modules)."""
+def _parallel_build_ext(jobs: int) -> type:
+    """setuptools' build_ext whose compiler compiles an extension's C files `jobs` at a time (distutils compiles
+    them one after another; its `--parallel` is per extension, and mypyc makes one of all the modules)."""
     from setuptools.command.build_ext import build_ext  # type: ignore[import-untyped]
 
     class ParallelBuildExt(build_ext):
         def build_extension(self, ext: Any) -> None:
             compiler = self.compiler
             if all(hasattr(compiler, name) for name in ("_setup_compile", "_get_cc_args", "_compile")):
-                compiler.compile = functools.partial(compile_in_parallel, compiler, os.cpu_count() or 1)
+                compiler.compile = functools.partial(compile_in_parallel, compiler, jobs)
             super().build_extension(ext)
 
     return ParallelBuildExt
@@ -103,16 +103,17 @@ def build(lib_dir: str = compiled.LIB_DIR, quiet: bool = False) -> None:
             with contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext():
                 # Our own mypy settings, the same in a checkout and in an installed copy (no pyproject.toml there).
                 options = ["--config-file", os.path.join(os.path.dirname(compiled.__file__), "mypy.ini")]
-                # One C file per module (multi_file), compiled side by side (_ParallelBuildExt): one file of all
+                # One C file per module (multi_file), compiled side by side (_parallel_build_ext): one file of all
                 # of them took one core ~2 minutes whatever the machine.
+                jobs = os.cpu_count() or 1
                 extensions = mypycify(options + [os.path.relpath(compiled.source_path(m, src), src)
                                                  for m in compiled.MODULES],
                                       target_dir=os.path.join(work, "c"), opt_level="3", strip_asserts=False,
                                       multi_file=True)
                 dist = Distribution({"name": "gpud-compiled", "ext_modules": extensions,
-                                     "cmdclass": {"build_ext": _parallel_build_ext()}})
+                                     "cmdclass": {"build_ext": _parallel_build_ext(jobs)}})
                 dist.script_args = ["build_ext", "--build-lib", out, "--build-temp", os.path.join(work, "obj"),
-                                    "--parallel", str(os.cpu_count() or 1)]
+                                    "--parallel", str(jobs)]
                 if quiet:
                     dist.script_args.insert(0, "--quiet")
                 dist.parse_command_line()

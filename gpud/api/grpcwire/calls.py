@@ -26,7 +26,7 @@ class Method:
     serialize: Callable[[Any], bytes]
     client_streaming: bool = False
     server_streaming: bool = False
-    # A unary method may also be answered without a task: `start(request bytes, context, reply)` calls
+    # A unary method may also be answered without a task: `start(request as received, context, reply)` calls
     # `reply(status, details, message bytes)` once (now or later, from the event loop) and returns how to cancel
     # the call (or None). The server then uses it instead of `handler`.
     start: Callable[[Received, CallContext, Reply], Callable[[], None] | None] | None = None
