@@ -371,6 +371,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     hosts = [r for r in runners if isinstance(r, FrontendHost)]
     if hosts:  # gpudctl inspect's FRONT ENDS
         core.views["frontends"] = _FrontendsView(hosts)
+    for host in hosts:  # their event loops' lag and stalls, beside the core's (gpud_event_loop_*)
+        parts.loop_collector.sources.append(functools.partial(dict, host.loop_reports))
     from gpud.api.grpcwire.server import GrpcServer
 
     http_hosts = [r for r in runners if isinstance(r, HttpServer) or

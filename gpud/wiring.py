@@ -32,6 +32,7 @@ from gpud.placement.solver import EXACT_SOLVER
 from gpud.telemetry.device_metrics import DeviceCollector
 from gpud.telemetry.devices import DeviceBackend
 from gpud.telemetry.discovery import discover
+from gpud.telemetry.event_loop import LoopCollector, LoopMonitor
 from gpud.scaling.hints import DeviceFree
 from gpud.telemetry.host_metrics import HostCollector
 from gpud.telemetry.model_metrics import ModelMetrics
@@ -56,11 +57,20 @@ class Components:
     controller: ScalingController | None
     core: GpudCore
     poller: RepositoryPoller
+    # The core's event loop watched (gpud.telemetry.event_loop); the daemon adds its front-end processes' reports
+    # to the collector's sources.
+    loop_monitor: LoopMonitor = field(default_factory=LoopMonitor)
+    loop_collector: LoopCollector = field(default_factory=LoopCollector)
     _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.loop_collector.sources.append(lambda: {"core": self.loop_monitor.counts})
+        self.metrics_registry.register(self.loop_collector)
 
     async def start(self) -> None:
         """Load the repository (every model it holds that the model control mode loads at start), then run the
         hints, the controller and, in poll mode, the repository poller."""
+        self.loop_monitor.start()
         await self.core.start()
         # The poller knows the repository as start-up loaded it: poll mode applies its changes every interval, and
         # a reload (SIGHUP) applies them in every mode.
@@ -79,6 +89,7 @@ class Components:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         await self.core.shutdown(drain_timeout_s)
+        self.loop_monitor.stop()
         self.core.client_shm.close()  # the clients' regions gpud kept open
         self.core.repository.overrides.close()  # the files of loads with overrides (gpud.repository.overrides)
         self.devices.close()

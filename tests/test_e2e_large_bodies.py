@@ -1,12 +1,15 @@
-"""Large JSON bodies never stall the event loop (issue 14): on the real daemon, /v2/health/ready and small inferences
-keep answering in < 50 ms while 60 MB JSON bodies are parsed, one and four at once, and the daemon's memory does
-not grow with the number of large bodies beyond the bodies themselves (their parse runs in bounded child
-processes: gpud.api.json_codec)."""
+"""Large JSON bodies never stall the event loop (issue 14): on the real daemon, while 60 MB JSON bodies are parsed (one
+and four at once) or a 60 MB JSON answer is written, no event loop of the daemon's (the core's, each front-end
+process's) runs a callback long enough to hold its timer up by 50 ms (the daemon's own measure,
+gpud_event_loop_stall_seconds: the loop's CPU time, which the machine's load does not inflate), /v2/health/ready and
+small inferences keep answering (p99 < 50 ms), and the daemon's memory does not grow with the number of large bodies
+beyond the bodies themselves (their parse runs in bounded child processes: gpud.api.json_codec)."""
 from __future__ import annotations
 
 import http.client
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +18,9 @@ import psutil
 import pytest
 from onnx import TensorProto, helper
 
-from tests.daemon_harness import save, start_daemon
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.daemon_harness import save, start_daemon, wait_for
 
 pytestmark = pytest.mark.slow
 BODY_TARGET_BYTES = 60 * 2**20
@@ -106,6 +111,54 @@ def rss_bytes(pid: int) -> tuple[int, int]:
     return proc.memory_info().rss, sum(c.memory_info().rss for c in children)
 
 
+@dataclass(frozen=True)
+class LoopCounts:
+    ticks: int
+    stalls_over_limit: int  # ticks held up > PROBE_LIMIT_S by the loop's own callbacks
+    lag_max_bucket_s: float  # the upper bound of the highest lag bucket with a tick in it
+
+
+def loop_counts(daemon) -> dict[str, LoopCounts]:
+    """Each of the daemon's event loops ("core", "http-0", ...), from its metrics (gpud.telemetry.event_loop)."""
+    with urllib.request.urlopen(daemon.metrics_url, timeout=30) as r:
+        text = r.read().decode()
+    ticks: dict[str, int] = {}
+    within: dict[str, int] = {}
+    lag_top: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name == "gpud_event_loop_stall_seconds":
+            for sample in family.samples:
+                process = sample.labels["process"]
+                if sample.name.endswith("_count"):
+                    ticks[process] = int(sample.value)
+                elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == PROBE_LIMIT_S:
+                    within[process] = int(sample.value)
+        elif family.name == "gpud_event_loop_lag_seconds":
+            previous: dict[str, float] = {}
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    process = sample.labels["process"]
+                    if sample.value > previous.get(process, 0.0):
+                        lag_top[process] = float(sample.labels["le"])
+                    previous[process] = sample.value
+    assert ticks and set(ticks) == set(within), text
+    return {p: LoopCounts(ticks[p], ticks[p] - within[p], lag_top.get(p, 0.0)) for p in ticks}
+
+
+def loop_counts_after(daemon, before: dict[str, LoopCounts]) -> dict[str, LoopCounts]:
+    """The loops' counts once every loop has counted ticks after this moment: a front-end process reports its own
+    about once a second, so the run's last ticks are in."""
+    now = loop_counts(daemon)
+    latest: list[dict[str, LoopCounts]] = [now]
+
+    def reported() -> bool:
+        latest[0] = loop_counts(daemon)
+        return all(latest[0].get(p, c).ticks > c.ticks for p, c in now.items())
+    wait_for(reported, 30, "every event loop's next ticks in the daemon's metrics", interval_s=0.2)
+    assert set(latest[0]) >= set(before), (before, latest[0])
+    return latest[0]
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("large")
@@ -123,13 +176,25 @@ class Run:
     idle_rss_bytes: int
     peak_rss_bytes: int
     peak_children_rss_bytes: int
+    stalls: dict[str, int]  # each event loop's ticks held up > PROBE_LIMIT_S by its own callbacks during the run
+    loops: dict[str, LoopCounts]  # their counts at the end
 
     def summary(self) -> str:
         lat = self.latencies_s
+        loops = ", ".join(f"{p} {self.stalls[p]} stalls (lag <= {c.lag_max_bucket_s * 1000:g} ms since start)"
+                          for p, c in sorted(self.loops.items()))
         return (f"{len(lat)} probes: p50 {lat[len(lat) // 2] * 1000:.1f} ms, p99 {lat[len(lat) * 99 // 100] * 1000:.1f} "
-                f"ms, max {lat[-1] * 1000:.1f} ms; daemon RSS {self.idle_rss_bytes / 2**20:.0f} -> peak "
+                f"ms, max {lat[-1] * 1000:.1f} ms; loops: {loops}; daemon RSS {self.idle_rss_bytes / 2**20:.0f} -> peak "
                 f"{self.peak_rss_bytes / 2**20:.0f} MB; decoding children peak "
                 f"{self.peak_children_rss_bytes / 2**20:.0f} MB")
+
+    @property
+    def p99_s(self) -> float:
+        return self.latencies_s[len(self.latencies_s) * 99 // 100]
+
+    @property
+    def stalled(self) -> bool:
+        return any(self.stalls.values())
 
 
 def measure(daemon, body: bytes, expected: float | None, concurrent: int, model: str = "sum") -> Run:
@@ -140,6 +205,7 @@ def measure(daemon, body: bytes, expected: float | None, concurrent: int, model:
         prober.probe_once()
     prober.latencies_s.clear()
     idle_rss, _ = rss_bytes(daemon.proc.pid)
+    loops_before = loop_counts(daemon)
     results: list = []
     senders = [threading.Thread(target=post_big, args=(port, body, results, model)) for _ in range(concurrent)]
     done = threading.Event()
@@ -165,75 +231,63 @@ def measure(daemon, body: bytes, expected: float | None, concurrent: int, model:
             got = orjson.loads(answer)["outputs"][0]["data"][0]
             assert got == pytest.approx(expected, rel=1e-3, abs=1.0)
     assert len(prober.latencies_s) >= 20, prober.latencies_s  # the probes really ran alongside the parse
-    return Run(sorted(prober.latencies_s), idle_rss, peak[0], peak[1])
+    loops = loop_counts_after(daemon, loops_before)
+    # (a front-end process restarted meanwhile counts from zero: then all its stalls are the run's)
+    stalls = {p: c.stalls_over_limit - (loops_before[p].stalls_over_limit
+                                        if p in loops_before and loops_before[p].ticks <= c.ticks else 0)
+              for p, c in loops.items()}
+    return Run(sorted(prober.latencies_s), idle_rss, peak[0], peak[1], stalls, loops)
+
+
+# What each test asserts of a run: no event loop of the daemon's held up by its own callbacks beyond PROBE_LIMIT_S
+# (decoded on the loop, a 60 MB body holds it ~420 ms; encoded there, a 60 MB answer 130-200 ms). That is the
+# daemon's CPU time, so it holds in every run, however loaded the machine. The probes' p99 stays under PROBE_LIMIT_S
+# too, in one of three runs (on a 2-core machine shared with other work, the kernel now and then keeps the daemon
+# from a core for tens of ms, which its own measure does not count and a client's does; the slowest probe, which
+# that alone took to 50-283 ms on slow days, is printed, not bounded).
+def assert_loops_kept_up(runs: list[Run]) -> None:
+    for run in runs:
+        assert not run.stalled, run.summary()
+    assert runs[-1].p99_s < PROBE_LIMIT_S, [r.summary() for r in runs]
 
 
 def test_health_and_small_requests_answer_within_50_ms_while_a_60_mb_json_body_is_parsed(daemon):
     body, expected = big_json_body()
-    # The probes are sequential, so a stall of the loop shows as one slow probe: the bound is on the slowest. On a
-    # 2-core machine shared with other work the kernel now and then keeps the loop from a core for tens of ms (a lag
-    # monitor in the daemon showed no callback over 14 ms in such runs), so the bound must hold in one of three
-    # runs. Decoded on the loop, every run has a probe waiting ~420 ms. The slowest probe's bound is twice the p99's:
-    # on this VM's slow days (2026-11-28, ~1.7x) the slowest of ~2,500 probes took 50-70 ms in most runs, in every
-    # build of the two days before (one C file or several, 19 or 25 compiled modules) alike.
     runs = []
     for _ in range(3):
         runs.append(measure(daemon, body, expected, 1))
         print(f"\n1 x {len(body) / 2**20:.0f} MB: {runs[-1].summary()}")
-        lat = runs[-1].latencies_s
-        if lat[len(lat) * 99 // 100] < PROBE_LIMIT_S and lat[-1] < 2 * PROBE_LIMIT_S:
+        if runs[-1].p99_s < PROBE_LIMIT_S or runs[-1].stalled:
             break
-    lat = runs[-1].latencies_s
-    assert lat[len(lat) * 99 // 100] < PROBE_LIMIT_S and lat[-1] < 2 * PROBE_LIMIT_S, [r.summary() for r in runs]
+    assert_loops_kept_up(runs)
     # The daemon holds the body and its tensor and nothing that grows with the parse.
     assert runs[-1].peak_rss_bytes - runs[-1].idle_rss_bytes < 3 * len(body) + 64 * 2**20, runs[-1].summary()
 
 
-def encode_seconds(values: np.ndarray) -> float:
-    """What writing the echo's answer as JSON takes on this machine now (the median of three): the stall a probe
-    would see if the daemon wrote it on its event loop."""
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        orjson.dumps({"outputs": [{"name": "y", "datatype": "FP32", "shape": [len(values)], "data": values}]},
-                     option=orjson.OPT_SERIALIZE_NUMPY)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[1]
-
-
 def test_a_60_mb_json_answer_is_encoded_without_stalling_the_loop(daemon):
-    # The echo model answers the 5.6 M numbers back as JSON: writing them is 130-200 ms of orjson holding the GIL.
-    # Written on the loop, the probe that arrives as it starts would wait all of it; the bound is 60% of that time,
-    # measured here and now (so that a loaded machine, which slows both, does not fail the test; CI once saw a
-    # 65-93 ms probe in each of three runs while other work held the cores), and never under PROBE_LIMIT_S.
+    # The echo model answers the 5.6 M numbers back as JSON: writing them is 130-200 ms of orjson, which a
+    # JSON child does, not the daemon's loop.
     body, _ = big_json_body()
-    values = np.random.default_rng(0).standard_normal(5_600_000).astype(np.float32)
     runs = []
-    for _ in range(3):  # as above: the bound must hold in one of three runs
-        limit_s = max(PROBE_LIMIT_S, 0.6 * encode_seconds(values))
+    for _ in range(3):
         runs.append(measure(daemon, body, None, 1, model="echo"))
-        print(f"\necho 1 x {len(body) / 2**20:.0f} MB: {runs[-1].summary()}; bound {limit_s * 1000:.0f} ms")
-        if runs[-1].latencies_s[-1] < limit_s:
+        print(f"\necho 1 x {len(body) / 2**20:.0f} MB: {runs[-1].summary()}")
+        if runs[-1].p99_s < PROBE_LIMIT_S or runs[-1].stalled:
             break
-    assert runs[-1].latencies_s[-1] < limit_s, ([r.summary() for r in runs], limit_s)
+    assert_loops_kept_up(runs)
 
 
 def test_four_60_mb_json_bodies_at_once_neither_stall_the_loop_nor_multiply_memory(daemon):
     body, expected = big_json_body()
-    # Four bodies keep both decoding children busy alongside the client and the daemon on 2 cores: the loop waits
-    # for a core now and then, so the tail is bounded looser than for one body; decoded on the loop, each of them
-    # stalled it ~420 ms in turn. The p99 bound holds in every run; the slowest probe, as for one body, in one of
-    # three (CI once saw one 283 ms probe among 13,724 with p99 2.5 ms; on this VM's slow days, 2026-11-28, the
-    # slowest was 205-252 ms in all three): 300 ms, under the 420 ms that one body decoded on the loop costs.
+    # Four bodies keep both decoding children busy alongside the client and the daemon on 2 cores; decoded on the
+    # loop, each of them would hold it ~420 ms in turn.
     runs = []
     for _ in range(3):
         runs.append(run := measure(daemon, body, expected, 4))
         print(f"\n4 x {len(body) / 2**20:.0f} MB: {run.summary()}")
-        lat = run.latencies_s
-        assert lat[len(lat) * 99 // 100] < PROBE_LIMIT_S, run.summary()
-        if lat[-1] < 6 * PROBE_LIMIT_S:
+        if run.p99_s < PROBE_LIMIT_S or run.stalled:
             break
-    assert run.latencies_s[-1] < 6 * PROBE_LIMIT_S, [r.summary() for r in runs]
+    assert_loops_kept_up(runs)
     # Memory: the daemon holds each body (60 MB) and its 22 MB tensor, no more; the parse itself (~6x its body in
     # Python objects, ~7x with the array and the interpreter) happens in at most 2 children whatever their number.
     assert run.peak_rss_bytes - run.idle_rss_bytes < 4 * 3 * len(body) + 64 * 2**20, run.summary()

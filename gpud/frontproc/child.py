@@ -18,6 +18,7 @@ from gpud.api.json_codec import JsonCodecPool
 from gpud.frontproc.arena import TRIM_INTERVAL_S, Arena
 from gpud.frontproc.connections import SharedConnections
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
+from gpud.telemetry.event_loop import LoopMonitor
 
 log = logging.getLogger("gpud.frontend")
 
@@ -34,6 +35,8 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.on_stop = on_stop
     core.on_lost = stop.set
     core.start()
+    # This loop's lag and stalls, in the core's metrics: watched from when it serves (its start-up is not serving)
+    monitor = LoopMonitor(on_report=core.report_loop)
     # the port's connection cap counts every process's connections (the host's shared page)
     connections = SharedConnections(options["connections_fd"], options["processes"], options["index"])
     connections.set(0)  # none yet (a process this one replaces may have written its last count late)
@@ -64,11 +67,13 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
             if isinstance(grpc_server, GrpcServer):  # grpcio's server has no cap
                 grpc_server.max_connections = max_connections  # a reload's --grpc-max-connections
         core.on_tune = on_tune_grpc
+        monitor.start()
         core.ready()
         try:
             await stop.wait()
             await grpc_server.stop(grace[0])
         finally:
+            monitor.stop()
             trimmer[0].cancel()
             core.close()
             arena.close()
@@ -87,11 +92,13 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
         server.max_connections = max_connections
     core.on_tune = on_tune
     await server.start_socket(listen)
+    monitor.start()
     core.ready()
     try:
         await stop.wait()
         await server.close(grace[0])
     finally:
+        monitor.stop()
         trimmer[0].cancel()
         core.close()
         arena.close()

@@ -14,6 +14,8 @@ Messages (plain tuples; pickle writes them in C):
                                                            (gpud.frontproc.group): `request` one of them, `placed`
                                                            each input's rows of all, one member after another
                         ("cancel", id)                    the client went away
+                        ("loop", counts)                  its event loop's counts (gpud.telemetry.event_loop),
+                                                           once a second
     core -> front end   ("result", id, ok, value)         a call's return value, or its InferenceError
                         ("answer", id, ok, value)         a request's answer (`response_wire`), or its
                                                            InferenceError

@@ -29,6 +29,7 @@ from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.group import group_key, split_answer
 from gpud.frontproc.link import FrameReader, Sender, discard_response, request_wire, response_of
 from gpud.repository.overrides import LoadOverride
+from gpud.telemetry.event_loop import LoopCounts
 
 log = logging.getLogger("gpud.frontend")
 
@@ -141,6 +142,11 @@ class RemoteCore:
     def ready(self) -> None:
         """Tell the core this process serves now."""
         self._send(("ready",), now=True)
+
+    def report_loop(self, counts: LoopCounts) -> None:
+        """This process's event-loop counts, for the core's metrics (sent with the turn's other messages)."""
+        if not self.lost:
+            self.sender.put(("loop", counts.wire()))
 
     # --- the link ----------------------------------------------------------------------------------------------
     def _readable(self) -> None:
