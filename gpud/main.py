@@ -360,6 +360,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     # cyclic collector's scans, so collections triggered by per-request garbage stay cheap.
     gc.collect()
     gc.freeze()
+    parts.serving()
     ready = sum(1 for v in parts.registry.versions() if v.ready)
     notify(f"READY=1\nSTATUS=serving {ready} model version(s)")
     log.info("gpud %s ready: serving; request path %s", __version__, compiled.status().reason)

@@ -59,18 +59,13 @@ class Components:
     poller: RepositoryPoller
     # The core's event loop watched (gpud.telemetry.event_loop); the daemon adds its front-end processes' reports
     # to the collector's sources.
-    loop_monitor: LoopMonitor = field(default_factory=LoopMonitor)
-    loop_collector: LoopCollector = field(default_factory=LoopCollector)
+    loop_monitor: LoopMonitor
+    loop_collector: LoopCollector
     _tasks: list[asyncio.Task] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.loop_collector.sources.append(lambda: {"core": self.loop_monitor.counts})
-        self.metrics_registry.register(self.loop_collector)
 
     async def start(self) -> None:
         """Load the repository (every model it holds that the model control mode loads at start), then run the
         hints, the controller and, in poll mode, the repository poller."""
-        self.loop_monitor.start()
         await self.core.start()
         # The poller knows the repository as start-up loaded it: poll mode applies its changes every interval, and
         # a reload (SIGHUP) applies them in every mode.
@@ -80,6 +75,11 @@ class Components:
             self._tasks.append(asyncio.create_task(self.controller.run(), name="placement-control"))
         if self.core.control.mode == "poll":
             self._tasks.append(asyncio.create_task(self.poller.run(), name="repository-poll"))
+
+    def serving(self) -> None:
+        """Everything is up (the daemon's front ends too): the event loop is watched from now on (start-up's
+        loading and imports are not serving)."""
+        self.loop_monitor.start()
 
     async def shutdown(self, drain_timeout_s: float) -> None:
         """Stop changing anything, refuse new requests, finish the accepted ones (up to `drain_timeout_s`), stop
@@ -152,7 +152,9 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
                                                      for r in placement.rooms()],
                          prepared.hint_policy, interval_s=settings.hints_interval_seconds,
                          rate_window_s=settings.hints_rate_window_seconds, registry=metrics_registry)
-    all_views: dict[str, InspectView] = {"hints": hints}
+    loop_monitor = LoopMonitor("core")
+    loop_collector = LoopCollector([lambda: {"core": loop_monitor.counts}], registry=metrics_registry)
+    all_views: dict[str, InspectView] = {"hints": hints, "event_loops": loop_collector}
     controller = None
     if settings.placement_control != "off":
         controller = ScalingController(registry.snapshot, hints.decisions, placement, prepared.scaling_policy,
@@ -171,7 +173,7 @@ def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
     read = lambda: poll_models(core.repository.model_names, lambda n: os.path.join(repo_path, n))  # noqa: E731
     poller = RepositoryPoller(read, core.load_model, core.unload_model, settings.repository_poll_seconds)
     return Components(repo_path, pool, devices, metrics_registry, model_metrics, registry, placement, hints,
-                      controller, core, poller)
+                      controller, core, poller, loop_monitor, loop_collector)
 
 
 async def start_metrics(components: Components, address: str, port: int):

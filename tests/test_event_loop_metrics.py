@@ -83,7 +83,36 @@ def test_a_report_reads_back_as_it_was_and_a_malformed_one_is_refused():
     back = LoopCounts.of_wire(counts.wire())
     assert back == counts
     with pytest.raises(ValueError, match="buckets"):
-        LoopCounts.of_wire(((1, 2), 0.0, (1, 2), 0.0, 0.0))
+        LoopCounts.of_wire(((1, 2), 0.0, (1, 2), 0.0, 0.0, 0.0))
+    with pytest.raises(ValueError):
+        LoopCounts.of_wire(((1, 2), 0.0))
+
+
+def test_busy_is_the_loops_share_of_about_the_last_second():
+    m = LoopMonitor()
+    m.begin(0.0, 0.0)
+    m.tick(0.02, 0.01)  # half the time
+    assert m.counts.busy_ratio == 0.0  # not a second yet
+    m.tick(REPORT_INTERVAL_S, 0.25)
+    assert m.counts.busy_ratio == pytest.approx(0.25 / REPORT_INTERVAL_S)
+    m.tick(2 * REPORT_INTERVAL_S + 0.5, 0.25 + 1.5 * 0.9)
+    assert m.counts.busy_ratio == pytest.approx(0.9)
+
+
+def test_a_stall_is_logged_once_a_minute_with_how_many_there_were(caplog):
+    m = LoopMonitor("http-1")
+    m.begin(0.0, 0.0)
+    cpu = 0.0
+    with caplog.at_level(logging.WARNING, logger="gpud.event_loop"):
+        for at_s in (1.0, 2.0, 3.0, 70.0):  # a 420 ms stall each
+            m.tick(at_s, cpu)  # a tick with no work since the last: no stall
+            cpu += 0.42
+            m.tick(m.due_s + 0.4, cpu)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "http-1 process's event loop was held 400 ms" in warnings[0] and "more" not in warnings[0]
+    assert "(2 more such stall(s) since the last warning)" in warnings[1]
+    assert m.counts.stall.count_over(0.25) == 4
 
 
 # --- on a real loop --------------------------------------------------------------------------------------------------
@@ -173,3 +202,20 @@ def test_a_front_end_processs_report_reaches_the_cores_metrics(caplog):
     LoopCollector([lambda: dict(host.loop_reports)], registry=registry)
     cpu = {s.labels["process"]: s.value for s in _families(registry)["gpud_event_loop_cpu_seconds"].samples}
     assert cpu == {"grpc-1": 0.5}
+
+
+def test_gpudctl_inspect_lists_each_loop():
+    from gpud.cli.inspect import render_inspect
+    from tests.test_ctl_workers import BASE
+
+    core, http0 = LoopCounts(), LoopCounts()
+    core.busy_ratio, core.cpu_s = 0.97, 1234.5
+    http0.stall.observe(0.3)
+    http0.lag.observe(0.3)
+    collector = LoopCollector([lambda: {"core": core, "http-0": http0}])
+    text = render_inspect(BASE | {"event_loops": collector.inspect()})
+    lines = text.splitlines()
+    at = lines.index("EVENT LOOPS (busy: the last second; late and stalls: over 50 ms, since start)")
+    assert lines[at + 2].split() == ["core", "97%", "1234.5", "0", "0"]
+    assert lines[at + 3].split() == ["http-0", "0%", "0.0", "1", "1"]
+    assert "EVENT LOOPS" not in render_inspect(BASE)

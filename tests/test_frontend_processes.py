@@ -245,3 +245,7 @@ def test_gpudctl_inspect_lists_the_front_end_processes(daemon):
     text = render_inspect(view)
     assert "FRONT ENDS (processes of their own)" in text
     assert all(f" {p['pid']} " in text for p in http) and "restarts" in text and "grouped" in text
+    # each process's event loop beside the core's (a process reports its loop once as it starts serving)
+    loops = {loop["process"] for loop in view["event_loops"]["loops"]}
+    assert {"core", *(f"http-{p['index']}" for p in http)} <= loops, loops
+    assert "EVENT LOOPS" in text and all(f" http-{p['index']} " in text for p in http)

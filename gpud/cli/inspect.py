@@ -76,6 +76,7 @@ def render_inspect(data: dict[str, Any]) -> str:
     lines += _render_pipelines(data["models"])
     lines += _render_workers(data.get("workers") or [])
     lines += _render_frontends((data.get("frontends") or {}).get("processes") or [])
+    lines += _render_loops((data.get("event_loops") or {}).get("loops") or [])
     lines += _render_hints(data.get("hints"))
     lines += _render_controller(data.get("controller"), data.get("time_unix_s"))
     return "\n".join(lines)
@@ -121,6 +122,20 @@ def _render_frontends(frontends: list[dict[str, Any]]) -> list[str]:
         state = "up" if f["alive"] else "restarting"
         lines.append(f"  {f['kind']:<8} {f['index']:>2} {f['pid']:>8} {state:<10} {f['in_flight']:>9} "
                      f"{f['restarts']:>8} {f.get('grouped', 0):>9}")
+    return lines
+
+
+def _render_loops(loops: list[dict[str, Any]]) -> list[str]:
+    """One line per event loop (the core's, each front-end process's): how busy it is now, and since it started its
+    ticks over 50 ms late and the stalls of its own over 50 ms (gpud_event_loop_*)."""
+    if not loops:
+        return []
+    lines = ["", "EVENT LOOPS (busy: the last second; late and stalls: over 50 ms, since start)",
+             f"  {'process':<10} {'busy':>6} {'cpu s':>9} {'late':>6} {'stalls':>6}"]
+    for loop in loops:
+        busy = f"{loop['busy_ratio'] * 100:.0f}%"
+        lines.append(f"  {loop['process']:<10} {busy:>6} {loop['cpu_s']:>9.1f} {loop['lag_over_50ms']:>6} "
+                     f"{loop['stalls_over_50ms']:>6}")
     return lines
 
 

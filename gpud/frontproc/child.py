@@ -36,7 +36,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.on_lost = stop.set
     core.start()
     # This loop's lag and stalls, in the core's metrics: watched from when it serves (its start-up is not serving)
-    monitor = LoopMonitor(on_report=core.report_loop)
+    monitor = LoopMonitor(f"{options['kind']}-{options['index']}", on_report=core.report_loop)
     # the port's connection cap counts every process's connections (the host's shared page)
     connections = SharedConnections(options["connections_fd"], options["processes"], options["index"])
     connections.set(0)  # none yet (a process this one replaces may have written its last count late)

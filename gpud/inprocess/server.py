@@ -228,6 +228,7 @@ class Server:
             started.set_exception(exc)
             return
         self._parts = parts
+        parts.serving()
         with self._lock:
             self._state = "running"
         started.set_result(None)

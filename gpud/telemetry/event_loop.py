@@ -18,9 +18,11 @@ A timer fires every 20 ms while the loop works (1 s while it idles: no wake-ups 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -31,6 +33,10 @@ IDLE_BELOW_RATIO = 0.01  # a loop busy less than 1% of the time idles: its timer
 # Upper bounds of the histograms' buckets, seconds (and +Inf). A loop's turn is normally well under a millisecond.
 BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REPORT_INTERVAL_S = 1.0  # a front-end process reports its counts to the core about once a second
+STALL_LOG_S = 0.1  # a stall this long is logged (a warning at most once a minute, with how many there were)
+STALL_LOG_EVERY_S = 60.0
+
+log = logging.getLogger("gpud.event_loop")
 
 
 def stall_s(interval_s: float, late_s: float, cpu_s: float, busy_ratio: float) -> float:
@@ -88,18 +94,26 @@ class LoopCounts:
     lag: Histogram = field(default_factory=Histogram)
     stall: Histogram = field(default_factory=Histogram)
     cpu_s: float = 0.0  # the loop thread's CPU time while monitored
+    busy_ratio: float = 0.0  # the share of about the last second the loop's thread ran (gpudctl inspect)
 
     def wire(self) -> tuple:
         """As plain data (a front-end process's report over its link)."""
-        return (tuple(self.lag.counts), self.lag.sum_s, tuple(self.stall.counts), self.stall.sum_s, self.cpu_s)
+        return (tuple(self.lag.counts), self.lag.sum_s, tuple(self.stall.counts), self.stall.sum_s, self.cpu_s,
+                self.busy_ratio)
 
     @classmethod
     def of_wire(cls, wire: tuple) -> LoopCounts:
-        lag_counts, lag_sum, stall_counts, stall_sum, cpu_s = wire
+        lag_counts, lag_sum, stall_counts, stall_sum, cpu_s, busy_ratio = wire
         if len(lag_counts) != len(BUCKETS_S) + 1 or len(stall_counts) != len(BUCKETS_S) + 1:
             raise ValueError(f"a loop report with {len(lag_counts)} buckets, not {len(BUCKETS_S) + 1}")
         return cls(Histogram(list(lag_counts), float(lag_sum)), Histogram(list(stall_counts), float(stall_sum)),
-                   float(cpu_s))
+                   float(cpu_s), float(busy_ratio))
+
+    def inspect(self) -> dict[str, float | int]:
+        """For `gpudctl inspect` (EVENT LOOPS)."""
+        return {"busy_ratio": self.busy_ratio, "cpu_s": self.cpu_s, "ticks": self.lag.count,
+                "lag_over_50ms": self.lag.count_over(0.05), "stalls_over_50ms": self.stall.count_over(0.05),
+                "stall_s": self.stall.sum_s}
 
 
 class LoopMonitor:
@@ -108,9 +122,10 @@ class LoopMonitor:
     `cpu_clock` is the calling thread's CPU time (the loop's thread: ticks run on it); tests drive `begin` and `tick`
     with clocks of their own."""
 
-    def __init__(self, *, cpu_clock: Callable[[], float] = time.thread_time,
+    def __init__(self, name: str = "core", *, cpu_clock: Callable[[], float] = time.thread_time,
                  on_report: Callable[[LoopCounts], None] | None = None,
                  report_interval_s: float = REPORT_INTERVAL_S):
+        self.name = name  # the process's, as its metrics label it ("core", "http-0", ...): for the log
         self.counts = LoopCounts()
         self._cpu_clock = cpu_clock
         self._on_report = on_report
@@ -122,6 +137,9 @@ class LoopMonitor:
         self._cpu_last_s = 0.0
         self._busy_ratio = 0.0  # the loop thread's share of the last gap between ticks
         self._reported_s = 0.0
+        self._cpu_reported_s = 0.0
+        self._stalls_unlogged = 0  # stalls of STALL_LOG_S or more since the last warning
+        self._stall_logged_s: float | None = None  # when the last warning was written
 
     def start(self) -> None:
         """Start ticking on the running loop (again after `stop()`: the counts go on), and report."""
@@ -149,7 +167,7 @@ class LoopMonitor:
     def begin(self, now_s: float, cpu_now_s: float) -> None:
         """Monitoring begins at `now_s`, the loop thread's CPU clock at `cpu_now_s`: the first tick is due soon."""
         self._last_s = self._reported_s = now_s
-        self._cpu_last_s = cpu_now_s
+        self._cpu_last_s = self._cpu_reported_s = cpu_now_s
         self._due_s = now_s + BUSY_INTERVAL_S
 
     def _tick(self) -> None:
@@ -166,15 +184,33 @@ class LoopMonitor:
         cpu_s = max(0.0, cpu_now_s - self._cpu_last_s)
         counts = self.counts
         counts.lag.observe(late_s)
-        counts.stall.observe(stall_s(interval_s, late_s, cpu_s, self._busy_ratio))
+        stalled_s = stall_s(interval_s, late_s, cpu_s, self._busy_ratio)
+        counts.stall.observe(stalled_s)
         counts.cpu_s += cpu_s
         self._busy_ratio = min(1.0, cpu_s / gap_s) if gap_s > 0 else 0.0
         self._last_s = now_s
         self._cpu_last_s = cpu_now_s
         self._due_s = now_s + next_interval_s(self._busy_ratio)
-        if self._on_report is not None and now_s - self._reported_s >= self._report_interval_s:
+        if stalled_s >= STALL_LOG_S:
+            self._stall_seen(now_s, stalled_s)
+        if now_s - self._reported_s >= self._report_interval_s:
+            counts.busy_ratio = min(1.0, (cpu_now_s - self._cpu_reported_s) / (now_s - self._reported_s))
             self._reported_s = now_s
-            self._on_report(counts)
+            self._cpu_reported_s = cpu_now_s
+            if self._on_report is not None:
+                self._on_report(counts)
+
+    def _stall_seen(self, now_s: float, stalled_s: float) -> None:
+        """A warning that says what happened, at most once a minute (the others counted in the next one)."""
+        self._stalls_unlogged += 1
+        if self._stall_logged_s is not None and now_s - self._stall_logged_s < STALL_LOG_EVERY_S:
+            return
+        more = self._stalls_unlogged - 1
+        log.warning("the %s process's event loop was held %.0f ms by work of gpud's own%s: requests on it waited "
+                    "that long (gpud_event_loop_stall_seconds). Please report it, with this log.", self.name,
+                    stalled_s * 1e3, f" ({more} more such stall(s) since the last warning)" if more else "")
+        self._stalls_unlogged = 0
+        self._stall_logged_s = now_s
 
 
 LoopSource = Callable[[], Mapping[str, LoopCounts]]
@@ -206,12 +242,19 @@ class LoopCollector(Collector):
                                 "rate is how busy the loop is (1 = saturated).", labels=("process",)),
         )
 
-    def collect(self) -> Iterable[Metric]:
-        lag, stall, cpu = fams = self._families()
+    def loops(self) -> dict[str, LoopCounts]:
         merged: dict[str, LoopCounts] = {}
         for source in self.sources:
             merged.update(source())
-        for process, counts in sorted(merged.items()):
+        return merged
+
+    def inspect(self) -> dict[str, Any]:
+        """`gpudctl inspect`'s EVENT LOOPS: each process's loop."""
+        return {"loops": [{"process": p, **c.inspect()} for p, c in sorted(self.loops().items())]}
+
+    def collect(self) -> Iterable[Metric]:
+        lag, stall, cpu = fams = self._families()
+        for process, counts in sorted(self.loops().items()):
             lag.add_metric([process], counts.lag.cumulative(), counts.lag.sum_s)
             stall.add_metric([process], counts.stall.cumulative(), counts.stall.sum_s)
             cpu.add_metric([process], counts.cpu_s)
