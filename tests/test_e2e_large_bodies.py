@@ -1,6 +1,6 @@
 """Large JSON bodies never stall the event loop (issue 14): on the real daemon, while 60 MB JSON bodies are parsed (one
 and four at once) or a 60 MB JSON answer is written, no event loop of the daemon's (the core's, each front-end
-process's) runs a callback long enough to hold its timer up by 50 ms (the daemon's own measure,
+process's) runs a callback long enough to hold its timer up by 100 ms (the daemon's own measure,
 gpud_event_loop_stall_seconds: the loop's CPU time, which the machine's load does not inflate), /v2/health/ready and
 small inferences keep answering (p99 < 50 ms), and the daemon's memory does not grow with the number of large bodies
 beyond the bodies themselves (their parse runs in bounded child processes: gpud.api.json_codec)."""
@@ -25,6 +25,10 @@ from tests.daemon_harness import save, start_daemon, wait_for
 pytestmark = pytest.mark.slow
 BODY_TARGET_BYTES = 60 * 2**20
 PROBE_LIMIT_S = 0.050
+# A callback of the daemon's own may hold an event loop this long (its CPU time): handing a 60 MB answer to the client
+# takes the core's loop 10-50 ms of copies on this VM; decoding a 60 MB body on the loop takes ~420 ms, encoding a
+# 60 MB answer there 130-200 ms.
+STALL_LIMIT_S = 0.1
 
 SUM_CONFIG = """
 max_batch_size: 0
@@ -114,7 +118,7 @@ def rss_bytes(pid: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class LoopCounts:
     ticks: int
-    stalls_over_limit: int  # ticks held up > PROBE_LIMIT_S by the loop's own callbacks
+    stalls_over_limit: int  # ticks held up > STALL_LIMIT_S by the loop's own callbacks
     lag_max_bucket_s: float  # the upper bound of the highest lag bucket with a tick in it
 
 
@@ -131,7 +135,7 @@ def loop_counts(daemon) -> dict[str, LoopCounts]:
                 process = sample.labels["process"]
                 if sample.name.endswith("_count"):
                     ticks[process] = int(sample.value)
-                elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == PROBE_LIMIT_S:
+                elif sample.name.endswith("_bucket") and float(sample.labels["le"]) == STALL_LIMIT_S:
                     within[process] = int(sample.value)
         elif family.name == "gpud_event_loop_lag_seconds":
             previous: dict[str, float] = {}
@@ -176,13 +180,13 @@ class Run:
     idle_rss_bytes: int
     peak_rss_bytes: int
     peak_children_rss_bytes: int
-    stalls: dict[str, int]  # each event loop's ticks held up > PROBE_LIMIT_S by its own callbacks during the run
+    stalls: dict[str, int]  # each event loop's ticks held up > STALL_LIMIT_S by its own callbacks during the run
     loops: dict[str, LoopCounts]  # their counts at the end
 
     def summary(self) -> str:
         lat = self.latencies_s
-        loops = ", ".join(f"{p} {self.stalls[p]} stalls (lag <= {c.lag_max_bucket_s * 1000:g} ms since start)"
-                          for p, c in sorted(self.loops.items()))
+        loops = ", ".join(f"{p} {self.stalls[p]} stalls over {STALL_LIMIT_S * 1000:g} ms (lag <= "
+                          f"{c.lag_max_bucket_s * 1000:g} ms since start)" for p, c in sorted(self.loops.items()))
         return (f"{len(lat)} probes: p50 {lat[len(lat) // 2] * 1000:.1f} ms, p99 {lat[len(lat) * 99 // 100] * 1000:.1f} "
                 f"ms, max {lat[-1] * 1000:.1f} ms; loops: {loops}; daemon RSS {self.idle_rss_bytes / 2**20:.0f} -> peak "
                 f"{self.peak_rss_bytes / 2**20:.0f} MB; decoding children peak "
@@ -239,7 +243,7 @@ def measure(daemon, body: bytes, expected: float | None, concurrent: int, model:
     return Run(sorted(prober.latencies_s), idle_rss, peak[0], peak[1], stalls, loops)
 
 
-# What each test asserts of a run: no event loop of the daemon's held up by its own callbacks beyond PROBE_LIMIT_S
+# What each test asserts of a run: no event loop of the daemon's held up by its own callbacks beyond STALL_LIMIT_S
 # (decoded on the loop, a 60 MB body holds it ~420 ms; encoded there, a 60 MB answer 130-200 ms). That is the
 # daemon's CPU time, so it holds in every run, however loaded the machine. The probes' p99 stays under PROBE_LIMIT_S
 # too, in one of three runs (on a 2-core machine shared with other work, the kernel now and then keeps the daemon
