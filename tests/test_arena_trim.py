@@ -70,3 +70,18 @@ def test_a_segment_only_looked_at_for_a_larger_block_is_still_released(arena):
         arena.free(big)
         _, big = arena.put(np.ones(3 * SEGMENT_BYTES, np.uint8))
     assert released == [0, 2 * SEGMENT_BYTES, 0]  # released once, at the second trim, and counted once
+
+
+def test_rows_are_placed_byte_for_byte_whatever_their_layout(arena):
+    """put_rows copies a C-contiguous part's memory as it is, and any other part (a strided view, a 0-d array)
+    through numpy in C order: the bytes at the slice are the parts', one after another."""
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    parts = [rows[:1], rows[1:], np.arange(6, dtype=np.int64).reshape(2, 3)[:, ::2], np.array(True),
+             np.frombuffer(b"\x01\x02\x03", np.uint8), np.zeros((0, 4), np.float32)]
+    where, block = arena.put_rows(parts)
+    expected = b"".join(np.ascontiguousarray(p).tobytes() for p in parts)
+    assert where.byte_size == len(expected)
+    with open(where.path, "rb") as f:
+        f.seek(where.offset)
+        assert f.read(where.byte_size) == expected
+    arena.free(block)
