@@ -86,6 +86,8 @@ def test_a_report_reads_back_as_it_was_and_a_malformed_one_is_refused():
         LoopCounts.of_wire(((1, 2), 0.0, (1, 2), 0.0, 0.0, 0.0))
     with pytest.raises(ValueError):
         LoopCounts.of_wire(((1, 2), 0.0))
+    with pytest.raises(ValueError):  # refused here, not at a scrape
+        LoopCounts.of_wire((("x",) * (len(BUCKETS_S) + 1), 0.0, (0,) * (len(BUCKETS_S) + 1), 0.0, 0.0, 0.0))
 
 
 def test_busy_is_the_loops_share_of_about_the_last_second():

@@ -106,8 +106,8 @@ class LoopCounts:
         lag_counts, lag_sum, stall_counts, stall_sum, cpu_s, busy_ratio = wire
         if len(lag_counts) != len(BUCKETS_S) + 1 or len(stall_counts) != len(BUCKETS_S) + 1:
             raise ValueError(f"a loop report with {len(lag_counts)} buckets, not {len(BUCKETS_S) + 1}")
-        return cls(Histogram(list(lag_counts), float(lag_sum)), Histogram(list(stall_counts), float(stall_sum)),
-                   float(cpu_s), float(busy_ratio))
+        return cls(Histogram([int(n) for n in lag_counts], float(lag_sum)),
+                   Histogram([int(n) for n in stall_counts], float(stall_sum)), float(cpu_s), float(busy_ratio))
 
     def inspect(self) -> dict[str, float | int]:
         """For `gpudctl inspect` (EVENT LOOPS)."""
