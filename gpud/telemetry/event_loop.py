@@ -4,7 +4,7 @@ process's (gpud.frontproc), exported to Prometheus.
 Everything a request costs in gpud's front end runs on an event loop, one per process. A loop that falls behind
 delays every request behind it, and the processes' loops are what `--http-processes` / `--grpc-processes` scale.
 
-A timer fires every 20 ms while the loop works (1 s while it idles: no wake-ups that would show as idle CPU):
+A timer fires every 20 ms while the loop works, every 0.25 s while it idles (few wake-ups: they cost idle CPU):
 - **lag**: how late it fired (wall time). What any callback waiting on the loop waited extra, whatever the cause: a
   callback of the loop's own that ran long, the process waiting for a CPU (a busy or shared machine), or another
   thread holding the GIL.
@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 BUSY_INTERVAL_S = 0.02
 IDLE_INTERVAL_S = 0.25
-IDLE_BELOW_RATIO = 0.01  # a loop busy less than 1% of the time idles: its timer wakes it once a second
+IDLE_BELOW_RATIO = 0.01  # a loop busy less than 1% of the time idles: its timer wakes it 4 times a second
 # Upper bounds of the histograms' buckets, seconds (and +Inf). A loop's turn is normally well under a millisecond.
 BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REPORT_INTERVAL_S = 1.0  # a front-end process reports its counts to the core about once a second
