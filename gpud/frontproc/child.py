@@ -17,6 +17,7 @@ from gpud.api.http_server import HttpServer
 from gpud.api.json_codec import JsonCodecPool
 from gpud.frontproc.arena import TRIM_INTERVAL_S, Arena
 from gpud.frontproc.connections import SharedConnections
+from gpud.frontproc.link import process_label
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
 from gpud.telemetry.event_loop import LoopMonitor
 
@@ -36,7 +37,7 @@ async def serve(link: socket.socket, listen: socket.socket | None, options: dict
     core.on_lost = stop.set
     core.start()
     # This loop's lag and stalls, in the core's metrics: watched from when it serves (its start-up is not serving)
-    monitor = LoopMonitor(f"{options['kind']}-{options['index']}", on_report=core.report_loop)
+    monitor = LoopMonitor(process_label(options["kind"], options["index"]), on_report=core.report_loop)
     # the port's connection cap counts every process's connections (the host's shared page)
     connections = SharedConnections(options["connections_fd"], options["processes"], options["index"])
     connections.set(0)  # none yet (a process this one replaces may have written its last count late)

@@ -30,7 +30,7 @@ from gpud.frontproc.arena import remove_arena_of
 from gpud.frontproc.connections import SharedConnections
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
 from gpud.frontproc.group import group_sizes
-from gpud.frontproc.link import FrameReader, Sender, request_of, response_wire
+from gpud.frontproc.link import FrameReader, Sender, process_label, request_of, response_wire
 from gpud.telemetry.event_loop import LoopCounts
 
 log = logging.getLogger("gpud.frontend")
@@ -157,7 +157,7 @@ class FrontendHost:
         self.processes: list[FrontendProcess | None] = [None] * count
         self.stopping = False
         self.restarts = [0] * count  # per process slot: how often its process was started again
-        self.loop_reports: dict[str, LoopCounts] = {}  # each process's last, by "<kind>-<index>"
+        self.loop_reports: dict[str, LoopCounts] = {}  # each process's last, by its process_label
         self._tasks: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -264,7 +264,7 @@ class FrontendHost:
         """A process's event-loop counts (gpud.telemetry.event_loop), kept for the metrics: the last one of each
         process slot (a restarted process starts from zero, a counter reset to Prometheus)."""
         try:
-            self.loop_reports[f"{self.options['kind']}-{fp.index}"] = LoopCounts.of_wire(wire)
+            self.loop_reports[process_label(self.options["kind"], fp.index)] = LoopCounts.of_wire(wire)
         except (ValueError, TypeError) as exc:
             log.warning("front-end process %d sent a loop report that cannot be read: %s", fp.index, exc)
 

@@ -82,6 +82,11 @@ def request_of(w: tuple) -> InferRequest:
                         priority, timeout_us, parameters, None, uses_shm)
 
 
+def process_label(kind: str, index: int) -> str:
+    """A front-end process's name in the metrics and the logs ("http-0", "grpc-1"), the same on both sides."""
+    return f"{kind}-{index}"
+
+
 HANDOFF_MIN_BYTES = 64 << 10  # an answer's tensor at least this big goes in a segment of its own, not in the message
 
 

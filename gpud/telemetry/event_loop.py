@@ -43,7 +43,7 @@ def stall_s(interval_s: float, late_s: float, cpu_s: float, busy_ratio: float) -
     """The loop's own part of a tick's lateness: of the `interval_s + late_s` between two ticks its thread ran `cpu_s`,
     of which its recent rate of work (`busy_ratio`, 0..1) accounts for `busy_ratio * interval_s` before the tick was
     due; the rest held the tick up, as far as it was late."""
-    return max(0.0, min(late_s, cpu_s - min(cpu_s, busy_ratio * interval_s)))
+    return max(0.0, min(late_s, cpu_s - busy_ratio * interval_s))
 
 
 def next_interval_s(busy_ratio: float) -> float:
@@ -236,8 +236,8 @@ class LoopCollector(Collector):
                                   "loop busy, the process waiting for a CPU, another thread holding the GIL).",
                                   labels=("process",)),
             HistogramMetricFamily("gpud_event_loop_stall_seconds", "The part of each lag the loop's own thread spent "
-                                  "running (at least): a callback that held the loop. Not the kernel's "
-                                  "scheduling.", labels=("process",)),
+                                  "running beyond its recent rate of work: a callback that held the loop. Not the "
+                                  "kernel's scheduling.", labels=("process",)),
             CounterMetricFamily("gpud_event_loop_cpu_seconds", "CPU time of the event loop's thread, seconds: its "
                                 "rate is how busy the loop is (1 = saturated).", labels=("process",)),
         )
