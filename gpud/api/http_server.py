@@ -161,6 +161,38 @@ class _Slot:
         self.http10_keep_alive = False
 
 
+class KnownHead:
+    """What llhttp made of a request head (request line and headers, every byte up to the blank line) that this
+    server has parsed and accepted before. Clients send the same head again and again (same path, same headers, same
+    Content-Length): a request whose head is byte for byte one of these is served without the parser, with what the
+    parser made of it then. Only plain requests are remembered: HTTP/1.1 and kept alive, the body's length given by
+    Content-Length (or none) and under the in-place size, no Expect, no upgrade."""
+    __slots__ = ("method", "path", "query", "headers", "body_bytes")
+
+    def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body_bytes: int) -> None:
+        self.method = method
+        self.path = path
+        self.query = query
+        self.headers = headers  # copied for each request: a handler may keep or change its own
+        self.body_bytes = body_bytes
+
+
+_KNOWN_HEAD_MAX_BYTES = 4096
+
+
+def known_head_candidate(data: bytes, start: int) -> bytes | None:
+    """The head of the request that starts at `start` of `data`, when it is all there and every line of it ends in
+    CRLF (no bare CR or LF, so its end is where llhttp's is, and nothing after it can pass for part of it)."""
+    end = data.find(b"\r\n\r\n", start, start + _KNOWN_HEAD_MAX_BYTES)
+    if end <= start or data[start] in (10, 13):  # (llhttp skips blank lines before a request)
+        return None
+    head = data[start:end + 4]
+    crlf = head.count(b"\r\n")
+    if head.count(b"\r") != crlf or head.count(b"\n") != crlf:
+        return None
+    return head
+
+
 class _NoCallbacks:
     pass
 
@@ -200,6 +232,9 @@ class _Connection(asyncio.Protocol):
         self.last_activity_s = 0.0
         self.request_started_s: float | None = None  # a request's first byte came, its last has not yet
         self.peer = ""  # the client's address (connection_made)
+        # The head of the request the parser is on, when it came whole in one read (KnownHead): remembered as the
+        # request completes.
+        self.learning: bytes | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -247,8 +282,15 @@ class _Connection(asyncio.Protocol):
         self.last_activity_s = self.loop.time()
         if self.closing and not self.slots and not self.draining:
             return
+        start = 0
+        if self.request_started_s is None and not self.refusing and self.server.max_known_heads > 0:  # between requests
+            if self.server.known_heads:
+                start = self._serve_known_heads(data)
+                if start == len(data):
+                    return
+            self.learning = known_head_candidate(data, start)
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(data if start == 0 else data[start:])
         except httptools.HttpParserUpgrade:
             # The request before the upgrade was dispatched already; we speak only HTTP/1.1.
             self._stop_after_answers()
@@ -257,6 +299,28 @@ class _Connection(asyncio.Protocol):
                 return
             message = str(e.__context__ or e) or type(e).__name__
             self._answer_and_close(400, f"malformed HTTP request: {message}")
+
+    def _serve_known_heads(self, data: bytes) -> int:
+        """Serve the requests at the start of `data` whose heads are known (KnownHead) and whose bodies are all
+        there; where the rest begins (for the parser)."""
+        known_heads = self.server.known_heads
+        start = 0
+        size = len(data)
+        while start < size:
+            end = data.find(b"\r\n\r\n", start, start + _KNOWN_HEAD_MAX_BYTES)
+            if end < 0:
+                break
+            head_end = end + 4
+            known = known_heads.get(data[start:head_end])
+            if known is None:
+                break
+            body_end = head_end + known.body_bytes
+            if body_end > size:
+                break
+            body = data[head_end:body_end] if known.body_bytes else b""
+            start = body_end
+            self._dispatch(known.method, known.path, known.query, dict(known.headers), body, True, False)
+        return start
 
     def eof_received(self) -> bool | None:
         self._stop_after_answers()
@@ -345,6 +409,8 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.request_started_s = None
+        head = self.learning
+        self.learning = None
         if self.refusing:
             if self.draining:  # the refused body has been read: close once the answers before it are out
                 self.draining = False
@@ -364,17 +430,39 @@ class _Connection(asyncio.Protocol):
         path = raw_path.decode("latin-1")
         if "%" in path:
             path = unquote(path)
-        request = HttpRequest(self.parser.get_method().decode("latin-1"), path, query, self.headers, body,
-                              self.parser.should_keep_alive(), self.peer)
+        method = self.parser.get_method().decode("latin-1")
+        keep_alive = self.parser.should_keep_alive()
+        version = self.parser.get_http_version()
+        if head is not None and keep_alive and version == "1.1" and type(body) is bytes:  # (not one in place)
+            self._remember(head, method, path, query, body)
+        self._dispatch(method, path, query, self.headers, body, keep_alive, keep_alive and version == "1.0")
+
+    def _remember(self, head: bytes, method: str, path: str, query: str, body: bytes) -> None:
+        """Remember what the parser made of `head` (KnownHead), when the request is a plain one."""
+        headers = self.headers
+        if "transfer-encoding" in headers or "expect" in headers or "upgrade" in headers or method == "CONNECT" \
+                or headers.get("content-length", "0") != str(len(body)):
+            return
+        known_heads = self.server.known_heads
+        if len(known_heads) >= self.server.max_known_heads:
+            known_heads.clear()  # heads that churn (a request id in each): start over rather than track recency
+            if self.server.max_known_heads <= 0:
+                return
+        known_heads[head] = KnownHead(method, path, query, dict(headers), len(body))
+
+    def _dispatch(self, method: str, path: str, query: str, headers: dict[str, str], body: Body, keep_alive: bool,
+                  http10_keep_alive: bool) -> None:
+        """Hand a whole request to the handler, in its place in the connection's answer order."""
+        request = HttpRequest(method, path, query, headers, body, keep_alive, self.peer)
         slot = _Slot()
-        slot.close = not request.keep_alive
-        slot.http10_keep_alive = request.keep_alive and self.parser.get_http_version() == "1.0"
+        slot.close = not keep_alive
+        slot.http10_keep_alive = http10_keep_alive
         self.slots.append(slot)
         if len(self.slots) >= _MAX_PIPELINED:
             self._pause_reading()
-        if not request.keep_alive:
+        if not keep_alive:
             self.closing = True
-        encoding = request.headers.get("content-encoding")
+        encoding = headers.get("content-encoding")
         if encoding and encoding != "identity":
             try:
                 request.body = inflate(body, encoding.lower(), self.server.max_body_bytes)
@@ -513,6 +601,9 @@ class HttpServer:
     on_close: Callable[[], None] | None = None  # called once every connection is closed (the handler's resources)
     on_swept: Callable[[], None] | None = None  # called after each sweep of idle connections (tests count them)
     connections: set[_Connection] = field(default_factory=set)
+    # request heads parsed and accepted before, served again without the parser (KnownHead); 0: parse every one
+    max_known_heads: int = 256
+    known_heads: dict[bytes, KnownHead] = field(default_factory=dict)
     closing: bool = False
     port: int = 0
 
