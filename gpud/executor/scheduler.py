@@ -381,7 +381,11 @@ class SchedulerBase:
             self._idle_waiters.clear()
 
     def _arm_timer(self, until_s: float | None) -> None:
-        if until_s == self._timer_at_s:
+        at_s = self._timer_at_s
+        if until_s == at_s or (until_s is not None and at_s is not None and at_s < until_s):
+            # A timer due earlier stays: it wakes a step that decides again and arms for the later time. Under
+            # load each arrival moves the wait later (the next arrival is expected later); cancelling and making a
+            # loop timer for each cost ~4 µs a request.
             return
         if self._timer is not None:
             self._timer.cancel()
