@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -381,11 +380,15 @@ def _bytes_from_json(name: str, data: list) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------------------------------
 # Infer response encoding
 # ---------------------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
 class EncodedResponse:
-    body: AnswerBody  # a view of the bytes where a JSON child encoded it
-    content_type: str
-    headers: dict[str, str]
+    """An answer's body and what its HTTP head says of it. Read only. A plain class (one per answer; compiled, a
+    dataclass's generated __init__ would stay interpreted)."""
+    __slots__ = ("body", "content_type", "headers")
+
+    def __init__(self, body: AnswerBody, content_type: str, headers: dict[str, str]) -> None:
+        self.body = body  # a view of the bytes where a JSON child encoded it
+        self.content_type = content_type
+        self.headers = headers
 
 
 def encode_infer_response(response: InferResponse, request: InferRequest) -> EncodedResponse:

@@ -78,15 +78,23 @@ def _head_prefix(status: int, content_type: str) -> bytes:
     return head
 
 
-@dataclass(eq=False, slots=True)
 class HttpRequest:
-    method: str
-    path: str  # percent-decoded, without the query
-    query: str
-    headers: dict[str, str]  # names lower-cased; a repeated header keeps its last value
-    body: Body  # an mmap (bytes-like, read it as a buffer) for a Content-Length of 1 MiB or more
-    keep_alive: bool = True
-    peer: str = ""  # the client's address; "" on a unix socket
+    """One request, as the handler gets it. A plain class (one per request; compiled, a dataclass's generated
+    __init__ would stay interpreted)."""
+    __slots__ = ("method", "path", "query", "headers", "body", "keep_alive", "peer")
+
+    def __init__(self, method: str, path: str, query: str, headers: dict[str, str], body: Body,
+                 keep_alive: bool = True, peer: str = "") -> None:
+        self.method = method
+        self.path = path  # percent-decoded, without the query
+        self.query = query
+        self.headers = headers  # names lower-cased; a repeated header keeps its last value
+        self.body = body  # an mmap (bytes-like, read it as a buffer) for a Content-Length of 1 MiB or more
+        self.keep_alive = keep_alive
+        self.peer = peer  # the client's address; "" on a unix socket
+
+    def __repr__(self) -> str:
+        return f"HttpRequest({self.method} {self.path!r}, query={self.query!r}, {len(self.body)} body bytes)"
 
 
 class Respond(Protocol):

@@ -105,21 +105,32 @@ def timeout_error() -> InferenceError:
     return InferenceError(ErrorKind.UNAVAILABLE, REQUEST_TIMEOUT_MESSAGE)
 
 
-@dataclass(eq=False, slots=True)  # identity semantics: two requests with equal fields are still two requests
 class QueuedRequest:
-    payload: Any  # opaque to the batcher (the driver's request + future)
-    batch_rows: int  # rows this request contributes (its batch dim; 1 for a model that does not batch)
-    shape_key: Hashable  # requests batch together only with the same key (non-batch dims / dtypes)
-    priority: int = 0  # 0 = default level; else 1..priority_levels, 1 highest
-    timeout_us: int = 0  # 0 = the level's default_timeout_us
-    members: int = 1  # the requests it stands for (a group's: their rows concatenated); max_queue_size counts them
-    # Set by the batcher on enqueue:
-    enqueue_time_s: float = field(default=0.0, init=False)
-    deadline_s: float | None = field(default=None, init=False)  # None = no timeout
-    level: int = field(default=0, init=False)  # the priority level it is queued at (0 when levels are off)
-    delayed: bool = field(default=False, init=False)  # its DELAY timeout passed: it now goes after the others
-    shed: bool = field(default=False, init=False)  # its deadline is the latency objective's: rejected when passed
-    _deadline_seq: int = field(default=-1, init=False, repr=False)  # matches its live deadline-heap entry
+    """One request in the queue. Identity semantics: two requests with equal fields are still two requests.
+    A plain class, not a dataclass: compiled (gpud.compiled), a dataclass's generated __init__ stays interpreted,
+    and one is made per request."""
+    __slots__ = ("payload", "batch_rows", "shape_key", "priority", "timeout_us", "members", "enqueue_time_s",
+                 "deadline_s", "level", "delayed", "shed", "_deadline_seq")
+
+    def __init__(self, payload: Any, batch_rows: int, shape_key: Hashable, priority: int = 0, timeout_us: int = 0,
+                 members: int = 1) -> None:
+        self.payload = payload  # opaque to the batcher (the driver's request + future)
+        self.batch_rows = batch_rows  # rows this request contributes (its batch dim; 1 for a model that does not batch)
+        self.shape_key = shape_key  # requests batch together only with the same key (non-batch dims / dtypes)
+        self.priority = priority  # 0 = default level; else 1..priority_levels, 1 highest
+        self.timeout_us = timeout_us  # 0 = the level's default_timeout_us
+        self.members = members  # the requests it stands for (a group's rows concatenated); max_queue_size counts them
+        # Set by the batcher on enqueue:
+        self.enqueue_time_s = 0.0
+        self.deadline_s: float | None = None  # None = no timeout
+        self.level = 0  # the priority level it is queued at (0 when levels are off)
+        self.delayed = False  # its DELAY timeout passed: it now goes after the others
+        self.shed = False  # its deadline is the latency objective's: rejected when passed
+        self._deadline_seq = -1  # matches its live deadline-heap entry
+
+    def __repr__(self) -> str:
+        return (f"QueuedRequest(payload={self.payload!r}, batch_rows={self.batch_rows}, priority={self.priority}, "
+                f"level={self.level}, deadline_s={self.deadline_s})")
 
 
 class DispatchReason(enum.Enum):
@@ -140,11 +151,22 @@ class Dispatch:
     reason: DispatchReason
 
 
-@dataclass(frozen=True)
 class Wait:
-    """Nothing to send now; call decide() again at `until_s` (clock seconds) or on the next event."""
+    """Nothing to send now; call decide() again at `until_s` (clock seconds) or on the next event. (Not a
+    dataclass: one is made per decision, and a compiled dataclass's __init__ stays interpreted.) Read only."""
+    __slots__ = ("until_s",)
 
-    until_s: float
+    def __init__(self, until_s: float) -> None:
+        self.until_s = until_s
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Wait) and other.until_s == self.until_s
+
+    def __hash__(self) -> int:
+        return hash(self.until_s)
+
+    def __repr__(self) -> str:
+        return f"Wait(until_s={self.until_s!r})"
 
 
 @dataclass(frozen=True)

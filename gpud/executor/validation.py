@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from gpud.executor.classification import class_count
@@ -12,12 +10,21 @@ from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest
 
 
-@dataclass(slots=True)  # one per request: made and read faster with slots
 class PreparedRequest:
-    inputs: dict[str, np.ndarray]  # in the model's input order
-    batch_rows: int  # the request's batch size (1 for a model that does not batch)
-    shape_key: tuple  # requests batch together only when the non-batch dims match
-    output_names: list[str]
+    """A request's inputs as its model takes them. One per request: a plain class with slots (compiled, a
+    dataclass's generated __init__ would stay interpreted)."""
+    __slots__ = ("inputs", "batch_rows", "shape_key", "output_names")
+
+    def __init__(self, inputs: dict[str, np.ndarray], batch_rows: int, shape_key: tuple,
+                 output_names: list[str]) -> None:
+        self.inputs = inputs  # in the model's input order
+        self.batch_rows = batch_rows  # the request's batch size (1 for a model that does not batch)
+        self.shape_key = shape_key  # requests batch together only when the non-batch dims match
+        self.output_names = output_names
+
+    def __repr__(self) -> str:
+        return (f"PreparedRequest(inputs={list(self.inputs)}, batch_rows={self.batch_rows}, "
+                f"shape_key={self.shape_key!r}, output_names={self.output_names!r})")
 
 
 def _bad(message: str) -> InferenceError:

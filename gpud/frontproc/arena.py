@@ -69,11 +69,15 @@ class _Space:
             del self.free[i]
 
 
-@dataclass(frozen=True, slots=True)
 class Block:
-    space: _Space
-    offset: int
-    size: int
+    """Where a request's rows lie in the arena, to give back. Read only. A plain class (one per request; compiled,
+    a dataclass's generated __init__ would stay interpreted)."""
+    __slots__ = ("space", "offset", "size")
+
+    def __init__(self, space: _Space, offset: int, size: int) -> None:
+        self.space = space
+        self.offset = offset
+        self.size = size
 
 
 class Arena:
