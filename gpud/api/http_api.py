@@ -37,7 +37,8 @@ from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferRe
 from gpud.api.http_encode import (applied_json, model_config_json, model_metadata_json, model_statistics_json,
                                   placements_from_json, repository_index_json, server_metadata_json)
 from gpud.api.http_infer import (INFER_HEADER_CONTENT_LENGTH, EncodedResponse, decode_infer_request, decode_raw_request,
-                                 encode_infer_response, invalid, is_raw_request, parameters_object)
+                                 encode_infer_response, invalid, is_raw_request, json_request_offloaded,
+                                 json_response_offloaded, parameters_object)
 from gpud.api.http_server import JSON, Body, HttpRequest, HttpServer, Respond, error_body
 from gpud.api.admin import AdminAuth
 from gpud.repository.overrides import override_of
@@ -337,7 +338,7 @@ class HttpApi:
                          respond, request)
             return
         codec = self.json_codec
-        if codec is not None and codec.wants_request(request.body, header_length):
+        if codec is not None and json_request_offloaded(len(request.body), header_length, codec.offload_bytes):
             # A large JSON body would hold the loop (and every other request) for as long as it takes to parse.
             codec.decode(request.body, header_length, name, version, self.max_tensor_elements,
                          _Decoded(self, respond, request))
@@ -387,7 +388,7 @@ class _InferAnswer:
             self.api._respond_error(self.respond, result, self.request)
             return
         codec = self.api.json_codec
-        if codec is not None and codec.wants_response(result, self.infer_request):
+        if codec is not None and json_response_offloaded(result, self.infer_request, codec.offload_bytes):
             codec.encode(result, self.infer_request, self.answer)  # millions of numbers written as text: not here
             return
         try:

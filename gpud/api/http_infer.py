@@ -413,6 +413,32 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> Enc
                            {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
 
 
+JSON_BYTES_PER_ELEMENT = 8  # about what a number takes in JSON (a float32 ~11, a small integer 2)
+
+
+def json_request_offloaded(body_bytes: int, header_length: str | None, offload_bytes: int) -> bool:
+    """Whether a body's JSON part is at least `offload_bytes` long (gpud.api.json_codec decodes it in a child). A
+    malformed header length is not: it is refused at once on the loop. Here, compiled, not in the codec's module:
+    asked of every request."""
+    if body_bytes < offload_bytes:
+        return False
+    if header_length is None:
+        return True
+    return header_length.isdigit() and int(header_length) >= offload_bytes
+
+
+def json_response_offloaded(response: InferResponse, request: InferRequest, offload_bytes: int) -> bool:
+    """Whether this answer would write about `offload_bytes` of JSON (binary outputs cost a copy, no more): encoded
+    in a child (gpud.api.json_codec). Asked of every answer."""
+    bar = offload_bytes / JSON_BYTES_PER_ELEMENT
+    elements = 0
+    for t in response.outputs:
+        elements += t.data.size
+    if elements < bar:
+        return False  # under the bar even if every output were JSON (the usual small answer: asked first)
+    return json_output_elements(response, request) >= bar
+
+
 def json_output_elements(response: InferResponse, request: InferRequest) -> int:
     """How many elements of `response` would be written as JSON numbers or strings (its non-binary outputs)."""
     default_binary = request.parameters.get("binary_data_output", False)

@@ -46,7 +46,8 @@ from typing import Any
 
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_server import Body
-from gpud.api.http_infer import EncodedResponse, decode_infer_request, encode_infer_response, json_output_elements
+from gpud.api.http_infer import (EncodedResponse, decode_infer_request, encode_infer_response, json_request_offloaded,
+                                 json_response_offloaded)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ DEFAULT_OFFLOAD_BYTES = 1 << 20  # a 1 MiB JSON body takes ~8 ms to decode on th
 DEFAULT_PROCESSES = 2
 IN_FLIGHT_PER_PROCESS = 4
 CHILD_NICE = 10
-_JSON_BYTES_PER_ELEMENT = 8  # about what a number takes in JSON (a float32 ~11, a small integer 2)
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A frame, both ways: u64 pickle length, u32 buffer count, a u64 length per buffer, then the pickle (protocol 5) and
 # its out-of-band buffers. A job is (kind, arguments); an answer ("ok", result) or ("error", exception).
@@ -170,18 +170,11 @@ class JsonCodecPool:
     def wants_request(self, body: Body, header_length: str | None) -> bool:
         """Whether this body's JSON part is large enough to decode in a child. A malformed header length is not:
         it is refused at once on the loop."""
-        if len(body) < self.offload_bytes:
-            return False
-        if header_length is None:
-            return True
-        return header_length.isdigit() and int(header_length) >= self.offload_bytes
+        return json_request_offloaded(len(body), header_length, self.offload_bytes)
 
     def wants_response(self, response: InferResponse, request: InferRequest) -> bool:
         """Whether this answer would write about `offload_bytes` of JSON (binary outputs cost a copy, no more)."""
-        bar = self.offload_bytes / _JSON_BYTES_PER_ELEMENT
-        if sum([t.data.size for t in response.outputs]) < bar:
-            return False  # under the bar even if every output were JSON (the usual small answer: asked first)
-        return json_output_elements(response, request) >= bar
+        return json_response_offloaded(response, request, self.offload_bytes)
 
     def decode(self, body: Body, header_length: str | None, model_name: str, model_version: str,
                max_elements: int, done: Done) -> None:

@@ -26,10 +26,14 @@ UNCHECKED_DATATYPES = KSERVE_DATATYPES - {"BYTES", "BOOL"}
 _TRITON_TO_KSERVE = {triton: kserve for kserve, (triton, _) in _DATATYPES.items()}
 
 
+_NUMPY_DTYPES: dict[str, np.dtype] = {name: np.dtype(t) for name, (_, t) in _DATATYPES.items()}
+
+
 def numpy_dtype(datatype: str) -> np.dtype:
-    """numpy dtype for a KServe datatype ("FP32" -> float32). BYTES maps to object."""
+    """numpy dtype for a KServe datatype ("FP32" -> float32). BYTES maps to object. (Made once: a batch's staging
+    asks for each of its tensors.)"""
     try:
-        return np.dtype(_DATATYPES[datatype][1])
+        return _NUMPY_DTYPES[datatype]
     except KeyError:
         raise ValueError(f"unknown datatype {datatype!r}; expected one of {sorted(KSERVE_DATATYPES)}") from None
 
