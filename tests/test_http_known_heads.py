@@ -217,8 +217,7 @@ def test_known_and_unknown_requests_pipelined_are_answered_in_order(harness):
 
 
 def test_pipelining_past_the_limit_pauses_reading_as_the_parser_does(harness):
-    with_table, parser_alone = harness(), harness()
-    parser_alone.server.max_known_heads = 0
+    with_table, parser_alone = harness(), harness(0)
     for h in (with_table, parser_alone):
         h.feed([get("/hold")])
         connection, transport = h.connect()

@@ -413,7 +413,7 @@ def encode_infer_response(response: InferResponse, request: InferRequest) -> Enc
                            {INFER_HEADER_CONTENT_LENGTH: str(len(header))})
 
 
-JSON_BYTES_PER_ELEMENT = 8  # about what a number takes in JSON (a float32 ~11, a small integer 2)
+_JSON_BYTES_PER_ELEMENT = 8  # about what a number takes in JSON (a float32 ~11, a small integer 2)
 
 
 def json_request_offloaded(body_bytes: int, header_length: str | None, offload_bytes: int) -> bool:
@@ -430,7 +430,7 @@ def json_request_offloaded(body_bytes: int, header_length: str | None, offload_b
 def json_response_offloaded(response: InferResponse, request: InferRequest, offload_bytes: int) -> bool:
     """Whether this answer would write about `offload_bytes` of JSON (binary outputs cost a copy, no more): encoded
     in a child (gpud.api.json_codec). Asked of every answer."""
-    bar = offload_bytes / JSON_BYTES_PER_ELEMENT
+    bar = offload_bytes / _JSON_BYTES_PER_ELEMENT
     elements = 0
     for t in response.outputs:
         elements += t.data.size

@@ -454,8 +454,6 @@ class _Connection(asyncio.Protocol):
         known_heads = self.server.known_heads
         if len(known_heads) >= self.server.max_known_heads:
             known_heads.clear()  # heads that churn (a request id in each): start over rather than track recency
-            if self.server.max_known_heads <= 0:
-                return
         known_heads[head] = KnownHead(method, path, query, dict(headers), len(body))
 
     def _dispatch(self, method: str, path: str, query: str, headers: dict[str, str], body: Body, keep_alive: bool,

@@ -21,9 +21,9 @@ and, once decoded, its tensors. Children run at a lower priority (nice 10): wher
 the device workers go first.
 
     codec = JsonCodecPool(processes=2)
-    if codec.wants_request(body, header_length):
+    if json_request_offloaded(len(body), header_length, codec.offload_bytes):   # gpud.api.http_infer
         codec.decode(body, header_length, "model", "", max_elements, done)   # done(InferRequest | exception)
-    if codec.wants_response(response, request):
+    if json_response_offloaded(response, request, codec.offload_bytes):
         codec.encode(response, request, done)                                # done(EncodedResponse | exception)
     codec.close()
 """
@@ -46,8 +46,7 @@ from typing import Any
 
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse
 from gpud.api.http_server import Body
-from gpud.api.http_infer import (EncodedResponse, decode_infer_request, encode_infer_response, json_request_offloaded,
-                                 json_response_offloaded)
+from gpud.api.http_infer import EncodedResponse, decode_infer_request, encode_infer_response
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +145,9 @@ class _Child:
 
 class JsonCodecPool:
     """Decodes inference bodies whose JSON part is at least `offload_bytes` long, and encodes answers with about as
-    much JSON, in up to `processes` child processes (started on first use, kept; a dead one is replaced). Used from
-    the event loop's thread only."""
+    much JSON, in up to `processes` child processes (started on first use, kept; a dead one is replaced). Which ones:
+    gpud.api.http_infer's json_request_offloaded and json_response_offloaded (compiled: asked of every request). Used
+    from the event loop's thread only."""
 
     def __init__(self, processes: int = DEFAULT_PROCESSES, offload_bytes: int = DEFAULT_OFFLOAD_BYTES,
                  max_in_flight: int | None = None):
@@ -167,15 +167,6 @@ class JsonCodecPool:
         self._closed = False
 
     # --- what goes to a child ------------------------------------------------------------------------------------
-    def wants_request(self, body: Body, header_length: str | None) -> bool:
-        """Whether this body's JSON part is large enough to decode in a child. A malformed header length is not:
-        it is refused at once on the loop."""
-        return json_request_offloaded(len(body), header_length, self.offload_bytes)
-
-    def wants_response(self, response: InferResponse, request: InferRequest) -> bool:
-        """Whether this answer would write about `offload_bytes` of JSON (binary outputs cost a copy, no more)."""
-        return json_response_offloaded(response, request, self.offload_bytes)
-
     def decode(self, body: Body, header_length: str | None, model_name: str, model_version: str,
                max_elements: int, done: Done) -> None:
         """Decode in a child; `done` is called on the event loop with the InferRequest or the error (503 when too
