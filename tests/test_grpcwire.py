@@ -637,3 +637,68 @@ def test_an_internal_error_handling_frames_closes_the_connection_with_a_goaway_a
     monkeypatch.undo()
     with grpc.insecure_channel(server.url) as ch:
         assert _unary(ch, "Echo")(b"y", timeout=TIMEOUT_S) == b"y"
+
+
+class _Wire:
+    """A stand-in transport: what the connection writes, call by call."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _ended_streams(data: bytes) -> list[int]:
+    ended, i = [], 0
+    while i < len(data):
+        length = int.from_bytes(data[i:i + 3], "big")
+        if data[i + 3] == frames.HEADERS and data[i + 4] & frames.END_STREAM:
+            ended.append(int.from_bytes(data[i + 5:i + 9], "big"))
+        i += 9 + length
+    return ended
+
+
+def test_answers_of_one_turn_go_in_one_write_and_the_last_open_calls_at_once():
+    """Answers wait for the loop's turn to go out together, unless no call is left open on the connection: then
+    nothing else can join them, and a client with one call in flight gets its answer without a turn's delay."""
+    from gpud.api.grpcwire.connection import GrpcConnection
+
+    async def scenario():
+        replies = []
+
+        def start(request, context, reply):
+            replies.append(reply)
+            return None
+
+        server = GrpcServer({"/t.S/Later": Method(None, bytes, bytes, start=start)}, max_message_bytes=1 << 20,
+                            max_metadata_bytes=8192)
+        connection, wire = GrpcConnection(server), _Wire()
+        connection.connection_made(wire)
+        encoder = hpack.Encoder()
+        headers = [(name, "/t.S/Later" if name == ":path" else value) for name, value in GRPC_HEADERS]
+        calls = b"".join(frames.frame(frames.HEADERS, frames.END_HEADERS, sid, encoder.encode(headers)) +
+                         frames.frame(frames.DATA, frames.END_STREAM, sid, _framed(b"x")) for sid in (1, 3, 5))
+        connection.data_received(frames.PREFACE + frames.settings_frame({}) + calls)
+        assert len(replies) == 3
+        await asyncio.sleep(0)  # the settings and their ACK go out
+        wire.writes.clear()
+        replies[0](0, "", b"one")
+        replies[1](0, "", b"two")
+        assert wire.writes == []  # two calls answered, one still open: they wait for the turn
+        await asyncio.sleep(0)
+        assert [_ended_streams(w) for w in wire.writes] == [[1, 3]]  # both in one write
+        replies[2](0, "", b"three")
+        assert [_ended_streams(w) for w in wire.writes] == [[1, 3], [5]]  # the last open call: written at once
+        connection.connection_lost(None)
+
+    asyncio.run(scenario())

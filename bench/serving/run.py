@@ -8,11 +8,13 @@ What it does (issue 5):
      repository: max_batch_size 64, dynamic batching with max_queue_delay_microseconds 3000;
   2. measures raw onnxruntime in-process with the session settings gpud's worker uses (ort_session.py): batch-1
      latency and rows/s at batch 1..64 (the limit a server can approach);
-  3. installs what it needs on first use: wrk (Debian), each peer in its own virtual environment under .bench/
-     (mosec==0.9.8, nvidia-pytriton), perf_analyzer (tritonclient 2.50 wheel) for gRPC;
+  3. installs what it needs on first use: wrk and h2load (Debian), each peer in its own virtual environment under
+     .bench/ (mosec==0.9.8, nvidia-pytriton), perf_analyzer (tritonclient 2.50 wheel) for gRPC;
   4. starts gpud and each peer serving the same model with the same batching settings, checks one answer of each
-     against onnxruntime, then drives every target with wrk (HTTP) or perf_analyzer (gRPC) at each concurrency
-     for --duration seconds after a warm-up, sampling the server process tree's CPU time (psutil);
+     against onnxruntime, then drives every target at each concurrency for --duration seconds after a warm-up,
+     sampling the server process tree's CPU time (psutil) and the client's own: HTTP with wrk, gRPC with
+     perf_analyzer (what Triton users measure with) and with h2load (one HTTP/2 connection, the same ModelInfer
+     message on every stream: a client as light as wrk, so that gRPC and HTTP compare servers, not clients);
   5. measures each server's idle CPU with no traffic;
   6. prints one table (requests/s, p50, p99, server CPU ms per request, ratios) and writes it as JSON.
 
@@ -64,16 +66,26 @@ def log(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # Installation (idempotent: each step is skipped when its result is already there)
 
-def ensure_wrk() -> str:
-    path = shutil.which("wrk")
+def ensure_debian_tool(tool: str, package: str) -> str:
+    path = shutil.which(tool)
     if path:
         return path
-    log("installing wrk (apt-get)")
+    log(f"installing {tool} (apt-get install {package})")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    if subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], env=env).returncode != 0:
+    if subprocess.run(["apt-get", "install", "-y", "-qq", package], env=env).returncode != 0:
         subprocess.run(["apt-get", "update", "-qq"], env=env, check=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], env=env, check=True)
-    return shutil.which("wrk") or sys.exit("wrk could not be installed")
+        subprocess.run(["apt-get", "install", "-y", "-qq", package], env=env, check=True)
+    return shutil.which(tool) or sys.exit(f"{tool} could not be installed")
+
+
+def ensure_wrk() -> str:
+    return ensure_debian_tool("wrk", "wrk")
+
+
+def ensure_h2load() -> str:
+    """h2load (nghttp2's load generator, C like wrk): gRPC load from a client that costs what wrk does, where
+    perf_analyzer's gRPC client takes ten times that of the same cores (docs/benchmarks.md, issue 25)."""
+    return ensure_debian_tool("h2load", "nghttp2-client")
 
 
 def ensure_venv(name: str, packages: list[str]) -> str:
@@ -139,6 +151,20 @@ def kserve_binary(row: np.ndarray) -> tuple[bytes, int]:
     return header + raw, len(header)
 
 
+def grpc_infer_message(model: str, row: np.ndarray) -> bytes:
+    """A ModelInferRequest for one FP32 row in raw_input_contents (as perf_analyzer and tritonclient send it), framed
+    as a gRPC message (flag byte, 4-byte length): the DATA h2load sends on each stream."""
+    from gpud.proto import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model)
+    tensor = request.inputs.add(name="input", datatype="FP32")
+    tensor.shape.extend([1, row.size])
+    request.outputs.add(name="output")
+    request.raw_input_contents.append(row.astype("<f4").tobytes())
+    message = request.SerializeToString()
+    return b"\0" + len(message).to_bytes(4, "big") + message
+
+
 def mosec_json(row: np.ndarray) -> bytes:
     return json.dumps({"input": [float(v) for v in row]}).encode()
 
@@ -169,7 +195,7 @@ def decode_output(kind: str, body: bytes, headers) -> np.ndarray:
 class Target:
     server: str            # "gpud", "mosec-json", ...
     label: str             # "gpud http-json"
-    proto: str             # "http" | "grpc"
+    proto: str             # "http" (wrk) | "grpc" (perf_analyzer) | "grpc-h2load" (h2load)
     body_kind: str = ""    # see decode_output
     path: str = ""         # URL path for HTTP, with {model}
 
@@ -273,7 +299,8 @@ class GpudServer(Server):
         p = "/v2/models/{model}/infer"
         return [Target("gpud", "gpud http-json", "http", "kserve-json", p),
                 Target("gpud", "gpud http-binary", "http", "kserve-binary", p),
-                Target("gpud", "gpud grpc", "grpc")]
+                Target("gpud", "gpud grpc", "grpc"),
+                Target("gpud", "gpud grpc h2load", "grpc-h2load")]
 
 
 class MosecServer(Server):
@@ -324,7 +351,8 @@ class PyTritonServer(Server):
         p = "/v2/models/{model}/infer"
         return [Target("pytriton", "pytriton http-json", "http", "kserve-json", p),
                 Target("pytriton", "pytriton http-binary", "http", "kserve-binary", p),
-                Target("pytriton", "pytriton grpc", "grpc")]
+                Target("pytriton", "pytriton grpc", "grpc"),
+                Target("pytriton", "pytriton grpc h2load", "grpc-h2load")]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -351,6 +379,7 @@ class Result:
     p99_ms: float
     cpu_ms_per_request: float | None
     errors: int = 0
+    client_cpu_ms_per_request: float | None = None  # the load generator's own (wrk, perf_analyzer, h2load)
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -457,6 +486,76 @@ def content_type(kind: str) -> str:
             "mosec-json": "application/json", "mosec-msgpack": "application/msgpack"}[kind]
 
 
+def children_cpu_seconds() -> float:
+    """CPU of this process's finished (waited-for) children: around one client run, that client's own."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def check_grpc_answer(port: int, model: str, message: bytes, expected: np.ndarray) -> int:
+    """One ModelInfer (grpcio) with h2load's message, its output checked against onnxruntime's; the size of the
+    answer's framed message, which every answer of a run must match (h2load counts HTTP statuses, and a gRPC error
+    is a 200 whose trailers say so, without a message)."""
+    import grpc
+
+    from gpud.proto import grpc_service_pb2 as pb
+    from gpud.proto import grpc_service_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(pb.ModelInferRequest.FromString(message[5:]),
+                                                                      timeout=30)
+    got = np.frombuffer(answer.raw_output_contents[0], dtype="<f4")
+    if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-3, atol=1e-4):
+        raise RuntimeError(f"gRPC ({model}) answered {got[:4]}..., onnxruntime {expected[:4]}...")
+    return 5 + answer.ByteSize()
+
+
+def run_h2load(h2load: str, port: int, c: int, seconds: float, message_file: str, answer_bytes: int,
+               workdir: str) -> dict:
+    """gRPC ModelInfer load with h2load: one HTTP/2 connection with `c` streams in flight (as perf_analyzer --async
+    and tritonclient's aio client use one channel), each stream one unary call with the same message. Latencies
+    from h2load's per-request log; every answer's message must be `answer_bytes` long (see check_grpc_answer)."""
+    log_file = os.path.join(workdir, "h2load.tsv")
+    if os.path.exists(log_file):
+        os.remove(log_file)
+    url = f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer"
+    cmd = [h2load, "-c", "1", "-m", str(c), "-D", str(max(1, round(seconds))), "-d", message_file,
+           "-H", "content-type: application/grpc", "-H", "te: trailers", "--log-file", log_file, url]
+    cpu0 = children_cpu_seconds()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    client_cpu_s = children_cpu_seconds() - cpu0
+    text = out.stdout
+    counts = h2load_counts(text)
+    if out.returncode != 0 or counts is None or not os.path.exists(log_file):
+        raise RuntimeError(f"h2load failed ({out.returncode}): {text[-2000:]}\n{out.stderr[-2000:]}")
+    done, succeeded, data_bytes = counts
+    latencies_us = np.loadtxt(log_file, usecols=(2,), ndmin=1)
+    errors = h2load_errors(done, succeeded, data_bytes, answer_bytes)
+    duration_s = float(text.split("finished in ")[1].split("s,")[0])
+    return {"requests": done, "duration_us": duration_s * 1e6, "p50_us": float(np.percentile(latencies_us, 50)),
+            "p99_us": float(np.percentile(latencies_us, 99)), "errors": errors, "client_cpu_s": client_cpu_s}
+
+
+def h2load_errors(done: int, succeeded: int, data_bytes: int, answer_bytes: int) -> int:
+    """The calls of an h2load run that failed: not 2xx, or 2xx without the answer's message. A gRPC error is a 200
+    whose trailers carry the status, with no message, so the DATA received must be one answer per call."""
+    missing = succeeded - data_bytes // answer_bytes if data_bytes != succeeded * answer_bytes else 0
+    return (done - succeeded) + max(missing, 1 if data_bytes != succeeded * answer_bytes else 0)
+
+
+def h2load_counts(text: str) -> tuple[int, int, int] | None:
+    """(requests done, of which succeeded, DATA bytes received) from h2load's summary."""
+    import re
+
+    requests = re.search(r"requests: \d+ total, \d+ started, (\d+) done, (\d+) succeeded", text)
+    data = re.search(r"\((\d+)\) data", text)
+    if requests is None or data is None:
+        return None
+    return int(requests.group(1)), int(requests.group(2)), int(data.group(1))
+
+
 def run_wrk(wrk: str, server: Server, target: Target, model: str, c: int, seconds: float, body_file: str,
             header_len: int, workdir: str, threads: int = 1) -> dict:
     result_file = os.path.join(workdir, "wrk-result.json")
@@ -500,27 +599,45 @@ def run_perf_analyzer(pa: str, server: Server, model: str, c: int, seconds: floa
 
 
 def drive(server: Server, target: Target, model: str, c: int, args, tools: dict, bodies: dict,
-          body_files: dict) -> Result:
+          body_files: dict, grpc_answer_bytes: dict | None = None) -> Result:
+    """One point: warm-up, then the measured run; the server's CPU per request (its process tree) and the load
+    generator's own (which shares the machine's cores with it)."""
     procs = server.tree()
     if target.proto == "http":
         body_file = body_files[(model, target.body_kind)]
         header_len = bodies[model][target.body_kind][1]
         if args.warmup > 0:
             run_wrk(tools["wrk"], server, target, model, c, args.warmup, body_file, header_len, args.workdir)
-        cpu0 = cpu_seconds(procs)
+        cpu0, client0 = cpu_seconds(procs), children_cpu_seconds()
         r = run_wrk(tools["wrk"], server, target, model, c, args.duration, body_file, header_len, args.workdir)
-        cpu = cpu_seconds(procs) - cpu0
+        cpu, client = cpu_seconds(procs) - cpu0, children_cpu_seconds() - client0
         errors = sum(r[k] for k in r if k.startswith("errors_"))
         rps = r["requests"] / (r["duration_us"] / 1e6)
         return Result(model, target.label, c, rps, r["p50_us"] / 1e3, r["p99_us"] / 1e3,
-                      cpu * 1e3 / max(1, r["requests"]), errors)
+                      cpu * 1e3 / max(1, r["requests"]), errors, client_cpu_ms_per_request=client * 1e3 /
+                      max(1, r["requests"]))
+    if target.proto == "grpc-h2load":
+        message_file = body_files[(model, "grpc")]
+        answer_bytes = (grpc_answer_bytes or {})[(server.name, model)]
+        if args.warmup > 0:
+            run_h2load(tools["h2load"], server.grpc_port, c, args.warmup, message_file, answer_bytes, args.workdir)
+        cpu0 = cpu_seconds(procs)
+        r = run_h2load(tools["h2load"], server.grpc_port, c, args.duration, message_file, answer_bytes, args.workdir)
+        cpu = cpu_seconds(procs) - cpu0
+        n = max(1, r["requests"])
+        return Result(model, target.label, c, r["requests"] / (r["duration_us"] / 1e6), r["p50_us"] / 1e3,
+                      r["p99_us"] / 1e3, cpu * 1e3 / n, r["errors"], note="h2load, 1 connection",
+                      client_cpu_ms_per_request=r["client_cpu_s"] * 1e3 / n)
     if args.warmup > 0:
         run_perf_analyzer(tools["perf_analyzer"], server, model, c, args.warmup, args.workdir)
-    cpu0, t0 = cpu_seconds(procs), time.monotonic()
+    cpu0, t0, client0 = cpu_seconds(procs), time.monotonic(), children_cpu_seconds()
     r = run_perf_analyzer(tools["perf_analyzer"], server, model, c, args.duration, args.workdir)
-    cpu_rate = (cpu_seconds(procs) - cpu0) / (time.monotonic() - t0)  # steady load: CPU/s over requests/s
+    elapsed_s = time.monotonic() - t0
+    cpu_rate = (cpu_seconds(procs) - cpu0) / elapsed_s  # steady load: CPU/s over requests/s
+    client_rate = (children_cpu_seconds() - client0) / elapsed_s
     return Result(model, target.label, c, r["requests_per_s"], r["p50_us"] / 1e3, r["p99_us"] / 1e3,
-                  cpu_rate * 1e3 / max(1e-9, r["requests_per_s"]), note="perf_analyzer --async")
+                  cpu_rate * 1e3 / max(1e-9, r["requests_per_s"]), note="perf_analyzer --async",
+                  client_cpu_ms_per_request=client_rate * 1e3 / max(1e-9, r["requests_per_s"]))
 
 
 def idle_cpu_percent(server: Server, seconds: float) -> float:
@@ -592,12 +709,22 @@ def targets_check(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms
                 mine.p99_ms / mosec_json.p99_ms if mosec_json.p99_ms else float("nan"),
                 "mosec json, the configuration of the issue's mosec figure", "", "mosec json's")
     limit = raw_info.get("mlp", {}).get("batch1_p50_ms", float("nan")) + rtt_ms + 0.5
-    for target in ("gpud http-binary", "gpud http-json", "gpud grpc"):
+    for target in ("gpud http-binary", "gpud http-json", "gpud grpc", "gpud grpc h2load"):
         r = get("mlp", target, 1)
         if r and not np.isnan(limit):
             lines.append(f"[{'PASS' if r.p50_ms <= limit else 'FAIL'}] mlp c=1: {target} p50 {r.p50_ms:.3f} ms "
                          f"(need <= raw batch-1 p50 {raw_info['mlp']['batch1_p50_ms']:.3f} + loopback RTT "
                          f"{rtt_ms:.3f} + 0.5 = {limit:.3f} ms)")
+    # issue 25: gRPC at >= 0.7x HTTP binary's rate. Each gRPC client against wrk: perf_analyzer's own CPU per request
+    # is many times wrk's (the client column), and on a machine of few cores the client's CPU is the server's loss.
+    http = get("mlp", "gpud http-binary", cmax)
+    for target in ("gpud grpc", "gpud grpc h2load"):
+        r = get("mlp", target, cmax)
+        if http and r and not http.errors and not r.errors and http.requests_per_s > 0:
+            ratio = r.requests_per_s / http.requests_per_s
+            lines.append(f"[{'PASS' if ratio >= 0.7 else 'FAIL'}] mlp c={cmax}: {target} = {ratio:.2f}x gpud "
+                         f"http-binary (need >= 0.7x; client CPU {fmt(r.client_cpu_ms_per_request, '.3f')} ms/req "
+                         f"against wrk's {fmt(http.client_cpu_ms_per_request, '.3f')})")
     heavy = [x for x in rat if x["model"] == "heavy" and x["concurrency"] >= models.MAX_BATCH_SIZE and x["vs_raw"]]
     if heavy:
         best = max(heavy, key=lambda x: x["vs_raw"])
@@ -624,7 +751,8 @@ def render(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms: float
                if "batch1_p50_ms" in info else "")
         out.append(f"# raw onnxruntime {m}: {lat}rows/s (one figure per point) {by}")
     out.append("")
-    hdr = f"{'model':6} {'conc':>4}  {'target':22} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>10}  note"
+    hdr = (f"{'model':6} {'conc':>4}  {'target':22} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/req':>10} "
+           f"{'client ms/req':>13}  note")
     out += [hdr, "-" * len(hdr)]
     prev = None
     for r in sorted(results, key=lambda r: (r.model != "mlp", r.model, r.concurrency)):
@@ -633,7 +761,8 @@ def render(results: list[Result], rat: list[dict], raw_info: dict, rtt_ms: float
         prev = (r.model, r.concurrency)
         note = r.note + (f" ERRORS {r.errors}" if r.errors else "")
         out.append(f"{r.model:6} {r.concurrency:>4}  {r.target:22} {r.requests_per_s:>9.0f} {fmt(r.p50_ms):>8} "
-                   f"{fmt(r.p99_ms):>8} {fmt(r.cpu_ms_per_request, '.3f'):>10}  {note}")
+                   f"{fmt(r.p99_ms):>8} {fmt(r.cpu_ms_per_request, '.3f'):>10} "
+                   f"{fmt(r.client_cpu_ms_per_request, '.3f'):>13}  {note}")
     out += ["", f"{'model':6} {'conc':>4}  {'gpud target':18} {'/best peer':>10} {'(peer)':22} {'/mosec':>7} "
                 f"{'/raw':>6} {'/raw best batch':>15}"]
     for x in rat:
@@ -656,7 +785,7 @@ def parse_args(argv=None):
     p.add_argument("--heavy-concurrency", default="64,128",
                    help="for the compute-bound model ('' to skip it); > max batch keeps a batch queued")
     p.add_argument("--peers", default="mosec,pytriton", help="comma list of mosec, pytriton ('' for none)")
-    p.add_argument("--no-grpc", action="store_true", help="skip the gRPC targets (perf_analyzer)")
+    p.add_argument("--no-grpc", action="store_true", help="skip the gRPC targets (perf_analyzer, h2load)")
     p.add_argument("--intra-op-threads", type=int, default=0,
                    help="onnxruntime intra-op threads for everyone (0: onnxruntime's default, as gpud's default)")
     p.add_argument("--raw-seconds", type=float, default=2.0, help="seconds per raw onnxruntime measurement")
@@ -694,6 +823,7 @@ def main(argv=None) -> int:
     tools = {"wrk": ensure_wrk()}
     if not args.no_grpc:
         tools["perf_analyzer"] = ensure_perf_analyzer()
+        tools["h2load"] = ensure_h2load()
     pythons = {peer: ensure_venv(peer, PEER_PACKAGES[peer]) for peer in args.peers}
 
     repo = os.path.join(args.workdir, "models")
@@ -714,6 +844,10 @@ def main(argv=None) -> int:
             with open(body_files[(m, kind)], "wb") as f:
                 f.write(body)
         expected[m] = make_session(path, args.intra_op_threads).run(["output"], {"input": row[None]})[0][0]
+        body_files[(m, "grpc")] = os.path.join(args.workdir, f"body-grpc-{m}.bin")
+        with open(body_files[(m, "grpc")], "wb") as f:
+            f.write(grpc_infer_message(m, row))
+    grpc_answer_bytes: dict[tuple[str, str], int] = {}
 
     results: list[Result] = []
     raw_info: dict = {}
@@ -746,6 +880,9 @@ def main(argv=None) -> int:
                     for t in server.targets():
                         if t.proto == "http":
                             check_answer(server, t, m, body_set, expected[m])
+                        elif t.proto == "grpc-h2load" and not args.no_grpc:
+                            grpc_answer_bytes[(server.name, m)] = check_grpc_answer(
+                                server.grpc_port, m, open(body_files[(m, "grpc")], "rb").read(), expected[m])
                 running.append((server, served))
             except Exception as exc:  # a peer that cannot run here is reported; the rest of the run goes on
                 failures.append(f"{server.name}: {exc}")
@@ -764,11 +901,11 @@ def main(argv=None) -> int:
                         if m not in served:
                             continue
                         for t in server.targets():
-                            if t.proto == "grpc" and args.no_grpc:
+                            if t.proto.startswith("grpc") and args.no_grpc:
                                 continue
                             log(f"{m} c={c}: {t.label}{tag}")
                             try:
-                                res = drive(server, t, m, c, args, tools, bodies, body_files)
+                                res = drive(server, t, m, c, args, tools, bodies, body_files, grpc_answer_bytes)
                             except RuntimeError as exc:
                                 failures.append(f"{t.label} {m} c={c}: {exc}")
                                 log(f"  FAILED: {exc}")

@@ -34,7 +34,7 @@ from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
-from gpud.api.grpc_infer import InferPlan, InferPlans, encode_response, stream_answer
+from gpud.api.grpc_infer import InferPlans, ModelInferCalls, stream_answer
 from gpud.api.grpcwire import calls
 from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Received, Reply
 from gpud.api.grpcwire.keepalive import Keepalive
@@ -284,6 +284,11 @@ def to_infer_response(response: InferResponse, requested: list[RequestedOutput] 
 # The servicer
 
 
+def _encode_in_full(response: InferResponse, request: InferRequest) -> bytes:
+    """The answer through protobuf's message, where grpc_infer.encode_response does not write it (parameters)."""
+    return to_infer_response(response, request.outputs, request.id).SerializeToString()
+
+
 def _status_of(exc: BaseException, method: str) -> tuple[int, str]:
     """The status and details a call ends with for `exc`: a client's error as its kind says, anything else (not an
     error a client caused) logged with its traceback and answered INTERNAL, so the server keeps serving."""
@@ -381,6 +386,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._admin = admin or AdminAuth()
         self._max_tensor_elements = max_tensor_elements
         self._plans = InferPlans()  # ModelInfer's request kinds seen (gpud's own server)
+        # ModelInfer's and ModelStreamInfer's per-request path on gpud's own server (compiled: gpud.compiled)
+        self.model_infer_calls = ModelInferCalls(core.submit, self._plans, self._full_request, _encode_in_full,
+                                                 functools.partial(_status_of, method="ModelInfer"))
 
     def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -499,47 +507,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     def start_model_infer(self, data: Received, context: CallContext, reply: Reply) -> Callable[[], None] | None:
         """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
-        when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`."""
-        try:
-            request, plan = self._request_of(data)
-            cancel = self._core.submit(request, functools.partial(self._infer_done, request, reply))
-        except Exception as exc:  # noqa: BLE001 - every request is answered, never a crash
-            reply(*_status_of(exc, "ModelInfer"), None)
-            return None
-        self._plans.keep(plan)  # a kind the core took: the next of its kind comes from the plan
-        return cancel
+        when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`. The
+        method table calls `model_infer_calls.start` itself (compiled, no frame of this module per call)."""
+        return self.model_infer_calls.start(data, context, reply)
 
-    def _request_of(self, data: Received) -> tuple[InferRequest, Any]:
-        """A serialized ModelInferRequest as the core's request: from its kind's plan, else parsed and checked in
-        full; INVALID_ARGUMENT for what is no such message or not a valid request. Also a new plan for its kind,
-        for `InferPlans.keep` once the core has taken the request (None when it came from one, or gets none)."""
-        request, scanned = self._plans.request(data)
-        if request is not None:
-            return request, None
+    def _full_request(self, data: Received) -> InferRequest:
+        """A serialized ModelInferRequest parsed and checked in full (a kind's first, or one no plan matches);
+        INVALID_ARGUMENT for what is no such message or not a valid request."""
         message = _parse_infer_request(data)
         if isinstance(message, MalformedMessage):
             raise message.refuse()
-        request = to_infer_request(message, self._max_tensor_elements)
-        return request, self._plans.prepare(request, scanned)
-
-    @staticmethod
-    def _answer_bytes(request: InferRequest, response: InferResponse) -> bytes:
-        plan = request.signature if type(request.signature) is InferPlan else None
-        data = encode_response(response, request.outputs, request.id, plan)
-        if data is None:
-            data = to_infer_response(response, request.outputs, request.id).SerializeToString()
-        return data
-
-    def _infer_done(self, request: InferRequest, reply: Reply, result: InferResponse | BaseException) -> None:
-        if isinstance(result, BaseException):
-            reply(*_status_of(result, "ModelInfer"), None)
-            return
-        try:
-            data = self._answer_bytes(request, result)
-        except Exception as exc:  # noqa: BLE001
-            reply(*_status_of(exc, "ModelInfer"), None)
-            return
-        reply(calls.OK, "", data)
+        return to_infer_request(message, self._max_tensor_elements)
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         infer_request = to_infer_request(request, self._max_tensor_elements)
@@ -555,7 +533,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         plan = None
         try:
             if isinstance(request, _WIRE):
-                infer_request, plan = self._request_of(request)
+                infer_request, plan = self.model_infer_calls.request_of(request)
             elif isinstance(request, MalformedMessage):
                 raise request.refuse()
             else:
@@ -581,7 +559,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return
         try:
             if as_bytes:
-                answer(stream_answer(self._answer_bytes(request, result)))
+                answer(stream_answer(self.model_infer_calls.answer_bytes(request, result)))
             else:
                 answer(pb.ModelStreamInferResponse(
                     infer_response=to_infer_response(result, request.outputs, request.id)))
@@ -680,7 +658,7 @@ def method_table(servicer: InferenceServicer) -> dict[str, Method]:
         table[f"/{service.full_name}/{method.name}"] = Method(
             getattr(servicer, method.name), parse, _serialize,
             client_streaming=method.client_streaming, server_streaming=method.server_streaming,
-            start=servicer.start_model_infer if method.name == "ModelInfer" else None)
+            start=servicer.model_infer_calls.start if method.name == "ModelInfer" else None)
     return table
 
 

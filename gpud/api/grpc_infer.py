@@ -13,10 +13,12 @@ same bytes for answers of the same shapes (kept per plan), and the outputs' byte
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from gpud.api.grpcwire.calls import OK, CallContext, Received, Reply
 from gpud.executor.bytes_tensor import encode_bytes_elements
 from gpud.executor.datatypes import UNCHECKED_DATATYPES, numpy_dtype
 from gpud.executor.types import InferRequest, InferResponse, InferTensor, RequestedOutput
@@ -169,6 +171,85 @@ class InferPlans:
             self._plans.clear()  # kinds churn: start over rather than track recency
         key, plan = prepared
         self._plans[key] = plan
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ModelInfer's calls on gpud's own server: one compiled path from the message to the answer's bytes
+
+Submit = Callable[[InferRequest, Callable[[Any], None]], Callable[[], None]]  # InferenceCore.submit
+
+
+class ModelInferCalls:
+    """ModelInfer without a task per call (`Method.start`), compiled: the request from its kind's plan when one
+    matches, else from `parse_full` (the full parse and checks, which raises what the client did wrong); submitted
+    to the core with a callback; answered through `reply` with the answer's bytes (`encode_response`, else
+    `encode_full`) or the status `status_of` gives an exception. The servicer (gpud.api.grpc_api) passes in the
+    parts that use protobuf's Python objects and its logging: they run only for a kind's first request, for
+    answers with parameters, and for errors."""
+
+    def __init__(self, submit: Submit, plans: InferPlans, parse_full: Callable[[Received], InferRequest],
+                 encode_full: Callable[[InferResponse, InferRequest], bytes],
+                 status_of: Callable[[BaseException], tuple[int, str]]):
+        self._submit = submit
+        self.plans = plans
+        self._parse_full = parse_full
+        self._encode_full = encode_full
+        self._status_of = status_of
+
+    def start(self, data: Received, context: CallContext, reply: Reply) -> Callable[[], None] | None:
+        try:
+            request, plan = self.request_of(data)
+            cancel = self._submit(request, _Answer(self, request, reply))
+        except Exception as exc:  # noqa: BLE001 - every request is answered, never a crash
+            code, details = self._status_of(exc)
+            reply(code, details, None)
+            return None
+        self.plans.keep(plan)  # a kind the core took: the next of its kind comes from the plan
+        return cancel
+
+    def request_of(self, data: Received) -> tuple[InferRequest, Any]:
+        """A serialized ModelInferRequest as the core's request, and a new plan for its kind (None when it came
+        from one, or gets none), for `InferPlans.keep` once the core has taken the request."""
+        request, scanned = self.plans.request(data)
+        if request is not None:
+            return request, None
+        request = self._parse_full(data)
+        return request, self.plans.prepare(request, scanned)
+
+    def answer_bytes(self, request: InferRequest, response: InferResponse) -> bytes:
+        signature = request.signature
+        data = encode_response(response, request.outputs, request.id,
+                               signature if isinstance(signature, InferPlan) else None)
+        if data is None:
+            data = self._encode_full(response, request)
+        return data
+
+    def done(self, request: InferRequest, reply: Reply, result: Any) -> None:
+        if isinstance(result, BaseException):
+            code, details = self._status_of(result)
+            reply(code, details, None)
+            return
+        try:
+            data = self.answer_bytes(request, result)
+        except Exception as exc:  # noqa: BLE001
+            code, details = self._status_of(exc)
+            reply(code, details, None)
+            return
+        reply(OK, "", data)
+
+
+class _Answer:
+    """A call's completion callback: a plain class (a partial or closure costs more, compiled)."""
+
+    __slots__ = ("calls", "request", "reply")
+
+    def __init__(self, calls: ModelInferCalls, request: InferRequest, reply: Reply):
+        self.calls = calls
+        self.request = request
+        self.reply = reply
+
+    def __call__(self, result: Any) -> None:
+        self.calls.done(self.request, self.reply, result)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

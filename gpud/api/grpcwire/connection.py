@@ -724,6 +724,10 @@ class GrpcConnection(asyncio.Protocol):
         self._blocked.pop(stream.id, None)
         if not self._streams:
             self.idle.set()
+            if self._flush_scheduled:
+                # No other call can add to this turn's write: out now, not a loop turn later (a client with one
+                # call in flight waits on every answer; with more, the last answer of a batch takes them all)
+                self._flush()
 
     def _drop(self, stream: _Stream) -> None:
         """The client reset the stream (or the connection is gone): stop its call, send nothing more."""
