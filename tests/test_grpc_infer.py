@@ -122,12 +122,12 @@ def test_a_request_the_core_refuses_leaves_no_plan():
     data = _request("x").SerializeToString()
     for _ in range(2):
         replies = _Replies()
-        servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), replies)
+        servicer.model_infer_calls.start(data, calls.CallContext([], "ipv4:127.0.0.1:1"), replies)
         assert replies[0][0] == calls.NOT_FOUND
-    assert servicer._plans.request(data)[0] is None  # noqa: SLF001 - refused kinds are not remembered
+    assert servicer.model_infer_calls.plans.request(data)[0] is None  # refused kinds are not remembered
     accepting = InferenceServicer(_Core())
-    accepting.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), lambda *r: None)
-    assert accepting._plans.request(data)[0] is not None  # noqa: SLF001 - a kind the core took is
+    accepting.model_infer_calls.start(data, calls.CallContext([], "ipv4:127.0.0.1:1"), lambda *r: None)
+    assert accepting.model_infer_calls.plans.request(data)[0] is not None  # a kind the core took is
 
 
 def test_kinds_that_need_checks_per_request_get_no_plan():
@@ -234,7 +234,7 @@ class _Core:
 
 def _start(core, data: bytes):
     replies: list = []
-    cancel = InferenceServicer(core).start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"),
+    cancel = InferenceServicer(core).model_infer_calls.start(data, calls.CallContext([], "ipv4:127.0.0.1:1"),
                                                        lambda *reply: replies.append(reply))
     return cancel, replies
 
@@ -345,8 +345,8 @@ def test_a_plan_is_kept_when_the_core_moves_the_tensors_out_as_it_takes_the_requ
     if priority:
         message.parameters["priority"].int64_param = priority
     data = message.SerializeToString()
-    servicer.start_model_infer(data, calls.CallContext([], "ipv4:127.0.0.1:1"), _Replies())
-    request = servicer._plans.request(data)[0]  # noqa: SLF001
+    servicer.model_infer_calls.start(data, calls.CallContext([], "ipv4:127.0.0.1:1"), _Replies())
+    request = servicer.model_infer_calls.plans.request(data)[0]
     assert request is not None and request.priority == priority
 
 

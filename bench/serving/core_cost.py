@@ -39,7 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from cost_harness import ROOT, mlp_parts, rows_per_batch, run_arms  # noqa: E402
+from cost_harness import add_arguments, compare, mlp_parts, rows_per_batch, run_loop  # noqa: E402
 
 
 # --- the stand-in front end (its own process) ------------------------------------------------------------------
@@ -266,55 +266,22 @@ async def main_async(args) -> int:
     return 0
 
 
-def against(args) -> int:
-    """This tree and another (`--against`: a checkout of gpud, e.g. `git worktree add /tmp/base <commit>`), one
-    process each per round, alternating which goes first; the medians and head / base."""
-    arms = {"base": os.path.abspath(args.against), "head": ROOT}
-    got = run_arms(__file__, {arm: (tree, {}) for arm, tree in arms.items()},
-                   ["--rounds", "1", "--requests", str(args.requests), "--warmup", str(args.warmup),
-                    "--concurrency", str(args.concurrency), *(["--grouped"] if args.grouped else [])], args.rounds)
-    print(f"# {args.requests} requests a round, {args.concurrency} in flight, {args.rounds} rounds a tree "
-          f"(alternating), medians; base {arms['base']}, head {arms['head']}")
-    print(f"{'tree':5} {'core us/req':>11} {'link us/req':>11} {'core - link':>11} {'req/s':>7} {'rows/batch':>10}  "
-          "core us/req each")
-    med = {}
-    for arm in ("base", "head"):
-        rs = got[arm]
-        m = {k: statistics.median(x[k] for x in rs) for k in ("core_us", "link_us", "rps", "rows")}
-        med[arm] = m
-        each = ", ".join(f"{x['core_us']:.1f}" for x in rs)
-        print(f"{arm:5} {m['core_us']:11.1f} {m['link_us']:11.1f} {m['core_us'] - m['link_us']:11.1f} "
-              f"{m['rps']:7.0f} {m['rows']:10.1f}  {each}")
-    print(f"head / base: core CPU per request {med['head']['core_us'] / med['base']['core_us']:.2f}, "
-          f"req/s {med['head']['rps'] / med['base']['rps']:.2f}")
-    return 0
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--frontend":
         frontend(*(int(a) for a in argv[1:6]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=20000)
-    p.add_argument("--warmup", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--profile", type=int, default=0, metavar="N")
+    add_arguments(p, compiled_against_pure=False)
     p.add_argument("--grouped", action="store_true",
                    help="the stand-in sends as a front-end process does (gpud.frontproc.remote_core): requests alike "
                         "that come in one turn as one group, where the tree groups them")
-    p.add_argument("--against", metavar="TREE", help="another checkout of gpud: both measured, alternating")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.against:
-        return against(args)
+        return compare(__file__, args, ["--grouped"] if args.grouped else [], f"{args.concurrency} in flight",
+                       ("core us/req", "link us/req", "core - link"), ("core_us", "link_us"), "request")
     logging.basicConfig(level=logging.WARNING)
-    try:  # the daemon's event loop (gpud.main): uvloop where installed
-        import uvloop
-    except ImportError:
-        return asyncio.run(main_async(args))
-    return uvloop.run(main_async(args))
+    return run_loop(main_async(args))
 
 
 if __name__ == "__main__":

@@ -9,10 +9,10 @@ perf_analyzer --async (--perf-analyzer, $GPUD_PERF_ANALYZER or run.py's own inst
 ("grpc"), the same with --streaming (its requests on ModelStreamInfer streams: "grpc-stream"), or on
 grpcio's server ("grpcio": --grpc-server grpcio); or h2load on gpud's own gRPC server ("grpc-h2load": one HTTP/2
 connection, the same ModelInfer message on --concurrency streams), a client that costs about what wrk does where
-perf_analyzer's costs ten times that. For each point it prints requests/s, p50 and p99, and the CPU per request of
-the core's process, of the front-end processes together, of the device workers and of the client. 0 is the front end
-on the core's event loop. Compare within one run: the client, the daemon's processes and the workers share the
-machine's cores.
+perf_analyzer's costs six times as much (docs/benchmarks.md). For each point it prints requests/s, p50 and p99, and
+the CPU per request of the core's process, of the front-end processes together, of the device workers and of the
+client. 0 is the front end on the core's event loop. Compare within one run: the client, the daemon's processes and
+the workers share the machine's cores.
 """
 from __future__ import annotations
 

@@ -37,15 +37,11 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from cost_harness import ROOT, mlp_parts, rows_per_batch, run_arms  # noqa: E402
+from cost_harness import add_arguments, compare, mlp_parts, rows_per_batch, run_loop  # noqa: E402
+
+from gpud.api.grpcwire import frames  # noqa: E402 - the tree measured (PYTHONPATH, as cost_harness runs an arm)
 
 PATH = "/inference.GRPCInferenceService/ModelInfer"
-_HEADERS, _DATA, _SETTINGS, _WINDOW_UPDATE, _RST_STREAM, _GOAWAY = 1, 0, 4, 8, 3, 7
-_END_STREAM, _END_HEADERS, _ACK = 0x1, 0x4, 0x1
-
-
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
 class _Client:
@@ -72,7 +68,8 @@ class _Client:
         block = self.block if self.sent_first else self.first_block
         self.sent_first = True
         self.in_flight.add(sid)
-        return _frame(_HEADERS, _END_HEADERS, sid, block) + _frame(_DATA, _END_STREAM, sid, self.data)
+        return (frames.frame(frames.HEADERS, frames.END_HEADERS, sid, block) +
+                frames.frame(frames.DATA, frames.END_STREAM, sid, self.data))
 
     def read(self, data: bytes, ok_trailers: bytes) -> list[int]:
         """The streams the server ended in `data` (their trailers said OK); SystemExit on any other end."""
@@ -88,12 +85,12 @@ class _Client:
             sid = int.from_bytes(buf[i + 5:i + 9], "big") & 0x7FFFFFFF
             payload = bytes(buf[i + 9:i + 9 + length])
             i += 9 + length
-            if kind == _HEADERS and flags & _END_STREAM:
+            if kind == frames.HEADERS and flags & frames.END_STREAM:
                 if payload != ok_trailers:
                     raise SystemExit(f"stream {sid} ended without grpc-status 0: {payload!r}")
                 self.in_flight.discard(sid)
                 ended.append(sid)
-            elif kind in (_RST_STREAM, _GOAWAY) and sid in self.in_flight | {0}:
+            elif kind in (frames.RST_STREAM, frames.GOAWAY) and sid in self.in_flight | {0}:
                 raise SystemExit(f"the server sent frame type {kind} on stream {sid}: {payload!r}")
         del buf[:i]
         return ended
@@ -136,8 +133,6 @@ class _Load:
     """`total` calls over the connections, closed loop; `on_mark(name)` at the warm-up's end and at the end."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, total: int, warmup: int, on_mark: Callable[[str], None]):
-        from gpud.api.grpcwire import frames
-
         self.loop = loop
         self.total = total
         self.marks = {warmup: "start", total: "end"}
@@ -165,7 +160,6 @@ class _Load:
 async def measure(server, message: bytes, requests: int, warmup: int, concurrency: int, connections: int,
                   profile: cProfile.Profile | None) -> tuple[float, float]:
     """CPU seconds of this process, and wall seconds, over `requests` calls through `server`'s protocol."""
-    from gpud.api.grpcwire import frames
     from gpud.api.grpcwire.connection import GrpcConnection
 
     loop = asyncio.get_running_loop()
@@ -188,9 +182,8 @@ async def measure(server, message: bytes, requests: int, warmup: int, concurrenc
         transport.protocol = protocol
         protocol.connection_made(transport)
         # the connection's window as large as HTTP/2 allows: this client never acknowledges what it reads
-        window = (2**31 - 1 - frames.DEFAULT_WINDOW_BYTES).to_bytes(4, "big")
-        protocol.data_received(frames.PREFACE + _frame(_SETTINGS, 0, 0, b"") + _frame(_SETTINGS, _ACK, 0, b"") +
-                               _frame(_WINDOW_UPDATE, 0, 0, window))
+        protocol.data_received(frames.PREFACE + frames.settings_frame({}) + frames.frame(frames.SETTINGS, frames.ACK, 0)
+                               + frames.window_update(0, frames.MAX_WINDOW_BYTES - frames.DEFAULT_WINDOW_BYTES))
         transports.append(transport)
     for k in range(concurrency):
         if load.sent < load.total:
@@ -267,60 +260,18 @@ async def main_async(args) -> int:
     return 0
 
 
-def against(args) -> int:
-    """As http_cost.py's: two arms, one process each per round, alternating which goes first; medians."""
-    if args.compiled_against_pure:
-        arms = {"base": (ROOT, {"GPUD_PURE_PYTHON": "1"}), "head": (ROOT, {"GPUD_PURE_PYTHON": "0"})}
-        names = {"base": "pure Python", "head": "compiled"}
-    else:
-        arms = {"base": (os.path.abspath(args.against), {}), "head": (ROOT, {})}
-        names = {"base": arms["base"][0], "head": ROOT}
-    got = run_arms(__file__, arms, ["--rounds", "1", "--requests", str(args.requests), "--warmup",
-                                    str(args.warmup), "--concurrency", str(args.concurrency), "--connections",
-                                    str(args.connections)], args.rounds)
-    for arm, results in got.items():
-        if args.compiled_against_pure and any(r["compiled"] != (arm == "head") for r in results):
-            raise SystemExit(f"the {names[arm]} arm did not run {names[arm]}: build the request path first "
-                             "(python -m gpud.compiled.build)")
-    print(f"# {args.requests} calls a round, {args.concurrency} in flight over {args.connections} connection(s), "
-          f"{args.rounds} rounds an arm (alternating), medians; base {names['base']}, head {names['head']}")
-    print(f"{'arm':5} {'gpud us/call':>12} {'parse us/call':>13} {'servicer':>8} {'calls/s':>7} {'rows/batch':>10}  "
-          "gpud us/call each")
-    med = {}
-    for arm in ("base", "head"):
-        rs = got[arm]
-        m = {k: statistics.median(x[k] for x in rs) for k in ("gpud_us", "parse_us", "rps", "rows")}
-        med[arm] = m
-        each = ", ".join(f"{x['gpud_us']:.1f}" for x in rs)
-        print(f"{arm:5} {m['gpud_us']:12.1f} {m['parse_us']:13.1f} {m['gpud_us'] - m['parse_us']:8.1f} "
-              f"{m['rps']:7.0f} {m['rows']:10.1f}  {each}")
-    print(f"head / base: CPU per call {med['head']['gpud_us'] / med['base']['gpud_us']:.2f}, "
-          f"calls/s {med['head']['rps'] / med['base']['rps']:.2f}")
-    return 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=20000)
-    p.add_argument("--warmup", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=64, help="calls in flight (perf_analyzer's concurrency)")
-    p.add_argument("--connections", type=int, default=1, help="HTTP/2 connections they share (a channel: 1)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--profile", type=int, default=0, metavar="N")
-    p.add_argument("--against", metavar="TREE", help="another checkout of gpud to compare with (the code before)")
-    p.add_argument("--compiled-against-pure", action="store_true",
-                   help="this tree compiled (gpud.compiled) against itself as pure Python")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    add_arguments(p)
+    p.add_argument("--connections", type=int, default=1, help="HTTP/2 connections the calls share (a channel: 1)")
     args = p.parse_args(argv)
     if args.connections < 1 or args.concurrency < args.connections:
         p.error("--connections must be at least 1 and at most --concurrency")
     if args.against or args.compiled_against_pure:
-        return against(args)
-    try:
-        import uvloop
-        return uvloop.run(main_async(args))
-    except ImportError:
-        return asyncio.run(main_async(args))
+        return compare(__file__, args, ["--connections", str(args.connections)],
+                       f"{args.concurrency} in flight over {args.connections} connection(s)",
+                       ("gpud us/call", "parse us/call", "servicer"), ("gpud_us", "parse_us"), "call")
+    return run_loop(main_async(args))
 
 
 if __name__ == "__main__":

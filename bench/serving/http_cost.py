@@ -39,7 +39,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from cost_harness import ROOT, mlp_parts, rows_per_batch, run_arms  # noqa: E402
+from cost_harness import add_arguments, compare, mlp_parts, rows_per_batch, run_loop  # noqa: E402
 
 
 def request_bytes(port: int = 8000) -> bytes:
@@ -207,58 +207,14 @@ async def main_async(args) -> int:
     return 0
 
 
-def against(args) -> int:
-    """Two arms, one process each per round, alternating which goes first; medians and head / base. `--against
-    TREE`: that checkout (base) and this one (head). `--compiled-against-pure`: this tree as pure Python (base,
-    GPUD_PURE_PYTHON=1) and with its compiled request path (head; gpud.compiled, which must match the sources)."""
-    if args.compiled_against_pure:
-        arms = {"base": (ROOT, {"GPUD_PURE_PYTHON": "1"}), "head": (ROOT, {"GPUD_PURE_PYTHON": "0"})}
-        names = {"base": "pure Python", "head": "compiled"}
-    else:
-        arms = {"base": (os.path.abspath(args.against), {}), "head": (ROOT, {})}
-        names = {"base": arms["base"][0], "head": ROOT}
-    got = run_arms(__file__, arms, ["--rounds", "1", "--requests", str(args.requests), "--warmup",
-                                    str(args.warmup), "--concurrency", str(args.concurrency)], args.rounds)
-    for arm, results in got.items():
-        if args.compiled_against_pure and any(r["compiled"] != (arm == "head") for r in results):
-            raise SystemExit(f"the {names[arm]} arm did not run {names[arm]}: build the request path first "
-                             "(python -m gpud.compiled.build)")
-    print(f"# {args.requests} requests a round, {args.concurrency} connections, {args.rounds} rounds an arm "
-          f"(alternating), medians; base {names['base']}, head {names['head']}")
-    print(f"{'arm':5} {'gpud us/req':>11} {'parse us/req':>12} {'handler':>8} {'req/s':>7} {'rows/batch':>10}  "
-          "gpud us/req each")
-    med = {}
-    for arm in ("base", "head"):
-        rs = got[arm]
-        m = {k: statistics.median(x[k] for x in rs) for k in ("gpud_us", "parse_us", "rps", "rows")}
-        med[arm] = m
-        each = ", ".join(f"{x['gpud_us']:.1f}" for x in rs)
-        print(f"{arm:5} {m['gpud_us']:11.1f} {m['parse_us']:12.1f} {m['gpud_us'] - m['parse_us']:8.1f} "
-              f"{m['rps']:7.0f} {m['rows']:10.1f}  {each}")
-    print(f"head / base: CPU per request {med['head']['gpud_us'] / med['base']['gpud_us']:.2f}, "
-          f"req/s {med['head']['rps'] / med['base']['rps']:.2f}")
-    return 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=20000)
-    p.add_argument("--warmup", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--profile", type=int, default=0, metavar="N")
-    p.add_argument("--against", metavar="TREE", help="another checkout of gpud to compare with (the code before)")
-    p.add_argument("--compiled-against-pure", action="store_true",
-                   help="this tree compiled (gpud.compiled) against itself as pure Python")
-    p.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    add_arguments(p)
     args = p.parse_args(argv)
     if args.against or args.compiled_against_pure:
-        return against(args)
-    try:
-        import uvloop
-        return uvloop.run(main_async(args))
-    except ImportError:
-        return asyncio.run(main_async(args))
+        return compare(__file__, args, [], f"{args.concurrency} connections",
+                       ("gpud us/req", "parse us/req", "handler"), ("gpud_us", "parse_us"), "request")
+    return run_loop(main_async(args))
 
 
 if __name__ == "__main__":

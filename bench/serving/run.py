@@ -84,7 +84,7 @@ def ensure_wrk() -> str:
 
 def ensure_h2load() -> str:
     """h2load (nghttp2's load generator, C like wrk): gRPC load from a client that costs what wrk does, where
-    perf_analyzer's gRPC client takes ten times that of the same cores (docs/benchmarks.md, issue 25)."""
+    perf_analyzer's gRPC client takes six times wrk's of the same cores (docs/benchmarks.md, issue 25)."""
     return ensure_debian_tool("h2load", "nghttp2-client")
 
 
@@ -477,8 +477,12 @@ def check_answer(server: Server, target: Target, model: str, bodies: dict, expec
         req.add_header("Inference-Header-Content-Length", str(header_len))
     with urllib.request.urlopen(req, timeout=30) as r:
         got = decode_output(target.body_kind, r.read(), r.headers)
+    check_close(f"{target.label} ({model})", got, expected)
+
+
+def check_close(what: str, got: np.ndarray, expected: np.ndarray) -> None:
     if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-3, atol=1e-4):
-        raise RuntimeError(f"{target.label} ({model}) answered {got[:4]}..., onnxruntime {expected[:4]}...")
+        raise RuntimeError(f"{what} answered {got[:4]}..., onnxruntime {expected[:4]}...")
 
 
 def content_type(kind: str) -> str:
@@ -506,9 +510,7 @@ def check_grpc_answer(port: int, model: str, message: bytes, expected: np.ndarra
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(pb.ModelInferRequest.FromString(message[5:]),
                                                                       timeout=30)
-    got = np.frombuffer(answer.raw_output_contents[0], dtype="<f4")
-    if got.shape != expected.shape or not np.allclose(got, expected, rtol=1e-3, atol=1e-4):
-        raise RuntimeError(f"gRPC ({model}) answered {got[:4]}..., onnxruntime {expected[:4]}...")
+    check_close(f"gRPC ({model})", np.frombuffer(answer.raw_output_contents[0], dtype="<f4"), expected)
     return 5 + answer.ByteSize()
 
 
@@ -541,8 +543,9 @@ def run_h2load(h2load: str, port: int, c: int, seconds: float, message_file: str
 def h2load_errors(done: int, succeeded: int, data_bytes: int, answer_bytes: int) -> int:
     """The calls of an h2load run that failed: not 2xx, or 2xx without the answer's message. A gRPC error is a 200
     whose trailers carry the status, with no message, so the DATA received must be one answer per call."""
-    missing = succeeded - data_bytes // answer_bytes if data_bytes != succeeded * answer_bytes else 0
-    return (done - succeeded) + max(missing, 1 if data_bytes != succeeded * answer_bytes else 0)
+    if data_bytes == succeeded * answer_bytes:
+        return done - succeeded
+    return done - succeeded + max(1, succeeded - data_bytes // answer_bytes)
 
 
 def h2load_counts(text: str) -> tuple[int, int, int] | None:

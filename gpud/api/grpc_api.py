@@ -34,9 +34,9 @@ from gpud.executor.datatypes import numpy_dtype
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor, RequestedOutput
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import AdminAuth, grpc_peer_host
-from gpud.api.grpc_infer import InferPlans, ModelInferCalls, stream_answer
+from gpud.api.grpc_infer import ModelInferCalls, stream_answer
 from gpud.api.grpcwire import calls
-from gpud.api.grpcwire.calls import CallAborted, CallContext, Method, Received, Reply
+from gpud.api.grpcwire.calls import CallAborted, Method, Received
 from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, SharedCount, check_shape
@@ -385,9 +385,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         self._core = core
         self._admin = admin or AdminAuth()
         self._max_tensor_elements = max_tensor_elements
-        self._plans = InferPlans()  # ModelInfer's request kinds seen (gpud's own server)
-        # ModelInfer's and ModelStreamInfer's per-request path on gpud's own server (compiled: gpud.compiled)
-        self.model_infer_calls = ModelInferCalls(core.submit, self._plans, self._full_request, _encode_in_full,
+        # ModelInfer's and ModelStreamInfer's per-request path on gpud's own server (compiled: gpud.compiled), with
+        # the request kinds it has seen (its plans); the method table calls its `start` for ModelInfer
+        self.model_infer_calls = ModelInferCalls(core.submit, self._full_request, _encode_in_full,
                                                  functools.partial(_status_of, method="ModelInfer"))
 
     def _check_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
@@ -505,12 +505,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         return await self._infer(request)
 
-    def start_model_infer(self, data: Received, context: CallContext, reply: Reply) -> Callable[[], None] | None:
-        """ModelInfer for gpud's own server, without a task per call (`Method.start`): the request from its plan
-        when one matches (gpud.api.grpc_infer), else parsed and checked in full; answered through `reply`. The
-        method table calls `model_infer_calls.start` itself (compiled, no frame of this module per call)."""
-        return self.model_infer_calls.start(data, context, reply)
-
     def _full_request(self, data: Received) -> InferRequest:
         """A serialized ModelInferRequest parsed and checked in full (a kind's first, or one no plan matches);
         INVALID_ARGUMENT for what is no such message or not a valid request."""
@@ -549,7 +543,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 identity = request
             answer(_stream_error(exc, identity, isinstance(request, _WIRE)))
             return None
-        self._plans.keep(plan)
+        self.model_infer_calls.plans.keep(plan)
         return cancel
 
     def _stream_done(self, request: InferRequest, as_bytes: bool, answer: Callable[[Any], None],

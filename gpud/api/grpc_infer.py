@@ -187,11 +187,11 @@ class ModelInferCalls:
     parts that use protobuf's Python objects and its logging: they run only for a kind's first request, for
     answers with parameters, and for errors."""
 
-    def __init__(self, submit: Submit, plans: InferPlans, parse_full: Callable[[Received], InferRequest],
+    def __init__(self, submit: Submit, parse_full: Callable[[Received], InferRequest],
                  encode_full: Callable[[InferResponse, InferRequest], bytes],
                  status_of: Callable[[BaseException], tuple[int, str]]):
         self._submit = submit
-        self.plans = plans
+        self.plans = InferPlans()  # the request kinds seen
         self._parse_full = parse_full
         self._encode_full = encode_full
         self._status_of = status_of
