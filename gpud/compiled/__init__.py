@@ -28,7 +28,7 @@ from dataclasses import dataclass
 # no monkey-patching of its classes), and what these import from each other is bound at compile time.
 MODULES: tuple[str, ...] = (
     "gpud.api.http_server", "gpud.api.http_api", "gpud.api.http_infer", "gpud.api.http_encode",
-    "gpud.core", "gpud.registry",
+    "gpud.core", "gpud.registry", "gpud.executor.types",
     "gpud.executor.scheduler", "gpud.executor.dynamic_scheduler", "gpud.executor.batcher",
     "gpud.executor.channel", "gpud.executor.protocol", "gpud.executor.validation", "gpud.executor.stats",
     # front ends in processes of their own: the child's side (remote_core, link, arena, group) and the core's (host)

@@ -255,7 +255,8 @@ def choose_dispatch(
         n = preferred_prefix_len(rows, preferred_batch_sizes)
         if n:
             return n, DispatchReason.PREFERRED
-    largest_preferred = max(preferred_batch_sizes, default=max_batch_size)
+    # (not max(..., default=): a keyword call goes through a dict, on every request)
+    largest_preferred = max(preferred_batch_sizes) if preferred_batch_sizes else max_batch_size
     if blocked or sum(rows) >= largest_preferred:
         return len(rows), DispatchReason.FULL
     if delay_exceeded or max_queue_delay_us == 0:

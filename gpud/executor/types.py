@@ -1,40 +1,18 @@
 """Inference requests, responses and errors as the executor sees them: no HTTP, no gRPC."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from gpud.executor.errors import ErrorKind, InferenceError
 
-class ErrorKind(enum.Enum):
-    """What went wrong, in protocol-neutral terms. Each front end maps it to its own status (HTTP status, gRPC code).
-    Worker processes send the kind by name."""
+__all__ = ["ClientIO", "ErrorKind", "InferRequest", "InferResponse", "InferTensor", "InferenceError", "RegionSlice",
+           "RequestedOutput", "ShmRef"]
 
-    INVALID_ARGUMENT = enum.auto()  # malformed request, wrong shape or dtype, unknown input
-    NOT_FOUND = enum.auto()  # unknown model or version
-    UNAVAILABLE = enum.auto()  # model not ready, queue full, worker lost, shutting down, timed out in queue
-    INTERNAL = enum.auto()  # a bug or a backend failure
-    PERMISSION_DENIED = enum.auto()  # an action the server's settings do not allow (model control off)
-    UNAUTHENTICATED = enum.auto()  # an admin action without the admin token
-    UNSUPPORTED = enum.auto()  # a feature this server does not offer, or not with its settings (HTTP 501, as Triton)
-    ALREADY_EXISTS = enum.auto()  # a name already taken (a shared-memory region registered twice)
-
-
-class InferenceError(Exception):
-    """An error a client gets back, with its kind. The message is shown to the client as is."""
-
-    def __init__(self, kind: ErrorKind, message: str):
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-    def __repr__(self) -> str:
-        return f"InferenceError({self.kind.name}, {self.message!r})"
-
-    def __reduce__(self):  # pickled whole (a front end's decoding process sends it back): Exception's drops kind
-        return type(self), (self.kind, self.message)
+# Compiled (gpud.compiled), these are native classes, whose instances pickle only as their constructor's call: each
+# says its own in __reduce__ (the JSON codec's child sends a decoded request back, a front-end process its answers).
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +22,9 @@ class ShmRef:
     region: str
     offset: int
     byte_size: int
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return ShmRef, (self.region, self.offset, self.byte_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +37,9 @@ class RegionSlice:
     offset: int
     byte_size: int
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return RegionSlice, (self.region, self.path, self.offset, self.byte_size)
+
 
 @dataclass(slots=True)
 class ClientIO:
@@ -65,8 +49,15 @@ class ClientIO:
     inputs: dict[str, RegionSlice] = field(default_factory=dict)
     outputs: dict[str, tuple[ShmRef, RegionSlice]] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return ClientIO, (self.inputs, self.outputs)
 
-@dataclass(slots=True)
+
+# The classes made for every request (InferTensor, InferRequest, InferResponse, a JSON request's RequestedOutput)
+# write their own __init__ rather than take the dataclass decorator's: compiled, a written __init__ is compiled too,
+# and the decorator's stays interpreted, ~0.5 µs a call. The decorator still gives them repr, ==, fields() and
+# replace().
+@dataclass(slots=True, init=False)
 class InferTensor:
     """A named tensor. `data` is a numpy array of exactly `shape`; BYTES tensors hold an object array of bytes.
     With `shm`, the tensor lies in a client's region instead and `data` is not read (an input until the core reads
@@ -76,41 +67,93 @@ class InferTensor:
     datatype: str  # KServe datatype: "FP32", "INT64", "BYTES", ...
     shape: tuple[int, ...]
     data: np.ndarray
-    shm: ShmRef | None = None
+    shm: ShmRef | None
+
+    def __init__(self, name: str, datatype: str, shape: tuple[int, ...], data: np.ndarray,
+                 shm: ShmRef | None = None) -> None:
+        self.name = name
+        self.datatype = datatype
+        self.shape = shape
+        self.data = data
+        self.shm = shm
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return InferTensor, (self.name, self.datatype, self.shape, self.data, self.shm)
 
 
-@dataclass
+@dataclass(init=False)
 class RequestedOutput:
     name: str
-    parameters: dict[str, Any] = field(default_factory=dict)  # e.g. {"binary_data": True}; front ends read these
-    shm: ShmRef | None = None  # written into a client's shared-memory region instead of sent back
+    parameters: dict[str, Any]  # e.g. {"binary_data": True}; front ends read these
+    shm: ShmRef | None  # written into a client's shared-memory region instead of sent back
+
+    def __init__(self, name: str, parameters: dict[str, Any] | None = None, shm: ShmRef | None = None) -> None:
+        self.name = name
+        self.parameters = {} if parameters is None else parameters
+        self.shm = shm
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return RequestedOutput, (self.name, self.parameters, self.shm)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class InferRequest:
     model_name: str
     inputs: list[InferTensor]
-    model_version: str = ""  # "" = the version policy's choice (latest)
-    id: str = ""
-    outputs: list[RequestedOutput] | None = None  # None = every output
-    priority: int = 0  # 0 = the model's default priority level
-    timeout_us: int = 0  # 0 = the model's default queue timeout
-    parameters: dict[str, Any] = field(default_factory=dict)
+    model_version: str  # "" = the version policy's choice (latest)
+    id: str
+    outputs: list[RequestedOutput] | None  # None = every output
+    priority: int  # 0 = the model's default priority level
+    timeout_us: int  # 0 = the model's default queue timeout
+    parameters: dict[str, Any]
     # The same object for requests with the same input names, datatypes and shapes and the same requested outputs
     # (a front end's parsed-header cache sets it): the executor then reuses its validation. None: not known.
     # Such requests share `outputs` and `parameters`: read them, never change them.
-    signature: Any = None
-    uses_shm: bool = False  # an input or a requested output has `shm` (front ends set it: the core then stages them)
-    client_io: ClientIO | None = None  # set by the core's staging when the version's worker moves them itself
+    signature: Any
+    uses_shm: bool  # an input or a requested output has `shm` (front ends set it: the core then stages them)
+    client_io: ClientIO | None  # set by the core's staging when the version's worker moves them itself
+
+    def __init__(self, model_name: str, inputs: list[InferTensor], model_version: str = "", id: str = "",
+                 outputs: list[RequestedOutput] | None = None, priority: int = 0, timeout_us: int = 0,
+                 parameters: dict[str, Any] | None = None, signature: Any = None, uses_shm: bool = False,
+                 client_io: ClientIO | None = None) -> None:
+        self.model_name = model_name
+        self.inputs = inputs
+        self.model_version = model_version
+        self.id = id
+        self.outputs = outputs
+        self.priority = priority
+        self.timeout_us = timeout_us
+        self.parameters = {} if parameters is None else parameters
+        self.signature = signature
+        self.uses_shm = uses_shm
+        self.client_io = client_io
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return InferRequest, (self.model_name, self.inputs, self.model_version, self.id, self.outputs, self.priority,
+                              self.timeout_us, self.parameters, self.signature, self.uses_shm, self.client_io)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class InferResponse:
     model_name: str
     model_version: str
     outputs: list[InferTensor]
-    id: str = ""
-    parameters: dict[str, Any] = field(default_factory=dict)
+    id: str
+    parameters: dict[str, Any]
     # The compute phases (input, infer, output; ns) of the batch that answered it, which every request of the batch
     # shares: what an ensemble adds up over its steps for its own statistics (as Triton's ensemble scheduler does).
-    compute_ns: tuple[int, int, int] = (0, 0, 0)
+    compute_ns: tuple[int, int, int]
+
+    def __init__(self, model_name: str, model_version: str, outputs: list[InferTensor], id: str = "",
+                 parameters: dict[str, Any] | None = None, compute_ns: tuple[int, int, int] = (0, 0, 0)) -> None:
+        self.model_name = model_name
+        self.model_version = model_version
+        self.outputs = outputs
+        self.id = id
+        self.parameters = {} if parameters is None else parameters
+        self.compute_ns = compute_ns
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return InferResponse, (self.model_name, self.model_version, self.outputs, self.id, self.parameters,
+                               self.compute_ns)
