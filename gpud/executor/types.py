@@ -1,7 +1,7 @@
 """Inference requests, responses and errors as the executor sees them: no HTTP, no gRPC."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -11,8 +11,12 @@ from gpud.executor.errors import ErrorKind, InferenceError
 __all__ = ["ClientIO", "ErrorKind", "InferRequest", "InferResponse", "InferTensor", "InferenceError", "RegionSlice",
            "RequestedOutput", "ShmRef"]
 
-# Compiled (gpud.compiled), these are native classes, whose instances pickle only as their constructor's call: each
-# says its own in __reduce__ (the JSON codec's child sends a decoded request back, a front-end process its answers).
+
+def _by_fields(value: Any) -> tuple[Any, tuple[Any, ...]]:
+    """`__reduce__` for the classes below. Compiled (gpud.compiled), they are native classes, whose instances pickle
+    only as their constructor's call (the JSON codec's child sends a decoded request back): the fields in order, which
+    is each constructor's order of arguments."""
+    return type(value), tuple([getattr(value, f.name) for f in fields(value)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +28,7 @@ class ShmRef:
     byte_size: int
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return ShmRef, (self.region, self.offset, self.byte_size)
+        return _by_fields(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +42,7 @@ class RegionSlice:
     byte_size: int
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return RegionSlice, (self.region, self.path, self.offset, self.byte_size)
+        return _by_fields(self)
 
 
 @dataclass(slots=True)
@@ -50,7 +54,7 @@ class ClientIO:
     outputs: dict[str, tuple[ShmRef, RegionSlice]] = field(default_factory=dict)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return ClientIO, (self.inputs, self.outputs)
+        return _by_fields(self)
 
 
 # The classes made for every request (InferTensor, InferRequest, InferResponse, a JSON request's RequestedOutput)
@@ -78,7 +82,7 @@ class InferTensor:
         self.shm = shm
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return InferTensor, (self.name, self.datatype, self.shape, self.data, self.shm)
+        return _by_fields(self)
 
 
 @dataclass(init=False)
@@ -93,7 +97,7 @@ class RequestedOutput:
         self.shm = shm
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return RequestedOutput, (self.name, self.parameters, self.shm)
+        return _by_fields(self)
 
 
 @dataclass(slots=True, init=False)
@@ -130,8 +134,7 @@ class InferRequest:
         self.client_io = client_io
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return InferRequest, (self.model_name, self.inputs, self.model_version, self.id, self.outputs, self.priority,
-                              self.timeout_us, self.parameters, self.signature, self.uses_shm, self.client_io)
+        return _by_fields(self)
 
 
 @dataclass(slots=True, init=False)
@@ -155,5 +158,4 @@ class InferResponse:
         self.compute_ns = compute_ns
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return InferResponse, (self.model_name, self.model_version, self.outputs, self.id, self.parameters,
-                               self.compute_ns)
+        return _by_fields(self)
