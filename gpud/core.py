@@ -27,6 +27,7 @@ from gpud.lifecycle import ModelLifecycle, names_in
 from gpud.model_control import ModelControl, check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
+from gpud.log_settings import LogControl, LogSettings
 from gpud.repository.layout import ModelRepository
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState, ServingSnapshot
@@ -74,6 +75,9 @@ class GpudCore:
         self.server_name = server_name
         self.started = False
         self.stopping = False
+        # the daemon's log settings (Triton's logging extension); None in an application's process, whose logging
+        # is the application's
+        self.log_control: LogControl | None = None
 
     @property
     def models(self) -> dict[str, RegisteredModel]:
@@ -147,7 +151,20 @@ class GpudCore:
         return self.started and not self.stopping
 
     def server_metadata(self) -> ServerMetadata:
-        return ServerMetadata(self.server_name, __version__, tuple(EXTENSIONS))
+        logging_extension = ("logging",) if self.log_control is not None else ()
+        return ServerMetadata(self.server_name, __version__, (*EXTENSIONS, *logging_extension))
+
+    def _log_control(self) -> LogControl:
+        if self.log_control is None:
+            raise InferenceError(ErrorKind.UNSUPPORTED, "this server has no log settings: gpud in an application's "
+                                 "process logs through the application's logging")
+        return self.log_control
+
+    def log_settings(self) -> LogSettings:
+        return self._log_control().settings
+
+    def update_log_settings(self, changes: Mapping[str, object]) -> LogSettings:
+        return self._log_control().update(changes)
 
     def model_ready(self, name: str, version: str = "") -> bool:
         model = self._model(name)

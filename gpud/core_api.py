@@ -6,7 +6,7 @@ them as Triton's HTTP JSON and `gpud.api.grpc_encode` as Triton's protobuf messa
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -14,6 +14,7 @@ from gpud.executor.client_shm import RegionStatus
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import InferenceError, InferRequest, InferResponse
+from gpud.log_settings import LogSettings
 from gpud.repository.config import VersionPolicy
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState
@@ -161,6 +162,15 @@ class InferenceCore(Protocol):
     def inspect(self) -> dict[str, Any]:
         """gpud's own view for `gpudctl inspect` (served at GET /v2/gpud/inspect):
         {"devices": [...], "models": [...]}"""
+        ...
+
+    def log_settings(self) -> LogSettings:
+        """The log settings (Triton's logging extension); UNSUPPORTED where the server has none."""
+        ...
+
+    def update_log_settings(self, changes: Mapping[str, object]) -> LogSettings:
+        """Apply a log setting request (Triton's names; gpud.log_settings.updated's errors change nothing) and
+        answer the settings now."""
         ...
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:

@@ -20,6 +20,7 @@ from gpud.cpus import usable_cpus
 from gpud.settings import (AUTO, Settings, check_settings, frontend_processes, grpc_keepalive, load_settings_file,
                            prepare_settings)
 from gpud.api.admin import AdminAuth
+from gpud.log_settings import LogControl, LogSettings, configure
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.api import GRPC_SERVERS
@@ -279,6 +280,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         log.error("%s", exc)
         return 2
     core = parts.core
+    # Triton's logging extension: the settings --log-level gave, changed over HTTP or gRPC; every process follows
+    core.log_control = LogControl(LogSettings.of_level(settings.log_level))
+    core.log_control.listeners.append(parts.pool.set_log_settings)
     runners, ports, grpc_server = [], {}, None
     try:
         notify("STATUS=loading the model repository")
@@ -380,7 +384,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
                   isinstance(r, FrontendHost) and r.options["kind"] == "http"]
     grpc_hosts = [r for r in runners if isinstance(r, FrontendHost) and r.options["kind"] == "grpc"]
     reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller, http_hosts,
-                                   grpc_hosts + ([grpc_server] if isinstance(grpc_server, GrpcServer) else [])))
+                                   grpc_hosts + ([grpc_server] if isinstance(grpc_server, GrpcServer) else []),
+                                   core.log_control))
 
     await stop.wait()
     reloader.stop()
@@ -445,7 +450,11 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
                "max_tensor_elements": settings.max_tensor_elements, "grpc_server": settings.grpc_server,
                "grpc_keepalive": asdict(grpc_keepalive(settings)),
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
-    host = FrontendHost(core, admin, n, listen, options, logging.getLevelName(settings.log_level))
+    control = core.log_control
+    host = FrontendHost(core, admin, n, listen, options,
+                        control.settings if control is not None else LogSettings.of_level(settings.log_level))
+    if control is not None:
+        control.listeners.append(host.set_log_settings)
     try:
         await host.start()
     except OSError:
@@ -497,8 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpud: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(LogSettings.of_level(settings.log_level), "%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # A reload reads the settings file again, with the command-line flags over it, as here.
         return _run(serve(settings, read_settings=functools.partial(resolve_settings, args),

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from gpud.api.admin import AdminAuth
+from gpud.log_settings import LogControl, LogSettings
 from gpud.model_control import ModelControl, RepositoryPoller
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.sampler import HintsSampler
@@ -101,6 +102,7 @@ class ReloadTargets:
     controller: ScalingController | None = None  # None when off
     http_servers: Sequence[_Tunable] = field(default_factory=list)
     grpc_servers: Sequence[_Capped] = field(default_factory=list)
+    log_control: LogControl | None = None  # the daemon's log settings (every process's); None: the root logger's
 
 
 @dataclass(frozen=True)
@@ -233,7 +235,12 @@ class Reloader:
 
     def _apply(self, p: Prepared, t: ReloadTargets) -> str:
         s = p.settings
-        logging.getLogger().setLevel(s.log_level)
+        # only a changed log_level: settings changed over the logging extension stay through other reloads
+        if s.log_level != self.running.settings.log_level:
+            if t.log_control is not None:
+                t.log_control.set(LogSettings.of_level(s.log_level))
+            else:
+                logging.getLogger().setLevel(s.log_level)
         t.hints.policy = p.hint_policy
         t.hints.interval_s = s.hints_interval_seconds
         t.hints.rate_window_s = s.hints_rate_window_seconds

@@ -21,6 +21,7 @@ from gpud.executor.client_shm import ClientRegions
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
+from gpud.log_settings import LogControl, LogSettings
 from gpud.telemetry.serving import ModelState
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
@@ -80,6 +81,8 @@ class FakeCore:
     last_request: InferRequest | None = None
     unloads: list[tuple[str, bool]] = field(default_factory=list)  # (model, unload_dependents), in order
     client_shm: ClientRegions = field(default_factory=ClientRegions)  # none registered; registering refused
+    # the logging extension's settings, applied to no process's logging (tests read `log_control.settings`)
+    log_control: LogControl = field(default_factory=lambda: LogControl(LogSettings(), apply_here=lambda s: None))
 
     @classmethod
     def with_models(cls, models: Iterable[FakeModel]) -> FakeCore:
@@ -132,6 +135,12 @@ class FakeCore:
     def inspect(self) -> dict[str, Any]:
         return {"devices": [{"name": "cpu", "kind": "CPU"}],
                 "models": [{"name": m.name, "ready": m.ready} for m in self.models.values()]}
+
+    def log_settings(self) -> LogSettings:
+        return self.log_control.settings
+
+    def update_log_settings(self, changes) -> LogSettings:
+        return self.log_control.update(changes)
 
     async def load_model(self, name: str, override=None) -> None:
         self.last_override = override

@@ -4,7 +4,6 @@ test_e2e_sighup_reload.py."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -12,6 +11,7 @@ import pytest
 
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
+from gpud.log_settings import LogControl, LogSettings
 from gpud.settings import prepare_settings
 from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan)
 from gpud.reload import Reloader, ReloadTargets, effective, settings_changes
@@ -122,6 +122,8 @@ class Fixture:
         self.http = SimpleNamespace(request_timeout_s=running.http_request_timeout_seconds,
                                     max_connections=running.http_max_connections)
         self.grpc = SimpleNamespace(max_connections=running.grpc_max_connections)
+        self.applied_logging: list[LogSettings] = []  # what the daemon's processes were told to log
+        self.log_control = LogControl(LogSettings.of_level(running.log_level), apply_here=self.applied_logging.append)
         self.core = SimpleNamespace(control=prepared.model_control, snapshot=lambda: SimpleNamespace(
             models=[SimpleNamespace(name=n, versions=(1,)) for n in sorted(self.loaded)]))
         self.poller = RepositoryPoller(self._read_disk, self._load, self._unload, 15.0)
@@ -154,7 +156,7 @@ class Fixture:
     def reload(self):
         async def run():
             self.reloader.serving(ReloadTargets(self.core, self.admin, self.hints, self.poller, self.controller,
-                                                [self.http], [self.grpc]))
+                                                [self.http], [self.grpc], self.log_control))
             return await self.reloader.reload()
         return asyncio.run(run())
 
@@ -168,12 +170,8 @@ def test_a_reload_applies_the_live_settings_and_re_reads_the_repository(tmp_path
                      placement_control="advise", http_request_timeout_seconds=5.0, http_port=9000,
                      admin_token_file=str(token_file))
     f.disk = {"a": (2,), "c": (1,)}  # a changed, b removed, c new
-    level = logging.getLogger().level
-    try:
-        outcome = f.reload()
-        assert logging.getLogger().level == logging.DEBUG
-    finally:
-        logging.getLogger().setLevel(level)
+    outcome = f.reload()
+    assert f.applied_logging == [LogSettings(verbose_level=1)]  # DEBUG: in every process, through the control
     assert outcome.refused is None
     assert f.hints.policy.target_queue_seconds == 0.02
     assert (f.controller.policy.interval_seconds, f.controller.mode) == (3.0, "advise")
@@ -299,3 +297,16 @@ def test_a_reload_sets_the_connection_caps_of_both_front_ends():
         outcome.applied
     assert (f.http.max_connections, f.grpc.max_connections) == (300, 200)
     assert outcome.need_restart == ()
+
+
+def test_a_reload_sets_the_log_settings_only_when_log_level_changed():
+    running = Settings(model_repository="/models")
+    f = Fixture(running, {}, set())
+    f.log_control.update({"log_verbose_level": 2, "log_format": "ISO8601"})  # over the logging extension
+    f.next = replace(running, hints_target_queue_seconds=0.02)
+    f.reload()
+    assert f.log_control.settings == LogSettings(verbose_level=2, format="ISO8601")  # kept through the reload
+    f.next = replace(running, log_level="WARNING")
+    f.reload()
+    assert f.log_control.settings == LogSettings(info=False)  # the file's new level, as at a start
+    assert f.applied_logging[-1] == LogSettings(info=False)

@@ -15,7 +15,7 @@ from gpud.executor.busy import BusyTracker
 from gpud.executor.channel import WorkerChannel
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
-                               TensorMeta, Unload, Unloaded, dumps, loads, read_inputs, read_outputs,
+                               SetLogging, TensorMeta, Unload, Unloaded, dumps, loads, read_inputs, read_outputs,
                                write_inputs, write_outputs)
 from gpud.executor.shm import Segment, align, new_segment_name
 
@@ -30,6 +30,7 @@ TO_WORKER = [
     Unload("m/1/0"),
     ForgetSegments(("gpud-1-in-0", "gpud-1-in-2")),
     Exit(),
+    SetLogging(True, False, True, 2, "ISO8601"),
 ]
 FROM_WORKER = [
     Hello(1234, ("CUDAExecutionProvider", "CPUExecutionProvider")),

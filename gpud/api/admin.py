@@ -1,5 +1,6 @@
 """Who may use the admin actions: those that change what gpud serves (the repository API's load and unload,
-`POST /v2/gpud/placement`). Reading, inference and health never need anything.
+`POST /v2/gpud/placement`, client shared-memory registration) or what it logs (the logging extension's changes).
+Reading, inference and health never need anything.
 
 - `--admin-token-file`: they need `Authorization: Bearer <token>` (HTTP header, gRPC metadata).
 - `--admin-socket`: they are served on a unix socket whose file permissions decide who may use it (no token there);

@@ -40,8 +40,8 @@ from gpud.api.grpcwire.calls import CallAborted, Method, Received
 from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, SharedCount, check_shape
-from gpud.api.grpc_encode import (model_config_message, model_metadata_message, model_statistics_message,
-                                  repository_index_message, server_metadata_message)
+from gpud.api.grpc_encode import (log_settings_message, model_config_message, model_metadata_message,
+                                  model_statistics_message, repository_index_message, server_metadata_message)
 from gpud.core_api import InferenceCore
 from gpud.repository.overrides import override_of
 from gpud.proto import grpc_service_pb2 as pb
@@ -500,6 +500,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                           (f" '{request.name}'" if request.name else "s"))
         self._core.client_shm.cuda_unregister(request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
+
+    # --- the logging extension ---------------------------------------------------------------------------------
+    @_unary
+    async def LogSettings(self, request, context):
+        changes = {name: getattr(value, value.WhichOneof("parameter_choice")) if value.WhichOneof("parameter_choice")
+                   else None for name, value in request.settings.items()}
+        if changes:  # none: a read (tritonclient's get_log_settings)
+            self._check_admin(context, "changing the log settings")
+            settings = self._core.update_log_settings(changes)
+        else:
+            settings = self._core.log_settings()
+        return log_settings_message(settings)
 
     @_unary
     async def ModelInfer(self, request, context):

@@ -17,6 +17,7 @@ from gpud.executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_message
+from gpud.log_settings import LogSettings
 from gpud.repository.config import VersionPolicy
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2 as mc
@@ -24,6 +25,19 @@ from gpud.proto import model_config_pb2 as mc
 
 def server_metadata_message(metadata: ServerMetadata) -> pb.ServerMetadataResponse:
     return pb.ServerMetadataResponse(name=metadata.name, version=metadata.version, extensions=metadata.extensions)
+
+
+def log_settings_message(settings: LogSettings) -> pb.LogSettingsResponse:
+    """Every log setting, each in the oneof member of its type (as Triton's)."""
+    message = pb.LogSettingsResponse()
+    for name, value in settings.wire().items():
+        if isinstance(value, bool):
+            message.settings[name].bool_param = value
+        elif isinstance(value, int):
+            message.settings[name].uint32_param = value
+        else:
+            message.settings[name].string_param = value
+    return message
 
 
 def _tensor_metadata(t: TensorMetadata) -> pb.ModelMetadataResponse.TensorMetadata:

@@ -2,7 +2,8 @@
 
 A thin adapter over one `InferenceCore` served by `gpud.api.http_server` (httptools): it only translates the wire
 format. Routes follow Triton's HTTP server
-(`src/http_server.cc`) and protocol extensions (binary tensor data, statistics, model configuration, model repository):
+(`src/http_server.cc`) and protocol extensions (binary tensor data, statistics, model configuration, model repository,
+shared memory, logging):
 
     GET  /v2/health/live | /v2/health/ready                 200, or 400 when not live/ready (empty body, as Triton)
     GET  /v2                                                 server metadata
@@ -13,6 +14,7 @@ format. Routes follow Triton's HTTP server
     POST /v2/models/{m}[/versions/{v}]/infer                 JSON and binary tensor data
     POST /v2/repository/index                                body empty or {"ready": bool}
     POST /v2/repository/models/{m}/load | /unload
+    GET  /v2/logging | POST /v2/logging                      logging extension (POST with settings: an admin action)
     GET  /v2/gpud/inspect                                    gpud's own view (`gpudctl inspect`)
     POST /v2/gpud/placement                                  apply a placement (`gpudctl place --apply`)
 
@@ -110,6 +112,7 @@ class HttpApi:
             "/v2/gpud/placement": {"POST": self.apply_placement},
             "/v2/models/stats": {"GET": self.model_stats},  # "stats" is not a model name here
             "/v2/repository/index": {"POST": self.repository_index},
+            "/v2/logging": {"GET": self.log_settings, "POST": self.update_log_settings},
         }
         self._model_tails: dict[str, dict[str, Callable[..., Any]]] = {
             "": {"GET": self.model_metadata}, "ready": {"GET": self.model_ready},
@@ -320,6 +323,16 @@ class HttpApi:
 
     def inspect(self, request: HttpRequest, respond: Respond) -> _Reply:
         return 200, _json_body(self.core.inspect())
+
+    # --- the logging extension -----------------------------------------------------------------------------------
+    def log_settings(self, request: HttpRequest, respond: Respond) -> _Reply:
+        return 200, _json_body(self.core.log_settings().wire())
+
+    def update_log_settings(self, request: HttpRequest, respond: Respond) -> _Reply:
+        changes = _optional_json_object(request.body, "log setting request")
+        if changes:  # an empty request reads them, as GET
+            self.admin.check(request.headers.get("authorization"), "changing the log settings", request.peer)
+        return 200, _json_body(self.core.update_log_settings(changes).wire())
 
     def apply_placement(self, request: HttpRequest, respond: Respond) -> Awaitable[_Reply]:
         self.admin.check(request.headers.get("authorization"), "applying a placement", request.peer)

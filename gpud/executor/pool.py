@@ -17,6 +17,7 @@ from gpud.executor.instance import DeviceWorker, InstanceHandle
 from gpud.executor.local_worker import LocalWorker
 from gpud.executor.supervisor import DEFAULT_WORKER_HANG_S, CrashLoop, WorkerSupervisor
 from gpud.executor.types import InferenceError
+from gpud.log_settings import LogSettings
 
 
 log = logging.getLogger("gpud.executor")
@@ -38,7 +39,7 @@ class ExecutorPool:
         self.clock = clock
         self.worker_start_timeout_s = worker_start_timeout_s
         self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
-        self.worker_log_level = worker_log_level
+        self.worker_log_settings = LogSettings.of_level(worker_log_level)  # a LogControl's, once set_log_settings
         self.workers: dict[str, DeviceWorker] = {}
         self._start_locks: dict[str, asyncio.Lock] = {}
 
@@ -53,11 +54,19 @@ class ExecutorPool:
                 worker = LocalWorker(device, clock=self.clock)
             else:
                 worker = WorkerSupervisor(device, clock=self.clock, start_timeout_s=self.worker_start_timeout_s,
-                                          hang_s=self.worker_hang_s, log_level=self.worker_log_level,
+                                          hang_s=self.worker_hang_s, log_settings=self.worker_log_settings,
                                           crash_loop=self.crash_loop)
             await worker.start()
             self.workers[device.id] = worker
             return worker
+
+    def set_log_settings(self, settings: LogSettings) -> None:
+        """The daemon's log settings changed (a LogControl listener): every worker process follows them, and a
+        worker started later starts with them."""
+        self.worker_log_settings = settings
+        for worker in self.workers.values():
+            if isinstance(worker, WorkerSupervisor):
+                worker.set_log_settings(settings)
 
     async def start_worker(self, device: WorkerDevice) -> DeviceWorker:
         """`device`'s worker, started first if it is not running (InferenceError when it cannot start)."""

@@ -94,6 +94,16 @@ class Exit(NamedTuple):
     """Stop every instance and exit."""
 
 
+class SetLogging(NamedTuple):
+    """Log as these settings say from now on (gpud.log_settings.LogSettings's fields, in order)."""
+
+    info: bool
+    warning: bool
+    error: bool
+    verbose_level: int
+    format: str
+
+
 # --- worker -> daemon --------------------------------------------------------------------------------------------
 class Hello(NamedTuple):
     """The worker is up and serving."""
@@ -142,13 +152,13 @@ class Unloaded(NamedTuple):
     key: str
 
 
-ToWorker = Load | Infer | Unload | ForgetSegments | Exit
+ToWorker = Load | Infer | Unload | ForgetSegments | Exit | SetLogging
 FromWorker = Hello | Loaded | LoadFailed | Done | Failed | Unloaded
 Message = ToWorker | FromWorker
 
 # --- wire encoding -----------------------------------------------------------------------------------------------
 _CLASSES: tuple[type, ...] = (Load, Infer, Unload, ForgetSegments, Exit, Hello, Loaded, LoadFailed, Done, Failed,
-                              Unloaded)
+                              Unloaded, SetLogging)
 _TAG = {cls: tag for tag, cls in enumerate(_CLASSES)}
 _INFER, _DONE = _TAG[Infer], _TAG[Done]
 _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL

@@ -29,10 +29,11 @@ from gpud.executor.busy import BusyTracker
 from gpud.executor.channel import Reply, WorkerChannel
 from gpud.executor.device import WorkerDevice
 from gpud.executor.instance import InstanceHandle, LentInstance
-from gpud.executor.protocol import (Exit, ForgetSegments, FromWorker, Hello, Infer, Load, Loaded, LoadFailed, ToWorker,
-                               Unload, Unloaded)
+from gpud.executor.protocol import (Exit, ForgetSegments, FromWorker, Hello, Infer, Load, Loaded, LoadFailed,
+                               SetLogging, ToWorker, Unload, Unloaded)
 from gpud.executor.model_config import execution_config
 from gpud.executor.types import ErrorKind, InferenceError
+from gpud.log_settings import LogSettings
 
 log = logging.getLogger("gpud.executor")
 
@@ -88,13 +89,13 @@ class WorkerSupervisor:
     in_process = False  # its instances run in the worker process
 
     def __init__(self, device: WorkerDevice, *, clock: Callable[[], float] = time.monotonic,
-                 start_timeout_s: float = 60.0, hang_s: float = DEFAULT_WORKER_HANG_S, log_level: int = logging.INFO,
-                 crash_loop: CrashLoop = CrashLoop()):
+                 start_timeout_s: float = 60.0, hang_s: float = DEFAULT_WORKER_HANG_S,
+                 log_settings: LogSettings = LogSettings(), crash_loop: CrashLoop = CrashLoop()):
         self.device = device
         self.clock = clock
         self.start_timeout_s = start_timeout_s
         self.hang_s = hang_s  # 0: never treat a silent worker as hung
-        self.log_level = log_level
+        self.log_settings = log_settings  # what its worker process logs (gpud.log_settings)
         self.proc: subprocess.Popen | None = None
         self.channel: WorkerChannel | None = None  # None while no worker process is connected
         self.pid: int | None = None
@@ -131,7 +132,8 @@ class WorkerSupervisor:
         loop = asyncio.get_running_loop()
         parent_sock, child_sock = socket.socketpair()
         cmd = [sys.executable, "-m", "gpud.executor.worker", "--fd", str(child_sock.fileno()),
-               "--device", json.dumps(dataclasses.asdict(self.device)), "--log-level", str(self.log_level)]
+               "--device", json.dumps(dataclasses.asdict(self.device)),
+               "--log-settings", json.dumps(self.log_settings.plain())]
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=[child_sock.fileno()], env=self._env(), cwd=_PROJECT_ROOT)
         finally:
@@ -283,6 +285,16 @@ class WorkerSupervisor:
         finally:
             self._loads.pop(inst.key, None)
         inst.apply_load_reply(reply)
+
+    def set_log_settings(self, settings: LogSettings) -> None:
+        """Its worker follows `settings` from now on; a worker started again starts with them."""
+        self.log_settings = settings
+        if self.channel is not None:
+            try:
+                self.channel.send(SetLogging(settings.info, settings.warning, settings.error, settings.verbose_level,
+                                             settings.format))
+            except (OSError, InferenceError):
+                pass  # the worker is gone: the one started again starts with them
 
     def send(self, msg: ToWorker) -> None:
         if self.channel is None:

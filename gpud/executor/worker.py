@@ -23,10 +23,11 @@ from gpud.executor.client_shm import output_bytes, read_into, write_blob
 from gpud.executor.cuda_ipc import forget_in_worker
 from gpud.executor.device import WorkerDevice
 from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, Infer, Load, Loaded, LoadFailed,
-                               FromWorker, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
+                               FromWorker, SetLogging, Unload, Unloaded, dumps, loads, read_inputs, write_outputs)
 from gpud.executor.reshape import with_reshape
 from gpud.executor.shm import Segment, ShmFull
 from gpud.executor.types import InferenceError
+from gpud.log_settings import LogSettings, configure, follow
 
 log = logging.getLogger("gpud.worker")
 
@@ -289,6 +290,8 @@ class Worker:
                 case ForgetSegments(names=names):
                     self.segments.forget(names)
                     forget_in_worker(names)
+                case SetLogging():
+                    follow(LogSettings(*msg), log)
                 case Exit():
                     for inst in self.instances.values():
                         inst.inbox.put(None)
@@ -297,10 +300,9 @@ class Worker:
                     return
 
 
-def worker_main(conn, device, log_level: int = logging.INFO) -> None:
+def worker_main(conn, device, log_settings: LogSettings = LogSettings()) -> None:
     """Process entry point (multiprocessing spawn target)."""
-    logging.basicConfig(level=log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s gpud.worker[{device.id} pid {os.getpid()}] %(message)s")
+    configure(log_settings, f"%(asctime)s %(levelname)s gpud.worker[{device.id} pid {os.getpid()}] %(message)s")
     try:
         Worker(conn, device).serve()
     except KeyboardInterrupt:
@@ -317,9 +319,10 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpud-worker", description="gpud device worker (started by gpud)")
     parser.add_argument("--fd", type=int, required=True, help="socket to the daemon")
     parser.add_argument("--device", required=True, help="device description (JSON)")
-    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    parser.add_argument("--log-settings", default="{}", help="the daemon's log settings (JSON)")
     args = parser.parse_args(argv)
-    worker_main(Connection(args.fd), WorkerDevice(**json.loads(args.device)), args.log_level)
+    worker_main(Connection(args.fd), WorkerDevice(**json.loads(args.device)),
+                LogSettings(**json.loads(args.log_settings)))
     return 0
 
 

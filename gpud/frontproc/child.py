@@ -19,6 +19,7 @@ from gpud.frontproc.arena import TRIM_INTERVAL_S, Arena
 from gpud.frontproc.connections import SharedConnections
 from gpud.frontproc.link import process_label
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
+from gpud.log_settings import LogSettings, configure
 from gpud.telemetry.event_loop import LoopMonitor
 
 log = logging.getLogger("gpud.frontend")
@@ -112,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen-fd", type=int, default=-1,
                         help="the listening socket (gRPC on grpcio binds its own)")
     parser.add_argument("--options", required=True, help="JSON")
-    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    parser.add_argument("--log-settings", default="{}", help="the daemon's log settings (JSON)")
     args = parser.parse_args(argv)
     options = json.loads(args.options)
     options["index"] = args.index
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s gpud.frontend[{options['kind']} {args.index}] %(message)s")
+    configure(LogSettings(**json.loads(args.log_settings)),
+              f"%(asctime)s %(levelname)s gpud.frontend[{options['kind']} {args.index}] %(message)s")
     link = socket.socket(fileno=args.link_fd)
     listen = socket.socket(fileno=args.listen_fd) if args.listen_fd >= 0 else None
     try:

@@ -31,6 +31,7 @@ from gpud.frontproc.connections import SharedConnections
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
 from gpud.frontproc.group import group_sizes
 from gpud.frontproc.link import FrameReader, Sender, process_label, request_of, response_wire
+from gpud.log_settings import LogSettings
 from gpud.telemetry.event_loop import LoopCounts
 
 log = logging.getLogger("gpud.frontend")
@@ -38,7 +39,7 @@ log = logging.getLogger("gpud.frontend")
 # What a front-end process may ask of the core: the InferenceCore protocol's methods, and its regions'.
 CALLS = frozenset({"server_live", "server_ready", "server_metadata", "model_ready", "model_metadata", "model_config",
                    "model_statistics", "repository_index", "inspect", "apply_placement", "load_model",
-                   "unload_model"})
+                   "unload_model", "log_settings", "update_log_settings"})
 REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cuda_register", "cuda_unregister",
                           "cuda_status"})
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
@@ -142,7 +143,7 @@ def _unstaged(exc: Exception) -> InferenceError:
 
 class FrontendHost:
     def __init__(self, core: HostedCore, admin: AdminAuth, count: int, listen: socket.socket, options: dict[str, Any],
-                 log_level: int = logging.INFO):
+                 log_settings: LogSettings = LogSettings()):
         """`listen`: the listening socket the processes accept from; for gRPC on grpcio (options["grpc_server"]),
         the port's socket the daemon holds (bound with SO_REUSEPORT, not listening), which the processes bind too."""
         self.core = core
@@ -153,7 +154,7 @@ class FrontendHost:
         # the processes' open connections, one slot each: the port's cap counts them all
         self.connections = SharedConnections.create(count)
         options["connections_fd"], options["processes"] = self.connections.fd, count
-        self.log_level = log_level
+        self.log_settings = log_settings  # the daemon's (gpud.log_settings): each process is started with them
         self.processes: list[FrontendProcess | None] = [None] * count
         self.stopping = False
         self.restarts = [0] * count  # per process slot: how often its process was started again
@@ -199,6 +200,14 @@ class FrontendHost:
             if fp is not None and fp.alive:
                 self._send(fp, ("tune", self.options["request_timeout_s"], self.options["max_connections"]))
 
+    def set_log_settings(self, settings: LogSettings) -> None:
+        """The daemon's log settings changed (a LogControl listener): every process follows them, and a process
+        started again starts with them."""
+        self.log_settings = settings
+        for fp in self.processes:
+            if fp is not None and fp.alive:
+                self._send(fp, ("logging", settings.plain()))
+
     def inspect(self) -> list[dict[str, Any]]:
         """Each process, for `gpudctl inspect` (FRONT ENDS): its protocol, pid, whether it serves, its requests now,
         its requests that came grouped."""
@@ -213,7 +222,7 @@ class FrontendHost:
         http = self.options["kind"] == "http" or self.options["grpc_server"] == "gpud"
         cmd = [sys.executable, "-m", "gpud.frontproc.child", "--index", str(index), "--link-fd", str(theirs.fileno()),
                *(["--listen-fd", str(self.listen.fileno())] if http else []), "--options", json.dumps(self.options),
-               "--log-level", str(self.log_level)]
+               "--log-settings", json.dumps(self.log_settings.plain())]
         fds = (theirs.fileno(), self.connections.fd, *((self.listen.fileno(),) if http else ()))
         proc = subprocess.Popen(cmd, pass_fds=fds)
         theirs.close()

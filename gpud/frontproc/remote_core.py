@@ -14,7 +14,7 @@ import copy
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -28,6 +28,7 @@ from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferRe
 from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.group import group_key, split_answer
 from gpud.frontproc.link import FrameReader, Sender, discard_response, request_wire, response_of
+from gpud.log_settings import LogSettings, follow
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.event_loop import LoopCounts
 
@@ -123,6 +124,7 @@ class RemoteCore:
         self.on_stop: Callable[[float], None] = lambda grace_s: None
         self.on_lost: Callable[[], None] = lambda: None
         self.on_tune: Callable[[float, int], None] = lambda request_timeout_s, max_connections: None
+        self.on_logging: Callable[[LogSettings], None] = partial(follow, logger=log)
         self.lost = False
         # Request signatures (the front end's parse cache: requests with the same header) by a number the core maps
         # to its own, so that it validates a header's requests once (gpud.executor.validation.PreparedCache).
@@ -230,6 +232,8 @@ class RemoteCore:
             self.on_stop(message[1])
         elif kind == "tune":
             self.on_tune(message[1], message[2])
+        elif kind == "logging":  # the daemon's log settings changed (Triton's logging extension)
+            self.on_logging(LogSettings(**message[1]))
 
     def _send(self, message: tuple, now: bool = False) -> None:
         """Queue a message for the end of the loop's turn (requests go together), or send it `now` (a sync call,
@@ -422,6 +426,12 @@ class RemoteCore:
 
     def inspect(self) -> dict[str, Any]:
         return self.call_sync("inspect")
+
+    def log_settings(self) -> LogSettings:
+        return self.call_sync("log_settings")
+
+    def update_log_settings(self, changes: Mapping[str, object]) -> LogSettings:
+        return self.call_sync("update_log_settings", dict(changes))
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
         return await self.call("apply_placement", list(requested))
