@@ -136,11 +136,13 @@ class _LevelFilter(logging.Filter):
 
 
 def configure(settings: LogSettings, fmt: str, root: logging.Logger | None = None) -> None:
-    """A gpud process's logging: to standard error, in `fmt` (a `%`-style format), as `settings` say."""
+    """A gpud process's logging: to standard error, in `fmt` (a `%`-style format), as `settings` say. As
+    logging.basicConfig, a root logger that has handlers already keeps them (and gets no second)."""
     root = root or logging.getLogger()
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(LogFormatter(fmt))
-    root.addHandler(handler)
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(LogFormatter(fmt))
+        root.addHandler(handler)
     apply(settings, root)
 
 

@@ -22,7 +22,7 @@ from gpud.api.grpc_api import start_grpc_server
 from gpud.api.http_api import start_http_server
 from gpud.executor.errors import ErrorKind, InferenceError
 from gpud.executor.protocol import SetLogging, dumps, loads
-from gpud.log_settings import LogControl, LogFormatter, LogSettings, apply, updated
+from gpud.log_settings import LogControl, LogFormatter, LogSettings, apply, configure, updated
 from tests.daemon_harness import GRPC_SERVER, start_daemon, wait_for
 from tests.fake_core import FakeCore
 
@@ -141,6 +141,21 @@ def test_a_process_writes_the_levels_switched_on_in_the_format_asked(logger):
     lines = _written(logger)
     assert [line.split()[-1] for line in lines] == ["INFO", "WARNING", "ERROR", "CRITICAL"]
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:", lines[0]), lines[0]
+
+
+def test_configure_adds_gpud_s_handler_once(logger):
+    bare = logging.getLogger(f"test-logging-configure-{id(logger)}")
+    bare.propagate = False
+    try:
+        configure(LogSettings(info=False), "%(message)s", bare)
+        configure(LogSettings(), "%(message)s", bare)  # a second call: the handler there is kept, none added
+        assert len(bare.handlers) == 1 and isinstance(bare.handlers[0].formatter, LogFormatter)
+        assert bare.level == logging.INFO
+        before = list(logger.handlers)
+        configure(LogSettings(verbose_level=1), "%(message)s", logger)  # as logging.basicConfig: its own stay
+        assert logger.handlers == before and logger.level == logging.DEBUG
+    finally:
+        bare.handlers.clear()
 
 
 def test_the_worker_message_carries_the_settings():
