@@ -35,8 +35,9 @@ from gpud.telemetry.serving import ModelState, ServingSnapshot
 log = logging.getLogger("gpud")
 
 # Only what gpud really implements: clients use this list to decide what to call.
-EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics", "binary_tensor_data",
-              "schedule_policy", "sequence", "sequence(string_id)", "system_shared_memory", "cuda_shared_memory"]
+EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "model_configuration",
+              "statistics", "binary_tensor_data", "schedule_policy", "sequence", "sequence(string_id)",
+              "system_shared_memory", "cuda_shared_memory"]
 
 
 class GroupCancel:

@@ -228,6 +228,9 @@ def test_load_readiness_and_unload_dependents_through_tritonclient(tmp_path, pro
     d = start_daemon(repo, tmp_path, "--model-control-mode", "explicit", "--load-model", "classifier")
     try:
         mod, c = client(d, protocol)
+        metadata = c.get_server_metadata()
+        extensions = metadata["extensions"] if protocol == "http" else metadata.extensions
+        assert "model_repository(unload_dependents)" in extensions  # Triton's name for what this test uses
         c.load_model("pipeline")  # its steps that are not loaded load with it
         assert c.is_model_ready("pipeline") and all(c.is_model_ready(m) for m in STEPS)
         image = images(1, 5)

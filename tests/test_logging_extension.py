@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import logging
 import re
 import threading
@@ -270,6 +271,29 @@ def test_grpc_reads_and_changes_the_settings_as_tritonclient_expects(servers, co
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "expect boolean for 'log_info'" in refused.value.details()
     assert core.log_control.settings == LogSettings(verbose_level=1, format="ISO8601")
+
+
+def test_gpudctl_log_shows_and_changes_the_settings(servers, core, tmp_path, capsys):
+    from gpud.cli.main import main as gpudctl
+
+    url = ["--url", f"127.0.0.1:{servers.http_port}"]
+    token = ["--token-file", str(tmp_path / "token")] if servers.token else []
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    assert gpudctl(["log", *url]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "log_info           on", "log_warning        on", "log_error          on", "log_verbose_level  0",
+        "log_format         default", "log_file           (standard error; the journal under systemd)"]
+    assert gpudctl(["log", "--verbose", "2", "--warning", "off", "--format", "ISO8601", "--json", *url, *token]) == 0
+    assert json.loads(capsys.readouterr().out) == {**DEFAULTS, "log_verbose_level": 2, "log_warning": False,
+                                                   "log_format": "ISO8601"}
+    assert core.log_control.settings == LogSettings(warning=False, verbose_level=2, format="ISO8601")
+    if servers.token:  # a change without the token is refused, and says why
+        assert gpudctl(["log", "--info", "off", *url]) == 1
+        assert "HTTP 401" in capsys.readouterr().err
+        assert core.log_control.settings.info is True
+    with pytest.raises(SystemExit):
+        gpudctl(["log", "--verbose", "-1", *url])
+    assert core.log_control.settings.verbose_level == 2
 
 
 def test_the_core_serves_the_extension_only_with_a_control(tmp_path):

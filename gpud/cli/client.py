@@ -133,5 +133,5 @@ def add_endpoint_arguments(p: Any, what: str = "the running gpud") -> None:
                    help="gpud's admin socket (gpud --admin-socket; systemd: /run/gpud/admin.sock), where admin "
                         "actions need no token: who may use it is decided by the socket file's permissions")
     p.add_argument("--token-file", default=None, metavar="FILE",
-                   help="the admin token for loading, unloading and placing over HTTP when gpud has "
-                        "--admin-token-file (default $GPUD_ADMIN_TOKEN_FILE)")
+                   help="the admin token for loading, unloading, placing and changing the log settings over HTTP "
+                        "when gpud has --admin-token-file (default $GPUD_ADMIN_TOKEN_FILE)")

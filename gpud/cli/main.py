@@ -8,6 +8,7 @@ COMMANDS = {"inspect": "show devices, placements, queues and latencies of a runn
             "check": "validate this node end to end: readings against nvidia-smi, the serving path on each device",
             "load": "load (or reload) a model of the running gpud's repository",
             "unload": "unload a model from the running gpud",
+            "log": "show or change what the running gpud logs (levels, verbose level, timestamp format)",
             "mig": "MIG layout advice: recommend a layout per GPU for a set of models, list MIG profiles"}
 
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.cli.models import models_main
 
         return models_main(argv[0], argv[1:])
+    if argv[0] == "log":
+        from gpud.cli.logs import log_main
+
+        return log_main(argv[1:])
     if argv[0] == "mig":
         from gpud.cli.mig import mig_main
 

@@ -1,0 +1,66 @@
+"""`gpudctl log`: show or change what the running gpud logs (Triton's logging extension, `/v2/logging`), over HTTP
+with the admin token or over the admin socket."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from gpud.cli.client import GpudUnreachable, add_endpoint_arguments, endpoint, post_json, request
+
+_SWITCHES = {"on": True, "off": False}
+
+
+def log_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="gpudctl log",
+        description="Show what the running gpud logs, or change it while it runs: each level on its own, a verbose "
+                    "level (above 0: DEBUG records), the timestamp format. A change applies at once to the daemon "
+                    "and every process of it, holds until changed again or a reload changes log_level, and is an "
+                    "admin action (the admin token, or the admin socket).",
+        epilog="e.g. gpudctl log --verbose 1; gpudctl log --verbose 0 --format ISO8601; gpudctl log --info off")
+    p.add_argument("--verbose", type=int, metavar="N", help="the verbose level: 0 none, 1 or more adds DEBUG")
+    for level in ("info", "warning", "error"):
+        p.add_argument(f"--{level}", choices=list(_SWITCHES), help=f"write {level.upper()} records or not")
+    p.add_argument("--format", choices=["default", "ISO8601"],
+                   help="the timestamp: default (local time) or ISO8601 (UTC)")
+    p.add_argument("--json", action="store_true", help="print the settings as gpud answers them (JSON)")
+    add_endpoint_arguments(p)
+    args = p.parse_args(argv)
+    if args.verbose is not None and args.verbose < 0:
+        p.error(f"--verbose must be 0 or more, got {args.verbose}")
+    changes = changes_of(args)
+    ep = endpoint(args.url, args.socket)
+    try:
+        settings = post_json(ep, "/v2/logging", changes, token_file=args.token_file, timeout_s=30.0) if changes \
+            else request(ep, "GET", "/v2/logging", timeout_s=30.0)
+    except GpudUnreachable as exc:
+        print(f"gpudctl log: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(settings) if args.json else render(settings))
+    return 0
+
+
+def changes_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The log setting request the flags make (Triton's names); empty: only show them."""
+    changes: dict[str, Any] = {}
+    if args.verbose is not None:
+        changes["log_verbose_level"] = args.verbose
+    for level in ("info", "warning", "error"):
+        if getattr(args, level) is not None:
+            changes[f"log_{level}"] = _SWITCHES[getattr(args, level)]
+    if args.format is not None:
+        changes["log_format"] = args.format
+    return changes
+
+
+def render(settings: dict[str, Any]) -> str:
+    """The settings for a person: one per line."""
+    def shown(value: Any) -> str:
+        return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+    rows = [(name, shown(settings[name])) for name in ("log_info", "log_warning", "log_error", "log_verbose_level",
+                                                        "log_format") if name in settings]
+    rows.append(("log_file", settings.get("log_file") or "(standard error; the journal under systemd)"))
+    return "\n".join(f"{name:<18} {value}" for name, value in rows)
