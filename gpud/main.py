@@ -178,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-offload-bytes", type=int, metavar="N",
                    help="JSON inference bodies (or binary requests' JSON headers) and JSON answers of about this "
                         "many bytes or more go to those processes (default 1048576)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="what gpud logs when it starts: this level and those above (default INFO); `gpudctl log` "
+                        "(Triton's logging extension, /v2/logging) changes it while gpud runs")
     p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
