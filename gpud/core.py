@@ -27,7 +27,8 @@ from gpud.lifecycle import ModelLifecycle, names_in
 from gpud.model_control import ModelControl, check_model_name
 from gpud.placing.service import PlacementService
 from gpud.registry import RegisteredModel, RegisteredVersion, Registry
-from gpud.log_settings import LogControl, LogSettings
+from gpud.executor.process_log import LogSettings
+from gpud.log_settings import LogControl
 from gpud.repository.layout import ModelRepository
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState, ServingSnapshot

@@ -14,7 +14,7 @@ from gpud.executor.client_shm import RegionStatus
 from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import InferenceError, InferRequest, InferResponse
-from gpud.log_settings import LogSettings
+from gpud.executor.process_log import LogSettings
 from gpud.repository.config import VersionPolicy
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState

@@ -20,7 +20,8 @@ from gpud.cpus import usable_cpus
 from gpud.settings import (AUTO, Settings, check_settings, frontend_processes, grpc_keepalive, load_settings_file,
                            prepare_settings)
 from gpud.api.admin import AdminAuth
-from gpud.log_settings import LogControl, LogSettings, configure
+from gpud.executor.process_log import LogSettings, configure
+from gpud.log_settings import LogControl
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
 from gpud.api import GRPC_SERVERS

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from gpud.api.admin import AdminAuth
-from gpud.log_settings import LogControl, LogSettings
+from gpud.executor.process_log import LogSettings
+from gpud.log_settings import LogControl
 from gpud.model_control import ModelControl, RepositoryPoller
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.sampler import HintsSampler

@@ -21,7 +21,8 @@ from gpud.executor.client_shm import ClientRegions
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, InferTensor
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig,
                            ServerMetadata)
-from gpud.log_settings import LogControl, LogSettings
+from gpud.executor.process_log import LogSettings
+from gpud.log_settings import LogControl
 from gpud.telemetry.serving import ModelState
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)

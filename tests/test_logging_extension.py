@@ -23,7 +23,8 @@ from gpud.api.grpc_api import start_grpc_server
 from gpud.api.http_api import start_http_server
 from gpud.executor.errors import ErrorKind, InferenceError
 from gpud.executor.protocol import SetLogging, dumps, loads
-from gpud.log_settings import LogControl, LogFormatter, LogSettings, apply, configure, updated
+from gpud.executor.process_log import LogFormatter, LogSettings, apply, configure
+from gpud.log_settings import LogControl, updated
 from tests.daemon_harness import GRPC_SERVER, start_daemon, wait_for
 from tests.fake_core import FakeCore
 

@@ -11,7 +11,8 @@ import pytest
 
 from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
-from gpud.log_settings import LogControl, LogSettings
+from gpud.executor.process_log import LogSettings
+from gpud.log_settings import LogControl
 from gpud.settings import prepare_settings
 from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan)
 from gpud.reload import Reloader, ReloadTargets, effective, settings_changes

@@ -17,7 +17,7 @@ from gpud.executor.stats import Duration, ModelStats
 from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, ServedModelConfig, ServerMetadata,
                            TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_message
-from gpud.log_settings import LogSettings
+from gpud.executor.process_log import LogSettings
 from gpud.repository.config import VersionPolicy
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2 as mc

@@ -60,7 +60,7 @@ def render(settings: dict[str, Any]) -> str:
     def shown(value: Any) -> str:
         return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
-    rows = [(name, shown(settings[name])) for name in ("log_info", "log_warning", "log_error", "log_verbose_level",
-                                                        "log_format") if name in settings]
+    names = ("log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
+    rows: list[tuple[str, str]] = [(name, shown(settings[name])) for name in names if name in settings]
     rows.append(("log_file", settings.get("log_file") or "(standard error; the journal under systemd)"))
     return "\n".join(f"{name:<18} {value}" for name, value in rows)

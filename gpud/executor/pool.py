@@ -17,7 +17,7 @@ from gpud.executor.instance import DeviceWorker, InstanceHandle
 from gpud.executor.local_worker import LocalWorker
 from gpud.executor.supervisor import DEFAULT_WORKER_HANG_S, CrashLoop, WorkerSupervisor
 from gpud.executor.types import InferenceError
-from gpud.log_settings import LogSettings
+from gpud.executor.process_log import LogSettings
 
 
 log = logging.getLogger("gpud.executor")

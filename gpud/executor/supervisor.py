@@ -33,7 +33,7 @@ from gpud.executor.protocol import (Exit, ForgetSegments, FromWorker, Hello, Inf
                                SetLogging, ToWorker, Unload, Unloaded)
 from gpud.executor.model_config import execution_config
 from gpud.executor.types import ErrorKind, InferenceError
-from gpud.log_settings import LogSettings
+from gpud.executor.process_log import LogSettings
 
 log = logging.getLogger("gpud.executor")
 

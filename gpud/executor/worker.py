@@ -27,7 +27,7 @@ from gpud.executor.protocol import (Done, Exit, Failed, ForgetSegments, Hello, I
 from gpud.executor.reshape import with_reshape
 from gpud.executor.shm import Segment, ShmFull
 from gpud.executor.types import InferenceError
-from gpud.log_settings import LogSettings, configure, follow
+from gpud.executor.process_log import LogSettings, configure, follow
 
 log = logging.getLogger("gpud.worker")
 

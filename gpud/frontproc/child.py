@@ -19,7 +19,7 @@ from gpud.frontproc.arena import TRIM_INTERVAL_S, Arena
 from gpud.frontproc.connections import SharedConnections
 from gpud.frontproc.link import process_label
 from gpud.frontproc.remote_core import RemoteAdmin, RemoteCore
-from gpud.log_settings import LogSettings, configure
+from gpud.executor.process_log import LogSettings, configure
 from gpud.telemetry.event_loop import LoopMonitor
 
 log = logging.getLogger("gpud.frontend")

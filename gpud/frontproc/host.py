@@ -31,7 +31,7 @@ from gpud.frontproc.connections import SharedConnections
 from gpud.executor.types import ErrorKind, InferenceError, InferResponse, RegionSlice
 from gpud.frontproc.group import group_sizes
 from gpud.frontproc.link import FrameReader, Sender, process_label, request_of, response_wire
-from gpud.log_settings import LogSettings
+from gpud.executor.process_log import LogSettings
 from gpud.telemetry.event_loop import LoopCounts
 
 log = logging.getLogger("gpud.frontend")

@@ -28,7 +28,7 @@ from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferRe
 from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.group import group_key, split_answer
 from gpud.frontproc.link import FrameReader, Sender, discard_response, request_wire, response_of
-from gpud.log_settings import LogSettings, follow
+from gpud.executor.process_log import LogSettings, follow
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.event_loop import LoopCounts
 
