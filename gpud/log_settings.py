@@ -13,11 +13,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from gpud.executor.errors import ErrorKind, InferenceError
-from gpud.executor.process_log import LogSettings, apply
+from gpud.executor.process_log import FORMATS, LogSettings, apply
 
 log = logging.getLogger("gpud")
 
-FORMATS = ("default", "ISO8601")
 # Triton's names, in the order it answers them. log_file is read-only: gpud writes to standard error (under systemd,
 # the journal), and Triton too refuses to move its log over the network.
 NAMES = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_level", "log_format")

@@ -18,9 +18,9 @@ from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
 from gpud.cpus import usable_cpus
 from gpud.settings import (AUTO, Settings, check_settings, frontend_processes, grpc_keepalive, load_settings_file,
-                           prepare_settings)
+                           log_settings_of, prepare_settings)
 from gpud.api.admin import AdminAuth
-from gpud.executor.process_log import LogSettings, configure
+from gpud.executor.process_log import configure
 from gpud.log_settings import LogControl
 from gpud.reload import Reloader, ReloadTargets
 from gpud.systemd_notify import notify, watchdog, watchdog_interval_s
@@ -183,6 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what gpud logs when it starts: this level and those above (default INFO); `gpudctl log` "
                         "(Triton's logging extension, /v2/logging) changes it while gpud runs")
     p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
+    for level in ("info", "warning", "error"):
+        p.add_argument(f"--log-{level}", type=_bool, metavar="BOOL",
+                       help=f"tritonserver-style: false switches {level.upper()} records off (default true)")
+    p.add_argument("--log-format", choices=["default", "ISO8601"],
+                   help="tritonserver-style: the timestamp, default (local time) or ISO8601 (UTC)")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
     p.add_argument("--triton-metrics", type=_bool, nargs="?", const=True, metavar="BOOL",
@@ -284,7 +289,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         return 2
     core = parts.core
     # Triton's logging extension: the settings --log-level gave, changed over HTTP or gRPC; every process follows
-    core.log_control = LogControl(LogSettings.of_level(settings.log_level))
+    core.log_control = LogControl(log_settings_of(settings))
     core.log_control.listeners.append(parts.pool.set_log_settings)
     runners, ports, grpc_server = [], {}, None
     try:
@@ -455,7 +460,7 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
     control = core.log_control
     host = FrontendHost(core, admin, n, listen, options,
-                        control.settings if control is not None else LogSettings.of_level(settings.log_level))
+                        control.settings if control is not None else log_settings_of(settings))
     if control is not None:
         control.listeners.append(host.set_log_settings)
     try:
@@ -509,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"gpud: {exc}", file=sys.stderr)
         return 2
-    configure(LogSettings.of_level(settings.log_level), "%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(log_settings_of(settings), "%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         # A reload reads the settings file again, with the command-line flags over it, as here.
         return _run(serve(settings, read_settings=functools.partial(resolve_settings, args),

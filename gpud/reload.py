@@ -22,12 +22,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Protocol
 
 from gpud.api.admin import AdminAuth
-from gpud.executor.process_log import LogSettings
 from gpud.log_settings import LogControl
 from gpud.model_control import ModelControl, RepositoryPoller
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.sampler import HintsSampler
-from gpud.settings import Prepared, Settings
+from gpud.settings import Prepared, Settings, log_settings_of
 from gpud.systemd_notify import notify
 from gpud.telemetry.serving import ServingSnapshot
 
@@ -36,7 +35,8 @@ log = logging.getLogger("gpud")
 # What a reload applies while serving. The others (addresses, ports, the repository path, the node, the device
 # worker and queue settings, the model control mode, the admin socket, ...) are read once, at start.
 LIVE_SETTINGS = frozenset({
-    "log_level", "admin_token_file", "load_model", "repository_poll_seconds",
+    "log_level", "log_info", "log_warning", "log_error", "log_format", "admin_token_file", "load_model",
+    "repository_poll_seconds",
     "http_request_timeout_seconds", "http_max_connections", "grpc_max_connections",
     "hints_interval_seconds", "hints_rate_window_seconds", "hints_target_queue_seconds",
     "hints_target_utilization_ratio", "hints_tolerance", "hints_scale_up_stabilization_seconds",
@@ -236,12 +236,13 @@ class Reloader:
 
     def _apply(self, p: Prepared, t: ReloadTargets) -> str:
         s = p.settings
-        # only a changed log_level: settings changed over the logging extension stay through other reloads
-        if s.log_level != self.running.settings.log_level:
+        # only changed log settings: those a client changed (the logging extension) stay through other reloads
+        now = log_settings_of(s)
+        if now != log_settings_of(self.running.settings):
             if t.log_control is not None:
-                t.log_control.set(LogSettings.of_level(s.log_level))
+                t.log_control.set(now)
             else:
-                logging.getLogger().setLevel(s.log_level)
+                logging.getLogger().setLevel(now.threshold())
         t.hints.policy = p.hint_policy
         t.hints.interval_s = s.hints_interval_seconds
         t.hints.rate_window_s = s.hints_rate_window_seconds

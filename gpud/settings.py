@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, cast
 
 import yaml
@@ -15,6 +15,8 @@ import yaml
 from gpud.api import GRPC_SERVERS
 from gpud.api.admin import read_token_file
 from gpud.api.grpcwire.keepalive import MAX_MS, Keepalive
+from gpud.executor.process_log import FORMATS as LOG_FORMATS
+from gpud.executor.process_log import LogSettings
 from gpud.model_control import ModelControl, ModelControlMode
 from gpud.executor.objective import (DEFAULT_SHARE, MAX_OBJECTIVE_MS, ObjectiveDefaults, parse_objective_ms,
                                      parse_objective_share)
@@ -23,6 +25,7 @@ from gpud.scaling.hints import HintPolicy
 from gpud.scaling.rules import SCALING_MODES, ScalingMode, ScalingPolicy
 
 log = logging.getLogger("gpud")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 AUTO = "auto"  # a front-end process count chosen from the CPUs (frontend_processes)
 MAX_FRONTEND_PROCESSES = 256
 _KEEPALIVE = Keepalive()  # the defaults: Triton's (gRPC core's), and gpud's idle timeout off
@@ -84,7 +87,12 @@ class Settings:
     # call this long is closed, GOAWAY NO_ERROR (0: never)
     json_processes: int = 2  # child processes that decode large JSON bodies and encode large JSON answers (0: none)
     json_offload_bytes: int = 2**20  # JSON bodies (and answers) at least this long go to those processes
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR: that level and those above (gpudctl log changes it)
+    # tritonserver's --log-info, --log-warning, --log-error: a level switched off on its own; --log-format
+    log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
+    log_format: str = "default"  # default (local time) | ISO8601 (UTC)
     ready_file: str | None = None  # written (JSON: bound ports) once serving
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
     triton_metrics: bool = False  # also export Triton's nv_inference_* / nv_gpu_* names for Triton dashboards
@@ -195,6 +203,10 @@ def _coerce(path: str, key: str, type_name: Any, value: Any) -> Any:
 
 def check_settings(settings: Settings) -> None:
     """ValueError for a value no part of gpud can use (the daemon exits 2; the in-process server raises it)."""
+    if str(settings.log_level).upper() not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {settings.log_level!r}")
+    if settings.log_format not in LOG_FORMATS:
+        raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {settings.log_format!r}")
     if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
         raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
                          f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
@@ -306,3 +318,11 @@ def scaling_policy(settings: Settings) -> ScalingPolicy:
                          max_steps_per_interval=settings.control_max_steps_per_interval,
                          scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds,
                          idle_unload_seconds=settings.idle_unload_seconds)
+
+
+def log_settings_of(settings: Settings) -> LogSettings:
+    """What gpud logs as its settings say: `log_level` and the levels above it, less those `log_info`,
+    `log_warning` or `log_error` switch off, in `log_format` (gpud.executor.process_log)."""
+    base = LogSettings.of_level(settings.log_level)
+    return replace(base, info=base.info and settings.log_info, warning=base.warning and settings.log_warning,
+                   error=base.error and settings.log_error, format=settings.log_format)

@@ -297,6 +297,29 @@ def test_gpudctl_log_shows_and_changes_the_settings(servers, core, tmp_path, cap
     assert core.log_control.settings.verbose_level == 2
 
 
+@pytest.mark.parametrize("flags, settings", [
+    ([], LogSettings()),
+    (["--log-level", "DEBUG", "--log-info", "false", "--log-format", "ISO8601"],
+     LogSettings(info=False, verbose_level=1, format="ISO8601")),
+    (["--log-level", "ERROR", "--log-warning", "true"], LogSettings(info=False, warning=False)),  # the level first
+    (["--log-verbose", "1", "--log-error", "false"], LogSettings(error=False, verbose_level=1)),
+])
+def test_tritonserver_s_log_flags_give_the_settings_gpud_starts_with(flags, settings):
+    from gpud.main import build_parser, resolve_settings
+    from gpud.settings import log_settings_of
+
+    assert log_settings_of(resolve_settings(build_parser().parse_args(flags))) == settings
+
+
+@pytest.mark.parametrize("values, words", [({"log_level": "LOUD"}, "log_level must be one of"),
+                                           ({"log_format": "json"}, "log_format must be one of")])
+def test_a_bad_log_setting_in_the_file_is_refused_with_its_name(values, words):
+    from gpud.settings import Settings, check_settings
+
+    with pytest.raises(ValueError, match=words):
+        check_settings(Settings(**values))
+
+
 def test_the_core_serves_the_extension_only_with_a_control(tmp_path):
     from tests.test_reload import core_on
 
@@ -315,15 +338,18 @@ def test_the_core_serves_the_extension_only_with_a_control(tmp_path):
 def test_every_process_of_the_daemon_follows_a_change(tmp_path):
     """Front ends in processes of their own and a device worker: each says at DEBUG that it follows, in the new
     format; back at verbose level 0 the daemon writes no DEBUG line."""
-    d = start_daemon(None, tmp_path, "--http-processes", "1", "--grpc-processes", "1", node=None)
+    d = start_daemon(None, tmp_path, "--http-processes", "1", "--grpc-processes", "1", "--log-warning", "false",
+                     node=None)
+    started = {**DEFAULTS, "log_warning": False}  # tritonserver's flag, at start
     try:
         assert "logging" in d.get_json("/v2")["extensions"]
+        assert d.get_json("/v2/logging") == started
         status, now = d.post_json("/v2/logging", {"log_verbose_level": 1, "log_format": "ISO8601"})
-        assert status == 200 and now == {**DEFAULTS, "log_verbose_level": 1, "log_format": "ISO8601"}
+        assert status == 200 and now == {**started, "log_verbose_level": 1, "log_format": "ISO8601"}
         iso = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z DEBUG "
         followers = (r"gpud\.frontend\[http 0\]", r"gpud\.frontend\[grpc 0\]", r"gpud\.worker\[")
-        wait_for(lambda: all(re.search(iso + who + r".* log settings now: log_info True", d.log(), re.MULTILINE)
-                             for who in followers), 30, "every process's DEBUG line in ISO8601")
+        wait_for(lambda: all(re.search(iso + who + r".* log settings now: log_info True, log_warning False", d.log(),
+                                       re.MULTILINE) for who in followers), 30, "every process's DEBUG line in ISO8601")
         assert re.search(r"INFO gpud: log settings: log_verbose_level 0 -> 1, log_format default -> ISO8601",
                          d.log()), d.log()
         # through a front-end process's gRPC too; the answer is the daemon's
@@ -331,7 +357,7 @@ def test_every_process_of_the_daemon_follows_a_change(tmp_path):
             back = client.update_log_settings({"log_verbose_level": 0, "log_format": "default"}, as_json=True,
                                               client_timeout=TIMEOUT_S)
         assert back["settings"]["log_verbose_level"] == {"uint32_param": 0}
-        assert d.post_json("/v2/logging", {})[1] == DEFAULTS
+        assert d.post_json("/v2/logging", {})[1] == started
         mark = len(d.log_lines)
         assert d.stop() == 0, d.log()
         assert not [line for line in d.log_lines[mark:] if " DEBUG " in line]

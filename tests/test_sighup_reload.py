@@ -300,7 +300,7 @@ def test_a_reload_sets_the_connection_caps_of_both_front_ends():
     assert outcome.need_restart == ()
 
 
-def test_a_reload_sets_the_log_settings_only_when_log_level_changed():
+def test_a_reload_sets_the_log_settings_only_when_the_file_changed_them():
     running = Settings(model_repository="/models")
     f = Fixture(running, {}, set())
     f.log_control.update({"log_verbose_level": 2, "log_format": "ISO8601"})  # over the logging extension
@@ -311,3 +311,7 @@ def test_a_reload_sets_the_log_settings_only_when_log_level_changed():
     f.reload()
     assert f.log_control.settings == LogSettings(info=False)  # the file's new level, as at a start
     assert f.applied_logging[-1] == LogSettings(info=False)
+    f.next = replace(running, log_level="WARNING", log_format="ISO8601")  # tritonserver's --log-format
+    outcome = f.reload()
+    assert f.log_control.settings == LogSettings(info=False, format="ISO8601")
+    assert outcome.applied == ("log_format 'default' -> 'ISO8601'",)

@@ -8,6 +8,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+FORMATS = ("default", "ISO8601")  # Triton's log formats: local time, or UTC
+
 
 @dataclass(frozen=True)
 class LogSettings:

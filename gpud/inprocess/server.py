@@ -58,7 +58,8 @@ DAEMON_ONLY_SETTINGS = frozenset({
     "http_address", "http_port", "grpc_address", "grpc_port", "metrics_address", "metrics_port",
     "allow_http", "allow_grpc", "allow_metrics", "admin_token_file", "admin_socket", "admin_open",
     "http_request_timeout_seconds", "http_max_connections", "max_request_bytes", "max_header_bytes",
-    "max_tensor_elements", "json_processes", "json_offload_bytes", "log_level", "ready_file",
+    "max_tensor_elements", "json_processes", "json_offload_bytes", "log_level",
+    "log_info", "log_warning", "log_error", "log_format", "ready_file",
     "allow_client_shm", "http_processes", "grpc_processes",
 })
 
