@@ -3,8 +3,8 @@ format, read and changed while gpud runs (`GET`/`POST /v2/logging`, gRPC `LogSet
 
 The rules of a request (`updated`) and the daemon's control (LogControl): it keeps the settings, and every process
 of gpud follows them, the daemon itself, its front-end processes and its device workers (gpud.executor.process_log
-applies them in each). `--log-level` gives the settings gpud starts with; a reload whose `log_level` changed sets
-them again.
+applies them in each). The settings file gives those gpud starts with (gpud.settings.log_settings_of); a reload
+that changed them there sets them again.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from gpud.executor.process_log import FORMATS, LogSettings, apply
 
 log = logging.getLogger("gpud")
 
-# Triton's names, in the order it answers them. log_file is read-only: gpud writes to standard error (under systemd,
-# the journal), and Triton too refuses to move its log over the network.
-NAMES = ("log_file", "log_info", "log_warning", "log_error", "log_verbose_level", "log_format")
+# Triton's names, in the order it answers them (LogSettings.wire). log_file is read-only: gpud writes to standard
+# error (under systemd, the journal), and Triton too refuses to move its log over the network.
+NAMES = tuple(LogSettings().wire())
 _ALIASES = {"log_warnings": "log_warning", "log_errors": "log_error"}  # the extension document's spelling
 _MAX_VERBOSE_LEVEL = 2**32 - 1  # a uint32, as Triton's protocol
 

@@ -17,9 +17,10 @@ from gpud import __version__, compiled
 from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
 from gpud.cpus import usable_cpus
-from gpud.settings import (AUTO, Settings, check_settings, frontend_processes, grpc_keepalive, load_settings_file,
-                           log_settings_of, prepare_settings)
+from gpud.settings import (AUTO, LOG_LEVELS, Settings, check_settings, frontend_processes, grpc_keepalive,
+                           load_settings_file, log_settings_of, prepare_settings)
 from gpud.api.admin import AdminAuth
+from gpud.executor.process_log import FORMATS as LOG_FORMATS
 from gpud.executor.process_log import configure
 from gpud.log_settings import LogControl
 from gpud.reload import Reloader, ReloadTargets
@@ -179,14 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-offload-bytes", type=int, metavar="N",
                    help="JSON inference bodies (or binary requests' JSON headers) and JSON answers of about this "
                         "many bytes or more go to those processes (default 1048576)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    p.add_argument("--log-level", choices=LOG_LEVELS,
                    help="what gpud logs when it starts: this level and those above (default INFO); `gpudctl log` "
                         "(Triton's logging extension, /v2/logging) changes it while gpud runs")
     p.add_argument("--log-verbose", type=int, metavar="N", help="tritonserver-style: >0 means DEBUG")
     for level in ("info", "warning", "error"):
         p.add_argument(f"--log-{level}", type=_bool, metavar="BOOL",
                        help=f"tritonserver-style: false switches {level.upper()} records off (default true)")
-    p.add_argument("--log-format", choices=["default", "ISO8601"],
+    p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="tritonserver-style: the timestamp, default (local time) or ISO8601 (UTC)")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
@@ -289,8 +290,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         return 2
     core = parts.core
     # Triton's logging extension: the settings --log-level gave, changed over HTTP or gRPC; every process follows
-    core.log_control = LogControl(log_settings_of(settings))
-    core.log_control.listeners.append(parts.pool.set_log_settings)
+    core.log_control = log_control = LogControl(log_settings_of(settings))
+    log_control.listeners.append(parts.pool.set_log_settings)
     runners, ports, grpc_server = [], {}, None
     try:
         notify("STATUS=loading the model repository")
@@ -299,7 +300,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         http_processes = frontend_processes(settings.http_processes, cpus)
         grpc_processes = frontend_processes(settings.grpc_processes, cpus)
         if settings.allow_http and http_processes:
-            runners.append(await _start_frontends(core, admin, settings, "http", http_processes))
+            runners.append(await _start_frontends(core, admin, settings, "http", http_processes, log_control))
             ports["http"] = runners[-1].listen.getsockname()[1]
             log.info("HTTP (KServe v2) on %s:%d, in %d front-end process(es)%s", settings.http_address, ports["http"],
                      http_processes, _chosen(settings.http_processes, cpus))
@@ -332,7 +333,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
             log.info("admin socket (the HTTP API; admin actions need no token there) on %s, mode 0660",
                      settings.admin_socket)
         if settings.allow_grpc and grpc_processes:
-            runners.append(await _start_frontends(core, admin, settings, "grpc", grpc_processes))
+            runners.append(await _start_frontends(core, admin, settings, "grpc", grpc_processes, log_control))
             ports["grpc"] = runners[-1].listen.getsockname()[1]
             log.info("gRPC (KServe v2) on %s:%d, in %d front-end process(es)%s", settings.grpc_address, ports["grpc"],
                      grpc_processes, _chosen(settings.grpc_processes, cpus))
@@ -393,7 +394,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     grpc_hosts = [r for r in runners if isinstance(r, FrontendHost) and r.options["kind"] == "grpc"]
     reloader.serving(ReloadTargets(core, admin, parts.hints, parts.poller, parts.controller, http_hosts,
                                    grpc_hosts + ([grpc_server] if isinstance(grpc_server, GrpcServer) else []),
-                                   core.log_control))
+                                   log_control))
 
     await stop.wait()
     reloader.stop()
@@ -432,7 +433,7 @@ def _chosen(configured: int | str, cpus: int) -> str:
     return f" (auto: {cpus} usable CPUs)" if configured == AUTO else ""
 
 
-async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str, n: int):
+async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str, n: int, log_control: LogControl):
     """HTTP or gRPC front ends in processes of their own (--http-processes, --grpc-processes): they accept on one
     listening socket bound here. gRPC on grpcio (--grpc-server grpcio) cannot take a socket, so each binds the port
     with SO_REUSEPORT, which this process holds bound meanwhile (port 0 becomes one port for all)."""
@@ -458,11 +459,8 @@ async def _start_frontends(core, admin: AdminAuth, settings: Settings, kind: str
                "max_tensor_elements": settings.max_tensor_elements, "grpc_server": settings.grpc_server,
                "grpc_keepalive": asdict(grpc_keepalive(settings)),
                "json_processes": settings.json_processes, "json_offload_bytes": settings.json_offload_bytes}
-    control = core.log_control
-    host = FrontendHost(core, admin, n, listen, options,
-                        control.settings if control is not None else log_settings_of(settings))
-    if control is not None:
-        control.listeners.append(host.set_log_settings)
+    host = FrontendHost(core, admin, n, listen, options, log_control.settings)
+    log_control.listeners.append(host.set_log_settings)  # its processes follow a change
     try:
         await host.start()
     except OSError:

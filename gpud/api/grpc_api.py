@@ -373,6 +373,13 @@ def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     return wrapper
 
 
+def _oneof_value(value: Any) -> Any:
+    """The value a SettingValue message holds in its `parameter_choice` oneof; None when it holds none (as null in
+    HTTP's JSON: the setting stays as it is)."""
+    member = value.WhichOneof("parameter_choice")
+    return getattr(value, member) if member else None
+
+
 class _StreamEnd:
     """Marks the end of a stream's responses in its queue."""
 
@@ -504,8 +511,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- the logging extension ---------------------------------------------------------------------------------
     @_unary
     async def LogSettings(self, request, context):
-        changes = {name: getattr(value, value.WhichOneof("parameter_choice")) if value.WhichOneof("parameter_choice")
-                   else None for name, value in request.settings.items()}
+        changes = {name: _oneof_value(value) for name, value in request.settings.items()}
         if changes:  # none: a read (tritonclient's get_log_settings)
             self._check_admin(context, "changing the log settings")
             settings = self._core.update_log_settings(changes)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from gpud.cli.client import GpudUnreachable, add_endpoint_arguments, endpoint, post_json, request
+from gpud.executor.process_log import FORMATS
 
 _SWITCHES = {"on": True, "off": False}
 
@@ -17,13 +18,14 @@ def log_main(argv: list[str]) -> int:
         prog="gpudctl log",
         description="Show what the running gpud logs, or change it while it runs: each level on its own, a verbose "
                     "level (above 0: DEBUG records), the timestamp format. A change applies at once to the daemon "
-                    "and every process of it, holds until changed again or a reload changes log_level, and is an "
+                    "and every process of it, holds until changed again or a reload changes the log settings, and is "
+                    "an "
                     "admin action (the admin token, or the admin socket).",
         epilog="e.g. gpudctl log --verbose 1; gpudctl log --verbose 0 --format ISO8601; gpudctl log --info off")
     p.add_argument("--verbose", type=int, metavar="N", help="the verbose level: 0 none, 1 or more adds DEBUG")
     for level in ("info", "warning", "error"):
         p.add_argument(f"--{level}", choices=list(_SWITCHES), help=f"write {level.upper()} records or not")
-    p.add_argument("--format", choices=["default", "ISO8601"],
+    p.add_argument("--format", choices=FORMATS,
                    help="the timestamp: default (local time) or ISO8601 (UTC)")
     p.add_argument("--json", action="store_true", help="print the settings as gpud answers them (JSON)")
     add_endpoint_arguments(p)
