@@ -283,14 +283,15 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
         log.error("cannot start serving: %s", exc.strerror or exc)
         return 1
     _sweep_segments()
+    started_with = log_settings_of(settings)  # what every process of gpud logs from the start (main's own too)
     try:
-        parts = wiring.build(prepared, views={"reload": reloader})
+        parts = wiring.build(prepared, views={"reload": reloader}, worker_log_settings=started_with)
     except ValueError as exc:  # the repository is not a directory, a bad node description
         log.error("%s", exc)
         return 2
     core = parts.core
-    # Triton's logging extension: the settings --log-level gave, changed over HTTP or gRPC; every process follows
-    core.log_control = log_control = LogControl(log_settings_of(settings))
+    # Triton's logging extension: the settings gpud started with, changed over HTTP or gRPC; every process follows
+    core.log_control = log_control = LogControl(started_with)
     log_control.listeners.append(parts.pool.set_log_settings)
     runners, ports, grpc_server = [], {}, None
     try:

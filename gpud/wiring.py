@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, ProcessCollector
 
 from gpud.executor.pool import ExecutorPool
+from gpud.executor.process_log import LogSettings
 from gpud.executor.supervisor import CrashLoop
 from gpud.scaling.sampler import HintsSampler
 from gpud.scaling.controller import ScalingController
@@ -114,15 +115,18 @@ def repository_path(configured: str | None) -> str:
 
 
 def build(prepared: Prepared, *, views: Mapping[str, InspectView] | None = None,
-          worker_log_level: int | None = None, models_in_process: bool = False) -> Components:
+          worker_log_settings: LogSettings | None = None, models_in_process: bool = False) -> Components:
     """Every component, each from what exists before it; starts nothing. `views`: more sections of inspect (the
-    daemon's reload). ValueError for a repository or node description it cannot use."""
+    daemon's reload). `worker_log_settings`: what the device workers log (the daemon's settings; None: this
+    process's level, an application's). ValueError for a repository or node description it cannot use."""
     settings = prepared.settings
     repo_path = repository_path(settings.model_repository)
     crash_loop = CrashLoop(settings.worker_crash_loop_deaths, settings.worker_crash_loop_seconds)
     # The pool reports what its instances hold and how busy its workers are: the simulated devices' and the CPU's
     # readings. It is described each device by the first instance placed there, so it comes first.
-    pool = ExecutorPool(worker_log_level=logging.getLogger().level if worker_log_level is None else worker_log_level,
+    if worker_log_settings is None:
+        worker_log_settings = LogSettings.of_level(logging.getLogger().level)
+    pool = ExecutorPool(worker_log_settings=worker_log_settings,
                         worker_hang_s=settings.worker_hang_seconds, crash_loop=crash_loop,
                         in_process=models_in_process)
     devices = discover(settings.node, pool)

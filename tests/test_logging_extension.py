@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 
+import psutil
 import pytest
 import requests
 import grpc
@@ -344,6 +345,13 @@ def test_every_process_of_the_daemon_follows_a_change(tmp_path):
     try:
         assert "logging" in d.get_json("/v2")["extensions"]
         assert d.get_json("/v2/logging") == started
+        # the front-end processes and the device worker start with the daemon's settings, not only follow a change
+        kinds = ("gpud.frontproc.child", "gpud.executor.worker")
+        children = [c.cmdline() for c in psutil.Process(d.proc.pid).children() if set(kinds) & set(c.cmdline())]
+        assert sorted(k for cmd in children for k in kinds if k in cmd).count("gpud.frontproc.child") == 2, children
+        assert any("gpud.executor.worker" in cmd for cmd in children), children
+        for cmd in children:
+            assert json.loads(cmd[cmd.index("--log-settings") + 1])["warning"] is False, cmd
         status, now = d.post_json("/v2/logging", {"log_verbose_level": 1, "log_format": "ISO8601"})
         assert status == 200 and now == {**started, "log_verbose_level": 1, "log_format": "ISO8601"}
         iso = r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z DEBUG "

@@ -29,7 +29,8 @@ class ExecutorPool:
     described by the first load placed on it, so the device inventory can be built on the pool's usage."""
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic,
-                 worker_start_timeout_s: float = 60.0, worker_log_level: int = logging.INFO,
+                 worker_start_timeout_s: float = 60.0,
+                 worker_log_settings: LogSettings = LogSettings(),
                  worker_hang_s: float = DEFAULT_WORKER_HANG_S, crash_loop: CrashLoop = CrashLoop(),
                  in_process: bool = False):
         """`in_process`: devices without CUDA (the CPU, simulated GPUs) run their instances in this process
@@ -39,7 +40,7 @@ class ExecutorPool:
         self.clock = clock
         self.worker_start_timeout_s = worker_start_timeout_s
         self.worker_hang_s = worker_hang_s  # 0: never treat a silent worker as hung
-        self.worker_log_settings = LogSettings.of_level(worker_log_level)  # a LogControl's, once set_log_settings
+        self.worker_log_settings = worker_log_settings  # what its worker processes log (set_log_settings: now)
         self.workers: dict[str, DeviceWorker] = {}
         self._start_locks: dict[str, asyncio.Lock] = {}
 

@@ -22,6 +22,7 @@ import urllib.request
 from typing import Any, TextIO
 
 from gpud.executor.pool import ExecutorPool
+from gpud.executor.process_log import LogSettings
 from gpud.cli.check.progress import QUIET, Progress, outcome, wants_progress
 from gpud.cli.check.devices import (Observed, Tolerances, compare_devices, health_row, observe,
                                     observed_from_inspect, observed_from_metrics)
@@ -167,7 +168,7 @@ def device_rows(backend: DeviceBackend, observed: list[Observed], runner: Runner
 
 async def check_node(args: argparse.Namespace, nvml: Any, runner: Runner, raw: RawRunner, tol: Tolerances,
                      options: ServingOptions, progress: Progress = QUIET) -> Report:
-    pool = ExecutorPool(worker_log_level=logging.INFO if args.verbose else logging.WARNING,
+    pool = ExecutorPool(worker_log_settings=LogSettings.of_level(logging.INFO if args.verbose else logging.WARNING),
                         worker_start_timeout_s=120.0)
     backend, node_row = open_backend(args, pool, nvml)
     report = Report(node=f"{node_row.gpud} ({backend.source})")
