@@ -2,12 +2,11 @@
 and gRPC routes against tritonclient (over a FakeCore), and a real daemon whose every process follows a change."""
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import logging
 import re
-import threading
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -20,14 +19,14 @@ from tritonclient.grpc import service_pb2_grpc as triton_pb_grpc
 from tritonclient.utils import InferenceServerException
 
 from gpud.api.admin import AdminAuth
-from gpud.api.grpc_api import start_grpc_server
-from gpud.api.http_api import start_http_server
 from gpud.executor.errors import ErrorKind, InferenceError
 from gpud.executor.protocol import SetLogging, dumps, loads
 from gpud.executor.process_log import LogFormatter, LogSettings, apply, configure
 from gpud.log_settings import LogControl, updated
-from tests.daemon_harness import GRPC_SERVER, start_daemon, wait_for
+from tests.daemon_harness import start_daemon, wait_for
 from tests.fake_core import FakeCore
+from tests.test_grpc_api import ServerThread as GrpcServerThread
+from tests.test_http_api import ServerThread as HttpServerThread
 
 TIMEOUT_S = 10
 TOKEN = "0123456789abcdef-logging"
@@ -168,27 +167,6 @@ def test_the_worker_message_carries_the_settings():
 
 
 # --- HTTP and gRPC over a FakeCore -------------------------------------------------------------------------------------
-class Servers:
-    """gpud's HTTP and gRPC front ends over one FakeCore on a private loop."""
-
-    def __init__(self, core: FakeCore, admin: AdminAuth):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="logging-test", daemon=True)
-        self.thread.start()
-        self.http, self.http_port = self._run(start_http_server(core, "127.0.0.1", 0, admin=admin))
-        self.grpc = self._run(start_grpc_server(core, "127.0.0.1", 0, admin=admin, implementation=GRPC_SERVER))
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=TIMEOUT_S)
-
-    def close(self) -> None:
-        self._run(self.http.close(1.0))
-        self._run(self.grpc.stop(grace=None))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=TIMEOUT_S)
-        self.loop.close()
-
-
 @pytest.fixture
 def core():
     return FakeCore()
@@ -196,10 +174,13 @@ def core():
 
 @pytest.fixture(params=[None, TOKEN], ids=["loopback", "token"])
 def servers(core, request):
-    running = Servers(core, AdminAuth(request.param))
-    running.token = request.param  # type: ignore[attr-defined]
-    yield running
-    running.close()
+    """gpud's HTTP and gRPC front ends over one FakeCore (the adapters' own test servers), and the admin token."""
+    admin = AdminAuth(request.param)
+    http = HttpServerThread(core, admin=admin)
+    grpc_server = GrpcServerThread(core, admin=admin)
+    yield SimpleNamespace(http_port=http.port, grpc_url=grpc_server.url, token=request.param)
+    grpc_server.close()
+    http.stop()
 
 
 def _auth(servers) -> dict[str, str]:
@@ -245,7 +226,7 @@ def test_http_errors_are_triton_shaped_and_a_change_is_an_admin_action(servers, 
 
 
 def test_grpc_reads_and_changes_the_settings_as_tritonclient_expects(servers, core):
-    with grpcclient.InferenceServerClient(f"127.0.0.1:{servers.grpc.bound_port}") as client:
+    with grpcclient.InferenceServerClient(servers.grpc_url) as client:
         assert client.get_log_settings(as_json=True, client_timeout=TIMEOUT_S)["settings"] == {
             "log_file": {"string_param": ""}, "log_info": {"bool_param": True},
             "log_warning": {"bool_param": True}, "log_error": {"bool_param": True},
@@ -265,7 +246,7 @@ def test_grpc_reads_and_changes_the_settings_as_tritonclient_expects(servers, co
     request = triton_pb.LogSettingsRequest()
     request.settings["log_warning"].bool_param = False
     request.settings["log_info"].string_param = "false"
-    with grpc.insecure_channel(f"127.0.0.1:{servers.grpc.bound_port}") as channel:
+    with grpc.insecure_channel(servers.grpc_url) as channel:
         with pytest.raises(grpc.RpcError) as refused:
             triton_pb_grpc.GRPCInferenceServiceStub(channel).LogSettings(
                 request, metadata=(("authorization", f"Bearer {TOKEN}"),) if servers.token else (),
