@@ -16,7 +16,7 @@ from gpud.executor.direct import DirectRun, start_direct
 from gpud.executor.pool import ExecutorPool
 from gpud.executor.classification import PARAMETER as CLASSIFICATION
 from gpud.executor.classification import class_count, classified
-from gpud.executor.scheduler import Done, RequestHandle, Scheduler
+from gpud.executor.scheduler import Done, RequestHandle, Scheduler, answer_of
 from gpud.executor.types import ErrorKind, InferenceError, InferRequest, InferResponse, RegionSlice
 from gpud import __version__
 from gpud.core_api import (Applied, ModelMetadata, ModelStatistics, RepositoryModel, RequestedPlacement,
@@ -32,6 +32,8 @@ from gpud.log_settings import LogControl
 from gpud.repository.layout import ModelRepository
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState, ServingSnapshot
+from gpud.tracing.settings import TraceSettings
+from gpud.tracing.tracer import Trace, Tracer
 
 log = logging.getLogger("gpud")
 
@@ -58,6 +60,25 @@ class GroupCancel:
         self.scheduler.withdraw_member(self.handle)
 
 
+class TracedCancel:
+    """A traced request's cancel: the request withdrawn, its trace ends (written with what it has). A group's
+    `one()` (a member gone) passes through."""
+
+    __slots__ = ("cancel", "trace")
+
+    def __init__(self, cancel: Callable[[], None], trace: Trace):
+        self.cancel = cancel
+        self.trace = trace
+
+    def __call__(self) -> None:
+        self.cancel()
+        self.trace.end()
+
+    def one(self) -> None:
+        if isinstance(self.cancel, GroupCancel):
+            self.cancel.one()
+
+
 class GpudCore:
     """Implements gpud.core_api.InferenceCore."""
 
@@ -80,6 +101,8 @@ class GpudCore:
         # the daemon's log settings (Triton's logging extension); None in an application's process, whose logging
         # is the application's
         self.log_control: LogControl | None = None
+        # the daemon's tracing (Triton's trace extension); None in an application's process
+        self.tracer: Tracer | None = None
 
     @property
     def models(self) -> dict[str, RegisteredModel]:
@@ -154,7 +177,8 @@ class GpudCore:
 
     def server_metadata(self) -> ServerMetadata:
         logging_extension = ("logging",) if self.log_control is not None else ()
-        return ServerMetadata(self.server_name, __version__, (*EXTENSIONS, *logging_extension))
+        trace_extension = ("trace",) if self.tracer is not None else ()
+        return ServerMetadata(self.server_name, __version__, (*EXTENSIONS, *logging_extension, *trace_extension))
 
     def _log_control(self) -> LogControl:
         if self.log_control is None:
@@ -167,6 +191,24 @@ class GpudCore:
 
     def update_log_settings(self, changes: Mapping[str, object]) -> LogSettings:
         return self._log_control().update(changes)
+
+    def _tracer(self) -> Tracer:
+        if self.tracer is None:
+            raise InferenceError(ErrorKind.UNSUPPORTED, "tracing is not available in this process (gpud.Server "
+                                                        "serves no trace extension)")
+        return self.tracer
+
+    def trace_settings(self, model_name: str = "") -> TraceSettings:
+        tracer = self._tracer()
+        if model_name:
+            self._model(model_name)  # unknown: NOT_FOUND
+        return tracer.settings(model_name)
+
+    def update_trace_settings(self, model_name: str, changes: Mapping[str, object]) -> TraceSettings:
+        tracer = self._tracer()
+        if model_name:
+            self._model(model_name)
+        return tracer.update(model_name, changes)
 
     def model_ready(self, name: str, version: str = "") -> bool:
         model = self._model(name)
@@ -245,12 +287,30 @@ class GpudCore:
         """`placed`: inputs a front-end process put in its shared memory (gpud.frontproc), by name; their data is
         empty here. The version's worker reads them where it can, else they are read now. `members` > 1: the
         request is that many requests' rows (a front-end process's group, at most `group_limit`)."""
+        try:
+            cancel = self._submit(request, done, placed, members)
+        except BaseException:
+            if request.trace is not None:  # refused once traced (a full queue): its trace ends here
+                request.trace.end()
+            raise
+        trace = request.trace
+        if trace is not None and self.tracer is not None:  # its trace ends when it is withdrawn too
+            return TracedCancel(cancel, trace)
+        return cancel
+
+    def _submit(self, request: InferRequest, done: Done, placed: Mapping[str, RegionSlice] | None,
+                members: int) -> Callable[[], None]:
         vs = self._ready_version(request)
         if _asks_classes(request):
             done = _classifying(vs, request, done)
         scheduler = vs.scheduler
         if placed:
             place_inputs(request, placed, in_worker=scheduler.moves_client_tensors)
+        tracer = self.tracer
+        if tracer is not None and tracer.on:
+            trace = tracer.sample(request.model_name, vs.version, request.id, members)
+            if trace is not None:
+                done = _tracing(trace, request, done)
         if not request.uses_shm:
             handle = scheduler.submit(request, done, members)
             if members > 1:  # a group: its members may go away one by one (gpud.frontproc.host)
@@ -283,6 +343,8 @@ class GpudCore:
         return max(1, scheduler.config.max_batch_size // rows) if rows > 0 else 1
 
     async def infer(self, request: InferRequest) -> InferResponse:
+        if self.tracer is not None and self.tracer.on:  # sampled where submitted requests are, once
+            return await answer_of(partial(self.submit, request))
         vs = self._ready_version(request)
         staged = self.client_shm.stage(request, in_worker=vs.scheduler.moves_client_tensors,
                                        worker_gpu=worker_gpu(vs.scheduler)) \
@@ -304,7 +366,8 @@ class GpudCore:
         DirectRun for the caller to execute; or the cancel of a request queued the loop's way (`done` answers it);
         or None when the request was not taken (a model not served and ready here as a plain, idle one: the
         caller submits it, and gets the loop's answer or error)."""
-        if self.stopping or request.uses_shm or request.model_name not in self.registry.models:
+        if self.stopping or request.uses_shm or request.model_name not in self.registry.models or \
+                (self.tracer is not None and self.tracer.on):  # (traced where submitted requests are)
             return None
         try:
             vs = self.registry.version(request.model_name, request.model_version)
@@ -339,6 +402,25 @@ def _classify(vs: RegisteredVersion, request: InferRequest, response: InferRespo
     config = vs.entry.config
     counts = {o.name: class_count(o, config) for o in request.outputs or ()}
     response.outputs = classified(response.outputs, counts, vs.entry.labels, config.batches)
+
+
+def _tracing(trace: Trace, request: InferRequest, done: Done) -> Done:
+    """`done`, ending `trace` first (REQUEST_END; with the TENSORS level the request's inputs and its answer's
+    outputs)."""
+    request.trace = trace  # its scheduler adds the queue and compute timestamps
+    for t in request.inputs:
+        trace.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
+
+    def answer(result: Any) -> None:
+        try:
+            if isinstance(result, InferResponse):
+                for t in result.outputs:
+                    trace.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
+            trace.end()
+        except Exception:  # noqa: BLE001 - a trace that cannot be written must not lose the answer
+            log.exception("trace %d of model %s could not be written", trace.id, trace.model_name)
+        done(result)
+    return answer
 
 
 def _classifying(vs: RegisteredVersion, request: InferRequest, done: Done) -> Done:

@@ -15,6 +15,7 @@ from gpud.executor.model_config import ModelConfig, TensorSpec
 from gpud.executor.stats import ModelStats
 from gpud.executor.types import InferenceError, InferRequest, InferResponse
 from gpud.executor.process_log import LogSettings
+from gpud.tracing.settings import TraceSettings
 from gpud.repository.config import VersionPolicy
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.serving import ModelState
@@ -171,6 +172,16 @@ class InferenceCore(Protocol):
     def update_log_settings(self, changes: Mapping[str, object]) -> LogSettings:
         """Apply a log setting request (Triton's names; gpud.log_settings.updated's errors change nothing) and
         answer the settings now."""
+        ...
+
+    def trace_settings(self, model_name: str = "") -> TraceSettings:
+        """The trace settings (Triton's trace extension) of a model ("": the global ones); UNSUPPORTED where the
+        server has none, NOT_FOUND for a model it does not know."""
+        ...
+
+    def update_trace_settings(self, model_name: str, changes: Mapping[str, object]) -> TraceSettings:
+        """Apply a trace setting request (Triton's names; gpud.tracing.tracer.Tracer.update's errors change
+        nothing) to a model's settings ("": the global ones) and answer them now."""
         ...
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:

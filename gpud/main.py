@@ -17,8 +17,10 @@ from gpud import __version__, compiled
 from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
 from gpud.cpus import usable_cpus
+from gpud.tracing.settings import parse_trace_config
+from gpud.tracing.tracer import Tracer
 from gpud.settings import (AUTO, LOG_LEVELS, Settings, check_settings, frontend_processes, grpc_keepalive,
-                           load_settings_file, log_settings_of, prepare_settings)
+                           load_settings_file, log_settings_of, prepare_settings, trace_settings_of)
 from gpud.api.admin import AdminAuth
 from gpud.executor.process_log import FORMATS as LOG_FORMATS
 from gpud.executor.process_log import configure
@@ -29,6 +31,7 @@ from gpud.api import GRPC_SERVERS
 from gpud.scaling.rules import SCALING_MODES
 
 log = logging.getLogger("gpud")
+TRACE_WRITE_INTERVAL_S = 1.0  # how soon a trace is in the trace file (without a log frequency)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=LOG_FORMATS,
                    help="tritonserver-style: the timestamp, default (local time) or ISO8601 (UTC)")
     p.add_argument("--ready-file", metavar="FILE", help="write the bound ports as JSON to FILE once serving")
+    trace = p.add_argument_group("tracing (Triton's trace extension: docs/tracing.md; `gpudctl trace` changes the "
+                                 "level, rate and count while gpud runs)")
+    trace.add_argument("--trace-config", action="append", metavar="[triton,]SETTING=VALUE",
+                       help="tritonserver's: triton,file=PATH (where traces go), level=TIMESTAMPS|TENSORS|OFF "
+                            "(repeatable), rate=N (every N-th request; default 1000), count=N (then stop; default "
+                            "-1, no limit), triton,log-frequency=N (N traces per file PATH.0, PATH.1, ...; "
+                            "default 0, all in PATH), mode=triton")
+    trace.add_argument("--trace-file", metavar="PATH", help="tritonserver's deprecated form of triton,file=")
+    trace.add_argument("--trace-level", action="append", metavar="LEVEL",
+                       help="tritonserver's deprecated form of level=")
+    trace.add_argument("--trace-rate", type=int, metavar="N", help="tritonserver's deprecated form of rate=")
+    trace.add_argument("--trace-count", type=int, metavar="N", help="tritonserver's deprecated form of count=")
+    trace.add_argument("--trace-log-frequency", type=int, metavar="N",
+                       help="tritonserver's deprecated form of triton,log-frequency=")
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
     p.add_argument("--triton-metrics", type=_bool, nargs="?", const=True, metavar="BOOL",
                    help="also export Triton's metric names (nv_inference_*, nv_gpu_*) so Triton dashboards work "
@@ -252,6 +269,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
             flags.setdefault(k, args.address)
     if args.log_verbose:
         flags["log_level"] = "DEBUG"
+    if args.trace_level:
+        flags["trace_level"] = tuple(args.trace_level)
+    flags.update(parse_trace_config(args.trace_config or ()))
     settings = Settings(**(overrides | flags))
     if args.load_model:
         settings = replace(settings, load_model=tuple(args.load_model))
@@ -293,6 +313,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     # Triton's logging extension: the settings gpud started with, changed over HTTP or gRPC; every process follows
     core.log_control = log_control = LogControl(started_with)
     log_control.listeners.append(parts.pool.set_log_settings)
+    # Triton's trace extension: the settings gpud started with, changed over HTTP or gRPC
+    core.tracer = tracer = Tracer(trace_settings_of(settings))
     runners, ports, grpc_server = [], {}, None
     try:
         notify("STATUS=loading the model repository")
@@ -381,6 +403,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
 
     watchdog_s = watchdog_interval_s(os.environ, os.getpid())
     watchdog_task = asyncio.create_task(watchdog(watchdog_s), name="systemd-watchdog") if watchdog_s else None
+    trace_task = asyncio.create_task(_write_traces(tracer), name="trace-writer")
+    if tracer.on:
+        log.info("tracing %s", tracer.describe())
     log.info("model control: %s; over TCP, load, unload and placement %s", prepared.model_control.mode,
              admin.describe())
     hosts = [r for r in runners if isinstance(r, FrontendHost)]
@@ -404,9 +429,21 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     log.info("stopping: no new requests; finishing the accepted ones (up to %.0f s)", settings.exit_timeout_seconds)
     notify("STOPPING=1\nSTATUS=draining: finishing the accepted requests")
     await parts.shutdown(settings.exit_timeout_seconds)
+    trace_task.cancel()
+    tracer.close()  # every request answered: every trace written
     await _close(runners, grpc_server, settings.exit_timeout_seconds)
     log.info("stopped")
     return 0
+
+
+async def _write_traces(tracer: Tracer, every_s: float = TRACE_WRITE_INTERVAL_S) -> None:
+    """The traces collected so far written every `every_s` (the trace file stays a valid JSON array of them)."""
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            tracer.flush()
+        except Exception:  # noqa: BLE001 - a bug here must not end the writing, nor the daemon
+            log.exception("writing traces failed")
 
 
 class _FrontendsView:

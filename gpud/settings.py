@@ -23,6 +23,8 @@ from gpud.executor.objective import (DEFAULT_SHARE, MAX_OBJECTIVE_MS, ObjectiveD
 from gpud.scaling.bounds import BoundsDefaults
 from gpud.scaling.hints import HintPolicy
 from gpud.scaling.rules import SCALING_MODES, ScalingMode, ScalingPolicy
+from gpud.tracing.settings import TraceSettings
+from gpud.tracing.settings import settings_of as tracing_settings_of
 
 log = logging.getLogger("gpud")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -94,6 +96,12 @@ class Settings:
     log_error: bool = True
     log_format: str = "default"  # default (local time) | ISO8601 (UTC)
     ready_file: str | None = None  # written (JSON: bound ports) once serving
+    # --- tracing (Triton's trace extension and its --trace-config; docs/tracing.md) ---
+    trace_file: str = ""  # where traces are written (a JSON array); set only here, as Triton's
+    trace_level: tuple[str, ...] = ()  # TIMESTAMPS and/or TENSORS; none: OFF
+    trace_rate: int = 1000  # every rate-th request is traced
+    trace_count: int = -1  # traces to take, then no more; -1: no limit
+    trace_log_frequency: int = 0  # traces per indexed file (trace_file.0, .1, ...); 0: all in trace_file
     # --- model metrics and autoscaling hints (docs/model-metrics.md, docs/autoscaling.md) ---
     triton_metrics: bool = False  # also export Triton's nv_inference_* / nv_gpu_* names for Triton dashboards
     hints_interval_seconds: float = 5.0  # how often the hints sample the executor
@@ -207,6 +215,7 @@ def check_settings(settings: Settings) -> None:
         raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {settings.log_level!r}")
     if settings.log_format not in LOG_FORMATS:
         raise ValueError(f"log_format must be one of {', '.join(LOG_FORMATS)}, got {settings.log_format!r}")
+    trace_settings_of(settings)
     if not settings.http_request_timeout_seconds > 0 or settings.http_max_connections < 1:
         raise ValueError("http_request_timeout_seconds must be > 0 and http_max_connections >= 1, got "
                          f"{settings.http_request_timeout_seconds} and {settings.http_max_connections}")
@@ -318,6 +327,12 @@ def scaling_policy(settings: Settings) -> ScalingPolicy:
                          max_steps_per_interval=settings.control_max_steps_per_interval,
                          scale_down_cooldown_seconds=settings.hints_scale_down_stabilization_seconds,
                          idle_unload_seconds=settings.idle_unload_seconds)
+
+
+def trace_settings_of(settings: Settings) -> TraceSettings:
+    """The trace settings gpud starts with (gpud.tracing); ValueError naming a setting it cannot take."""
+    return tracing_settings_of(settings.trace_level, settings.trace_rate, settings.trace_count,
+                               settings.trace_log_frequency, settings.trace_file)
 
 
 def log_settings_of(settings: Settings) -> LogSettings:

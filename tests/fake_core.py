@@ -23,6 +23,8 @@ from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, Serv
                            ServerMetadata)
 from gpud.executor.process_log import LogSettings
 from gpud.log_settings import LogControl
+from gpud.tracing.settings import TraceSettings
+from gpud.tracing.tracer import Tracer
 from gpud.telemetry.serving import ModelState
 
 Spec = tuple[str, str, tuple[int, ...]]  # (name, KServe datatype, dims without the batch dimension; -1 = any)
@@ -84,6 +86,8 @@ class FakeCore:
     client_shm: ClientRegions = field(default_factory=ClientRegions)  # none registered; registering refused
     # the logging extension's settings, applied to no process's logging (tests read `log_control.settings`)
     log_control: LogControl = field(default_factory=lambda: LogControl(LogSettings(), apply_here=lambda s: None))
+    # the trace extension's settings (with no file: tracing can be switched on only by a test that gives one)
+    tracer: Tracer = field(default_factory=lambda: Tracer(TraceSettings()))
 
     @classmethod
     def with_models(cls, models: Iterable[FakeModel]) -> FakeCore:
@@ -142,6 +146,16 @@ class FakeCore:
 
     def update_log_settings(self, changes) -> LogSettings:
         return self.log_control.update(changes)
+
+    def trace_settings(self, model_name: str = "") -> TraceSettings:
+        if model_name:
+            self._model(model_name)
+        return self.tracer.settings(model_name)
+
+    def update_trace_settings(self, model_name: str, changes) -> TraceSettings:
+        if model_name:
+            self._model(model_name)
+        return self.tracer.update(model_name, changes)
 
     async def load_model(self, name: str, override=None) -> None:
         self.last_override = override

@@ -86,6 +86,12 @@ def test_every_operation_answers_as_documented(daemon, operation, model, mode):
                                 json={"log_info": True, "log_warning": True, "log_error": True,
                                       "log_verbose_level": 0, "log_format": "default"}, timeout=30)
             assert back.status_code == 200, back.text
+        if operation.path.endswith("/trace/setting"):  # the trace settings back, for the operations after it
+            cleared = {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None}
+            path = operation.path.replace("{model_name}", model or "mlp")
+            back = session.post(f"http://{daemon.http_url}{path}", headers={"Authorization": f"Bearer {TOKEN}"},
+                                json=cleared, timeout=30)
+            assert back.status_code == 200, back.text
 
 
 def test_the_description_lists_every_route_the_front_end_serves():
@@ -99,6 +105,9 @@ def test_the_description_lists_every_route_the_front_end_serves():
         for prefix in ("/v2/models/{}", "/v2/models/{}/versions/{}"):
             served |= {f"{prefix}{'/' + tail if tail else ''} {method}" for method in handlers}
     served |= {"/v2/repository/models/{}/load POST", "/v2/repository/models/{}/unload POST", "/metrics GET"}
+    model_trace = api._route("/v2/models/m/trace/setting")  # noqa: SLF001 - a model's, not a version's
+    assert model_trace is not None and api._route("/v2/models/m/versions/1/trace/setting") is None  # noqa: SLF001
+    served |= {f"/v2/models/{{}}/trace/setting {method}" for method in model_trace[0]}
     for kind in ("system", "cuda"):
         for tail in ("status GET", "unregister POST", "region/{}/status GET", "region/{}/register POST",
                      "region/{}/unregister POST"):

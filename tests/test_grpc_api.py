@@ -144,10 +144,12 @@ class TestHealthAndMetadata:
         assert "no_such_model" in exc_info.value.message()
         _assert_still_serving(client)
 
-    def test_unimplemented_rpc(self, client):
-        with pytest.raises(InferenceServerException) as exc_info:
-            client.get_trace_settings(client_timeout=TIMEOUT_S)
-        assert _status(exc_info) == "StatusCode.UNIMPLEMENTED"
+    def test_unimplemented_rpc(self, server, client):
+        with grpc.insecure_channel(server.url) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/NoSuchMethod")
+            with pytest.raises(grpc.RpcError) as exc_info:
+                call(b"", timeout=TIMEOUT_S)
+        assert exc_info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         _assert_still_serving(client)
 
 

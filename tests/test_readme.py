@@ -1,7 +1,7 @@
 """Every example in the README runs as written (issue 24, item 5): its shell and Python code blocks (and the `$ `
 commands of its transcripts) are read from README.md itself and run, in order, against a daemon this test starts
 as `./scripts/run` does (no --model-repository: the example models, in ~/.cache/gpud/example-models, on the demo
-node; with --allow-client-shm, as the shared-memory example says), with `localhost:8000/8001/8002` pointed at that daemon's ports and a home of its own. Each command must exit 0
+node; with --allow-client-shm and a trace file, as the shared-memory and tracing examples say), with `localhost:8000/8001/8002` pointed at that daemon's ports and a home of its own. Each command must exit 0
 and print what its `# -> TEXT` comment says. A command that is not run is listed in NOT_RUN with why: a new example
 that is neither runs or fails here, so the README cannot drift from what gpud does."""
 from __future__ import annotations
@@ -105,7 +105,8 @@ def test_the_readme_examples_run_as_written(tmp_path):
         (work / name).symlink_to(ROOT / name)
     env = {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
     # --allow-client-shm: the README's shared-memory example says to start gpud so; it changes nothing else
-    daemon = start_daemon(None, tmp_path, "--allow-client-shm", "true", node=DEMO_NODE, env=env)
+    daemon = start_daemon(None, tmp_path, "--allow-client-shm", "true", "--trace-config",
+                          f"triton,file={tmp_path / 'trace.json'}", node=DEMO_NODE, env=env)
     ports = {"8000": daemon.ports["http"], "8001": daemon.ports["grpc"], "8002": daemon.ports["metrics"]}
     run_env = {**os.environ, **env, "GPUD_URL": daemon.http_url,
                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -1,7 +1,7 @@
 """The core's own CPU per request with the front ends out of process (issue 25, item 3), without HTTP in the way.
 
     .venv/bin/python bench/serving/core_cost.py [--requests 20000] [--concurrency 64] [--rounds 3] [--profile N]
-                                                [--against TREE] [--grouped]
+                                                [--against TREE] [--grouped] [--trace-rate N]
 
 The core runs in this process (gpud.wiring, the tiny MLP of run.py in a real worker process), behind the real
 FrontendHost. A stand-in front-end process on the other end of the link keeps `--concurrency` requests in flight, each
@@ -18,6 +18,8 @@ core / link. Rounds alternate the two, the median of each is kept. `--profile N`
 expensive functions (by own time, CPU time), in one extra round. `--against TREE`: the same in this tree and in
 another checkout of gpud (the code before a change), a process each, alternating, `--rounds` each: medians and
 head / base (on a shared machine the CPU per request drifts with the load: compare only within one such run).
+`--trace-rate N`: every N-th request traced (gpud.tracing, level TIMESTAMPS, into a temporary file), for what tracing
+costs the core against the same link baseline.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -230,6 +233,12 @@ async def main_async(args) -> int:
 
     async with mlp_parts("gpud-core-cost-") as parts:
         core = parts.core
+        if args.trace_rate:  # every N-th request traced into a file, as `--trace-config` has gpud do
+            from gpud.tracing.settings import TraceSettings
+            from gpud.tracing.tracer import Tracer
+
+            trace_file = os.path.join(tempfile.gettempdir(), f"gpud-core-cost-trace-{os.getpid()}.json")
+            core.tracer = Tracer(TraceSettings(("TIMESTAMPS",), args.trace_rate, -1, 0, trace_file))
         scheduler = core.registry.version("mlp", "").scheduler
         out = np.zeros((1, 16), np.float32)
         link_only = _Answering(InferResponse("mlp", "1", [InferTensor("output", "FP32", (1, 16), out)]))
@@ -248,6 +257,9 @@ async def main_async(args) -> int:
             rows.append(rows_per_batch(s0, s1))  # (the warm-up's batches too)
             runs["link"].append((await measure(link_only, n, warm, c, None, g))[0] / n * 1e6)
         core_us, link_us = statistics.median(runs["core"]), statistics.median(runs["link"])
+        if args.trace_rate:
+            core.tracer.close()
+            os.unlink(trace_file)
         if args.json:
             print(json.dumps({"core_us": core_us, "link_us": link_us, "rps": statistics.median(rates),
                               "rows": statistics.median(rows)}))
@@ -276,7 +288,12 @@ def main(argv=None) -> int:
     p.add_argument("--grouped", action="store_true",
                    help="the stand-in sends as a front-end process does (gpud.frontproc.remote_core): requests alike "
                         "that come in one turn as one group, where the tree groups them")
+    p.add_argument("--trace-rate", type=int, default=0, metavar="N",
+                   help="trace every N-th request (level TIMESTAMPS, into a file that is removed after): what "
+                        "tracing costs the core (0: tracing off, the default)")
     args = p.parse_args(argv)
+    if args.against and args.trace_rate:
+        p.error("--trace-rate measures this tree alone (a tree before tracing has no such setting)")
     if args.against:
         return compare(__file__, args, ["--grouped"] if args.grouped else [], f"{args.concurrency} in flight",
                        ("core us/req", "link us/req", "core - link"), ("core_us", "link_us"), "request")

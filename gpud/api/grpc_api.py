@@ -41,7 +41,8 @@ from gpud.api.grpcwire.keepalive import Keepalive
 from gpud.api.grpcwire.server import GrpcServer
 from gpud.api.limits import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSOR_ELEMENTS, SharedCount, check_shape
 from gpud.api.grpc_encode import (log_settings_message, model_config_message, model_metadata_message,
-                                  model_statistics_message, repository_index_message, server_metadata_message)
+                                  model_statistics_message, repository_index_message, server_metadata_message,
+                                  trace_settings_message)
 from gpud.core_api import InferenceCore
 from gpud.repository.overrides import override_of
 from gpud.proto import grpc_service_pb2 as pb
@@ -373,6 +374,18 @@ def _unary(handler: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[An
     return wrapper
 
 
+def _trace_value(name: str, values: list[str]) -> object:
+    """A trace setting's values as HTTP's JSON has them: none clears it (null), the level is a list, any other one
+    value."""
+    if not values:
+        return None
+    if name == "trace_level":
+        return values
+    if len(values) != 1:
+        raise InferenceError(ErrorKind.INVALID_ARGUMENT, f"expect only 1 value for '{name}', got {len(values)}")
+    return values[0]
+
+
 def _oneof_value(value: Any) -> Any:
     """The value a SettingValue message holds in its `parameter_choice` oneof; None when it holds none (as null in
     HTTP's JSON: the setting stays as it is)."""
@@ -518,6 +531,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         else:
             settings = self._core.log_settings()
         return log_settings_message(settings)
+
+    # --- the trace extension -----------------------------------------------------------------------------------
+    @_unary
+    async def TraceSetting(self, request, context):
+        changes = {name: _trace_value(name, list(value.value)) for name, value in request.settings.items()}
+        if changes:  # none: a read (tritonclient's get_trace_settings)
+            self._check_admin(context, "changing the trace settings")
+            settings = self._core.update_trace_settings(request.model_name, changes)
+        else:
+            settings = self._core.trace_settings(request.model_name)
+        return trace_settings_message(settings)
 
     @_unary
     async def ModelInfer(self, request, context):

@@ -18,6 +18,7 @@ from gpud.core_api import (ModelMetadata, ModelStatistics, RepositoryModel, Serv
                            TensorMetadata)
 from gpud.api.sequence_encode import sequence_batching_message
 from gpud.executor.process_log import LogSettings
+from gpud.tracing.settings import TraceSettings
 from gpud.repository.config import VersionPolicy
 from gpud.proto import grpc_service_pb2 as pb
 from gpud.proto import model_config_pb2 as mc
@@ -37,6 +38,14 @@ def log_settings_message(settings: LogSettings) -> pb.LogSettingsResponse:
             message.settings[name].uint32_param = value
         else:
             message.settings[name].string_param = value
+    return message
+
+
+def trace_settings_message(settings: TraceSettings) -> pb.TraceSettingResponse:
+    """Every trace setting, as a list of strings (the level's several, the others' one)."""
+    message = pb.TraceSettingResponse()
+    for name, value in settings.wire().items():
+        message.settings[name].value.extend(value if isinstance(value, list) else [value])
     return message
 
 

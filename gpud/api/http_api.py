@@ -113,6 +113,7 @@ class HttpApi:
             "/v2/models/stats": {"GET": self.model_stats},  # "stats" is not a model name here
             "/v2/repository/index": {"POST": self.repository_index},
             "/v2/logging": {"GET": self.log_settings, "POST": self.update_log_settings},
+            "/v2/trace/setting": {"GET": self.trace_settings, "POST": self.update_trace_settings},
         }
         self._model_tails: dict[str, dict[str, Callable[..., Any]]] = {
             "": {"GET": self.model_metadata}, "ready": {"GET": self.model_ready},
@@ -164,6 +165,8 @@ class HttpApi:
             version = ""
             if len(rest) >= 2 and rest[0] == "versions" and rest[1]:
                 version, rest = rest[1], rest[2:]
+            if rest == ["trace", "setting"] and not version:  # (Triton's: a model's, not a version's)
+                return {"GET": self.trace_settings, "POST": self.update_trace_settings}, (name,)
             if len(rest) > 1:
                 return None
             handlers = self._model_tails.get(rest[0] if rest else "")
@@ -333,6 +336,15 @@ class HttpApi:
         if changes:  # an empty request reads them, as GET
             self.admin.check(request.headers.get("authorization"), "changing the log settings", request.peer)
         return 200, _json_body(self.core.update_log_settings(changes).wire())
+
+    def trace_settings(self, request: HttpRequest, respond: Respond, name: str = "") -> _Reply:
+        return 200, _json_body(self.core.trace_settings(name).wire())
+
+    def update_trace_settings(self, request: HttpRequest, respond: Respond, name: str = "") -> _Reply:
+        changes = _optional_json_object(request.body, "trace setting request")
+        if changes:  # an empty request reads them, as GET
+            self.admin.check(request.headers.get("authorization"), "changing the trace settings", request.peer)
+        return 200, _json_body(self.core.update_trace_settings(name, changes).wire())
 
     def apply_placement(self, request: HttpRequest, respond: Respond) -> Awaitable[_Reply]:
         self.admin.check(request.headers.get("authorization"), "applying a placement", request.peer)

@@ -9,6 +9,7 @@ COMMANDS = {"inspect": "show devices, placements, queues and latencies of a runn
             "load": "load (or reload) a model of the running gpud's repository",
             "unload": "unload a model from the running gpud",
             "log": "show or change what the running gpud logs (levels, verbose level, timestamp format)",
+            "trace": "show or change which requests the running gpud traces; sum up a trace file",
             "mig": "MIG layout advice: recommend a layout per GPU for a set of models, list MIG profiles"}
 
 
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.cli.logs import log_main
 
         return log_main(argv[1:])
+    if argv[0] == "trace":
+        from gpud.cli.trace import trace_main
+
+        return trace_main(argv[1:])
     if argv[0] == "mig":
         from gpud.cli.mig import mig_main
 

@@ -370,7 +370,7 @@ class EnsembleScheduler:
             if got is not None:  # absent: an optional ensemble input the client left out
                 datatype, array = got
                 inputs.append(InferTensor(model_input, datatype, array.shape, array))
-        if delivering() and self._join(run, step, inputs):
+        if run.request.trace is None and delivering() and self._join(run, step, inputs):  # (a traced one alone)
             return
         self._send_one(run, step, inputs)
 
@@ -395,18 +395,25 @@ class EnsembleScheduler:
 
     def _send_one(self, run: _Run, step: _Step, inputs: list[InferTensor]) -> None:
         request = self._request(run, step, inputs)
+        parent = run.request.trace
+        if parent is not None:  # the step's own trace, a child of the ensemble's (gpud.tracing)
+            request.trace = parent.child(step.model, step.version)
         # In flight before it is submitted: a scheduler may answer inside submit() (it handles replies already
         # waiting on its worker's pipe), and that answer must find the step in flight to take it out.
         run.in_flight[step.index] = _SENDING
         try:
             target = self.route(request)
-            handle = target.submit(request, lambda result: self._on_step(run, step, result))
+            handle = target.submit(request, lambda result: self._on_step(run, step, result, request.trace))
         except Exception as exc:  # noqa: BLE001 - a bug in a step's path must fail this request, not the loop
             run.in_flight.pop(step.index, None)
+            if request.trace is not None:
+                request.trace.end()
             self._refused(run, step, exc)
             return
         if run.finished:  # the request failed meanwhile (another step): this one need not run
             target.cancel(handle)
+            if request.trace is not None:
+                request.trace.end()
             self._release(run, step.index)
         elif step.index in run.in_flight:  # not answered yet
             run.in_flight[step.index] = (target, handle)
@@ -529,7 +536,9 @@ class EnsembleScheduler:
                                   compute_ns)
                 start = stop
 
-    def _on_step(self, run: _Run, step: _Step, result: Any) -> None:
+    def _on_step(self, run: _Run, step: _Step, result: Any, trace: Any = None) -> None:
+        if trace is not None:
+            trace.end()
         if self._limit:
             self._release(run, step.index)
         if run.finished:

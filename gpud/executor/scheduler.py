@@ -457,6 +457,9 @@ class SchedulerBase:
                 else:
                     queue_ns += [p.dispatch_ns - p.arrival_ns] * p.members
                     request_ns += [now_ns - p.arrival_ns] * p.members
+                trace = p.request.trace
+                if trace is not None:
+                    trace.computed(version, p.arrival_ns, p.dispatch_ns, input_ns, infer_ns, output_ns)
                 p.finish(InferResponse(name, version, tensors, p.request.id, {}, compute_ns))
         self.stats.record_batch(rows, queue_ns, request_ns, input_ns, infer_ns, output_ns, int(time.time() * 1000))
         if batch:

@@ -116,11 +116,12 @@ class InferRequest:
     signature: Any
     uses_shm: bool  # an input or a requested output has `shm` (front ends set it: the core then stages them)
     client_io: ClientIO | None  # set by the core's staging when the version's worker moves them itself
+    trace: Any  # the core's gpud.tracing.tracer.Trace when the request is traced: its scheduler adds its timestamps
 
     def __init__(self, model_name: str, inputs: list[InferTensor], model_version: str = "", id: str = "",
                  outputs: list[RequestedOutput] | None = None, priority: int = 0, timeout_us: int = 0,
                  parameters: dict[str, Any] | None = None, signature: Any = None, uses_shm: bool = False,
-                 client_io: ClientIO | None = None) -> None:
+                 client_io: ClientIO | None = None, trace: Any = None) -> None:
         self.model_name = model_name
         self.inputs = inputs
         self.model_version = model_version
@@ -132,6 +133,7 @@ class InferRequest:
         self.signature = signature
         self.uses_shm = uses_shm
         self.client_io = client_io
+        self.trace = trace
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return _by_fields(self)

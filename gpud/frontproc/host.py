@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 from gpud.api.admin import AdminAuth
-from gpud.core import GroupCancel
+from gpud.core import GroupCancel, TracedCancel
 from gpud.executor.client_shm import NO_DATA
 from gpud.executor.shm import ShmFull, unlink
 from gpud.frontproc.arena import remove_arena_of
@@ -39,7 +39,8 @@ log = logging.getLogger("gpud.frontend")
 # What a front-end process may ask of the core: the InferenceCore protocol's methods, and its regions'.
 CALLS = frozenset({"server_live", "server_ready", "server_metadata", "model_ready", "model_metadata", "model_config",
                    "model_statistics", "repository_index", "inspect", "apply_placement", "load_model",
-                   "unload_model", "log_settings", "update_log_settings"})
+                   "unload_model", "log_settings", "update_log_settings", "trace_settings",
+                   "update_trace_settings"})
 REGION_CALLS = frozenset({"status", "register", "unregister", "check_cuda", "cuda_register", "cuda_unregister",
                           "cuda_status"})
 RESTART_BACKOFF_S = (0.0, 1.0, 5.0)
@@ -96,7 +97,7 @@ class _Withdraw:
         self.left -= 1
         if self.left == 0:
             self.cancel()
-        elif isinstance(self.cancel, GroupCancel):
+        elif isinstance(self.cancel, (GroupCancel, TracedCancel)):
             self.cancel.one()
 
 

@@ -29,6 +29,7 @@ from gpud.frontproc.arena import Arena, Block
 from gpud.frontproc.group import group_key, split_answer
 from gpud.frontproc.link import FrameReader, Sender, discard_response, request_wire, response_of
 from gpud.executor.process_log import LogSettings, follow
+from gpud.tracing.settings import TraceSettings
 from gpud.repository.overrides import LoadOverride
 from gpud.telemetry.event_loop import LoopCounts
 
@@ -432,6 +433,12 @@ class RemoteCore:
 
     def update_log_settings(self, changes: Mapping[str, object]) -> LogSettings:
         return self.call_sync("update_log_settings", dict(changes))
+
+    def trace_settings(self, model_name: str = "") -> TraceSettings:
+        return self.call_sync("trace_settings", model_name)
+
+    def update_trace_settings(self, model_name: str, changes: Mapping[str, object]) -> TraceSettings:
+        return self.call_sync("update_trace_settings", model_name, dict(changes))
 
     async def apply_placement(self, requested: Sequence[RequestedPlacement]) -> Applied:
         return await self.call("apply_placement", list(requested))
