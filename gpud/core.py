@@ -408,12 +408,13 @@ def _tracing(trace: Trace, request: InferRequest, done: Done) -> Done:
     """`done`, ending `trace` first (REQUEST_END; with the TENSORS level the request's inputs and its answer's
     outputs)."""
     request.trace = trace  # its scheduler adds the queue and compute timestamps
-    for t in request.inputs:
-        trace.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
+    if trace.tensors:
+        for t in request.inputs:
+            trace.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
 
     def answer(result: Any) -> None:
         try:
-            if isinstance(result, InferResponse):
+            if trace.tensors and isinstance(result, InferResponse):
                 for t in result.outputs:
                     trace.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
             trace.end()

@@ -100,13 +100,13 @@ class Trace:
         self.model_name = model_name
         self.model_version = _version_number(model_version)
         self.request_id = request_id
-        self.stamps: list[dict[str, Any]] = []
+        self.stamps: list[tuple[str, int]] = []  # (Triton's name, ns)
         self.entries: list[dict[str, Any]] = []  # tensors
         self.ended = False
 
     def stamp(self, name: str, ns: int) -> None:
         if self.timestamps:
-            self.stamps.append({"name": name, "ns": ns})
+            self.stamps.append((name, ns))
 
     def child(self, model_name: str, model_version: str) -> Trace:
         """The trace of a step of this ensemble's request (traced with it, whatever the rate), started now."""
@@ -125,10 +125,9 @@ class Trace:
         if self.timestamps:
             input_end = dispatch_ns + input_ns
             output_start = input_end + infer_ns
-            self.stamps += [{"name": "QUEUE_START", "ns": arrival_ns}, {"name": "COMPUTE_START", "ns": dispatch_ns},
-                            {"name": "COMPUTE_INPUT_END", "ns": input_end},
-                            {"name": "COMPUTE_OUTPUT_START", "ns": output_start},
-                            {"name": "COMPUTE_END", "ns": output_start + output_ns}]
+            self.stamps += [("QUEUE_START", arrival_ns), ("COMPUTE_START", dispatch_ns),
+                            ("COMPUTE_INPUT_END", input_end), ("COMPUTE_OUTPUT_START", output_start),
+                            ("COMPUTE_END", output_start + output_ns)]
 
     def tensor(self, activity: str, name: str, datatype: str, shape: Any, data: Any) -> None:
         """A tensor's values (TENSORS level): TENSOR_QUEUE_INPUT, TENSOR_BACKEND_OUTPUT. Tensors in a client's or a
@@ -154,16 +153,19 @@ class Trace:
     def text(self) -> str:
         """Triton's objects for this trace (without the array's brackets): its model, its timestamps, its
         tensors."""
-        head: dict[str, Any] = {"id": self.id, "model_name": self.model_name, "model_version": self.model_version}
+        # written out by hand (json.dumps only for the strings a client chose): about a fifth of the time that
+        # json.dumps of the same dictionaries takes (4.8 against 22 µs a trace, measured on the 2-core VM)
+        head = f'{{"id":{self.id},"model_name":{json.dumps(self.model_name)},"model_version":{self.model_version}'
         if self.request_id:
-            head["request_id"] = self.request_id
+            head += f',"request_id":{json.dumps(self.request_id)}'
         if self.parent_id:
-            head["parent_id"] = self.parent_id
-        objects = [head]
-        if self.stamps:
-            objects.append({"id": self.id, "timestamps": self.stamps})
-        objects += self.entries
-        return ",".join(json.dumps(o, separators=(",", ":")) for o in objects)
+            head += f',"parent_id":{self.parent_id}'
+        parts = [head + "}"]
+        if self.stamps:  # (the names are Triton's, none needs escaping)
+            parts.append(f'{{"id":{self.id},"timestamps":[' +
+                         ",".join([f'{{"name":"{name}","ns":{ns}}}' for name, ns in self.stamps]) + "]}")
+        parts += [json.dumps(o, separators=(",", ":")) for o in self.entries]
+        return ",".join(parts)
 
 
 class Tracer:
