@@ -18,6 +18,7 @@ from gpud.api.http_server import HttpServer
 from gpud.ports import Listener, check_ports_free
 from gpud.cpus import usable_cpus
 from gpud.tracing.settings import parse_trace_config
+from gpud.tracing.output import unwritable
 from gpud.tracing.tracer import Tracer
 from gpud.settings import (AUTO, LOG_LEVELS, Settings, check_settings, frontend_processes, grpc_keepalive,
                            load_settings_file, log_settings_of, prepare_settings, trace_settings_of)
@@ -302,6 +303,10 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     except OSError as exc:
         log.error("cannot start serving: %s", exc.strerror or exc)
         return 1
+    if settings.trace_file and (why := unwritable(settings.trace_file)):
+        log.error("cannot write traces to %s: %s (trace_file, --trace-config triton,file=PATH)", settings.trace_file,
+                  why)
+        return 2
     _sweep_segments()
     started_with = log_settings_of(settings)  # what every process of gpud logs from the start (main's own too)
     try:

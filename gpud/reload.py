@@ -26,7 +26,8 @@ from gpud.log_settings import LogControl
 from gpud.model_control import ModelControl, RepositoryPoller
 from gpud.scaling.controller import ScalingController
 from gpud.scaling.sampler import HintsSampler
-from gpud.settings import Prepared, Settings, log_settings_of
+from gpud.settings import Prepared, Settings, log_settings_of, trace_settings_of
+from gpud.tracing.tracer import Tracer
 from gpud.systemd_notify import notify
 from gpud.telemetry.serving import ServingSnapshot
 
@@ -36,6 +37,7 @@ log = logging.getLogger("gpud")
 # worker and queue settings, the model control mode, the admin socket, ...) are read once, at start.
 LIVE_SETTINGS = frozenset({
     "log_level", "log_info", "log_warning", "log_error", "log_format", "admin_token_file", "load_model",
+    "trace_file", "trace_level", "trace_rate", "trace_count", "trace_log_frequency",
     "repository_poll_seconds",
     "http_request_timeout_seconds", "http_max_connections", "grpc_max_connections",
     "hints_interval_seconds", "hints_rate_window_seconds", "hints_target_queue_seconds",
@@ -80,6 +82,7 @@ def effective(running: Settings, new: Settings, changes: Collection[SettingChang
 
 class _Core(Protocol):
     control: ModelControl
+    tracer: Tracer | None
 
     def snapshot(self) -> ServingSnapshot: ...
 
@@ -243,6 +246,10 @@ class Reloader:
                 t.log_control.set(now)
             else:
                 logging.getLogger().setLevel(now.threshold())
+        # only changed trace settings, as the log settings: those a client changed stay through other reloads
+        trace_now = trace_settings_of(s)
+        if trace_now != trace_settings_of(self.running.settings) and t.core.tracer is not None:
+            t.core.tracer.restart(trace_now)
         t.hints.policy = p.hint_policy
         t.hints.interval_s = s.hints_interval_seconds
         t.hints.rate_window_s = s.hints_rate_window_seconds

@@ -6,27 +6,23 @@ import io
 import json
 import logging
 import re
-from types import SimpleNamespace
 
 import psutil
 import pytest
 import requests
 import grpc
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2 as triton_pb
 from tritonclient.grpc import service_pb2_grpc as triton_pb_grpc
 from tritonclient.utils import InferenceServerException
 
-from gpud.api.admin import AdminAuth
 from gpud.executor.errors import ErrorKind, InferenceError
 from gpud.executor.protocol import SetLogging, dumps, loads
 from gpud.executor.process_log import LogFormatter, LogSettings, apply, configure
 from gpud.log_settings import LogControl, updated
 from tests.daemon_harness import start_daemon, wait_for
 from tests.fake_core import FakeCore
-from tests.test_grpc_api import ServerThread as GrpcServerThread
-from tests.test_http_api import ServerThread as HttpServerThread
+from tests.extension_servers import HttpClient, auth, serving
 
 TIMEOUT_S = 10
 TOKEN = "0123456789abcdef-logging"
@@ -174,36 +170,22 @@ def core():
 
 @pytest.fixture(params=[None, TOKEN], ids=["loopback", "token"])
 def servers(core, request):
-    """gpud's HTTP and gRPC front ends over one FakeCore (the adapters' own test servers), and the admin token."""
-    admin = AdminAuth(request.param)
-    http = HttpServerThread(core, admin=admin)
-    grpc_server = GrpcServerThread(core, admin=admin)
-    yield SimpleNamespace(http_port=http.port, grpc_url=grpc_server.url, token=request.param)
-    grpc_server.close()
-    http.stop()
-
-
-def _auth(servers) -> dict[str, str]:
-    return {"authorization": f"Bearer {servers.token}"} if servers.token else {}  # lower case: gRPC metadata too
-
-
-class _HttpClient(httpclient.InferenceServerClient):
-    def __del__(self):
-        pass  # closed by the test; a garbage collection on the servers' thread would make gevent refuse to join
+    with serving(core, request.param) as running:
+        yield running
 
 
 def test_http_reads_and_changes_the_settings_as_tritonclient_expects(servers, core):
-    client = _HttpClient(f"127.0.0.1:{servers.http_port}", network_timeout=TIMEOUT_S)
+    client = HttpClient(f"127.0.0.1:{servers.http_port}", network_timeout=TIMEOUT_S)
     try:
         assert client.get_log_settings() == DEFAULTS
-        changed = client.update_log_settings({"log_verbose_level": 2, "log_warning": False}, headers=_auth(servers))
+        changed = client.update_log_settings({"log_verbose_level": 2, "log_warning": False}, headers=auth(servers))
         assert changed == {**DEFAULTS, "log_verbose_level": 2, "log_warning": False}
         assert core.log_control.settings == LogSettings(warning=False, verbose_level=2)
         assert client.get_log_settings() == changed
         with pytest.raises(InferenceServerException, match="invalid argument for log_format"):
-            client.update_log_settings({"log_format": "xml", "log_info": False}, headers=_auth(servers))
+            client.update_log_settings({"log_format": "xml", "log_info": False}, headers=auth(servers))
         with pytest.raises(InferenceServerException, match="log file location"):
-            client.update_log_settings({"log_file": "/var/log/gpud.log"}, headers=_auth(servers))
+            client.update_log_settings({"log_file": "/var/log/gpud.log"}, headers=auth(servers))
         assert client.get_log_settings() == changed  # the refused requests changed nothing
     finally:
         client.close()
@@ -211,9 +193,9 @@ def test_http_reads_and_changes_the_settings_as_tritonclient_expects(servers, co
 
 def test_http_errors_are_triton_shaped_and_a_change_is_an_admin_action(servers, core):
     url = f"http://127.0.0.1:{servers.http_port}/v2/logging"
-    bad = requests.post(url, data=b"[1]", headers=_auth(servers), timeout=TIMEOUT_S)
+    bad = requests.post(url, data=b"[1]", headers=auth(servers), timeout=TIMEOUT_S)
     assert bad.status_code == 400 and set(bad.json()) == {"error"}
-    assert requests.post(url, json={"log_file": "x"}, headers=_auth(servers), timeout=TIMEOUT_S).status_code == 501
+    assert requests.post(url, json={"log_file": "x"}, headers=auth(servers), timeout=TIMEOUT_S).status_code == 501
     assert requests.put(url, json={}, timeout=TIMEOUT_S).status_code == 405
     # an empty request reads the settings: no token needed
     assert requests.post(url, data=b"", timeout=TIMEOUT_S).json() == DEFAULTS
@@ -237,7 +219,7 @@ def test_grpc_reads_and_changes_the_settings_as_tritonclient_expects(servers, co
             assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
             assert core.log_control.settings == LogSettings()
         changed = client.update_log_settings({"log_verbose_level": 1, "log_format": "ISO8601", "log_error": None},
-                                             headers=_auth(servers), as_json=True, client_timeout=TIMEOUT_S)
+                                             headers=auth(servers), as_json=True, client_timeout=TIMEOUT_S)
         assert changed["settings"]["log_verbose_level"] == {"uint32_param": 1}
         assert changed["settings"]["log_format"] == {"string_param": "ISO8601"}
         assert core.log_control.settings == LogSettings(verbose_level=1, format="ISO8601")

@@ -13,7 +13,9 @@ from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
 from gpud.executor.process_log import LogSettings
 from gpud.log_settings import LogControl
-from gpud.settings import prepare_settings
+from gpud.settings import prepare_settings, trace_settings_of
+from gpud.tracing.settings import TraceSettings
+from gpud.tracing.tracer import Tracer
 from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan)
 from gpud.reload import Reloader, ReloadTargets, effective, settings_changes
 from gpud.settings import Settings
@@ -126,7 +128,8 @@ class Fixture:
         self.applied_logging: list[LogSettings] = []  # what the daemon's processes were told to log
         self.log_control = LogControl(LogSettings.of_level(running.log_level), apply_here=self.applied_logging.append)
         self.core = SimpleNamespace(control=prepared.model_control, snapshot=lambda: SimpleNamespace(
-            models=[SimpleNamespace(name=n, versions=(1,)) for n in sorted(self.loaded)]))
+            models=[SimpleNamespace(name=n, versions=(1,)) for n in sorted(self.loaded)]),
+            tracer=Tracer(trace_settings_of(running)))
         self.poller = RepositoryPoller(self._read_disk, self._load, self._unload, 15.0)
         self.poller.start()
         self.reloader = Reloader(self._read, prepare_settings, prepared, lambda: len(self.loaded),
@@ -315,3 +318,25 @@ def test_a_reload_sets_the_log_settings_only_when_the_file_changed_them():
     outcome = f.reload()
     assert f.log_control.settings == LogSettings(info=False, format="ISO8601")
     assert outcome.applied == ("log_format 'default' -> 'ISO8601'",)
+
+
+def test_a_reload_sets_the_trace_settings_only_when_the_file_changed_them(tmp_path):
+    running = Settings(model_repository="/models", trace_file=str(tmp_path / "trace.json"))
+    f = Fixture(running, {}, set())
+    tracer = f.core.tracer
+    tracer.update("", {"trace_rate": "5"})  # over the trace extension
+    tracer.update("m", {"trace_level": ["TIMESTAMPS"]})  # a model's own
+    f.next = replace(running, hints_target_queue_seconds=0.02)
+    f.reload()
+    assert tracer.settings().rate == 5  # kept through a reload that left them alone
+    f.next = replace(running, trace_level=("TIMESTAMPS",), trace_rate=100, trace_file=str(tmp_path / "new.json"))
+    outcome = f.reload()
+    assert "trace_rate 1000 -> 100" in outcome.applied and not outcome.need_restart
+    assert tracer.settings() == TraceSettings(("TIMESTAMPS",), 100, -1, 0, str(tmp_path / "new.json"))
+    assert tracer.settings("m") == tracer.settings()  # its level is its own; the rest, the file's new ones
+    assert tracer.update("m", {"trace_level": None}) == tracer.settings()
+    f.next = replace(running, trace_level=("TIMESTAMPS",), trace_file="")  # nothing to write to: refused
+    outcome = f.reload()
+    assert outcome.refused and "trace file name is not given" in outcome.refused
+    assert tracer.settings().file == str(tmp_path / "new.json")
+

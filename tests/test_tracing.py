@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from gpud.api.admin import AdminAuth
 from gpud.executor.errors import ErrorKind, InferenceError
 from gpud.tracing.output import TraceFile
 from gpud.tracing.settings import TraceSettings, parse_request, parse_trace_config, settings_of
@@ -22,8 +19,7 @@ from gpud.tracing.summary import render, summarize
 from gpud.tracing.tracer import Tracer
 from tests.daemon_harness import start_daemon, wait_for
 from tests.fake_core import FakeCore
-from tests.test_grpc_api import ServerThread as GrpcServerThread
-from tests.test_http_api import ServerThread as HttpServerThread
+from tests.extension_servers import HttpClient, auth, serving
 
 TOKEN = "trace-token"
 TIMEOUT_S = 30.0
@@ -264,48 +260,35 @@ def core(tmp_path):
 
 @pytest.fixture(params=[None, TOKEN], ids=["loopback", "token"])
 def servers(core, request):
-    admin = AdminAuth(request.param)
-    http = HttpServerThread(core, admin=admin)
-    grpc_server = GrpcServerThread(core, admin=admin)
-    yield SimpleNamespace(http_port=http.port, grpc_url=grpc_server.url, token=request.param)
-    grpc_server.close()
-    http.stop()
-
-
-def _auth(servers) -> dict[str, str]:
-    return {"authorization": f"Bearer {servers.token}"} if servers.token else {}
-
-
-class _HttpClient(httpclient.InferenceServerClient):
-    def __del__(self):
-        pass  # closed by the test (see tests/test_logging_extension.py)
+    with serving(core, request.param) as running:
+        yield running
 
 
 def test_http_reads_and_changes_the_settings_as_tritonclient_expects(servers, core, tmp_path):
     started = {**DEFAULTS, "trace_file": str(tmp_path / "trace.json")}
-    client = _HttpClient(f"127.0.0.1:{servers.http_port}", network_timeout=TIMEOUT_S)
+    client = HttpClient(f"127.0.0.1:{servers.http_port}", network_timeout=TIMEOUT_S)
     try:
         assert client.get_trace_settings() == started
         model = next(iter(core.models))
         changed = client.update_trace_settings(model, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"},
-                                               headers=_auth(servers))
+                                               headers=auth(servers))
         assert changed == {**started, "trace_level": ["TIMESTAMPS"], "trace_rate": "1"}
         assert client.get_trace_settings(model) == changed and client.get_trace_settings() == started
         with pytest.raises(InferenceServerException, match="can not be updated through network"):
-            client.update_trace_settings(settings={"trace_file": "/tmp/x"}, headers=_auth(servers))
+            client.update_trace_settings(settings={"trace_file": "/tmp/x"}, headers=auth(servers))
         with pytest.raises(InferenceServerException, match="unknown model 'nope'"):
             client.get_trace_settings("nope")
         assert client.update_trace_settings(model, {"trace_level": None, "trace_rate": None},
-                                            headers=_auth(servers)) == started
+                                            headers=auth(servers)) == started
     finally:
         client.close()
 
 
 def test_http_errors_are_triton_shaped_and_a_change_is_an_admin_action(servers, core):
     url = f"http://127.0.0.1:{servers.http_port}/v2/trace/setting"
-    bad = requests.post(url, json={"trace_rate": "x"}, headers=_auth(servers), timeout=TIMEOUT_S)
+    bad = requests.post(url, json={"trace_rate": "x"}, headers=auth(servers), timeout=TIMEOUT_S)
     assert bad.status_code == 400 and set(bad.json()) == {"error"}
-    assert requests.post(url, json={"trace_file": "x"}, headers=_auth(servers), timeout=TIMEOUT_S).status_code == 501
+    assert requests.post(url, json={"trace_file": "x"}, headers=auth(servers), timeout=TIMEOUT_S).status_code == 501
     assert requests.put(url, json={}, timeout=TIMEOUT_S).status_code == 405
     assert requests.post(url, data=b"", timeout=TIMEOUT_S).json()["trace_level"] == ["OFF"]  # a read: no token
     unauthenticated = requests.post(url, json={"trace_rate": "7"}, timeout=TIMEOUT_S)
@@ -326,17 +309,17 @@ def test_grpc_reads_and_changes_the_settings_as_tritonclient_expects(servers, co
                 client.update_trace_settings(settings={"trace_rate": "5"}, client_timeout=TIMEOUT_S)
             assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
         changed = client.update_trace_settings(model, {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_count": "4"},
-                                               headers=_auth(servers), as_json=True, client_timeout=TIMEOUT_S)
+                                               headers=auth(servers), as_json=True, client_timeout=TIMEOUT_S)
         assert changed["settings"]["trace_level"] == {"value": ["TIMESTAMPS", "TENSORS"]}
         assert core.tracer.settings(model).count == 4 and core.tracer.settings().count == -1
-        cleared = client.update_trace_settings(model, {"trace_count": None}, headers=_auth(servers), as_json=True,
+        cleared = client.update_trace_settings(model, {"trace_count": None}, headers=auth(servers), as_json=True,
                                                client_timeout=TIMEOUT_S)
         assert cleared["settings"]["trace_count"] == {"value": ["-1"]}
         with pytest.raises(InferenceServerException, match="Unable to parse 'trace_rate'"):
-            client.update_trace_settings(settings={"trace_rate": "fast"}, headers=_auth(servers),
+            client.update_trace_settings(settings={"trace_rate": "fast"}, headers=auth(servers),
                                          client_timeout=TIMEOUT_S)
         with pytest.raises(InferenceServerException, match="expect only 1 value for 'trace_rate'"):
-            client.update_trace_settings(settings={"trace_rate": ["1", "2"]}, headers=_auth(servers),
+            client.update_trace_settings(settings={"trace_rate": ["1", "2"]}, headers=auth(servers),
                                          client_timeout=TIMEOUT_S)
     assert core.tracer.settings().rate == 1000
 
@@ -416,6 +399,19 @@ def test_a_trace_flag_gpud_cannot_take_stops_it_with_a_clear_error(flags, words,
 
     assert main(flags) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_trace_file_gpud_cannot_write_stops_it_at_start(tmp_path, caplog):
+    from gpud.main import main
+    from gpud.tracing.output import unwritable
+
+    assert unwritable(str(tmp_path / "trace.json")) == ""
+    assert unwritable(str(tmp_path / "missing" / "trace.json")) == f"no directory {tmp_path / 'missing'}"
+    assert unwritable(str(tmp_path)) == "it is a directory"
+    with caplog.at_level(logging.ERROR, logger="gpud"):
+        assert main(["--trace-config", f"triton,file={tmp_path / 'missing' / 'trace.json'}", "--http-port", "0",
+                     "--grpc-port", "0", "--metrics-port", "0"]) == 2
+    assert "cannot write traces to" in caplog.text and "no directory" in caplog.text
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ import http.client
 import json
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -135,3 +137,20 @@ def add_endpoint_arguments(p: Any, what: str = "the running gpud") -> None:
     p.add_argument("--token-file", default=None, metavar="FILE",
                    help="the admin token for loading, unloading, placing and changing the log settings over HTTP "
                         "when gpud has --admin-token-file (default $GPUD_ADMIN_TOKEN_FILE)")
+
+
+def show_or_change(prog: str, args: Any, path: str, changes: dict[str, Any],
+                   render: Callable[[dict[str, Any]], str]) -> int:
+    """A settings command's run (`gpudctl log`, `gpudctl trace`): GET `path` when `changes` is empty, else POST them
+    with the admin token; the settings printed (`--json`: as gpud answers them). Exit status 1 when gpud is not
+    reached or refuses."""
+    ep = endpoint(args.url, args.socket)
+    try:
+        settings = post_json(ep, path, changes, token_file=args.token_file, timeout_s=30.0) if changes \
+            else request(ep, "GET", path, timeout_s=30.0)
+    except GpudUnreachable as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(settings) if args.json else render(settings))
+    return 0
+

@@ -3,11 +3,9 @@ with the admin token or over the admin socket."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
-from gpud.cli.client import GpudUnreachable, add_endpoint_arguments, endpoint, post_json, request
+from gpud.cli.client import add_endpoint_arguments, show_or_change
 from gpud.executor.process_log import FORMATS
 
 _SWITCHES = {"on": True, "off": False}
@@ -32,16 +30,7 @@ def log_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.verbose is not None and args.verbose < 0:
         p.error(f"--verbose must be 0 or more, got {args.verbose}")
-    changes = changes_of(args)
-    ep = endpoint(args.url, args.socket)
-    try:
-        settings = post_json(ep, "/v2/logging", changes, token_file=args.token_file, timeout_s=30.0) if changes \
-            else request(ep, "GET", "/v2/logging", timeout_s=30.0)
-    except GpudUnreachable as exc:
-        print(f"gpudctl log: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(settings) if args.json else render(settings))
-    return 0
+    return show_or_change("gpudctl log", args, "/v2/logging", changes_of(args), render)
 
 
 def changes_of(args: argparse.Namespace) -> dict[str, Any]:

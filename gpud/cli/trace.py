@@ -9,7 +9,7 @@ import sys
 from typing import Any
 from urllib.parse import quote
 
-from gpud.cli.client import GpudUnreachable, add_endpoint_arguments, endpoint, post_json, request
+from gpud.cli.client import add_endpoint_arguments, show_or_change
 from gpud.tracing.settings import LEVELS, OFF
 from gpud.tracing.summary import render as render_summary
 from gpud.tracing.summary import summarize
@@ -46,17 +46,8 @@ def trace_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     if args.summary:
         return _summary(args.summary)
-    changes = changes_of(args)
     path = f"/v2/models/{quote(args.model, safe='')}/trace/setting" if args.model else "/v2/trace/setting"
-    ep = endpoint(args.url, args.socket)
-    try:
-        settings = post_json(ep, path, changes, token_file=args.token_file, timeout_s=30.0) if changes \
-            else request(ep, "GET", path, timeout_s=30.0)
-    except GpudUnreachable as exc:
-        print(f"gpudctl trace: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(settings) if args.json else render(settings))
-    return 0
+    return show_or_change("gpudctl trace", args, path, changes_of(args), render)
 
 
 def changes_of(args: argparse.Namespace) -> dict[str, Any]:

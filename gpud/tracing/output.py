@@ -9,6 +9,21 @@ import os
 log = logging.getLogger("gpud")
 
 
+def unwritable(path: str) -> str:
+    """Why gpud could not write traces to `path` ("" when it can): its directory missing or read-only, or the file
+    itself read-only. Checked when gpud starts, so a typo is an error then rather than lost traces later."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"no directory {directory}"
+    if os.path.isdir(path):
+        return "it is a directory"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "the file is not writable"
+    if not os.path.exists(path) and not os.access(directory, os.W_OK | os.X_OK):
+        return f"directory {directory} is not writable"
+    return ""
+
+
 class TraceFile:
     """One trace file and its indexed files. Writes are small (sampled traces, a second's worth at a time); one
     that fails is logged and its traces dropped: tracing never stops serving."""

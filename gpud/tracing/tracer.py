@@ -254,6 +254,23 @@ class Tracer:
         self._refresh()
         return new
 
+    def restart(self, settings: TraceSettings) -> None:
+        """New settings to start from (a reload that changed them in the settings file): the global settings become
+        them, what a client set included; a model's own settings keep what they set themselves."""
+        self.close()  # what was collected, to the file it was collected for
+        self.started_with = settings
+        if settings.file != (self._file.path if self._file is not None else ""):
+            self._file = TraceFile(settings.file) if settings.file else None
+        self._retire(self._global)
+        self._global = self._scope(settings, frozenset())
+        for name, old in list(self._models.items()):
+            own = replace(settings, **{f: getattr(old.current(), f) for f in old.specified})
+            self._replace_model(name, own, old.specified)
+            if own.level and own.why_not_tracing():
+                log.warning("trace settings of model %s: traces nothing now: %s", name, own.why_not_tracing())
+        log.info("trace settings (reload): %s", self.describe())
+        self._refresh()
+
     def _replace_model(self, model_name: str, settings: TraceSettings, specified: frozenset[str]) -> None:
         old = self._models.get(model_name)
         if old is not None:
