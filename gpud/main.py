@@ -411,6 +411,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None, *,
     trace_task = asyncio.create_task(_write_traces(tracer), name="trace-writer")
     if tracer.on:
         log.info("tracing %s", tracer.describe())
+    elif settings.trace_file:
+        log.info("traces go to %s once switched on (gpudctl trace --level TIMESTAMPS)", settings.trace_file)
     log.info("model control: %s; over TCP, load, unload and placement %s", prepared.model_control.mode,
              admin.describe())
     hosts = [r for r in runners if isinstance(r, FrontendHost)]

@@ -289,6 +289,8 @@ def test_metadata_inspect_statistics_and_metrics(server):
 def test_settings_are_checked_before_anything_starts(repo, tmp_path):
     with pytest.raises(ValueError, match="http_port: not a setting of the in-process server"):
         gpud.Server(repo, http_port=8000)
+    with pytest.raises(ValueError, match="trace_file: not a setting of the in-process server"):
+        gpud.Server(repo, trace_file="/tmp/trace.json")  # it serves no trace extension
     with pytest.raises(ValueError, match="unknown setting 'nope'"):
         gpud.Server(repo, nope=1)
     with pytest.raises(ValueError, match="setting 'hints_interval_seconds': expected float"):

@@ -61,6 +61,7 @@ DAEMON_ONLY_SETTINGS = frozenset({
     "max_tensor_elements", "json_processes", "json_offload_bytes", "log_level",
     "log_info", "log_warning", "log_error", "log_format", "ready_file",
     "allow_client_shm", "http_processes", "grpc_processes",
+    "trace_file", "trace_level", "trace_rate", "trace_count", "trace_log_frequency",
 })
 
 
