@@ -35,6 +35,8 @@ def updated(current: LogSettings, changes: Mapping[str, object]) -> LogSettings:
     fields: dict[str, object] = {}
     for given, value in changes.items():
         name = _ALIASES.get(given, given)
+        if name not in NAMES:
+            raise _invalid(f"unknown log setting '{given}' (known: {', '.join(NAMES)})")
         if value is None:
             continue
         if name == "log_file":
@@ -55,8 +57,6 @@ def updated(current: LogSettings, changes: Mapping[str, object]) -> LogSettings:
                 raise _invalid(f"invalid argument for log_format, got: {value!r} (choose from "
                                f"{', '.join(FORMATS)})")
             fields["format"] = value
-        else:
-            raise _invalid(f"unknown log setting '{given}' (known: {', '.join(NAMES)})")
     return replace(current, **fields)  # type: ignore[arg-type]
 
 

@@ -73,6 +73,7 @@ def test_a_request_changes_only_what_it_names():
     ({"log_verbose_level": 1.5}, ErrorKind.INVALID_ARGUMENT, "log_verbose_level"),
     ({"log_format": "json"}, ErrorKind.INVALID_ARGUMENT, "invalid argument for log_format"),
     ({"log_level": "DEBUG"}, ErrorKind.INVALID_ARGUMENT, "unknown log setting 'log_level'"),
+    ({"log_bogus": None}, ErrorKind.INVALID_ARGUMENT, "unknown log setting 'log_bogus'"),  # a null: not a read
     ({"log_file": "/tmp/gpud.log"}, ErrorKind.UNSUPPORTED, "log file location can not be updated"),
 ])
 def test_a_bad_request_is_refused_and_changes_nothing(changes, kind, words):
