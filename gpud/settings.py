@@ -256,7 +256,6 @@ def prepare_settings(settings: Settings) -> Prepared:
     if not 0 < settings.hints_interval_seconds <= settings.hints_rate_window_seconds:
         raise ValueError("need 0 < hints_interval_seconds <= hints_rate_window_seconds, got "
                          f"{settings.hints_interval_seconds} and {settings.hints_rate_window_seconds}")
-    trace_settings_of(settings)  # (a reload applies them)
     return Prepared(settings, hint_policy(settings), scaling_policy(settings),
                     cast(ScalingMode, settings.placement_control),  # scaling_policy checked it
                     BoundsDefaults(settings.min_instances, settings.max_instances),

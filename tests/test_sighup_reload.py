@@ -13,7 +13,7 @@ from gpud.executor.types import ErrorKind, InferenceError
 from gpud.api.admin import AdminAuth
 from gpud.executor.process_log import LogSettings
 from gpud.log_settings import LogControl
-from gpud.settings import prepare_settings, trace_settings_of
+from gpud.settings import check_settings, prepare_settings, trace_settings_of
 from gpud.tracing.settings import TraceSettings
 from gpud.tracing.tracer import Tracer
 from gpud.model_control import (ModelControl, RepositoryChanges, RepositoryPoller, as_operator, reload_plan)
@@ -143,6 +143,7 @@ class Fixture:
     def _read(self) -> Settings:
         if isinstance(self.next, Exception):
             raise self.next
+        check_settings(self.next)  # as the daemon's read does (gpud.main.resolve_settings)
         return self.next
 
     async def _load(self, name: str) -> None:
