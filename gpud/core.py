@@ -310,7 +310,7 @@ class GpudCore:
         if tracer is not None and tracer.on:
             trace = tracer.sample(request.model_name, vs.version, request.id, members)
             if trace is not None:
-                done = _tracing(trace, request, done)
+                done = trace.follow(request, done)
         if not request.uses_shm:
             handle = scheduler.submit(request, done, members)
             if members > 1:  # a group: its members may go away one by one (gpud.frontproc.host)
@@ -402,26 +402,6 @@ def _classify(vs: RegisteredVersion, request: InferRequest, response: InferRespo
     config = vs.entry.config
     counts = {o.name: class_count(o, config) for o in request.outputs or ()}
     response.outputs = classified(response.outputs, counts, vs.entry.labels, config.batches)
-
-
-def _tracing(trace: Trace, request: InferRequest, done: Done) -> Done:
-    """`done`, ending `trace` first (REQUEST_END; with the TENSORS level the request's inputs and its answer's
-    outputs)."""
-    request.trace = trace  # its scheduler adds the queue and compute timestamps
-    if trace.tensors:
-        for t in request.inputs:
-            trace.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
-
-    def answer(result: Any) -> None:
-        try:
-            if trace.tensors and isinstance(result, InferResponse):
-                for t in result.outputs:
-                    trace.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
-            trace.end()
-        except Exception:  # noqa: BLE001 - a trace that cannot be written must not lose the answer
-            log.exception("trace %d of model %s could not be written", trace.id, trace.model_name)
-        done(result)
-    return answer
 
 
 def _classifying(vs: RegisteredVersion, request: InferRequest, done: Done) -> Done:

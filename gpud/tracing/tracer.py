@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from gpud.executor.errors import ErrorKind, InferenceError
+from gpud.executor.types import InferRequest, InferResponse
 from gpud.tracing.output import TraceFile
 from gpud.tracing.settings import FIELDS, TraceSettings, parse_request
 
@@ -140,6 +141,25 @@ class Trace:
         self.entries.append({"id": self.id, "activity": activity, "tensor": {
             "name": name, "data": ",".join(map(str, values)), "shape": ",".join(map(str, shape)),
             "dtype": datatype}})
+
+    def follow(self, request: InferRequest, done: Callable[[Any], None]) -> Callable[[Any], None]:
+        """`request` traced by this trace (its scheduler adds the queue and compute timestamps): `done`, which ends
+        the trace first (with the TENSORS level, the request's inputs now and its answer's outputs then)."""
+        request.trace = self
+        if self.tensors:
+            for t in request.inputs:
+                self.tensor("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.shape, t.data)
+
+        def answer(result: Any) -> None:
+            try:
+                if self.tensors and isinstance(result, InferResponse):
+                    for t in result.outputs:
+                        self.tensor("TENSOR_BACKEND_OUTPUT", t.name, t.datatype, t.shape, t.data)
+                self.end()
+            except Exception:  # noqa: BLE001 - a trace that cannot be written must not lose the answer
+                log.exception("trace %d of model %s could not be written", self.id, self.model_name)
+            done(result)
+        return answer
 
     def end(self) -> None:
         """REQUEST_END, now: the trace is written with its setting's others (once: a request withdrawn after its
